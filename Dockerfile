@@ -1,0 +1,18 @@
+# capsnet for NVIDIA GPUs. A CUDA 12 *devel* base, so nvcc is there and `make install`
+# builds the op with its CUDA kernels inside the image (TensorFlow 2.21 is built with
+# CUDA 12.5; its cuDNN 9 comes with this base).
+#   docker build -t capsnet .
+#   docker run --gpus all -v $PWD/outputs:/capsnet/outputs capsnet custom_op=true
+FROM nvidia/cuda:12.5.1-cudnn-devel-ubuntu22.04
+
+ENV DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-dev make g++ \
+ && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /capsnet
+COPY . .
+# The same steps as on a workstation: .venv, dependencies, the op library.
+RUN make install
+
+ENTRYPOINT [".venv/bin/python", "train.py"]

@@ -1,0 +1,46 @@
+# capsnet: every target sets up what it needs on a fresh Debian/Ubuntu machine.
+#   make install   .venv with capsnet and its dependencies, then the op library
+#   make ops       build the compiled op (CPU+CUDA when nvcc is found, else CPU only)
+#   make test      install, then run the test suite
+#   make train     install, then train (pass Hydra overrides: make train ARGS="train.epochs=5")
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+
+# First interpreter in 3.10-3.12 (TensorFlow 2.21 wheels); override with PYTHON=...
+PYTHON ?= $(shell for p in python3.12 python3.11 python3.10 python3; do \
+	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(not (3,10) <= sys.version_info[:2] <= (3,12))' 2>/dev/null \
+	&& { echo $$p; break; }; done)
+
+.PHONY: install ops ops-cpu ops-cuda test train clean
+
+install: $(VENV)/.installed ops
+
+$(VENV)/.installed: pyproject.toml
+	@test -n "$(PYTHON)" || { echo "make: need Python 3.10-3.12 (python3.12/3.11/3.10 on PATH, or PYTHON=...)"; exit 1; }
+	@$(PYTHON) -c 'import venv, ensurepip' 2>/dev/null || { echo "make: $(PYTHON) lacks venv/ensurepip: apt-get install python3-venv"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,plots]'
+	@touch $@
+
+# The op library goes into the package (capsnet/lib) so the wrapper, SavedModels
+# and installed copies find it without paths.
+ops: $(VENV)/.installed
+	$(PY) scripts/build_ops.py
+
+ops-cpu: $(VENV)/.installed
+	$(PY) scripts/build_ops.py --cpu-only
+
+ops-cuda: $(VENV)/.installed
+	$(PY) scripts/build_ops.py --require-cuda
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+train: install
+	$(PY) train.py $(ARGS)
+
+clean:
+	rm -rf build capsnet/lib/*.so

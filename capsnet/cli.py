@@ -1,0 +1,113 @@
+"""What train.py and evaluate.py share: one-line errors and a quiet TensorFlow import.
+
+A user error (a `CapsnetError`, or a Hydra/OmegaConf config error such as an unknown
+key) ends the program with ONE line on stderr, `error: <message>`, and exit status 2.
+Everything else (a bug) keeps its traceback. `HYDRA_FULL_ERROR=1` or `debug=true`
+shows the traceback for user errors too.
+
+This module must not import TensorFlow: config errors are reported before the
+seconds-long TensorFlow import.
+"""
+import functools
+import os
+import sys
+import tempfile
+
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from capsnet.errors import CapsnetError
+
+EXIT_USER_ERROR = 2
+
+# The user's own HYDRA_FULL_ERROR, read before run() sets it for its own purposes.
+_user_full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def _full_errors_requested():
+    return _user_full_error
+
+
+def fail(message):
+    """Print `error: <message>` as one line on stderr and exit with status 2."""
+    sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
+    sys.stderr.flush()
+    sys.exit(EXIT_USER_ERROR)
+
+
+def _one_line(exc):
+    """Hydra's config errors are several lines (message, hint, cause); keep what names the problem."""
+    # Hydra appends the whole config search path to "Could not find ..." errors.
+    text = " ".join(str(exc).split("Config search path")[0].split())
+    cause = exc.__cause__
+    if cause is not None and str(cause).strip():
+        text += " (" + str(cause).strip().splitlines()[0] + ")"
+    return text
+
+
+def reports_user_errors(task):
+    """Decorate the task function of `@hydra.main`: a CapsnetError (or an OmegaConf error
+    while resolving the config) → `error: ...`, exit 2.
+
+    Caught here, inside the job, because Hydra would otherwise add its own
+    "Error executing job" line and a traceback.
+    """
+
+    @functools.wraps(task)
+    def wrapper(cfg):
+        try:
+            return task(cfg)
+        except (CapsnetError, OmegaConfBaseException) as exc:
+            # OmegaConf errors here come from resolving the config (a bad interpolation).
+            if _full_errors_requested() or cfg.get("debug", False):
+                raise
+            fail(_one_line(exc) if isinstance(exc, OmegaConfBaseException) else exc)
+
+    return wrapper
+
+
+def run(hydra_main):
+    """Call a `@hydra.main` function; config composition errors → `error: ...`, exit 2."""
+    # Hydra prints its own multi-line report for config errors and exits 1, unless
+    # HYDRA_FULL_ERROR is set, in which case it re-raises: set it so we get the
+    # exception, and honour the user's own setting by re-raising in turn.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        hydra_main()
+    except (HydraException, OmegaConfBaseException) as exc:
+        if _full_errors_requested():
+            raise
+        fail(_one_line(exc))
+
+
+def import_tensorflow_quietly():
+    """Import TensorFlow without its start-up log lines on stderr.
+
+    TensorFlow's native libraries print several lines (oneDNN notice, "could not find
+    cuda drivers", absl's "log messages before InitializeLog") straight to file
+    descriptor 2 while loading, before TF_CPP_MIN_LOG_LEVEL takes effect; they would
+    bury the one-line error a user should see. They are captured during the import and
+    dropped, unless TF_CPP_MIN_LOG_LEVEL is set by the user (then they are replayed).
+    Later native logs follow TF_CPP_MIN_LOG_LEVEL, which defaults to 3 (errors
+    surface as Python exceptions, which we report).
+    """
+    if "tensorflow" in sys.modules:
+        return
+    user_log_level = os.environ.get("TF_CPP_MIN_LOG_LEVEL")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    sys.stderr.flush()
+    saved_fd = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        failed = True
+        try:
+            import tensorflow  # noqa: F401  (the import is the point)
+
+            failed = False
+        finally:
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+            # A failed import keeps its native log: it may say why.
+            if failed or user_log_level is not None:
+                captured.seek(0)
+                sys.stderr.write(captured.read().decode(errors="replace"))

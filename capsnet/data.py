@@ -1,0 +1,385 @@
+"""Datasets: IDX files or tensorflow-datasets in, a reproducible tf.data pipeline out.
+
+- `read_idx` / `write_idx`: the IDX format of the MNIST-family files (plain or gzip).
+- `load_split(name, split, data_dir, limit)`: one split as NumPy arrays, from an IDX
+  directory (offline) or from tensorflow-datasets (the online default).
+- `make_dataset(images, labels, ...)`: batches of (float32 images in [0, 1], int32
+  labels). Training batches are shuffled and randomly shifted with stateless RNG keyed
+  by (seed, epoch), so an epoch's batches depend on nothing else: a run resumed at
+  epoch e sees exactly what an uninterrupted run saw, whatever the parallelism.
+"""
+import contextlib
+import dataclasses
+import gzip
+import math
+import os
+import struct
+import zlib
+
+import numpy as np
+import tensorflow as tf
+
+from capsnet.errors import ConfigError, DataError
+
+# --------------------------------------------------------------------------- IDX files
+# An IDX file is a 4-byte magic (0x00, 0x00, type code, rank), `rank` big-endian uint32
+# dims, then the C-order payload in big-endian. MNIST images are 0x00000803 (uint8,
+# rank 3: N, rows, cols), labels 0x00000801 (uint8, rank 1: N).
+_IDX_DTYPES = {
+    0x08: np.dtype(">u1"),
+    0x09: np.dtype(">i1"),
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
+_IDX_CODES = {dtype.newbyteorder("="): code for code, dtype in _IDX_DTYPES.items()}
+_GZIP_MAGIC = b"\x1f\x8b"  # an IDX file starts with 0x0000, so this cannot be one
+
+
+def read_idx(path):
+    """Reads an IDX file, plain or gzip (told apart by the first bytes, not the name).
+
+    Returns an array in native byte order with the header's dtype and shape. Any
+    inconsistency (unreadable file, corrupt gzip, bad magic, unknown type code, a
+    header or payload shorter or longer than the header says) raises `DataError`
+    naming the file and the problem.
+    """
+    path = os.fspath(path)
+    raw = _read_bytes(path)
+    if raw[:2] == _GZIP_MAGIC:
+        try:
+            raw = gzip.decompress(raw)
+        except (EOFError, OSError, zlib.error) as err:
+            # EOFError: the gzip stream was cut off; OSError/zlib.error: bad data.
+            raise DataError(f"IDX file {path}: corrupt or truncated gzip data ({err})") from err
+
+    if len(raw) < 4:
+        raise DataError(f"IDX file {path}: truncated header ({len(raw)} bytes, need at least 4)")
+    magic = struct.unpack(">I", raw[:4])[0]
+    if raw[0] != 0 or raw[1] != 0:
+        raise DataError(
+            f"IDX file {path}: bad magic 0x{magic:08x} (IDX magic is 0x0000 + type code + rank, "
+            f"e.g. 0x00000803 for images, 0x00000801 for labels)")
+    code, rank = raw[2], raw[3]
+    if code not in _IDX_DTYPES:
+        known = ", ".join(f"0x{c:02x}" for c in _IDX_DTYPES)
+        raise DataError(f"IDX file {path}: unknown type code 0x{code:02x} in magic 0x{magic:08x} "
+                        f"(known: {known})")
+    if rank == 0:
+        raise DataError(f"IDX file {path}: rank 0 in magic 0x{magic:08x} (need at least 1 dim)")
+
+    header_len = 4 + 4 * rank
+    if len(raw) < header_len:
+        raise DataError(f"IDX file {path}: truncated header ({len(raw)} bytes, rank {rank} "
+                        f"needs {header_len})")
+    dims = struct.unpack(f">{rank}I", raw[4:header_len])
+    dtype = _IDX_DTYPES[code]
+    count = math.prod(dims)
+    expected, actual = count * dtype.itemsize, len(raw) - header_len
+    if actual < expected:
+        raise DataError(f"IDX file {path}: truncated payload (header says shape {dims} of "
+                        f"{dtype.newbyteorder('=').name}: {expected} bytes, file has {actual})")
+    if actual > expected:
+        raise DataError(f"IDX file {path}: {actual - expected} bytes after the payload that "
+                        f"header shape {dims} describes (corrupt header?)")
+    array = np.frombuffer(raw, dtype=dtype, count=count, offset=header_len).reshape(dims)
+    return array.astype(dtype.newbyteorder("="))  # a writable native-order copy
+
+
+def _read_bytes(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError as err:
+        raise DataError(f"IDX file {path} does not exist") from err
+    except IsADirectoryError as err:
+        raise DataError(f"IDX file {path} is a directory, not a file") from err
+    except OSError as err:
+        raise DataError(f"cannot read IDX file {path}: {err.strerror or err}") from err
+
+
+def write_idx(path, array):
+    """Writes `array` as an IDX file; gzip-compressed when `path` ends in `.gz`.
+
+    Supported dtypes: uint8, int8, int16, int32, float32, float64 (the IDX types).
+    """
+    path = os.fspath(path)
+    array = np.asarray(array)
+    code = _IDX_CODES.get(array.dtype.newbyteorder("="))
+    if code is None:
+        names = ", ".join(d.name for d in _IDX_CODES)
+        raise DataError(f"cannot write IDX file {path}: dtype {array.dtype} has no IDX type "
+                        f"(supported: {names})")
+    if not 1 <= array.ndim <= 255 or any(d >= 2**32 for d in array.shape):
+        raise DataError(f"cannot write IDX file {path}: shape {array.shape} does not fit IDX "
+                        f"(rank 1..255, dims < 2**32)")
+    header = bytes((0, 0, code, array.ndim)) + struct.pack(f">{array.ndim}I", *array.shape)
+    data = header + np.ascontiguousarray(array, dtype=_IDX_DTYPES[code]).tobytes()
+    if path.endswith(".gz"):
+        data = gzip.compress(data, mtime=0)  # mtime=0: the same array gives the same bytes
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+    except OSError as err:
+        raise DataError(f"cannot write IDX file {path}: {err.strerror or err}") from err
+
+
+# --------------------------------------------------------------------------- datasets
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+    """What a dataset name means: where tfds has it and what its examples look like."""
+    tfds_name: str | None  # None: only readable from IDX files (data.dir)
+    image_shape: tuple     # (H, W, C)
+    num_classes: int
+
+
+# Add a dataset here (e.g. multimnist) to make it loadable by name.
+DATASETS = {
+    "mnist": DatasetSpec(tfds_name="mnist", image_shape=(28, 28, 1), num_classes=10),
+    "fashion_mnist": DatasetSpec(tfds_name="fashion_mnist", image_shape=(28, 28, 1), num_classes=10),
+}
+
+# split → IDX file-name prefix (the MNIST distribution calls the test split "t10k").
+_IDX_PREFIX = {"train": "train", "test": "t10k"}
+
+# tfds retries each URL 10 times with exponential backoff, so offline it takes minutes
+# to report that there is no network. Two retries ride out a transient failure and
+# give up within a second or two when there is no network at all.
+_TFDS_MAX_RETRIES = 2
+
+
+def idx_file_names(split):
+    """The (images, labels) IDX base names of `split`; each may also end in `.gz`."""
+    prefix = _IDX_PREFIX[split]
+    return f"{prefix}-images-idx3-ubyte", f"{prefix}-labels-idx1-ubyte"
+
+
+def load_split(name, split, data_dir=None, limit=None, *, tfds_data_dir=None):
+    """Loads one split of a dataset as NumPy arrays.
+
+    Args:
+      name: a key of `DATASETS` ("mnist", "fashion_mnist").
+      split: "train" or "test".
+      data_dir: a directory with the IDX files (`train-images-idx3-ubyte[.gz]`,
+        `train-labels-idx1-ubyte[.gz]`, `t10k-…`); None: tensorflow-datasets.
+      limit: keep only the first `limit` examples (≥ 1; more than there are: all);
+        None: all.
+      tfds_data_dir: where tensorflow-datasets keeps its data (None: its default,
+        $TFDS_DATA_DIR or ~/tensorflow_datasets).
+
+    Returns:
+      images uint8 (N, H, W, C) and labels int64 (N,), labels in [0, num_classes).
+    """
+    if name not in DATASETS:
+        raise ConfigError(f"unknown dataset {name!r} (known: {', '.join(sorted(DATASETS))})")
+    if split not in _IDX_PREFIX:
+        raise ConfigError(f"unknown split {split!r} (known: {', '.join(_IDX_PREFIX)})")
+    if limit is not None:
+        limit = _check_int("limit", limit, minimum=1, hint=" (null: all examples)")
+    spec = DATASETS[name]
+    if data_dir is None:
+        images, labels, source = _load_tfds(name, spec, split, tfds_data_dir)
+        images_src = labels_src = source
+    else:
+        images, labels, images_src, labels_src = _load_idx_dir(split, data_dir)
+    images, labels = _check_split(name, spec, images, labels, images_src, labels_src)
+    if limit is not None and limit < len(labels):
+        # Copies, so the full arrays can be freed.
+        images, labels = images[:limit].copy(), labels[:limit].copy()
+    return images, labels
+
+
+def _load_idx_dir(split, data_dir):
+    data_dir = os.path.abspath(os.path.expanduser(os.fspath(data_dir)))
+    bases = idx_file_names(split)
+    if not os.path.isdir(data_dir):
+        expected = ", ".join(f"{b}[.gz]" for s in _IDX_PREFIX for b in idx_file_names(s))
+        raise DataError(f"data dir {data_dir} does not exist or is not a directory "
+                        f"(it should hold the IDX files {expected})")
+    paths = []
+    for base in bases:
+        candidates = [os.path.join(data_dir, base + suffix) for suffix in ("", ".gz")]
+        found = [p for p in candidates if os.path.isfile(p)]
+        if not found:
+            raise DataError(f"data dir {data_dir} has no {base} or {base}.gz "
+                            f"(the {split} split needs {bases[0]}[.gz] and {bases[1]}[.gz])")
+        paths.append(found[0])
+    images_path, labels_path = paths
+    return read_idx(images_path), read_idx(labels_path), images_path, labels_path
+
+
+def _load_tfds(name, spec, split, tfds_data_dir):
+    offline = ("point data.dir=/path/to/idx at a directory of IDX files "
+               "(train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, t10k-…)")
+    if spec.tfds_name is None:
+        raise DataError(f"dataset {name} is not in tensorflow-datasets: {offline}")
+    try:
+        import tensorflow_datasets as tfds  # slow to import; only this path needs it
+    except ImportError as err:
+        raise DataError(f"tensorflow-datasets cannot be imported ({err}): install it, or "
+                        f"{offline}") from err
+    source = f"{spec.tfds_name}/{split}"
+    try:
+        with _fail_fast_downloads():
+            images, labels = tfds.load(spec.tfds_name, split=split, as_supervised=True,
+                                       batch_size=-1, data_dir=tfds_data_dir)
+    except ImportError as err:
+        # A dependency tfds forgot to declare (e.g. importlib_resources with
+        # tensorflow-datasets 4.9.10) fails only once it prepares a dataset.
+        raise DataError(f"tensorflow-datasets cannot prepare {source}: a module it needs is "
+                        f"missing ({err}; pip install {err.name or 'it'}); or, offline, "
+                        f"{offline}") from err
+    except Exception as err:  # tfds raises many types (requests, OSError, AssertionError, ...)
+        reason = (str(err).strip().splitlines() or [""])[0][:200]
+        raise DataError(f"tensorflow-datasets could not download or prepare {source} "
+                        f"({type(err).__name__}: {reason}); offline, {offline}") from err
+    return np.asarray(images), np.asarray(labels), f"tensorflow-datasets {source}"
+
+
+@contextlib.contextmanager
+def _fail_fast_downloads():
+    """Lowers tfds' per-URL retry count for the duration (see _TFDS_MAX_RETRIES)."""
+    try:
+        from tensorflow_datasets.core.download import downloader
+    except ImportError:
+        downloader = None
+    old = getattr(downloader, "MAX_RETRIES", None)
+    if old is None:  # another tfds layout: leave it alone
+        yield
+        return
+    downloader.MAX_RETRIES = min(old, _TFDS_MAX_RETRIES)
+    try:
+        yield
+    finally:
+        downloader.MAX_RETRIES = old
+
+
+def _check_split(name, spec, images, labels, images_src, labels_src):
+    """Validates a loaded split against `spec`; returns (N, H, W, C) uint8, (N,) int64."""
+    h, w, c = spec.image_shape
+    ok_shape = (images.ndim == 3 and images.shape[1:] == (h, w) and c == 1) or (
+        images.ndim == 4 and images.shape[1:] == spec.image_shape)
+    if not ok_shape or images.dtype != np.uint8:
+        raise DataError(f"{images_src}: images are {images.dtype} {images.shape}, {name} needs "
+                        f"uint8 (N, {h}, {w}) or (N, {h}, {w}, {c})")
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+        raise DataError(f"{labels_src}: labels are {labels.dtype} {labels.shape}, "
+                        f"need integers of shape (N,)")
+    if len(images) != len(labels):
+        raise DataError(f"{images_src} has {len(images)} images but {labels_src} has "
+                        f"{len(labels)} labels")
+    if len(labels) == 0:
+        raise DataError(f"{images_src}: no examples")
+    low, high = labels.min(), labels.max()
+    if low < 0 or high >= spec.num_classes:
+        raise DataError(f"{labels_src}: labels span {low}..{high}, {name} has classes "
+                        f"0..{spec.num_classes - 1}")
+    images = images.reshape(len(images), h, w, c)  # (N, H, W, C)
+    return images, labels.astype(np.int64)
+
+
+# --------------------------------------------------------------------------- tf.data
+def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift_pixels=2,
+                 drop_remainder=False):
+    """Builds one epoch of batches.
+
+    Args:
+      images: uint8 (N, H, W, C), e.g. from `load_split`.
+      labels: integer (N,).
+      batch_size: examples per batch (≥ 1); the last batch is smaller unless
+        `drop_remainder`.
+      training: True: shuffle and randomly shift; False: keep order, no augmentation.
+      seed, epoch: key the shuffle order and the shifts. The same (seed, epoch) gives
+        the same batches every time, independent of tf.data's parallelism.
+      shift_pixels: the largest shift in each direction (paper: 2); the uncovered
+        border is zero. 0: no shift.
+
+    Returns:
+      A `tf.data.Dataset` of (images float32 (B, H, W, C) in [0, 1], labels int32 (B,)).
+    """
+    if not isinstance(training, bool):
+        raise ConfigError(f"training must be True or False, got {training!r}")
+    if not isinstance(drop_remainder, bool):
+        raise ConfigError(f"drop_remainder must be True or False, got {drop_remainder!r}")
+    images, labels = _check_examples(images, labels)
+    n, h, w, c = images.shape
+    batch_size = _check_int("batch_size", batch_size, minimum=1)
+    seed = _check_int("seed", seed, minimum=-(2**63), maximum=2**63 - 1)
+    epoch = _check_int("epoch", epoch, minimum=0, maximum=2**63 - 1)
+    shift_pixels = _check_int("shift_pixels", shift_pixels, minimum=0, maximum=min(h, w) - 1)
+    if drop_remainder and n < batch_size:
+        raise ConfigError(f"batch_size {batch_size} with drop_remainder=True leaves no batch "
+                          f"from {n} examples")
+
+    # Pinned to the CPU: the arrays stay in host memory (tf.data runs there anyway) and
+    # the shuffle is computed by the same kernel whether or not a GPU is visible.
+    with tf.device("/CPU:0"):
+        images_t = tf.constant(images)                    # (N, H, W, C) uint8
+        labels_t = tf.constant(labels.astype(np.int32))   # (N,)
+        if training:
+            # Two independent streams from one (seed, epoch) key: the order and the shifts.
+            key = tf.constant([seed, epoch], tf.int64)
+            shuffle_key, shift_key = tf.unstack(
+                tf.random.experimental.stateless_split(key, 2, alg="philox"))
+            order = tf.random.experimental.stateless_shuffle(
+                tf.range(n, dtype=tf.int64), seed=shuffle_key, alg="philox")
+        else:
+            order = tf.range(n, dtype=tf.int64)
+        augment = training and shift_pixels > 0
+
+        def load_example(index):
+            image = tf.gather(images_t, index)  # (H, W, C) uint8
+            if augment:
+                # Keyed by the example's index in `images`, not by its position in a
+                # batch or thread, so its shift is the same however the map runs.
+                example_key = tf.random.experimental.stateless_fold_in(shift_key, index,
+                                                                       alg="philox")
+                image = random_shift(image, shift_pixels, example_key)
+            return tf.cast(image, tf.float32) / 255.0, tf.gather(labels_t, index)
+
+        dataset = tf.data.Dataset.from_tensor_slices(order)
+        dataset = dataset.map(load_example, num_parallel_calls=tf.data.AUTOTUNE,
+                              deterministic=True)
+        dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
+        # Prefetch the next batches while the model trains on this one.
+        return dataset.prefetch(tf.data.AUTOTUNE)
+
+
+def random_shift(image, shift_pixels, key):
+    """Shifts one (H, W, C) image by (dy, dx), each uniform in [-shift_pixels, shift_pixels],
+    drawn from the stateless RNG `key` (int64 (2,)); the uncovered border is zero."""
+    h, w, c = image.shape
+    s = shift_pixels
+    padded = tf.pad(image, [[s, s], [s, s], [0, 0]])  # (H + 2s, W + 2s, C), zero border
+    # A crop at corner (oy, ox) of the padded image is the image shifted by (s - oy, s - ox).
+    corner = tf.random.stateless_uniform([2], seed=key, minval=0, maxval=2 * s + 1,
+                                         dtype=tf.int32, alg="philox")
+    return tf.slice(padded, [corner[0], corner[1], 0], [h, w, c])  # (H, W, C)
+
+
+def _check_examples(images, labels):
+    images, labels = np.asarray(images), np.asarray(labels)
+    if images.ndim != 4 or images.dtype != np.uint8:
+        raise DataError(f"images must be uint8 (N, H, W, C), got {images.dtype} {images.shape}")
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+        raise DataError(f"labels must be integers of shape (N,), got {labels.dtype} {labels.shape}")
+    if len(images) != len(labels):
+        raise DataError(f"{len(images)} images {images.shape} but {len(labels)} labels "
+                        f"{labels.shape}")
+    if len(labels) == 0:
+        raise DataError(f"no examples: images {images.shape}")
+    if labels.min() < np.iinfo(np.int32).min or labels.max() > np.iinfo(np.int32).max:
+        raise DataError(f"labels span {labels.min()}..{labels.max()}, beyond int32")
+    return images, labels
+
+
+def _check_int(what, value, *, minimum=None, maximum=None, hint=""):
+    """`value` as a Python int within [minimum, maximum], else ConfigError."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ConfigError(f"{what} must be an integer, got {value!r}{hint}")
+    value = int(value)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        bounds = (f"≥ {minimum}" if maximum is None else f"in [{minimum}, {maximum}]")
+        raise ConfigError(f"{what} must be {bounds}, got {value}{hint}")
+    return value

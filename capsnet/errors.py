@@ -1,0 +1,27 @@
+"""User-facing errors.
+
+Anything a user can cause (a bad config value, a missing data dir or checkpoint, a
+corrupt file, an unbuilt op library) raises a `CapsnetError` whose message names
+what and where in one line. The entry points (train.py, evaluate.py) print that
+line and exit with status 2 instead of dumping a traceback.
+"""
+
+
+class CapsnetError(Exception):
+    """An error the user can fix; str(err) is a complete one-line explanation."""
+
+
+class ConfigError(CapsnetError):
+    """A config value is invalid."""
+
+
+class DataError(CapsnetError):
+    """A dataset cannot be found, downloaded or parsed."""
+
+
+class CheckpointError(CapsnetError):
+    """A checkpoint or run directory is missing or unusable."""
+
+
+class OpLibraryError(CapsnetError):
+    """The compiled op library is missing, stale or unusable."""

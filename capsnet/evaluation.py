@@ -1,0 +1,335 @@
+"""Evaluate a trained CapsNet on a test split.
+
+- `evaluate(checkpoint, ...) -> dict`: `python evaluate.py` without Hydra. `checkpoint`
+  is a run dir (its BEST checkpoint by default, `which="latest"` for the last epoch
+  saved) or a checkpoint path (`.../checkpoints/latest/ckpt-3`). The model is rebuilt
+  from the run's saved `config.yaml`; the report is also written as JSON next to the
+  evaluated checkpoint (`<checkpoint>.eval.json`).
+- `make_eval_step`, `evaluate_model`, `capsnet_losses`: the test pass the trainer runs
+  after every epoch, so training and evaluation report the same numbers.
+- `confusion_report(confusion)`: accuracy and per-class accuracy from a confusion
+  matrix (pure NumPy).
+"""
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+import yaml
+
+from capsnet.errors import CheckpointError, ConfigError, DataError
+from capsnet.losses import margin_loss, reconstruction_loss
+
+WHICH = ("best", "latest")
+
+
+# --------------------------------------------------------------------------- losses
+
+def capsnet_losses(images, labels, outputs, *, m_plus, m_minus, lambda_, reconstruction_weight):
+    """The paper's total loss per example: margin + reconstruction_weight · reconstruction.
+
+    Returns (total, margin, reconstruction), each (batch,). Without a decoder
+    (no "reconstructions" output) the reconstruction term is zero.
+    """
+    margin = margin_loss(labels, outputs["lengths"], m_plus, m_minus, lambda_)          # (B,)
+    if "reconstructions" in outputs:
+        reconstruction = reconstruction_loss(images, outputs["reconstructions"])          # (B,)
+    else:
+        reconstruction = tf.zeros_like(margin)
+    return margin + reconstruction_weight * reconstruction, margin, reconstruction
+
+
+def loss_params(train_cfg):
+    """The loss arguments of capsnet_losses from a config's `train` section."""
+    return {k: float(train_cfg[k]) for k in ("m_plus", "m_minus", "lambda_", "reconstruction_weight")}
+
+
+# --------------------------------------------------------------------------- test pass
+
+def make_eval_step(model, image_shape, *, m_plus, m_minus, lambda_, reconstruction_weight):
+    """A compiled test step: sums of the losses, correct count, predictions.
+
+    No labels go into the model, so the decoder reconstructs from the PREDICTED
+    class, as at test time in the paper; the reconstruction loss is measured on that.
+    """
+
+    @tf.function(input_signature=[
+        tf.TensorSpec([None, *image_shape], tf.float32),
+        tf.TensorSpec([None], tf.int32),
+    ])
+    def eval_step(images, labels):
+        outputs = model(images, training=False)
+        total, margin, reconstruction = capsnet_losses(
+            images, labels, outputs, m_plus=m_plus, m_minus=m_minus, lambda_=lambda_,
+            reconstruction_weight=reconstruction_weight)
+        predictions = tf.argmax(outputs["lengths"], axis=-1, output_type=tf.int32)  # (B,)
+        return {
+            "loss": tf.reduce_sum(total),
+            "margin_loss": tf.reduce_sum(margin),
+            "reconstruction_loss": tf.reduce_sum(reconstruction),
+            "predictions": predictions,
+        }
+
+    return eval_step
+
+
+def evaluate_model(eval_step, dataset, num_classes):
+    """One pass over `dataset` → mean losses, accuracy, confusion matrix, images/s.
+
+    images/s leaves out the first batch, which includes tracing/compiling the step.
+    """
+    sums = {"loss": 0.0, "margin_loss": 0.0, "reconstruction_loss": 0.0}
+    confusion = np.zeros((num_classes, num_classes), np.int64)  # rows: true class, cols: predicted
+    timed_images, timed_seconds = 0, 0.0
+    start = time.perf_counter()
+    for batch, (images, labels) in enumerate(dataset):
+        out = eval_step(images, labels)
+        # .numpy() waits for the step, so the clock below measures finished work.
+        predictions = out["predictions"].numpy()
+        for key in sums:
+            sums[key] += float(out[key].numpy())
+        np.add.at(confusion, (labels.numpy(), predictions), 1)
+        now = time.perf_counter()
+        if batch > 0:
+            timed_images += len(predictions)
+            timed_seconds += now - start
+        start = now
+    n = int(confusion.sum())
+    if n == 0:
+        raise DataError("the test split is empty: nothing to evaluate (check data.limit_test)")
+    result = {key: value / n for key, value in sums.items()}
+    result.update(confusion_report(confusion))
+    result["images_per_sec"] = timed_images / timed_seconds if timed_seconds > 0 else float("nan")
+    result["num_examples"] = n
+    return result
+
+
+def confusion_report(confusion):
+    """accuracy, per_class_accuracy (None for a class with no examples), confusion_matrix (lists)."""
+    confusion = np.asarray(confusion, np.int64)
+    per_class_total = confusion.sum(axis=1)
+    per_class = [None if total == 0 else float(confusion[k, k] / total)
+                 for k, total in enumerate(per_class_total)]
+    return {
+        "accuracy": float(np.trace(confusion) / max(confusion.sum(), 1)),
+        "per_class_accuracy": per_class,
+        "confusion_matrix": confusion.tolist(),
+    }
+
+
+def format_report(report):
+    """A human-readable table: summary, per-class accuracy, confusion matrix."""
+    confusion = np.asarray(report["confusion_matrix"])
+    k = len(confusion)
+    width = max(5, len(str(confusion.max())) + 1)
+    lines = [
+        f"checkpoint: {report['checkpoint']} (epoch {report['epoch']})",
+        f"dataset: {report['dataset']} test, {report['num_examples']} examples, custom_op={report['custom_op']}",
+        f"accuracy {report['accuracy']:.4%}  loss {report['loss']:.5f}  "
+        f"(margin {report['margin_loss']:.5f}, reconstruction {report['reconstruction_loss']:.3f})  "
+        f"{report['images_per_sec']:.1f} images/s",
+        "",
+        "class  examples  accuracy",
+    ]
+    for c in range(k):
+        accuracy = report["per_class_accuracy"][c]
+        shown = "-" if accuracy is None else f"{accuracy:.2%}"
+        lines.append(f"{c:>5}  {int(confusion[c].sum()):>8}  {shown:>8}")
+    lines += ["", "confusion matrix (rows: true class, columns: predicted)",
+              " " * 6 + "".join(f"{c:>{width}}" for c in range(k))]
+    for c in range(k):
+        lines.append(f"{c:>5} " + "".join(f"{n:>{width}}" for n in confusion[c]))
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+def read_run_config(run_dir):
+    """The plain-dict config a run was trained with (config.yaml, else Hydra's .hydra/config.yaml)."""
+    for candidate in (Path(run_dir) / "config.yaml", Path(run_dir) / ".hydra" / "config.yaml"):
+        if candidate.is_file():
+            try:
+                cfg = yaml.safe_load(candidate.read_text())
+            except yaml.YAMLError as exc:
+                raise CheckpointError(f"cannot parse the run config {candidate}: {exc}".splitlines()[0]) from exc
+            if not isinstance(cfg, dict) or "model" not in cfg:
+                raise CheckpointError(f"the run config {candidate} has no model section")
+            return cfg
+    return None
+
+
+def _is_checkpoint_prefix(path):
+    return Path(str(path) + ".index").is_file()
+
+
+def resolve_checkpoint(checkpoint, which="best"):
+    """Map a run dir or a checkpoint path to (checkpoint prefix, run dir, run config).
+
+    A run dir uses checkpoints/best (or checkpoints/latest with which="latest");
+    a directory holding a TF `checkpoint` state file uses its newest checkpoint;
+    a prefix (`.../ckpt-3`, or its `.index` file) is used as is. The run config is
+    looked up in the checkpoint's parent directories.
+    """
+    if which not in WHICH:
+        raise ConfigError(f"which must be one of {', '.join(WHICH)}, got {which!r}")
+    path = Path(os.path.expanduser(str(checkpoint)))
+    if path.suffix == ".index":
+        path = path.with_suffix("")
+    if path.is_dir() and (path / "checkpoints").is_dir():
+        managed = path / "checkpoints" / which
+        prefix = tf.train.latest_checkpoint(str(managed))
+        if prefix is None:
+            raise CheckpointError(f"run dir {path} has no {which} checkpoint in {managed}")
+    elif path.is_dir():
+        prefix = tf.train.latest_checkpoint(str(path))
+        if prefix is None:
+            raise CheckpointError(
+                f"no checkpoint in {path}: expected a run dir (with checkpoints/) or a checkpoint path like "
+                f".../checkpoints/latest/ckpt-3")
+    elif _is_checkpoint_prefix(path):
+        prefix = str(path)
+    else:
+        raise CheckpointError(
+            f"checkpoint not found: {checkpoint} (expected a run dir or a checkpoint path like "
+            f".../checkpoints/latest/ckpt-3)")
+    # The run dir is the nearest ancestor holding the run's config.
+    for parent in list(Path(prefix).parents)[:4]:
+        cfg = read_run_config(parent)
+        if cfg is not None:
+            return prefix, parent, cfg
+    raise CheckpointError(f"no config.yaml for checkpoint {prefix} in its run dir: cannot rebuild the model")
+
+
+def checkpoint_weights(model):
+    """The model's weights by their path inside the model ("decoder/fc1/kernel"), for tf.train.Checkpoint.
+
+    Checkpointing this dict rather than the Keras model object keys every weight by a
+    stable, readable name and does not depend on how the layers hold their sublayers
+    (Keras 3 sublayers kept in a Python list are invisible to tf.train.Checkpoint's
+    object graph: they would silently not be saved or restored through `model=`).
+    """
+    weights = {}
+    for variable in model.weights:
+        path = variable.path
+        name = path[len(model.name) + 1:] if path.startswith(model.name + "/") else path
+        if name in weights:
+            raise RuntimeError(f"two model weights share the path {name!r}: checkpoint names must be unique")
+        weights[name] = variable
+    return weights
+
+
+def restore_model(model, prefix):
+    """Load the model weights (only) from a training checkpoint; returns the epoch it was saved at."""
+    epoch = tf.Variable(0, dtype=tf.int64, trainable=False)
+    checkpoint = tf.train.Checkpoint(model=checkpoint_weights(model), epoch=epoch)
+    try:
+        status = checkpoint.read(prefix)
+        # The optimizer state in the file is not needed here (expect_partial), but every
+        # model weight must come from the file: a silent miss would evaluate random weights.
+        status.expect_partial()
+        status.assert_existing_objects_matched()
+    except (tf.errors.OpError, ValueError, AssertionError) as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"cannot load the model from checkpoint {prefix}: {message} "
+            f"(does the run's config.yaml match the checkpoint?)") from exc
+    return int(epoch.numpy())
+
+
+# --------------------------------------------------------------------------- evaluate
+
+def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_test=None,
+             custom_op=None, batch_size=None, output=None):
+    """Evaluate `checkpoint` on the test split; returns the report and writes it as JSON.
+
+    Args:
+        checkpoint: run dir or checkpoint path (see resolve_checkpoint).
+        which: "best" (highest test accuracy) or "latest" checkpoint of a run dir.
+        data_name, data_dir, limit_test: None = as in the run's config. A different
+            data_name without data_dir reads tensorflow-datasets (the run's data.dir
+            holds the other dataset's files).
+        custom_op: None = as trained; True/False picks the capsule-prediction path.
+        batch_size: None = the run's train.batch_size.
+        output: JSON path; None = `<checkpoint>.eval.json`.
+
+    Returns:
+        dict with accuracy, loss, margin_loss, reconstruction_loss, images_per_sec,
+        per_class_accuracy, confusion_matrix, num_examples, checkpoint, epoch,
+        dataset, custom_op.
+    """
+    # Imported here: capsnet.training imports this module.
+    from capsnet.data import load_split, make_dataset
+    from capsnet.training import build_capsnet, check_labels, check_op_library
+
+    prefix, run_dir, cfg = resolve_checkpoint(checkpoint, which)
+    prefix, run_dir = str(Path(prefix).resolve()), Path(run_dir).resolve()
+    data_cfg = dict(cfg.get("data") or {})
+    if data_name is not None and data_name != data_cfg.get("name") and data_dir is None:
+        data_cfg["dir"] = None
+    if data_name is not None:
+        data_cfg["name"] = data_name
+    if data_dir is not None:
+        data_cfg["dir"] = str(data_dir)
+    if limit_test is not None:
+        data_cfg["limit_test"] = limit_test
+    custom_op = bool(cfg.get("custom_op", False)) if custom_op is None else bool(custom_op)
+    batch_size = int(batch_size or cfg["train"]["batch_size"])
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be a positive integer, got {batch_size}")
+
+    if custom_op:
+        check_op_library()
+    images, labels = load_split(data_cfg["name"], "test", data_dir=data_cfg.get("dir"),
+                                limit=data_cfg.get("limit_test"))
+    model = build_capsnet(cfg["model"], custom_op)
+    check_labels(labels, images, model_cfg=cfg["model"], split=f"{data_cfg['name']} test")
+    epoch = restore_model(model, prefix)
+
+    dataset = make_dataset(images, labels, batch_size=batch_size, training=False)
+    eval_step = make_eval_step(model, images.shape[1:], **loss_params(cfg["train"]))
+    result = evaluate_model(eval_step, dataset, int(cfg["model"]["num_classes"]))
+
+    report = {
+        "accuracy": result["accuracy"],
+        "loss": result["loss"],
+        "margin_loss": result["margin_loss"],
+        "reconstruction_loss": result["reconstruction_loss"],
+        "images_per_sec": result["images_per_sec"],
+        "per_class_accuracy": result["per_class_accuracy"],
+        "confusion_matrix": result["confusion_matrix"],
+        "num_examples": result["num_examples"],
+        "checkpoint": str(prefix),
+        "run_dir": str(run_dir),
+        "epoch": epoch,
+        "dataset": data_cfg["name"],
+        "custom_op": custom_op,
+        "batch_size": batch_size,
+    }
+    output = Path(output) if output is not None else Path(str(prefix) + ".eval.json")
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(json_safe(report), indent=2) + "\n")
+    except OSError as exc:
+        raise CheckpointError(f"cannot write the evaluation report {output}: {exc.strerror}") from exc
+    report["output"] = str(output)
+    return report
+
+
+def json_safe(value):
+    """`value` with every NaN/inf float replaced by None: JSON has no NaN (json.dumps
+    would write invalid JSON), so they are written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list):
+        return [json_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    return value
+
+
+def to_json_line(report):
+    """The report as one line of valid JSON (NaN → null)."""
+    return json.dumps(json_safe(report))

@@ -1,0 +1,179 @@
+"""The CapsNet model: conv1 → PrimaryCaps → DigitCaps (+ routing) → lengths, decoder.
+
+Paper configuration (the defaults): conv1 256@9×9 stride 1 ReLU on 28×28×1 →
+PrimaryCaps 32 types × 8-D @9×9 stride 2 (6·6·32 = 1152 capsules) → DigitCaps
+10 × 16-D, r = 3 → decoder 512-1024-784. 6,804,224 parameters without the decoder,
+8,215,568 with it.
+"""
+import keras
+import tensorflow as tf
+
+from capsnet.layers import (
+    Decoder, DigitCaps, PrimaryCaps, _check_bool, _positive_int, _positive_int_tuple,
+    capsule_lengths,
+)
+
+__all__ = ["CapsNet", "build_model"]
+
+
+@keras.saving.register_keras_serializable(package="capsnet")
+class CapsNet(keras.Model):
+    """CapsNet (Sabour, Frosst & Hinton 2017) as a Keras model.
+
+    call(images, labels=None) returns a dict:
+        "lengths":         (batch, num_classes) capsule lengths |v_j|, the class scores;
+        "v_j":             (batch, num_classes, digit_caps_dim) digit capsules;
+        "c_ij":            (batch, in_caps, num_classes) final coupling coefficients;
+        "reconstructions": (batch, H, W, C) decoder output, only when decoder=True.
+    The decoder sees only the capsule named by `labels` when they are given (training)
+    and else the longest capsule, i.e. the prediction (evaluation).
+
+    images: float in [0, 1], shape (batch, *input_shape). labels: int (batch,).
+    stop_gradient_routing (default True) stops the gradient through u_hat in the inner
+    routing iterations; the reasons for that default are in
+    `capsnet.routing.dynamic_routing`.
+    `custom_op` only picks how DigitCaps computes u_hat; the weights are identical,
+    so a model built with either setting loads the other's weights.
+    """
+
+    def __init__(self, input_shape=(28, 28, 1), num_classes=10, conv1_filters=256,
+                 conv1_kernel_size=9, primary_caps_types=32, primary_caps_dim=8,
+                 primary_caps_kernel_size=9, primary_caps_strides=2, digit_caps_dim=16,
+                 routing_iterations=3, stop_gradient_routing=True, decoder=True,
+                 decoder_units=(512, 1024), custom_op=False, **kwargs):
+        super().__init__(**kwargs)
+        owner = type(self).__name__
+        self.image_shape = _positive_int_tuple("input_shape", input_shape, owner, length=3)
+        self.num_classes = _positive_int("num_classes", num_classes, owner)
+        self.conv1_filters = _positive_int("conv1_filters", conv1_filters, owner)
+        self.conv1_kernel_size = _positive_int("conv1_kernel_size", conv1_kernel_size, owner)
+        self.primary_caps_types = _positive_int("primary_caps_types", primary_caps_types, owner)
+        self.primary_caps_dim = _positive_int("primary_caps_dim", primary_caps_dim, owner)
+        self.primary_caps_kernel_size = _positive_int(
+            "primary_caps_kernel_size", primary_caps_kernel_size, owner)
+        self.primary_caps_strides = _positive_int("primary_caps_strides", primary_caps_strides, owner)
+        self.digit_caps_dim = _positive_int("digit_caps_dim", digit_caps_dim, owner)
+        self.routing_iterations = _positive_int("routing_iterations", routing_iterations, owner)
+        self.stop_gradient_routing = _check_bool("stop_gradient_routing", stop_gradient_routing, owner)
+        self.use_decoder = _check_bool("decoder", decoder, owner)
+        self.decoder_units = _positive_int_tuple("decoder_units", decoder_units, owner)
+        self.custom_op = _check_bool("custom_op", custom_op, owner)
+
+        # Both convolutions are 'valid': check now that the image survives them, so a
+        # bad config fails here with the numbers rather than inside a conv op.
+        height, width = self.image_shape[:2]
+        conv1_out = min(height, width) - self.conv1_kernel_size + 1
+        if conv1_out < self.primary_caps_kernel_size:
+            raise ValueError(
+                f"{owner}: input_shape {self.image_shape} is too small for conv1_kernel_size "
+                f"{self.conv1_kernel_size} followed by primary_caps_kernel_size "
+                f"{self.primary_caps_kernel_size} (both unpadded): need at least "
+                f"{self.conv1_kernel_size + self.primary_caps_kernel_size - 1} pixels per side")
+
+        self.conv1 = keras.layers.Conv2D(
+            self.conv1_filters, self.conv1_kernel_size, strides=1, padding="valid",
+            activation="relu", name="conv1")
+        self.primary_caps = PrimaryCaps(
+            num_types=self.primary_caps_types, dim=self.primary_caps_dim,
+            kernel_size=self.primary_caps_kernel_size, strides=self.primary_caps_strides,
+            padding="valid", name="primary_caps")
+        self.digit_caps = DigitCaps(
+            num_caps=self.num_classes, dim=self.digit_caps_dim,
+            routing_iterations=self.routing_iterations,
+            stop_gradient_routing=self.stop_gradient_routing, custom_op=self.custom_op,
+            name="digit_caps")
+        self.decoder = (
+            Decoder(units=self.decoder_units, output_shape=self.image_shape, name="decoder")
+            if self.use_decoder else None)
+
+    @property
+    def in_caps(self):
+        """Number of primary capsules i (1152 in the paper config)."""
+        conv1_shape = self.conv1.compute_output_shape((None, *self.image_shape))
+        return self.primary_caps.compute_output_shape(conv1_shape)[1]
+
+    def build(self, input_shape):
+        input_shape = tuple(input_shape)
+        if len(input_shape) != 4 or tuple(input_shape[1:]) != self.image_shape:
+            raise ValueError(
+                f"{self.name}: expected images (batch, {', '.join(map(str, self.image_shape))}), "
+                f"got shape {input_shape}")
+        # Built from shapes alone (no forward pass), so count_params() is cheap.
+        self.conv1.build(input_shape)
+        conv1_shape = self.conv1.compute_output_shape(input_shape)
+        self.primary_caps.build(conv1_shape)
+        u_shape = self.primary_caps.compute_output_shape(conv1_shape)
+        self.digit_caps.build(u_shape)
+        if self.decoder is not None:
+            v_j_shape, _ = self.digit_caps.compute_output_shape(u_shape)
+            self.decoder.build(v_j_shape)
+        self.input_spec = keras.layers.InputSpec(shape=(None, *self.image_shape))
+
+    def call(self, images, labels=None, training=None):
+        if not images.dtype.is_floating:
+            raise ValueError(
+                f"{self.name}: images must be float in [0, 1], got dtype {images.dtype.name} "
+                "(scale integer pixels by 1/255 first)")
+        x = self.conv1(images)                     # (B, H1, W1, conv1_filters)
+        u = self.primary_caps(x)                   # (B, in_caps, primary_caps_dim)
+        v_j, c_ij = self.digit_caps(u)             # (B, classes, dim), (B, in_caps, classes)
+        lengths = capsule_lengths(v_j)             # (B, classes)
+        outputs = {"lengths": lengths, "v_j": v_j, "c_ij": c_ij}
+        if self.decoder is not None:
+            if labels is None:
+                # Evaluation: reconstruct from the predicted class's capsule.
+                mask_labels = tf.argmax(lengths, axis=-1, output_type=tf.int32)
+            else:
+                labels = tf.convert_to_tensor(labels)
+                if labels.shape.rank != 1 or not labels.dtype.is_integer:
+                    raise ValueError(
+                        f"{self.name}: labels must be integer class ids of shape (batch,), "
+                        f"got {labels.dtype.name} of shape {tuple(labels.shape)}")
+                mask_labels = labels
+            outputs["reconstructions"] = self.decoder(v_j, mask_labels)  # (B, H, W, C)
+        return outputs
+
+    def compute_output_shape(self, input_shape, labels_shape=None):
+        batch = input_shape[0]
+        in_caps = self.in_caps
+        shapes = {
+            "lengths": (batch, self.num_classes),
+            "v_j": (batch, self.num_classes, self.digit_caps_dim),
+            "c_ij": (batch, in_caps, self.num_classes),
+        }
+        if self.decoder is not None:
+            shapes["reconstructions"] = (batch, *self.image_shape)
+        return shapes
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "trainable": self.trainable,
+            "dtype": keras.dtype_policies.serialize(self.dtype_policy),
+            "input_shape": list(self.image_shape),
+            "num_classes": self.num_classes,
+            "conv1_filters": self.conv1_filters,
+            "conv1_kernel_size": self.conv1_kernel_size,
+            "primary_caps_types": self.primary_caps_types,
+            "primary_caps_dim": self.primary_caps_dim,
+            "primary_caps_kernel_size": self.primary_caps_kernel_size,
+            "primary_caps_strides": self.primary_caps_strides,
+            "digit_caps_dim": self.digit_caps_dim,
+            "routing_iterations": self.routing_iterations,
+            "stop_gradient_routing": self.stop_gradient_routing,
+            "decoder": self.use_decoder,
+            "decoder_units": list(self.decoder_units),
+            "custom_op": self.custom_op,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+
+def build_model(**kwargs):
+    """A `CapsNet(**kwargs)` with its weights created (no forward pass), ready for
+    count_params(), load_weights() or a checkpoint restore."""
+    model = CapsNet(**kwargs)
+    model.build((None, *model.image_shape))
+    return model

@@ -1,0 +1,86 @@
+"""Routing by agreement (Sabour et al. 2017, Procedure 1) and the squash non-linearity.
+
+Pure TensorFlow math, no layers or weights: `capsnet.layers.DigitCaps` wraps it, the
+tests compare it with an independent NumPy version. `squash` lives here (and is
+re-exported by capsnet.layers) because routing applies it every iteration.
+"""
+import numbers
+
+import tensorflow as tf
+
+__all__ = ["squash", "dynamic_routing"]
+
+
+def squash(s, axis=-1, epsilon=1e-7):
+    """Eq. 1: v = |s|² / (1 + |s|²) · s / |s|, along `axis`.
+
+    Short vectors shrink to almost zero length, long ones to just below 1; the
+    direction is kept. |s| is computed as sqrt(|s|² + epsilon): at s = 0 the exact
+    |s| has an infinite derivative (NaN gradient) and s / |s| is 0 / 0, while this
+    gives v = 0 with a finite gradient. The relative change of |v| is below
+    epsilon / (2|s|²), i.e. under 1e-5 for |s| ≥ 0.1.
+    """
+    if not isinstance(epsilon, numbers.Real) or not epsilon > 0:
+        raise ValueError(f"squash: epsilon must be a positive number, got {epsilon!r}")
+    s = tf.convert_to_tensor(s)
+    squared_norm = tf.reduce_sum(tf.square(s), axis=axis, keepdims=True)
+    scale = squared_norm / (1.0 + squared_norm) / tf.sqrt(squared_norm + epsilon)
+    return scale * s
+
+
+def dynamic_routing(u_hat, iterations=3, stop_gradient=True):
+    """Route predictions u_hat to output capsules; returns (v_j, c_ij).
+
+    Procedure 1 of the paper, per sample: b_ij = 0; then `iterations` times:
+    c_ij = softmax_j(b_ij); s_j = Σ_i c_ij u_hat_j|i; v_j = squash(s_j); and, except
+    after the last iteration, b_ij += u_hat_j|i · v_j (agreement). `iterations` is a
+    static int, so the loop is unrolled: no tf.while_loop, XLA compiles it whole.
+
+    stop_gradient (default True): the inner iterations see tf.stop_gradient(u_hat),
+    so the coupling coefficients are constants for backprop and only the final
+    s_j = Σ_i c_ij u_hat_j|i carries a gradient to u_hat (and W). Reference
+    implementations differ: the seed's tf.while_loop backpropagates through every
+    iteration; naturomics/CapsNet-Tensorflow and several later ports stop the
+    gradient as here; the paper does not say. We default to stopping because
+    (1) routing is an inference step, like an EM E-step, that decides which
+    predictions agree: the training signal should make the predictions right given
+    that assignment, not reward W for steering its own routing, a feedback loop
+    through b_ij += agreement; (2) backprop skips the r − 1 inner iterations, each of
+    which multiplies and reduces all of u_hat (batch·in_caps·out_caps·out_dim, 94 MB
+    at the paper's batch 128) twice, so a step is cheaper in time and memory.
+    With iterations = 1 there are no inner iterations and the flag changes nothing.
+    Pass stop_gradient=False for the fully differentiable variant.
+
+    Args:
+        u_hat: predictions (batch, in_caps, out_caps, out_dim).
+        iterations: routing rounds r ≥ 1 (paper: 3).
+        stop_gradient: see above.
+
+    Returns:
+        v_j: output capsules (batch, out_caps, out_dim).
+        c_ij: the coupling coefficients used for the final v_j (batch, in_caps,
+            out_caps); each row sums to 1 over j.
+    """
+    if isinstance(iterations, bool) or not isinstance(iterations, numbers.Integral) or iterations < 1:
+        raise ValueError(f"dynamic_routing: iterations must be an integer >= 1, got {iterations!r}")
+    if not isinstance(stop_gradient, bool):
+        raise ValueError(f"dynamic_routing: stop_gradient must be a bool, got {stop_gradient!r}")
+    u_hat = tf.convert_to_tensor(u_hat)
+    if u_hat.shape.rank != 4:
+        raise ValueError(
+            "dynamic_routing: u_hat must be (batch, in_caps, out_caps, out_dim), "
+            f"got shape {tuple(u_hat.shape)}")
+
+    u_hat_routing = tf.stop_gradient(u_hat) if stop_gradient else u_hat
+    # b_ij starts at zero for every sample: routing is per example, never learned.
+    b_ij = tf.zeros(tf.shape(u_hat)[:3], dtype=u_hat.dtype)          # (B, in_caps, out_caps)
+    for r in range(iterations):
+        last = r == iterations - 1
+        votes = u_hat if last else u_hat_routing
+        c_ij = tf.nn.softmax(b_ij, axis=-1)                           # (B, in_caps, out_caps)
+        s_j = tf.reduce_sum(c_ij[..., None] * votes, axis=1)          # (B, out_caps, out_dim)
+        v_j = squash(s_j)                                             # (B, out_caps, out_dim)
+        if not last:
+            # Agreement u_hat_j|i · v_j: predictions that match the output gain weight.
+            b_ij = b_ij + tf.reduce_sum(votes * v_j[:, None], axis=-1)  # (B, in_caps, out_caps)
+    return v_j, c_ij

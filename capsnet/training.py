@@ -1,0 +1,435 @@
+"""Train CapsNet: `train(cfg) -> metrics`, the body of `python train.py`.
+
+Reads top to bottom like the loop it is: config → setup → data → model and optimizer
+(new, or resumed from the run dir's last checkpoint) → compiled steps → epochs →
+final metrics. `cfg` is a plain dict shaped like configs/train.yaml (train.py converts
+Hydra's config at the boundary); nothing here sees a Hydra object.
+
+A run dir holds:
+    config.yaml                the resolved config (evaluate.py rebuilds the model from it)
+    events.out.tfevents.*      TensorBoard: scalars, reconstructions, histograms, HParams
+    checkpoints/latest/ckpt-N  the last `train.keep_checkpoints` epochs (N = epochs done)
+    checkpoints/best/ckpt-N    the epoch with the highest test accuracy
+    history.jsonl              one line of metrics per finished epoch
+    metrics.json               the final metrics, written at the end
+
+Resume: rerunning with the same run dir restores model weights, optimizer state
+(Adam moments and its step counter, from which the LR schedule follows), the epoch
+counter and the best accuracy so far, then continues with the next epoch. The only
+randomness after weight initialization is the data's: order and shifts are stateless
+functions of (seed, epoch) (capsnet.data), so there is no generator state to save, and
+with deterministic=true a resumed run ends bitwise equal to an uninterrupted one.
+A run killed mid-epoch loses that epoch only. TensorBoard's step is the global step
+(optimizer.iterations), so the curves continue where the checkpoint left them.
+"""
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+import keras
+import numpy as np
+import tensorflow as tf
+import yaml
+
+from capsnet import ops
+from capsnet.data import load_split, make_dataset
+from capsnet.errors import CheckpointError, ConfigError, OpLibraryError
+from capsnet.evaluation import (
+    capsnet_losses, checkpoint_weights, evaluate_model, json_safe, loss_params, make_eval_step,
+)
+from capsnet.model import build_model
+
+log = logging.getLogger(__name__)
+
+# Values shown side by side in TensorBoard's HParams dashboard, and the metrics they explain.
+HPARAMS = ("custom_op", "dataset", "batch_size", "routing_iterations", "seed", "learning_rate", "decoder")
+HPARAM_METRICS = ("test/accuracy", "train/images_per_sec")
+
+
+# --------------------------------------------------------------------------- small pure helpers
+
+def learning_rate_schedule(learning_rate, decay_rate, decay_steps, staircase=False):
+    """lr(step) = learning_rate · decay_rate^(step / decay_steps); a Keras schedule of
+    the optimizer's step counter, so restoring the counter restores the LR."""
+    return keras.optimizers.schedules.ExponentialDecay(
+        initial_learning_rate=learning_rate, decay_steps=decay_steps, decay_rate=decay_rate,
+        staircase=staircase)
+
+
+def image_grid(images, reconstructions):
+    """Inputs over reconstructions: two rows of N tiles, (N, H, W, C) x 2 → (1, 2H, N·W, C)."""
+    images = np.asarray(images, np.float32)
+    reconstructions = np.asarray(reconstructions, np.float32)
+    if images.ndim != 4 or images.shape != reconstructions.shape:
+        raise ValueError(f"image_grid: need two (N, H, W, C) arrays of one shape, got "
+                         f"{images.shape} and {reconstructions.shape}")
+    n, h, w, c = images.shape
+    rows = np.stack([images, reconstructions])                        # (2, N, H, W, C)
+    grid = rows.transpose(0, 2, 1, 3, 4).reshape(2 * h, n * w, c)     # (2H, N·W, C)
+    return np.clip(grid, 0.0, 1.0)[None]                              # (1, 2H, N·W, C)
+
+
+def check_labels(labels, images, *, model_cfg, split):
+    """The data must fit the model: image shape = input_shape, labels in [0, num_classes)."""
+    input_shape = tuple(model_cfg["input_shape"])
+    if tuple(images.shape[1:]) != input_shape:
+        raise ConfigError(f"{split} images have shape {tuple(images.shape[1:])} but model.input_shape is "
+                          f"{list(input_shape)}")
+    num_classes = int(model_cfg["num_classes"])
+    if len(labels) and (labels.min() < 0 or labels.max() >= num_classes):
+        raise ConfigError(f"{split} labels lie in [{labels.min()}, {labels.max()}] but model.num_classes is "
+                          f"{num_classes}")
+
+
+def build_capsnet(model_cfg, custom_op):
+    """The CapsNet of a config's `model` section; bad values → ConfigError."""
+    kwargs = dict(model_cfg)
+    kwargs["input_shape"] = tuple(kwargs["input_shape"])
+    kwargs["decoder_units"] = tuple(kwargs["decoder_units"])
+    try:
+        return build_model(**kwargs, custom_op=bool(custom_op))
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"model: {exc}") from exc
+
+
+def check_op_library():
+    """custom_op=true must use the compiled op: fail now, with the op's one-line error, if
+    it cannot run (not built, stale) rather than deep inside the first compiled step."""
+    u = tf.zeros((1, 1, 1))        # (batch, in_caps, in_dim)
+    W = tf.zeros((1, 1, 1, 1))     # (in_caps, out_caps, out_dim, in_dim)
+    try:
+        ops.capsule_prediction(u, W)
+    except OpLibraryError:
+        raise
+    except tf.errors.OpError as exc:
+        raise OpLibraryError(f"the capsule-prediction op library does not run: {exc.message}; "
+                             "rebuild it with `make ops`") from exc
+
+
+def _positive_int(cfg, section, key, allow_none=False):
+    value = cfg[section][key] if section else cfg[key]
+    name = f"{section}.{key}" if section else key
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer{' or null' if allow_none else ''}, got {value!r}")
+    return value
+
+
+def _positive_float(cfg, section, key):
+    value = cfg[section][key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{section}.{key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _check_config(cfg):
+    for key in ("epochs", "batch_size", "keep_checkpoints", "log_every_steps", "num_images",
+                "histogram_examples"):
+        _positive_int(cfg, "train", key)
+    _positive_int(cfg, "train", "lr_decay_steps", allow_none=True)
+    for key in ("learning_rate", "lr_decay_rate"):
+        _positive_float(cfg, "train", key)
+    if not isinstance(cfg["seed"], int) or isinstance(cfg["seed"], bool):
+        raise ConfigError(f"seed must be an integer, got {cfg['seed']!r}")
+    if not cfg.get("run_dir"):
+        raise ConfigError("run_dir is not set (train.py sets it to Hydra's run dir; tests pass one)")
+
+
+def _model_differences(saved, current):
+    keys = sorted(set(saved) | set(current))
+    return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
+
+
+def _read_history(path, epochs_done):
+    """Per-epoch metrics of the epochs the checkpoint covers (a killed run may have logged more)."""
+    if not path.is_file():
+        return []
+    by_epoch = {}
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+        if isinstance(entry, dict) and 1 <= entry.get("epoch", 0) <= epochs_done:
+            by_epoch[entry["epoch"]] = entry
+    return [by_epoch[e] for e in sorted(by_epoch)]
+
+
+class _Window:
+    """Example-weighted sums of step values over a window of steps, and the clock of its timed steps."""
+
+    def __init__(self):
+        self.sums, self.examples = {}, 0
+        self.timed_steps, self.timed_images, self.timed_seconds = 0, 0, 0.0
+
+    def add(self, values, batch):
+        for key, value in values.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value * batch
+        self.examples += batch
+
+    def add_time(self, steps, images, seconds):
+        self.timed_steps += steps
+        self.timed_images += images
+        self.timed_seconds += seconds
+
+    def means(self):
+        means = {key: total / max(self.examples, 1) for key, total in self.sums.items()}
+        if self.timed_steps and self.timed_seconds > 0:
+            means["images_per_sec"] = self.timed_images / self.timed_seconds
+            means["step_time_ms"] = 1000.0 * self.timed_seconds / self.timed_steps
+        return means
+
+
+# --------------------------------------------------------------------------- TensorBoard
+
+def _write_hparams(writer, run_dir, cfg, data_cfg):
+    from tensorboard.plugins.hparams import api as hp  # noqa: PLC0415  (only needed once)
+
+    values = {
+        "custom_op": bool(cfg["custom_op"]),
+        "dataset": str(data_cfg["name"]),
+        "batch_size": int(cfg["train"]["batch_size"]),
+        "routing_iterations": int(cfg["model"]["routing_iterations"]),
+        "seed": int(cfg["seed"]),
+        "learning_rate": float(cfg["train"]["learning_rate"]),
+        "decoder": bool(cfg["model"]["decoder"]),
+    }
+    with writer.as_default():
+        # Every run writes the same experiment config (no per-run domains), so a sweep's
+        # runs merge into one HParams table.
+        hp.hparams_config(hparams=[hp.HParam(name) for name in HPARAMS],
+                          metrics=[hp.Metric(tag) for tag in HPARAM_METRICS])
+        hp.hparams(values, trial_id=str(run_dir))
+
+
+def _write_train_scalars(writer, window, learning_rate, step):
+    means = window.means()
+    with writer.as_default(step=step):
+        for key in ("loss", "margin_loss", "reconstruction_loss", "accuracy", "images_per_sec", "step_time_ms"):
+            if key in means:
+                tf.summary.scalar(f"train/{key}", means[key])
+        tf.summary.scalar("train/learning_rate", learning_rate)
+
+
+def _write_epoch_summaries(writer, model, test, show_images, tcfg, step):
+    outputs = model(show_images, training=False)  # no labels: masked by the prediction, as at test time
+    with writer.as_default(step=step):
+        for key in ("loss", "margin_loss", "reconstruction_loss", "accuracy", "images_per_sec"):
+            tf.summary.scalar(f"test/{key}", test[key])
+        n = tcfg["histogram_examples"]
+        # The coupling coefficients after the last routing iteration and the class scores.
+        tf.summary.histogram("routing/c_ij", outputs["c_ij"][:n])
+        tf.summary.histogram("capsules/lengths", outputs["lengths"][:n])
+        if "reconstructions" in outputs:
+            n = tcfg["num_images"]
+            tf.summary.image("reconstructions/inputs_over_reconstructions",
+                             image_grid(show_images[:n], outputs["reconstructions"][:n]), max_outputs=1)
+    writer.flush()
+
+
+def _check_same_model(run_dir, model_cfg):
+    """Resuming with another architecture would fail deep in the restore; say what differs."""
+    saved_path = run_dir / "config.yaml"
+    if not saved_path.is_file():
+        return
+    saved = (yaml.safe_load(saved_path.read_text()) or {}).get("model") or {}
+    differences = _model_differences(dict(saved), dict(model_cfg))
+    if differences:
+        raise CheckpointError(f"run dir {run_dir} was trained with another model config "
+                              f"({'; '.join(differences)}): use a new hydra.run.dir or the same model.* values")
+
+
+# --------------------------------------------------------------------------- train
+
+def train(cfg):
+    """Train (or resume) the run in cfg["run_dir"]; returns the final metrics (also metrics.json)."""
+    # ---- config and setup
+    _check_config(cfg)
+    model_cfg, data_cfg, tcfg = dict(cfg["model"]), dict(cfg["data"]), dict(cfg["train"])
+    run_dir = Path(cfg["run_dir"]).expanduser().resolve()
+    seed, custom_op = int(cfg["seed"]), bool(cfg["custom_op"])
+    if data_cfg.get("dir") is not None:
+        # Absolute, so evaluate.py finds the data from any working directory.
+        data_cfg["dir"] = str(Path(data_cfg["dir"]).expanduser().resolve())
+    if cfg.get("deterministic"):
+        tf.config.experimental.enable_op_determinism()
+    keras.utils.set_random_seed(seed)  # Python, NumPy and TF seeds: the initial weights
+    if custom_op:
+        check_op_library()
+
+    # ---- data (uint8 in memory; make_dataset scales, shuffles and shifts per (seed, epoch))
+    train_images, train_labels = load_split(data_cfg["name"], "train", data_dir=data_cfg.get("dir"),
+                                            limit=data_cfg.get("limit_train"))
+    test_images, test_labels = load_split(data_cfg["name"], "test", data_dir=data_cfg.get("dir"),
+                                          limit=data_cfg.get("limit_test"))
+    check_labels(train_labels, train_images, model_cfg=model_cfg, split=f"{data_cfg['name']} train")
+    check_labels(test_labels, test_images, model_cfg=model_cfg, split=f"{data_cfg['name']} test")
+    batch_size = int(tcfg["batch_size"])
+    steps_per_epoch = math.ceil(len(train_labels) / batch_size)
+    test_ds = make_dataset(test_images, test_labels, batch_size=batch_size, training=False)
+    # A fixed set of test images for the reconstruction grid and the histograms, every epoch.
+    n_show = min(len(test_labels), max(tcfg["num_images"], tcfg["histogram_examples"]))
+    show_images, _ = next(iter(make_dataset(
+        test_images[:n_show], test_labels[:n_show], batch_size=n_show, training=False)))
+
+    # ---- model, optimizer, checkpoints (new or resumed)
+    model = build_capsnet(model_cfg, custom_op)
+    decay_steps = tcfg["lr_decay_steps"] or steps_per_epoch  # null: decay once per epoch
+    schedule = learning_rate_schedule(tcfg["learning_rate"], tcfg["lr_decay_rate"], decay_steps,
+                                      bool(tcfg["lr_staircase"]))
+    optimizer = keras.optimizers.Adam(learning_rate=schedule)
+    # Adam's moments exist only after build; create them now so a restore fills them
+    # in place instead of being deferred to the first step.
+    optimizer.build(model.trainable_variables)
+    epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")  # epochs done
+    best_accuracy = tf.Variable(-1.0, dtype=tf.float64, trainable=False, name="best_accuracy")
+    checkpoint = tf.train.Checkpoint(model=checkpoint_weights(model), optimizer=optimizer, epoch=epoch,
+                                     best_accuracy=best_accuracy)
+    latest = tf.train.CheckpointManager(checkpoint, str(run_dir / "checkpoints" / "latest"),
+                                        max_to_keep=tcfg["keep_checkpoints"])
+    best = tf.train.CheckpointManager(checkpoint, str(run_dir / "checkpoints" / "best"), max_to_keep=1)
+    history_path = run_dir / "history.jsonl"
+    resumed_from = latest.latest_checkpoint
+    if resumed_from:
+        _check_same_model(run_dir, model_cfg)
+        try:
+            checkpoint.restore(resumed_from).assert_existing_objects_matched()
+        except (tf.errors.OpError, ValueError, AssertionError) as exc:
+            raise CheckpointError(f"cannot resume from {resumed_from}: "
+                                  f"{str(exc).strip().splitlines()[0]}") from exc
+        log.info("resumed from %s: %d of %d epochs done, step %d", resumed_from, int(epoch),
+                 tcfg["epochs"], int(optimizer.iterations))
+    history = _read_history(history_path, int(epoch))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    saved_cfg = {**cfg, "run_dir": str(run_dir), "data": data_cfg}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved_cfg, sort_keys=False))
+
+    # ---- TensorBoard: one writer per run dir, so `tensorboard --logdir outputs` lists runs side by side
+    writer = tf.summary.create_file_writer(str(run_dir))
+    if not resumed_from:
+        _write_hparams(writer, run_dir, cfg, data_cfg)
+
+    # ---- compiled steps
+    losses = loss_params(tcfg)
+    image_spec = tf.TensorSpec([None, *model_cfg["input_shape"]], tf.float32)
+
+    @tf.function(input_signature=[image_spec, tf.TensorSpec([None], tf.int32)])
+    def train_step(images, labels):
+        with tf.GradientTape() as tape:
+            # Labels mask the decoder input: reconstruct the TRUE class in training.
+            outputs = model(images, labels=labels, training=True)
+            total, margin, reconstruction = capsnet_losses(images, labels, outputs, **losses)  # (B,) each
+            loss = tf.reduce_mean(total)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        predictions = tf.argmax(outputs["lengths"], axis=-1, output_type=tf.int32)  # (B,)
+        return {
+            "loss": loss,
+            "margin_loss": tf.reduce_mean(margin),
+            "reconstruction_loss": tf.reduce_mean(reconstruction),
+            "accuracy": tf.reduce_mean(tf.cast(tf.equal(predictions, labels), tf.float32)),
+        }
+
+    eval_step = make_eval_step(model, model_cfg["input_shape"], **losses)
+    num_classes = int(model_cfg["num_classes"])
+
+    # ---- the loop
+    test = None
+    interactive = sys.stdout.isatty()
+    global_step = int(optimizer.iterations)  # counted on the host: reading the variable would wait for the device
+    for epoch_index in range(int(epoch), tcfg["epochs"]):
+        print(f"epoch {epoch_index + 1}/{tcfg['epochs']}", flush=True)
+        # Interactive: a live bar; in a log file: one line per epoch.
+        bar = keras.utils.Progbar(steps_per_epoch, verbose=1 if interactive else 2,
+                                  stateful_metrics=["loss", "accuracy", "images/s"]) if tcfg["progress_bar"] else None
+        train_ds = make_dataset(train_images, train_labels, batch_size=batch_size, training=True,
+                                seed=seed, epoch=epoch_index, shift_pixels=data_cfg["shift_pixels"])
+        epoch_window, log_window = _Window(), _Window()
+        pending = []  # (step outputs still on the device, batch size)
+        tick = time.perf_counter()
+        for step_in_epoch, (images, labels) in enumerate(train_ds):
+            pending.append((train_step(images, labels), int(labels.shape[0])))
+            global_step += 1
+            log_now = global_step % tcfg["log_every_steps"] == 0
+            last = step_in_epoch + 1 == steps_per_epoch
+            if not (step_in_epoch == 0 or log_now or last or time.perf_counter() - tick > 1.0):
+                continue  # no fetch: the host queues the next step while the device runs this one
+            # Fetching the values waits for the device, so the clock now measures finished
+            # steps. That happens after the epoch's first step (it traces/compiles the step or
+            # refills the shuffle buffer: left out of images/s and step time), at log steps,
+            # at the epoch's end and about once a second; not every step, which would make
+            # the device idle while the host dispatches the next one.
+            fetched = [({k: float(v) for k, v in out.items()}, batch) for out, batch in pending]
+            now = time.perf_counter()
+            for window in (epoch_window, log_window):
+                for values, batch in fetched:
+                    window.add(values, batch)
+                if step_in_epoch > 0:
+                    window.add_time(len(fetched), sum(batch for _, batch in fetched), now - tick)
+            pending, tick = [], now
+            if log_now:
+                # The LR of the next update: the schedule at the step counter.
+                _write_train_scalars(writer, log_window, schedule(global_step), global_step)
+                log_window = _Window()
+            if bar is not None:
+                means = epoch_window.means()
+                bar.update(step_in_epoch + 1, [("loss", means["loss"]), ("accuracy", means["accuracy"]),
+                                               ("images/s", means.get("images_per_sec", float("nan")))])
+        assert not pending, "the last step of an epoch is always fetched"
+        if log_window.examples:
+            _write_train_scalars(writer, log_window, schedule(global_step), global_step)
+        train_means = epoch_window.means()
+
+        # Test pass, images and histograms; then the checkpoint: it marks the epoch done.
+        test = evaluate_model(eval_step, test_ds, num_classes)
+        _write_epoch_summaries(writer, model, test, show_images, tcfg, global_step)
+        epoch.assign(epoch_index + 1)
+        is_best = test["accuracy"] > float(best_accuracy)
+        if is_best:
+            best_accuracy.assign(test["accuracy"])
+        latest.save(checkpoint_number=epoch_index + 1)
+        if is_best:
+            best.save(checkpoint_number=epoch_index + 1)
+        entry = {"epoch": epoch_index + 1, "global_step": global_step,
+                 "learning_rate": float(schedule(global_step)),
+                 **{f"train_{k}": v for k, v in train_means.items()},
+                 **{f"test_{k}": test[k] for k in ("loss", "margin_loss", "reconstruction_loss", "accuracy",
+                                                   "images_per_sec")}}
+        history.append(entry)
+        with history_path.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+        print(f"epoch {epoch_index + 1}: train loss {train_means['loss']:.4f} acc {train_means['accuracy']:.4f}"
+              f" | test loss {test['loss']:.4f} acc {test['accuracy']:.4f}"
+              f"{' (best)' if is_best else ''}", flush=True)
+
+    # ---- final metrics
+    if test is None:
+        # Nothing left to train (a finished run rerun): measure the checkpoint as it is.
+        test = evaluate_model(eval_step, test_ds, num_classes)
+    train_speeds = [h["train_images_per_sec"] for h in history if "train_images_per_sec" in h]
+    best_epoch = max(history, key=lambda h: h["test_accuracy"])["epoch"] if history else None
+    metrics = {
+        "test_accuracy": test["accuracy"],
+        "test_loss": test["loss"],
+        "test_margin_loss": test["margin_loss"],
+        "test_reconstruction_loss": test["reconstruction_loss"],
+        "test_per_class_accuracy": test["per_class_accuracy"],
+        "train_loss": history[-1]["train_loss"] if history else None,
+        "train_accuracy": history[-1]["train_accuracy"] if history else None,
+        "images_per_sec": float(np.mean(train_speeds)) if train_speeds else None,
+        "test_images_per_sec": test["images_per_sec"],
+        "best_test_accuracy": float(best_accuracy),
+        "best_epoch": best_epoch,
+        "epochs": int(epoch),
+        "global_step": int(optimizer.iterations),
+        "resumed_from": resumed_from,
+        "run_dir": str(run_dir),
+        "history": history,
+    }
+    writer.close()
+    (run_dir / "metrics.json").write_text(json.dumps(json_safe(metrics), indent=2) + "\n")
+    return metrics

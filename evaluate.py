@@ -1,0 +1,37 @@
+"""Evaluate a checkpoint on the test split: `python evaluate.py checkpoint=<run dir or checkpoint path>`.
+
+Prints a table (accuracy, per-class accuracy, confusion matrix) and, as the LAST line
+of stdout, one JSON object with accuracy, loss, images_per_sec, per_class_accuracy,
+confusion_matrix, ...; the same JSON is written next to the checkpoint
+(`<checkpoint>.eval.json`). Keys: configs/eval.yaml.
+
+Examples:
+    python evaluate.py checkpoint=outputs/2025-01-01/12-00-00              # the run's best checkpoint
+    python evaluate.py checkpoint=outputs/2025-01-01/12-00-00 which=latest custom_op=true
+    python evaluate.py checkpoint=outputs/.../checkpoints/latest/ckpt-3 data.dir=../shared/data/mnist
+"""
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from capsnet import cli
+from capsnet.errors import ConfigError
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="eval")
+@cli.reports_user_errors
+def main(cfg: DictConfig):
+    if OmegaConf.is_missing(cfg, "checkpoint"):
+        raise ConfigError("checkpoint=... is required: a run dir (outputs/<date>/<time>) or a checkpoint path")
+    cfg = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    cli.import_tensorflow_quietly()
+    from capsnet.evaluation import evaluate, format_report, to_json_line
+
+    report = evaluate(cfg["checkpoint"], which=cfg["which"], data_name=cfg["data"]["name"],
+                      data_dir=cfg["data"]["dir"], limit_test=cfg["data"]["limit_test"],
+                      custom_op=cfg["custom_op"], batch_size=cfg["batch_size"], output=cfg["output"])
+    print(format_report(report))
+    print(to_json_line(report), flush=True)  # the last line: machine-readable
+
+
+if __name__ == "__main__":
+    cli.run(main)

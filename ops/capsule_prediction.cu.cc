@@ -1,0 +1,767 @@
+// CUDA kernels and launchers of the capsule prediction op (see capsule_prediction.h
+// for the math and the row view r = j * out_dim + d used throughout).
+//
+// Free of TensorFlow: built by scripts/build_ops.py into the op library and, with
+// ops/sanitize_driver.cu, into a standalone program for compute-sanitizer.
+//
+// Design (memory bound: u_hat is ~20x larger than u and W at the paper shape):
+// - Tiled kernels: a block owns `cpb` whole input capsules (all their JD rows)
+//   and a chunk of the batch. Each thread owns VEC consecutive rows of one
+//   capsule, keeps W[rows, :] in registers for the whole batch chunk, and per
+//   batch row moves one VEC-wide vector of u_hat / grad: a warp touches 32
+//   consecutive vectors (512 bytes for float4), so global traffic is fully
+//   coalesced and every u_hat / grad byte crosses HBM once. u[b, capsule, :]
+//   (shared by all JD/VEC threads of a capsule) is staged in shared memory,
+//   zero-padded to KMAX so the inner loops need no bounds checks.
+// - Backward is one kernel: per batch row a thread reads its grad vector once
+//   and (a) accumulates grad_W for its rows in registers over the batch,
+//   (b) writes its share of grad_u[b, i, :] to shared memory, which the block
+//   then sums over the capsule's threads in a fixed order. A block owns its
+//   capsules, so grad_W needs no atomics; when the shape has too few capsule
+//   tiles to fill the GPU the batch is split into chunks whose grad_W partials
+//   a second kernel sums in chunk order. The chunking depends on the shape only,
+//   so results are bitwise reproducible (also across GPU models).
+// - Generic kernels (one thread per output element) cover in_dim > 16 and
+//   capsules with more vectors than a tiled block has threads (JD > 1024-2048).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <tuple>
+#include <utility>
+
+#include "capsule_prediction.h"
+
+namespace capsnet {
+namespace {
+
+// Accumulation type: 16-bit types accumulate in float.
+template <typename T>
+struct AccOf {
+  using type = T;
+};
+template <>
+struct AccOf<half_t> {
+  using type = float;
+};
+template <>
+struct AccOf<bfloat16_t> {
+  using type = float;
+};
+template <typename T>
+using Acc = typename AccOf<T>::type;
+
+// Widest vector (elements) for a 16-byte-or-less access; 16-bit types stop at 4
+// (8 bytes) to bound the W registers (VEC * KMAX floats per thread).
+template <typename T>
+constexpr int MaxVec() {
+  return sizeof(T) == 8 ? 2 : 4;
+}
+
+__device__ __forceinline__ float ToAcc(float x) { return x; }
+__device__ __forceinline__ double ToAcc(double x) { return x; }
+__device__ __forceinline__ float ToAcc(half_t x) {
+  return __half2float(__ushort_as_half(x.bits));
+}
+__device__ __forceinline__ float ToAcc(bfloat16_t x) {
+  return __bfloat162float(__ushort_as_bfloat16(x.bits));
+}
+
+template <typename T>
+__device__ __forceinline__ T FromAcc(Acc<T> x);
+template <>
+__device__ __forceinline__ float FromAcc<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ double FromAcc<double>(double x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ half_t FromAcc<half_t>(float x) {
+  return half_t{__half_as_ushort(__float2half_rn(x))};
+}
+template <>
+__device__ __forceinline__ bfloat16_t FromAcc<bfloat16_t>(float x) {
+  return bfloat16_t{__bfloat16_as_ushort(__float2bfloat16_rn(x))};
+}
+
+// N elements moved by one load/store instruction (aligned to its size).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+// Stores one vector; CAPSNET_STREAM_STORES marks it evict-first (st.global.cs).
+template <typename T, int N>
+__device__ __forceinline__ void StoreVec(T* p, const Vec<T, N>& v) {
+#ifndef CAPSNET_NO_STREAM_STORES
+  if constexpr (sizeof(v) == 16) {
+    int4 x;
+    memcpy(&x, &v, 16);
+    __stcs(reinterpret_cast<int4*>(p), x);
+  } else if constexpr (sizeof(v) == 8) {
+    int2 x;
+    memcpy(&x, &v, 8);
+    __stcs(reinterpret_cast<int2*>(p), x);
+  } else {
+    *reinterpret_cast<Vec<T, N>*>(p) = v;
+  }
+#else
+  *reinterpret_cast<Vec<T, N>*>(p) = v;
+#endif
+}
+
+// Loads W[row, 0:in_dim] (zero-padded to KMAX) as Acc. When in_dim == KMAX the
+// row is 16-byte aligned (rows start at multiples of KMAX elements) and moves
+// in 16-byte vectors.
+template <typename T, int KMAX>
+__device__ __forceinline__ void LoadRow(const T* __restrict__ p, int in_dim,
+                                        bool active, Acc<T> (&out)[KMAX]) {
+  constexpr int kPer16 = 16 / sizeof(T);
+  if constexpr (KMAX % kPer16 == 0) {
+    if (active && in_dim == KMAX) {
+#pragma unroll
+      for (int c = 0; c < KMAX / kPer16; ++c) {
+        const Vec<T, kPer16> v = reinterpret_cast<const Vec<T, kPer16>*>(p)[c];
+#pragma unroll
+        for (int e = 0; e < kPer16; ++e) out[c * kPer16 + e] = ToAcc(v.v[e]);
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < KMAX; ++k) out[k] = (active && k < in_dim) ? ToAcc(p[k]) : Acc<T>(0);
+}
+
+// Launches with cudaLaunchKernel so the return value is this launch's status
+// (a <<<>>> launch leaves it to cudaGetLastError, which also reports older
+// errors of the thread). Arguments are converted to the kernel's parameter
+// types first so the pointers in `params` point at correctly typed values.
+template <typename... KArgs, typename... Args>
+cudaError_t Launch(void (*kernel)(KArgs...), dim3 grid, dim3 block,
+                   std::size_t smem, cudaStream_t stream, Args... args) {
+  static_assert(sizeof...(KArgs) == sizeof...(Args), "kernel argument count");
+  std::tuple<KArgs...> values(static_cast<KArgs>(args)...);
+  return std::apply(
+      [&](auto&... v) {
+        void* params[] = {const_cast<void*>(static_cast<const void*>(&v))...};
+        return cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid,
+                                block, params, smem, stream);
+      },
+      values);
+}
+
+// ---------------------------------------------------------------------------
+// Launch plan: depends on the shape (and sizeof(T)) only.
+
+// Threads per tiled block: a thread keeps VEC * KMAX values of W (and, in the
+// backward, as many grad_W sums) in registers, so big tiles get 256 threads
+// (up to 255 registers each) and small ones 512 (up to 128).
+constexpr int MaxThreadsFor(int vec, int kmax, int acc_bytes) {
+  return vec * kmax * acc_bytes >= 256 ? 256 : 512;
+}
+// Shared memory of one block; stays under the 48 KiB available without opt-in.
+constexpr int kForwardSmemBudget = 32 * 1024;
+constexpr int kGradSmemBudget = 46 * 1024;
+// Forward: split the batch until about this many blocks exist (H100/H200 have
+// 132 SMs; ~8 resident blocks each keep enough stores in flight).
+#ifndef CAPSNET_FWD_TARGET_BLOCKS
+#define CAPSNET_FWD_TARGET_BLOCKS 288
+#endif
+constexpr int64 kForwardTargetBlocks = CAPSNET_FWD_TARGET_BLOCKS;
+// Backward: split the batch (paying a partials round trip) only below this
+// many capsule tiles.
+#ifndef CAPSNET_GRAD_MIN_TILES
+#define CAPSNET_GRAD_MIN_TILES 256
+#endif
+constexpr int64 kGradMinTiles = CAPSNET_GRAD_MIN_TILES;
+constexpr int64 kGradMinChunk = 16;
+// Batch rows per stage; the backward holds a stage's grad vectors in registers
+// (kStage loads in flight per thread hide the HBM latency).
+constexpr int kStage = 8;
+// u elements per thread prefetched in registers; a tile needing more loads the
+// rest synchronously (only shapes with tiny JD).
+constexpr int kUPrefetch = 2;
+
+constexpr int kGenericThreads = 256;
+constexpr int64 kGenericMaxBlocks = 8192;
+
+struct Plan {
+  bool tiled = false;
+  int vec = 1;    // rows per thread
+  int kmax = 4;   // in_dim padded up to 4, 8 or 16
+  int qpc = 1;    // threads per capsule = JD / vec
+  int cpb = 1;    // capsules per block
+  int threads = 1;
+  int64 tiles = 0;     // blocks along in_caps
+  int64 b_chunk = 0;   // batch rows per block
+  int64 chunks = 1;    // blocks along the batch
+  int red_b = 1;       // backward: batch rows per grad_u reduction
+  int red_stride = 1;  // padded row of the grad_u reduction buffer (odd)
+  std::size_t smem = 0;
+};
+
+int64 CeilDiv(int64 a, int64 b) { return (a + b - 1) / b; }
+
+// The tile geometry shared by forward and backward; plan.tiled = false if the
+// shape needs the generic kernels.
+template <typename T>
+Plan TileGeometry(const CapsuleDims& d, int max_vec = MaxVec<T>()) {
+  Plan p;
+  const int64 jd = d.rows_per_cap();
+  if (d.in_dim > 16) return p;
+  p.kmax = d.in_dim <= 4 ? 4 : (d.in_dim <= 8 ? 8 : 16);
+  p.vec = 1;
+  for (int v = max_vec; v > 1; v /= 2) {
+    if (jd % v == 0) {
+      p.vec = v;
+      break;
+    }
+  }
+  const int64 qpc = jd / p.vec;
+  const int max_threads = MaxThreadsFor(p.vec, p.kmax, sizeof(Acc<T>));
+  if (qpc > max_threads) return p;
+  p.qpc = static_cast<int>(qpc);
+  // Capsules per block: whole warps (no idle lanes) and 128-256 threads when
+  // possible; never more capsules than exist.
+  double best = 1e30;
+  // The forward double-buffers kStage batch rows of the u tile in shared memory.
+  const int64 smem_cap = kForwardSmemBudget / (2 * kStage * p.kmax * sizeof(Acc<T>));
+  const int64 max_cpb = std::min<int64>({max_threads / qpc, smem_cap,
+                                         std::max<int64>(d.in_caps, 1)});
+  if (max_cpb < 1) return p;
+  for (int64 t = 1; t <= max_cpb; ++t) {
+    const int64 threads = t * qpc;
+    const int64 padded = CeilDiv(threads, 32) * 32;
+    double score = 4.0 * (padded - threads) / padded;
+#ifndef CAPSNET_THREADS_LO
+#define CAPSNET_THREADS_LO 64
+#define CAPSNET_THREADS_HI 128
+#endif
+    if (threads < CAPSNET_THREADS_LO) score += (CAPSNET_THREADS_LO - threads) / double(CAPSNET_THREADS_LO);
+    if (threads > CAPSNET_THREADS_HI) score += (threads - double(CAPSNET_THREADS_HI)) / CAPSNET_THREADS_HI;
+    if (score < best) {
+      best = score;
+      p.cpb = static_cast<int>(t);
+    }
+  }
+  p.threads = p.cpb * p.qpc;
+  p.tiles = CeilDiv(d.in_caps, p.cpb);
+  p.tiled = true;
+  return p;
+}
+
+template <typename T>
+Plan ForwardPlan(const CapsuleDims& d) {
+#ifdef CAPSNET_FWD_MAXVEC
+  Plan p = TileGeometry<T>(d, CAPSNET_FWD_MAXVEC);
+#else
+  Plan p = TileGeometry<T>(d);
+#endif
+  if (!p.tiled) return p;
+  const int64 want = std::max<int64>(1, CeilDiv(kForwardTargetBlocks, p.tiles));
+  const int64 chunks = std::min<int64>({want, CeilDiv(d.batch, 8), 65535});
+  p.b_chunk = CeilDiv(d.batch, std::max<int64>(chunks, 1));
+  p.chunks = CeilDiv(d.batch, p.b_chunk);
+  p.smem = static_cast<std::size_t>(2 * kStage * p.cpb * p.kmax * sizeof(Acc<T>));
+  return p;
+}
+
+template <typename T>
+Plan GradPlan(const CapsuleDims& d) {
+  Plan p = TileGeometry<T>(d);
+  if (!p.tiled) return p;
+  p.red_stride = p.qpc % 2 == 0 ? p.qpc + 1 : p.qpc;  // odd: no bank conflicts
+  const int64 su_bytes = static_cast<int64>(kStage) * p.cpb * p.kmax * sizeof(Acc<T>);
+  const int64 per_b = static_cast<int64>(p.cpb) * p.kmax * p.red_stride * sizeof(Acc<T>);
+  p.red_b = static_cast<int>(std::min<int64>((kGradSmemBudget - su_bytes) / per_b, kStage));
+  if (p.red_b < 1) {  // a single batch row does not fit
+    p.tiled = false;
+    return p;
+  }
+  p.smem = static_cast<std::size_t>(su_bytes + p.red_b * per_b);
+  int64 chunks = 1;
+  if (p.tiles < kGradMinTiles) {
+    chunks = std::min<int64>({CeilDiv(kGradMinTiles, p.tiles),
+                              CeilDiv(d.batch, kGradMinChunk), 65535});
+    chunks = std::max<int64>(chunks, 1);
+  }
+  p.b_chunk = CeilDiv(d.batch, chunks);
+  p.chunks = CeilDiv(d.batch, p.b_chunk);
+  return p;
+}
+
+// ---------------------------------------------------------------------------
+// Tiled kernels. Grid (tiles, chunks), block plan.threads, dynamic shared
+// memory plan.smem. Batch rows are processed in stages of kStage rows; the
+// u rows of a stage go through shared memory.
+
+// u[b0:b0+nb, i0:i0+cpb, :] as a stage of the shared u tile, laid out
+// [kStage][cpb][KMAX] and zero-padded past in_dim, the last capsule and nb, so
+// the inner loops need no bounds checks. Element x of the tile lives at
+// su[x]; thread t handles x = t + m * blockDim.x.
+template <typename T, int KMAX>
+struct UTile {
+  const T* __restrict__ u;
+  int64 in_caps;
+  int64 i0;
+  int in_dim;
+  int ncaps;
+  int cpb;
+
+  __device__ __forceinline__ int size() const { return kStage * cpb * KMAX; }
+
+  __device__ __forceinline__ Acc<T> Load(int x, int64 b0, int nb) const {
+    const int tile = cpb * KMAX;
+    const int bb = x / tile;
+    const int rem = x - bb * tile;
+    const int c = rem / KMAX;
+    const int k = rem % KMAX;
+    if (bb < nb && c < ncaps && k < in_dim) {
+      return ToAcc(u[((b0 + bb) * in_caps + i0 + c) * in_dim + k]);
+    }
+    return Acc<T>(0);
+  }
+  // Issues this thread's first kUPrefetch loads of a stage into registers.
+  __device__ __forceinline__ void Prefetch(Acc<T> (&regs)[kUPrefetch], int64 b0,
+                                           int nb) const {
+#pragma unroll
+    for (int m = 0; m < kUPrefetch; ++m) {
+      const int x = threadIdx.x + m * blockDim.x;
+      regs[m] = x < size() ? Load(x, b0, nb) : Acc<T>(0);
+    }
+  }
+  // Writes the prefetched registers (and loads any remainder) into `su`.
+  __device__ __forceinline__ void Commit(const Acc<T> (&regs)[kUPrefetch],
+                                         Acc<T>* su, int64 b0, int nb) const {
+#pragma unroll
+    for (int m = 0; m < kUPrefetch; ++m) {
+      const int x = threadIdx.x + m * blockDim.x;
+      if (x < size()) su[x] = regs[m];
+    }
+    for (int x = threadIdx.x + kUPrefetch * blockDim.x; x < size(); x += blockDim.x) {
+      su[x] = Load(x, b0, nb);
+    }
+  }
+};
+
+template <typename T, int VEC, int KMAX>
+__global__ void __launch_bounds__(MaxThreadsFor(VEC, KMAX, sizeof(Acc<T>)))
+    ForwardTiledKernel(const T* __restrict__ u, const T* __restrict__ W,
+                       T* __restrict__ u_hat, int64 batch, int64 in_caps,
+                       int in_dim, int jd, int cpb, int64 b_chunk) {
+  using A = Acc<T>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  A* su = reinterpret_cast<A*>(smem_raw);  // 2 stages, double-buffered
+
+  const int qpc = jd / VEC;
+  const int cap = threadIdx.x / qpc;  // this thread's capsule in the tile
+  const int q = threadIdx.x - cap * qpc;
+  const int64 i0 = static_cast<int64>(blockIdx.x) * cpb;
+  const int ncaps = static_cast<int>(min(static_cast<int64>(cpb), in_caps - i0));
+  const bool active = cap < ncaps;
+  const int64 rows = in_caps * jd;
+  const int64 row = (i0 + cap) * jd + static_cast<int64>(q) * VEC;
+  const UTile<T, KMAX> tile{u, in_caps, i0, in_dim, ncaps, cpb};
+  const int stage_elems = tile.size();
+
+  const int64 b_begin = static_cast<int64>(blockIdx.y) * b_chunk;
+  const int64 b_end = min(batch, b_begin + b_chunk);
+  A upre[kUPrefetch];
+  tile.Prefetch(upre, b_begin, static_cast<int>(min(static_cast<int64>(kStage), b_end - b_begin)));
+
+  // W[row:row+VEC, :] stays in registers for the whole batch chunk.
+  A w[VEC][KMAX];
+#pragma unroll
+  for (int n = 0; n < VEC; ++n) LoadRow<T, KMAX>(W + (row + n) * in_dim, in_dim, active, w[n]);
+  tile.Commit(upre, su, b_begin, static_cast<int>(min(static_cast<int64>(kStage), b_end - b_begin)));
+
+  int buf = 0;
+  for (int64 b0 = b_begin; b0 < b_end; b0 += kStage, buf ^= 1) {
+    const int nb = static_cast<int>(min(static_cast<int64>(kStage), b_end - b0));
+    const int64 b_next = b0 + kStage;
+    const int nb_next = static_cast<int>(max(int64(0), min(static_cast<int64>(kStage), b_end - b_next)));
+    // The next stage's u loads fly while this stage's stores are issued.
+    if (nb_next > 0) tile.Prefetch(upre, b_next, nb_next);
+    __syncthreads();  // su[buf] is complete
+    if (active) {
+      const A* ucap = su + buf * stage_elems + cap * KMAX;
+      T* out = u_hat + b0 * rows + row;
+#pragma unroll 2
+      for (int bb = 0; bb < nb; ++bb) {
+        A uk[KMAX];
+#pragma unroll
+        for (int k = 0; k < KMAX; ++k) uk[k] = ucap[bb * cpb * KMAX + k];
+        Vec<T, VEC> o;
+#pragma unroll
+        for (int n = 0; n < VEC; ++n) {
+          A s = A(0);
+#pragma unroll
+          for (int k = 0; k < KMAX; ++k) s = fma(w[n][k], uk[k], s);
+          o.v[n] = FromAcc<T>(s);
+        }
+        StoreVec<T, VEC>(out + bb * rows, o);
+      }
+    }
+    // su[buf ^ 1] was last read in the previous stage, before this stage's
+    // barrier, so it can be refilled now.
+    if (nb_next > 0) tile.Commit(upre, su + (buf ^ 1) * stage_elems, b_next, nb_next);
+  }
+}
+
+template <typename T, int VEC, int KMAX>
+__global__ void __launch_bounds__(MaxThreadsFor(VEC, KMAX, sizeof(Acc<T>)))
+    GradTiledKernel(const T* __restrict__ grad, const T* __restrict__ u,
+                    const T* __restrict__ W, T* __restrict__ grad_u,
+                    T* __restrict__ grad_W, Acc<T>* __restrict__ partials,
+                    int64 batch, int64 in_caps, int in_dim, int jd, int cpb,
+                    int64 b_chunk, int red_b, int red_stride) {
+  using A = Acc<T>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  A* su = reinterpret_cast<A*>(smem_raw);  // one stage of u
+  // Per-thread shares of grad_u for red_b batch rows:
+  // red[((bb * cpb + c) * KMAX + k) * red_stride + q].
+  A* red = su + kStage * cpb * KMAX;
+
+  const int qpc = jd / VEC;
+  const int cap = threadIdx.x / qpc;
+  const int q = threadIdx.x - cap * qpc;
+  const int64 i0 = static_cast<int64>(blockIdx.x) * cpb;
+  const int ncaps = static_cast<int>(min(static_cast<int64>(cpb), in_caps - i0));
+  const bool active = cap < ncaps;
+  const int64 rows = in_caps * jd;
+  const int64 row = (i0 + cap) * jd + static_cast<int64>(q) * VEC;
+  const UTile<T, KMAX> tile{u, in_caps, i0, in_dim, ncaps, cpb};
+
+  A w[VEC][KMAX];
+  A gw[VEC][KMAX];  // grad_W[row:row+VEC, :] summed over this block's batch
+#pragma unroll
+  for (int n = 0; n < VEC; ++n) {
+    LoadRow<T, KMAX>(W + (row + n) * in_dim, in_dim, active, w[n]);
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) gw[n][k] = A(0);
+  }
+
+  const int64 b_begin = static_cast<int64>(blockIdx.y) * b_chunk;
+  const int64 b_end = min(batch, b_begin + b_chunk);
+  A* my_red = red + static_cast<int64>(cap) * KMAX * red_stride + q;
+  for (int64 b0 = b_begin; b0 < b_end; b0 += kStage) {
+    const int nb = static_cast<int>(min(static_cast<int64>(kStage), b_end - b0));
+    // All loads of the stage are issued before the first use.
+    Vec<T, VEC> gv[kStage];
+    const T* gp = grad + b0 * rows + row;
+#pragma unroll
+    for (int bb = 0; bb < kStage; ++bb) {
+      if (active && bb < nb) gv[bb] = *reinterpret_cast<const Vec<T, VEC>*>(gp + bb * rows);
+    }
+    A upre[kUPrefetch];
+    tile.Prefetch(upre, b0, nb);
+    __syncthreads();  // the previous stage's su and red reads are done
+    tile.Commit(upre, su, b0, nb);
+    __syncthreads();
+    for (int sb = 0; sb < nb; sb += red_b) {
+      const int se = min(nb, sb + red_b);
+      if (active) {
+        // Fully unrolled with a predicate so gv stays in registers.
+#pragma unroll
+        for (int bb = 0; bb < kStage; ++bb) {
+          if (bb < sb || bb >= se) continue;
+          A gf[VEC];
+#pragma unroll
+          for (int n = 0; n < VEC; ++n) gf[n] = ToAcc(gv[bb].v[n]);
+          const A* ub = su + (bb * cpb + cap) * KMAX;
+          A uk[KMAX];
+#pragma unroll
+          for (int k = 0; k < KMAX; ++k) uk[k] = ub[k];
+#pragma unroll
+          for (int n = 0; n < VEC; ++n) {
+#pragma unroll
+            for (int k = 0; k < KMAX; ++k) gw[n][k] = fma(gf[n], uk[k], gw[n][k]);
+          }
+          A* dst = my_red + static_cast<int64>(bb - sb) * cpb * KMAX * red_stride;
+#pragma unroll
+          for (int k = 0; k < KMAX; ++k) {
+            A part = A(0);
+#pragma unroll
+            for (int n = 0; n < VEC; ++n) part = fma(w[n][k], gf[n], part);
+            dst[k * red_stride] = part;
+          }
+        }
+      }
+      __syncthreads();
+      // grad_u[b, i0 + c, k] = sum over the capsule's qpc threads, in order.
+      const int nout = (se - sb) * cpb * KMAX;
+      for (int o = threadIdx.x; o < nout; o += blockDim.x) {
+        const int k = o % KMAX;
+        const int bc = o / KMAX;
+        const int c = bc % cpb;
+        const int bb = sb + bc / cpb;
+        if (c >= ncaps || k >= in_dim) continue;
+        const A* src = red + static_cast<int64>(o) * red_stride;
+        A s0 = A(0), s1 = A(0);
+        int t = 0;
+        for (; t + 1 < qpc; t += 2) {
+          s0 += src[t];
+          s1 += src[t + 1];
+        }
+        if (t < qpc) s0 += src[t];
+        grad_u[((b0 + bb) * in_caps + i0 + c) * in_dim + k] = FromAcc<T>(s0 + s1);
+      }
+      if (se < nb) __syncthreads();  // red is reused by the next sub-stage
+    }
+  }
+
+  if (!active) return;
+  if (partials == nullptr) {
+#pragma unroll
+    for (int n = 0; n < VEC; ++n) {
+#pragma unroll
+      for (int k = 0; k < KMAX; ++k) {
+        if (k < in_dim) grad_W[(row + n) * in_dim + k] = FromAcc<T>(gw[n][k]);
+      }
+    }
+  } else {
+    A* dst = partials + static_cast<int64>(blockIdx.y) * rows * in_dim;
+#pragma unroll
+    for (int n = 0; n < VEC; ++n) {
+#pragma unroll
+      for (int k = 0; k < KMAX; ++k) {
+        if (k < in_dim) dst[(row + n) * in_dim + k] = gw[n][k];
+      }
+    }
+  }
+}
+
+// grad_W[x] = sum over chunks c (in order) of partials[c][x].
+template <typename T>
+__global__ void ReducePartialsKernel(const Acc<T>* __restrict__ partials,
+                                     T* __restrict__ grad_W, int64 n,
+                                     int64 chunks) {
+  for (int64 x = static_cast<int64>(blockIdx.x) * blockDim.x + threadIdx.x;
+       x < n; x += static_cast<int64>(blockDim.x) * gridDim.x) {
+    Acc<T> s = Acc<T>(0);
+    for (int64 c = 0; c < chunks; ++c) s += partials[c * n + x];
+    grad_W[x] = FromAcc<T>(s);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Generic kernels: one thread per output element, grid-stride, 64-bit indices.
+
+template <typename T>
+__global__ void ForwardGenericKernel(const T* __restrict__ u,
+                                     const T* __restrict__ W,
+                                     T* __restrict__ u_hat, int64 batch,
+                                     int64 in_caps, int64 in_dim, int64 jd) {
+  const int64 rows = in_caps * jd;
+  const int64 total = batch * rows;
+  for (int64 x = static_cast<int64>(blockIdx.x) * blockDim.x + threadIdx.x;
+       x < total; x += static_cast<int64>(blockDim.x) * gridDim.x) {
+    const int64 b = x / rows;
+    const int64 r = x - b * rows;
+    const T* wr = W + r * in_dim;
+    const T* ub = u + (b * in_caps + r / jd) * in_dim;
+    Acc<T> s = Acc<T>(0);
+    for (int64 k = 0; k < in_dim; ++k) s = fma(ToAcc(wr[k]), ToAcc(ub[k]), s);
+    u_hat[x] = FromAcc<T>(s);
+  }
+}
+
+template <typename T>
+__global__ void GradUGenericKernel(const T* __restrict__ grad,
+                                   const T* __restrict__ W,
+                                   T* __restrict__ grad_u, int64 batch,
+                                   int64 in_caps, int64 in_dim, int64 jd) {
+  const int64 rows = in_caps * jd;
+  const int64 total = batch * in_caps * in_dim;
+  for (int64 x = static_cast<int64>(blockIdx.x) * blockDim.x + threadIdx.x;
+       x < total; x += static_cast<int64>(blockDim.x) * gridDim.x) {
+    const int64 k = x % in_dim;
+    const int64 bi = x / in_dim;
+    const int64 i = bi % in_caps;
+    const int64 b = bi / in_caps;
+    const T* g = grad + b * rows + i * jd;
+    const T* wc = W + i * jd * in_dim + k;
+    Acc<T> s = Acc<T>(0);
+    for (int64 r = 0; r < jd; ++r) s = fma(ToAcc(wc[r * in_dim]), ToAcc(g[r]), s);
+    grad_u[x] = FromAcc<T>(s);
+  }
+}
+
+template <typename T>
+__global__ void GradWGenericKernel(const T* __restrict__ grad,
+                                   const T* __restrict__ u,
+                                   T* __restrict__ grad_W, int64 batch,
+                                   int64 in_caps, int64 in_dim, int64 jd) {
+  const int64 rows = in_caps * jd;
+  const int64 total = rows * in_dim;
+  for (int64 x = static_cast<int64>(blockIdx.x) * blockDim.x + threadIdx.x;
+       x < total; x += static_cast<int64>(blockDim.x) * gridDim.x) {
+    const int64 k = x % in_dim;
+    const int64 r = x / in_dim;
+    const T* uc = u + (r / jd) * in_dim + k;
+    Acc<T> s = Acc<T>(0);
+    for (int64 b = 0; b < batch; ++b) {
+      s = fma(ToAcc(grad[b * rows + r]), ToAcc(uc[b * in_caps * in_dim]), s);
+    }
+    grad_W[x] = FromAcc<T>(s);
+  }
+}
+
+dim3 GenericGrid(int64 total) {
+  return dim3(static_cast<unsigned>(
+      std::clamp<int64>(CeilDiv(total, kGenericThreads), 1, kGenericMaxBlocks)));
+}
+
+// ---------------------------------------------------------------------------
+// Dispatch of the (VEC, KMAX) template instances.
+
+template <typename T, int VEC, int KMAX>
+cudaError_t LaunchForwardTiled(const T* u, const T* W, T* u_hat,
+                               const CapsuleDims& d, const Plan& p,
+                               cudaStream_t stream) {
+  if constexpr (VEC > MaxVec<T>()) {
+    return cudaErrorInvalidValue;  // never planned
+  } else {
+    return Launch(ForwardTiledKernel<T, VEC, KMAX>,
+                  dim3(static_cast<unsigned>(p.tiles), static_cast<unsigned>(p.chunks)),
+                  dim3(p.threads), p.smem, stream, u, W, u_hat, d.batch,
+                  d.in_caps, static_cast<int>(d.in_dim),
+                  static_cast<int>(d.rows_per_cap()), p.cpb, p.b_chunk);
+  }
+}
+
+template <typename T, int VEC, int KMAX>
+cudaError_t LaunchGradTiled(const T* grad, const T* u, const T* W, T* grad_u,
+                            T* grad_W, Acc<T>* partials, const CapsuleDims& d,
+                            const Plan& p, cudaStream_t stream) {
+  if constexpr (VEC > MaxVec<T>()) {
+    return cudaErrorInvalidValue;
+  } else {
+    return Launch(GradTiledKernel<T, VEC, KMAX>,
+                  dim3(static_cast<unsigned>(p.tiles), static_cast<unsigned>(p.chunks)),
+                  dim3(p.threads), p.smem, stream, grad, u, W, grad_u, grad_W,
+                  partials, d.batch, d.in_caps, static_cast<int>(d.in_dim),
+                  static_cast<int>(d.rows_per_cap()), p.cpb, p.b_chunk, p.red_b,
+                  p.red_stride);
+  }
+}
+
+// Calls f.template operator()<VEC, KMAX>() for the plan's instance.
+template <typename F>
+cudaError_t DispatchVecK(const Plan& p, F&& f) {
+#define CAPSNET_CASE(V, K) \
+  if (p.vec == V && p.kmax == K) return f(std::integral_constant<int, V>(), std::integral_constant<int, K>());
+  CAPSNET_CASE(4, 4)
+  CAPSNET_CASE(4, 8)
+  CAPSNET_CASE(4, 16)
+  CAPSNET_CASE(2, 4)
+  CAPSNET_CASE(2, 8)
+  CAPSNET_CASE(2, 16)
+  CAPSNET_CASE(1, 4)
+  CAPSNET_CASE(1, 8)
+  CAPSNET_CASE(1, 16)
+#undef CAPSNET_CASE
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+template <typename T>
+int LaunchCapsulePredictionForward(const T* u, const T* W, T* u_hat,
+                                   const CapsuleDims& d, GpuStream stream,
+                                   GpuAlgo algo) {
+  const int64 n = d.u_hat_size();
+  if (n == 0) return cudaSuccess;
+  if (d.in_dim == 0) {  // empty sum
+    return cudaMemsetAsync(u_hat, 0, n * sizeof(T), stream);
+  }
+  const Plan p = ForwardPlan<T>(d);
+  if (algo == GpuAlgo::kAuto && p.tiled) {
+    return DispatchVecK(p, [&](auto vec, auto kmax) {
+      return LaunchForwardTiled<T, decltype(vec)::value, decltype(kmax)::value>(
+          u, W, u_hat, d, p, stream);
+    });
+  }
+  return Launch(ForwardGenericKernel<T>, GenericGrid(n), dim3(kGenericThreads), 0,
+                stream, u, W, u_hat, d.batch, d.in_caps, d.in_dim,
+                d.rows_per_cap());
+}
+
+template <typename T>
+std::size_t CapsulePredictionGradWorkspaceBytes(const CapsuleDims& d,
+                                                GpuAlgo algo) {
+  if (algo != GpuAlgo::kAuto || d.u_hat_size() == 0 || d.in_dim == 0) return 0;
+  const Plan p = GradPlan<T>(d);
+  if (!p.tiled || p.chunks <= 1) return 0;
+  return static_cast<std::size_t>(p.chunks * d.w_size()) * sizeof(Acc<T>);
+}
+
+template <typename T>
+int LaunchCapsulePredictionGrad(const T* grad, const T* u, const T* W,
+                                T* grad_u, T* grad_W, void* workspace,
+                                std::size_t workspace_bytes,
+                                const CapsuleDims& d, GpuStream stream,
+                                GpuAlgo algo) {
+  if (d.u_hat_size() == 0 || d.in_dim == 0) {
+    // Empty sums: zero gradients (the batch, in_caps or the rows are empty, or
+    // in_dim is and then both gradients are empty too).
+    cudaError_t err = cudaSuccess;
+    if (d.u_size() > 0) err = cudaMemsetAsync(grad_u, 0, d.u_size() * sizeof(T), stream);
+    if (err == cudaSuccess && d.w_size() > 0) {
+      err = cudaMemsetAsync(grad_W, 0, d.w_size() * sizeof(T), stream);
+    }
+    return err;
+  }
+  const Plan p = GradPlan<T>(d);
+  if (algo == GpuAlgo::kAuto && p.tiled) {
+    Acc<T>* partials = nullptr;
+    if (p.chunks > 1) {
+      if (workspace == nullptr ||
+          workspace_bytes < CapsulePredictionGradWorkspaceBytes<T>(d, algo)) {
+        return cudaErrorInvalidValue;
+      }
+      partials = static_cast<Acc<T>*>(workspace);
+    }
+    cudaError_t err = DispatchVecK(p, [&](auto vec, auto kmax) {
+      return LaunchGradTiled<T, decltype(vec)::value, decltype(kmax)::value>(
+          grad, u, W, grad_u, grad_W, partials, d, p, stream);
+    });
+    if (err != cudaSuccess || partials == nullptr) return err;
+    const int64 n = d.w_size();
+    return Launch(ReducePartialsKernel<T>, GenericGrid(n), dim3(kGenericThreads),
+                  0, stream, partials, grad_W, n, p.chunks);
+  }
+  cudaError_t err = Launch(GradUGenericKernel<T>, GenericGrid(d.u_size()),
+                           dim3(kGenericThreads), 0, stream, grad, W, grad_u,
+                           d.batch, d.in_caps, d.in_dim, d.rows_per_cap());
+  if (err != cudaSuccess) return err;
+  return Launch(GradWGenericKernel<T>, GenericGrid(d.w_size()),
+                dim3(kGenericThreads), 0, stream, grad, u, grad_W, d.batch,
+                d.in_caps, d.in_dim, d.rows_per_cap());
+}
+
+const char* GpuErrorString(int status) {
+  return cudaGetErrorString(static_cast<cudaError_t>(status));
+}
+
+#define CAPSNET_INSTANTIATE(T)                                                  \
+  template int LaunchCapsulePredictionForward<T>(const T*, const T*, T*,        \
+                                                 const CapsuleDims&, GpuStream, \
+                                                 GpuAlgo);                      \
+  template std::size_t CapsulePredictionGradWorkspaceBytes<T>(                  \
+      const CapsuleDims&, GpuAlgo);                                             \
+  template int LaunchCapsulePredictionGrad<T>(                                  \
+      const T*, const T*, const T*, T*, T*, void*, std::size_t,                 \
+      const CapsuleDims&, GpuStream, GpuAlgo);
+
+CAPSNET_INSTANTIATE(float)
+CAPSNET_INSTANTIATE(double)
+CAPSNET_INSTANTIATE(half_t)
+CAPSNET_INSTANTIATE(bfloat16_t)
+#undef CAPSNET_INSTANTIATE
+
+}  // namespace capsnet

@@ -1,0 +1,393 @@
+// Standalone driver of the capsule prediction GPU launchers (no TensorFlow).
+//
+//   sanitize_driver            check forward and gradient of every kernel path
+//                              (tiled and generic; float, double, half,
+//                              bfloat16) on small shapes against a host
+//                              reference; exit 1 on any mismatch. Small enough
+//                              to run under compute-sanitizer memcheck/racecheck.
+//   sanitize_driver --bench [--iters N]
+//                              time forward/backward at the benchmark shapes
+//                              with CUDA events, next to a device-to-device copy.
+//
+// Built by `python scripts/build_ops.py --driver` into build/sanitize_driver.
+// Buffers are allocated at their exact size so memcheck sees any overrun, and
+// outputs are pre-filled with NaN bytes so an element a kernel forgets to write
+// shows up as a mismatch.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "capsule_prediction.h"
+
+using capsnet::CapsuleDims;
+using capsnet::GpuAlgo;
+using capsnet::int64;
+
+#define CHECK_CUDA(expr)                                                   \
+  do {                                                                     \
+    cudaError_t err_ = (expr);                                             \
+    if (err_ != cudaSuccess) {                                             \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr,   \
+                   cudaGetErrorString(err_));                              \
+      std::exit(2);                                                        \
+    }                                                                      \
+  } while (0)
+
+#define CHECK_LAUNCH(expr)                                                 \
+  do {                                                                     \
+    int st_ = (expr);                                                      \
+    if (st_ != 0) {                                                        \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr,   \
+                   capsnet::GpuErrorString(st_));                          \
+      std::exit(2);                                                        \
+    }                                                                      \
+  } while (0)
+
+// Host conversions of the storage types.
+template <typename T>
+struct Host;
+template <>
+struct Host<float> {
+  static const char* name() { return "float"; }
+  static float from(double x) { return static_cast<float>(x); }
+  static double to(float x) { return x; }
+  static double tol() { return 2e-5; }
+};
+template <>
+struct Host<double> {
+  static const char* name() { return "double"; }
+  static double from(double x) { return x; }
+  static double to(double x) { return x; }
+  static double tol() { return 1e-12; }
+};
+template <>
+struct Host<capsnet::half_t> {
+  static const char* name() { return "half"; }
+  static capsnet::half_t from(double x) {
+    __half h = __float2half_rn(static_cast<float>(x));
+    capsnet::half_t out;
+    std::memcpy(&out, &h, 2);
+    return out;
+  }
+  static double to(capsnet::half_t x) {
+    __half h;
+    std::memcpy(&h, &x, 2);
+    return __half2float(h);
+  }
+  static double tol() { return 4e-3; }
+};
+template <>
+struct Host<capsnet::bfloat16_t> {
+  static const char* name() { return "bfloat16"; }
+  static capsnet::bfloat16_t from(double x) {
+    __nv_bfloat16 h = __float2bfloat16_rn(static_cast<float>(x));
+    capsnet::bfloat16_t out;
+    std::memcpy(&out, &h, 2);
+    return out;
+  }
+  static double to(capsnet::bfloat16_t x) {
+    __nv_bfloat16 h;
+    std::memcpy(&h, &x, 2);
+    return __bfloat162float(h);
+  }
+  static double tol() { return 3e-2; }
+};
+
+template <typename T>
+struct DeviceBuffer {
+  T* ptr = nullptr;
+  int64 n = 0;
+  explicit DeviceBuffer(int64 count) : n(count) {
+    if (n > 0) CHECK_CUDA(cudaMalloc(&ptr, n * sizeof(T)));
+  }
+  ~DeviceBuffer() {
+    if (ptr != nullptr) cudaFree(ptr);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void upload(const std::vector<T>& h) {
+    if (n > 0) CHECK_CUDA(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> download() const {
+    std::vector<T> h(n);
+    if (n > 0) CHECK_CUDA(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+  void fill_nan() {
+    if (n > 0) CHECK_CUDA(cudaMemset(ptr, 0xFF, n * sizeof(T)));
+  }
+};
+
+// Compares `got` (device result) with the double reference; the tolerance
+// scales with the magnitude of the summed terms (`scale`, per element).
+template <typename T>
+bool Compare(const char* what, const std::vector<T>& got,
+             const std::vector<double>& want, const std::vector<double>& scale) {
+  int64 bad = 0;
+  double worst = 0;
+  int64 worst_at = -1;
+  for (size_t x = 0; x < want.size(); ++x) {
+    const double g = Host<T>::to(got[x]);
+    const double err = std::fabs(g - want[x]);
+    const double allowed = Host<T>::tol() * (scale[x] + 1e-30) + 1e-300;
+    if (!(err <= allowed)) {  // also catches NaN
+      ++bad;
+      const double rel = err / allowed;
+      if (!(rel <= worst)) {
+        worst = rel;
+        worst_at = static_cast<int64>(x);
+      }
+    }
+  }
+  if (bad > 0) {
+    std::printf("    MISMATCH %s: %lld of %zu elements, e.g. [%lld] got %.9g want %.9g\n",
+                what, static_cast<long long>(bad), want.size(),
+                static_cast<long long>(worst_at), Host<T>::to(got[worst_at]),
+                want[worst_at]);
+  }
+  return bad == 0;
+}
+
+template <typename T>
+bool CheckShape(const CapsuleDims& d, GpuAlgo algo, std::mt19937& rng) {
+  std::uniform_real_distribution<double> dist(-1.0, 1.0);
+  const int64 B = d.batch, I = d.in_caps, K = d.in_dim, JD = d.rows_per_cap();
+  const int64 R = d.rows();
+  std::vector<T> hu(d.u_size()), hw(d.w_size()), hg(d.u_hat_size());
+  std::vector<double> u(hu.size()), w(hw.size()), g(hg.size());
+  // Quantize the inputs to T first so the reference sees what the device sees.
+  for (size_t x = 0; x < hu.size(); ++x) { hu[x] = Host<T>::from(dist(rng)); u[x] = Host<T>::to(hu[x]); }
+  for (size_t x = 0; x < hw.size(); ++x) { hw[x] = Host<T>::from(dist(rng)); w[x] = Host<T>::to(hw[x]); }
+  for (size_t x = 0; x < hg.size(); ++x) { hg[x] = Host<T>::from(dist(rng)); g[x] = Host<T>::to(hg[x]); }
+
+  // Host reference (double) and the magnitude of the summed terms.
+  std::vector<double> u_hat(hg.size(), 0), s_hat(hg.size(), 0);
+  std::vector<double> grad_u(hu.size(), 0), s_u(hu.size(), 0);
+  std::vector<double> grad_w(hw.size(), 0), s_w(hw.size(), 0);
+  for (int64 b = 0; b < B; ++b) {
+    for (int64 r = 0; r < R; ++r) {
+      const int64 i = r / JD;
+      for (int64 k = 0; k < K; ++k) {
+        const double wv = w[r * K + k], uv = u[(b * I + i) * K + k], gv = g[b * R + r];
+        u_hat[b * R + r] += wv * uv;
+        s_hat[b * R + r] += std::fabs(wv * uv);
+        grad_u[(b * I + i) * K + k] += wv * gv;
+        s_u[(b * I + i) * K + k] += std::fabs(wv * gv);
+        grad_w[r * K + k] += gv * uv;
+        s_w[r * K + k] += std::fabs(gv * uv);
+      }
+    }
+  }
+
+  DeviceBuffer<T> du(hu.size()), dw(hw.size()), dg(hg.size()), dout(hg.size());
+  DeviceBuffer<T> dgu(hu.size()), dgw(hw.size());
+  du.upload(hu);
+  dw.upload(hw);
+  dg.upload(hg);
+  dout.fill_nan();
+  dgu.fill_nan();
+  dgw.fill_nan();
+  const size_t ws_bytes = capsnet::CapsulePredictionGradWorkspaceBytes<T>(d, algo);
+  void* ws = nullptr;
+  if (ws_bytes > 0) {
+    CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
+    CHECK_CUDA(cudaMemset(ws, 0xFF, ws_bytes));
+  }
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CHECK_LAUNCH(capsnet::LaunchCapsulePredictionForward<T>(du.ptr, dw.ptr, dout.ptr, d, stream, algo));
+  CHECK_LAUNCH(capsnet::LaunchCapsulePredictionGrad<T>(dg.ptr, du.ptr, dw.ptr, dgu.ptr, dgw.ptr,
+                                                       ws, ws_bytes, d, stream, algo));
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  bool ok = Compare("u_hat", dout.download(), u_hat, s_hat);
+  const std::vector<T> gu1 = dgu.download(), gw1 = dgw.download();
+  ok &= Compare("grad_u", gu1, grad_u, s_u);
+  ok &= Compare("grad_W", gw1, grad_w, s_w);
+
+  // Deterministic: a second run gives the same bits.
+  CHECK_LAUNCH(capsnet::LaunchCapsulePredictionGrad<T>(dg.ptr, du.ptr, dw.ptr, dgu.ptr, dgw.ptr,
+                                                       ws, ws_bytes, d, stream, algo));
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  const std::vector<T> gu2 = dgu.download(), gw2 = dgw.download();
+  if ((!gu1.empty() && std::memcmp(gu1.data(), gu2.data(), gu1.size() * sizeof(T)) != 0) ||
+      (!gw1.empty() && std::memcmp(gw1.data(), gw2.data(), gw1.size() * sizeof(T)) != 0)) {
+    std::printf("    MISMATCH: gradient differs between two runs\n");
+    ok = false;
+  }
+  CHECK_CUDA(cudaStreamDestroy(stream));
+  if (ws != nullptr) CHECK_CUDA(cudaFree(ws));
+  return ok;
+}
+
+int RunChecks() {
+  // (batch, in_caps, out_caps, out_dim, in_dim): each line exercises a path.
+  const std::vector<CapsuleDims> shapes = {
+      {3, 5, 2, 4, 8},      // float4 rows, KMAX 8
+      {2, 7, 3, 5, 3},      // odd JD (vector width 1), KMAX 4
+      {1, 1, 1, 1, 1},      // all ones
+      {4, 3, 1, 6, 16},     // width 2, KMAX 16
+      {5, 9, 10, 16, 8},    // paper-like rows (40 vectors per capsule)
+      {2, 4, 3, 3, 11},     // odd everything, KMAX 16
+      {70, 2, 10, 16, 8},   // few capsule tiles: batch split + partials reduce
+      {3, 2, 2, 4, 17},     // in_dim > 16: generic kernels
+      {2, 1, 5, 820, 4},    // JD = 4100: too many vectors per capsule: generic
+      {0, 4, 2, 4, 8},      // empty batch: empty u_hat, zero grad_W
+      {3, 4, 2, 4, 0},      // in_dim 0: zero u_hat
+      {3, 0, 2, 4, 8},      // no input capsules
+      {3, 4, 0, 4, 8},      // no output capsules: zero grad_u
+  };
+  std::mt19937 rng(1234);
+  int failures = 0, runs = 0;
+  auto run_all = [&](auto tag) {
+    using T = decltype(tag);
+    for (const CapsuleDims& d : shapes) {
+      for (GpuAlgo algo : {GpuAlgo::kAuto, GpuAlgo::kGeneric}) {
+        const bool ok = CheckShape<T>(d, algo, rng);
+        ++runs;
+        if (!ok) ++failures;
+        std::printf("%-4s %-8s B=%lld I=%lld J=%lld D=%lld K=%lld %s\n", ok ? "ok" : "FAIL",
+                    Host<T>::name(), (long long)d.batch, (long long)d.in_caps,
+                    (long long)d.out_caps, (long long)d.out_dim, (long long)d.in_dim,
+                    algo == GpuAlgo::kAuto ? "auto" : "generic");
+      }
+    }
+  };
+  run_all(float());
+  run_all(double());
+  run_all(capsnet::half_t());
+  run_all(capsnet::bfloat16_t());
+  std::printf("%d of %d checks passed\n", runs - failures, runs);
+  return failures == 0 ? 0 : 1;
+}
+
+// ---------------------------------------------------------------------------
+// Benchmark: median over repeats of `iters` back-to-back launches.
+
+template <typename F>
+double TimeUs(F&& f, int iters, int repeats, cudaStream_t stream) {
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  for (int w = 0; w < 3; ++w) f();  // warm-up
+  std::vector<double> times;
+  for (int r = 0; r < repeats; ++r) {
+    CHECK_CUDA(cudaEventRecord(start, stream));
+    for (int it = 0; it < iters; ++it) f();
+    CHECK_CUDA(cudaEventRecord(stop, stream));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(1000.0 * ms / iters);
+  }
+  std::sort(times.begin(), times.end());
+  CHECK_CUDA(cudaEventDestroy(start));
+  CHECK_CUDA(cudaEventDestroy(stop));
+  return times[times.size() / 2];
+}
+
+int RunBench(int iters) {
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaDeviceProp prop;
+  int dev = 0;
+  CHECK_CUDA(cudaGetDevice(&dev));
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, dev));
+  const int repeats = 7;
+  // Copy bandwidth: read + write bytes of a 1 GiB device-to-device copy.
+  const int64 copy_bytes = int64(1) << 30;
+  void *src = nullptr, *dst = nullptr;
+  CHECK_CUDA(cudaMalloc(&src, copy_bytes));
+  CHECK_CUDA(cudaMalloc(&dst, copy_bytes));
+  CHECK_CUDA(cudaMemset(src, 0, copy_bytes));
+  const double copy_us = TimeUs([&] {
+    CHECK_CUDA(cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice, stream));
+  }, 10, repeats, stream);
+  const double copy_gbs = 2.0 * copy_bytes / (copy_us * 1e3);
+  const double set_us = TimeUs([&] {
+    CHECK_CUDA(cudaMemsetAsync(dst, 1, copy_bytes, stream));
+  }, 10, repeats, stream);
+  CHECK_CUDA(cudaFree(src));
+  CHECK_CUDA(cudaFree(dst));
+  std::printf("device: %s (%d SMs); copy bandwidth %.0f GB/s (read+write), memset %.0f GB/s\n\n",
+              prop.name, prop.multiProcessorCount, copy_gbs, copy_bytes / (set_us * 1e3));
+  std::printf("| shape (B, I, J, D, K) | kernels | pass | us | GB/s | %% of copy | x floor |\n");
+  std::printf("|---|---|---|---:|---:|---:|---:|\n");
+
+  const std::vector<std::pair<const char*, CapsuleDims>> shapes = {
+      {"paper", {128, 1152, 10, 16, 8}},
+      {"batch512", {512, 1152, 10, 16, 8}},
+      {"large", {128, 4608, 32, 16, 8}},
+  };
+  using T = float;
+  for (const auto& named : shapes) {
+    const char* name = named.first;
+    const CapsuleDims d = named.second;
+    DeviceBuffer<T> u(d.u_size()), w(d.w_size()), out(d.u_hat_size());
+    DeviceBuffer<T> gu(d.u_size()), gw(d.w_size());
+    CHECK_CUDA(cudaMemset(u.ptr, 0, d.u_size() * sizeof(T)));
+    CHECK_CUDA(cudaMemset(w.ptr, 0, d.w_size() * sizeof(T)));
+    CHECK_CUDA(cudaMemset(out.ptr, 0, d.u_hat_size() * sizeof(T)));
+    for (GpuAlgo algo : {GpuAlgo::kAuto, GpuAlgo::kGeneric}) {
+      const size_t ws_bytes = capsnet::CapsulePredictionGradWorkspaceBytes<T>(d, algo);
+      void* ws = nullptr;
+      if (ws_bytes > 0) CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
+      const double fwd_us = TimeUs([&] {
+        CHECK_LAUNCH(capsnet::LaunchCapsulePredictionForward<T>(u.ptr, w.ptr, out.ptr, d, stream, algo));
+      }, iters, repeats, stream);
+      const double bwd_us = TimeUs([&] {
+        CHECK_LAUNCH(capsnet::LaunchCapsulePredictionGrad<T>(out.ptr, u.ptr, w.ptr, gu.ptr, gw.ptr,
+                                                             ws, ws_bytes, d, stream, algo));
+      }, iters, repeats, stream);
+      const double small = double(d.u_size() + d.w_size()) * sizeof(T);
+      const double big = double(d.u_hat_size()) * sizeof(T);
+      const double fwd_bytes = small + big;
+      const double bwd_bytes = 2 * small + big;
+      for (int pass = 0; pass < 2; ++pass) {
+        const double us = pass == 0 ? fwd_us : bwd_us;
+        const double bytes = pass == 0 ? fwd_bytes : bwd_bytes;
+        const double gbs = bytes / (us * 1e3);
+        const double floor_us = bytes / (copy_gbs * 1e3);
+        std::printf("| %s (%lld, %lld, %lld, %lld, %lld) | %s | %s | %.1f | %.0f | %.0f | %.2f |\n",
+                    name, (long long)d.batch, (long long)d.in_caps, (long long)d.out_caps,
+                    (long long)d.out_dim, (long long)d.in_dim,
+                    algo == GpuAlgo::kAuto ? "tiled" : "generic", pass == 0 ? "forward" : "backward",
+                    us, gbs, 100.0 * gbs / copy_gbs, us / floor_us);
+      }
+      if (ws != nullptr) CHECK_CUDA(cudaFree(ws));
+    }
+  }
+  CHECK_CUDA(cudaStreamDestroy(stream));
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  bool bench = false;
+  int iters = 50;
+  for (int a = 1; a < argc; ++a) {
+    const std::string arg = argv[a];
+    if (arg == "--bench") {
+      bench = true;
+    } else if (arg == "--iters" && a + 1 < argc) {
+      iters = std::max(1, std::atoi(argv[++a]));
+    } else {
+      std::fprintf(stderr, "usage: %s [--bench [--iters N]]\n", argv[0]);
+      return 2;
+    }
+  }
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    std::fprintf(stderr, "sanitize_driver: no CUDA device\n");
+    return 2;
+  }
+  return bench ? RunBench(iters) : RunChecks();
+}

@@ -1,0 +1,145 @@
+"""Shared fixtures: a tiny learnable IDX dataset, the real Hydra config shrunk to a tiny
+model, a tiny trained run, and a helper to run the entry points as a user would."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO / "configs"
+
+# A CapsNet small enough to train in seconds on 2 CPU cores: 144 primary capsules
+# (6x6 grid x 4 types) of 8D, ten 8D digit capsules, a 32-64 decoder.
+TINY_MODEL = [
+    "model.conv1_filters=16",
+    "model.primary_caps_types=4",
+    "model.digit_caps_dim=8",
+    "model.decoder_units=[32,64]",
+]
+TINY_TRAIN = [
+    "train.epochs=4",
+    "train.batch_size=16",
+    "train.learning_rate=0.01",
+    "train.log_every_steps=4",
+    "train.num_images=4",
+    "train.histogram_examples=16",
+    "train.progress_bar=false",
+]
+
+
+# --------------------------------------------------------------------------- data
+
+def synthetic_digits(n, seed, size=28, num_classes=10):
+    """n uint8 images (n, size, size) and labels: each class is a fixed pattern of four
+    bright bars at class-specific places, randomly shifted by up to 2 px, with noise.
+
+    Learnable in a couple of epochs by a tiny CapsNet, unlike random noise, and needs
+    no files outside the repository.
+    """
+    templates = np.zeros((num_classes, size, size), np.float32)
+    layout = np.random.default_rng(1234)  # the same class patterns for every split
+    for k in range(num_classes):
+        for _ in range(4):
+            y, x = layout.integers(6, size - 10, size=2)
+            if layout.random() < 0.5:
+                templates[k, y:y + 2, x:x + 8] = 1.0   # horizontal bar
+            else:
+                templates[k, y:y + 8, x:x + 2] = 1.0   # vertical bar
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, num_classes, size=n)
+    shifts = rng.integers(-2, 3, size=(n, 2))
+    images = np.stack([np.roll(templates[k], tuple(s), axis=(0, 1)) for k, s in zip(labels, shifts)])
+    images = np.clip(images * rng.uniform(0.7, 1.0, size=(n, 1, 1)) + rng.uniform(0, 0.15, images.shape), 0, 1)
+    return (images * 255).astype(np.uint8), labels.astype(np.uint8)
+
+
+def write_idx_dataset(directory, n_train, n_test, gz=True):
+    """An MNIST-format IDX directory (train-*, t10k-*) of synthetic_digits."""
+    from capsnet.data import write_idx
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    suffix = ".gz" if gz else ""
+    for prefix, n, seed in (("train", n_train, 0), ("t10k", n_test, 1)):
+        images, labels = synthetic_digits(n, seed)
+        write_idx(directory / f"{prefix}-images-idx3-ubyte{suffix}", images)
+        write_idx(directory / f"{prefix}-labels-idx1-ubyte{suffix}", labels)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_idx_dir(tmp_path_factory):
+    """A small learnable MNIST-format dataset: 320 train / 100 test images, gzip IDX."""
+    return write_idx_dataset(tmp_path_factory.mktemp("tiny_idx"), n_train=320, n_test=100)
+
+
+# --------------------------------------------------------------------------- config
+
+def compose_config(config_name="train", overrides=()):
+    """The real config (configs/), composed by Hydra with `overrides`, as a plain dict."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name=config_name, overrides=list(overrides))
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+
+
+def tiny_overrides(data_dir, run_dir, *extra):
+    """Overrides shrinking the real config to the tiny model and dataset, writing to run_dir."""
+    return [*TINY_MODEL, *TINY_TRAIN, f"data.dir={data_dir}", f"run_dir={run_dir}", *extra]
+
+
+@pytest.fixture
+def tiny_config(tiny_idx_dir, tmp_path):
+    """compose_config(tiny) with its run dir in tmp_path; call with extra overrides."""
+
+    def make(*extra, run_dir=None):
+        return compose_config("train", tiny_overrides(tiny_idx_dir, run_dir or tmp_path / "run", *extra))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def trained_run(tiny_idx_dir, tmp_path_factory):
+    """A tiny run trained in-process for 4 epochs (20 steps each): (run_dir, returned metrics)."""
+    from capsnet.training import train
+
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    metrics = train(compose_config("train", tiny_overrides(tiny_idx_dir, run_dir)))
+    return run_dir, metrics
+
+
+# --------------------------------------------------------------------------- subprocesses
+
+def entry_point_env():
+    env = dict(os.environ)
+    env.pop("HYDRA_FULL_ERROR", None)
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_entry_point(script, *args, cwd, timeout=300):
+    """Run train.py / evaluate.py as a user would; returns the CompletedProcess (text)."""
+    return subprocess.run([sys.executable, str(REPO / script), *map(str, args)], cwd=cwd,
+                          env=entry_point_env(), capture_output=True, text=True, timeout=timeout)
+
+
+# --------------------------------------------------------------------------- TensorBoard
+
+def read_events(run_dir):
+    """All summaries in run_dir's event files: {tag: [(step, Summary.Value), ...]} in file order."""
+    import tensorflow as tf
+
+    events = {}
+    # A resumed run adds a file: read them in the order they were written.
+    for path in sorted(Path(run_dir).glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime):
+        for record in tf.data.TFRecordDataset(str(path)):
+            event = tf.compat.v1.Event.FromString(record.numpy())
+            for value in event.summary.value:
+                events.setdefault(value.tag, []).append((event.step, value))
+    return events

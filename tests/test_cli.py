@@ -1,0 +1,149 @@
+"""train.py / evaluate.py as a user runs them: one-line errors, evaluation output, kill and resume.
+
+Each TensorFlow subprocess costs seconds of import, so there are few of them.
+"""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import (
+    REPO, TINY_MODEL, TINY_TRAIN, compose_config, entry_point_env, read_events, run_entry_point,
+    tiny_overrides, write_idx_dataset,
+)
+
+
+def assert_one_line_error(result, *fragments):
+    """Exit status 2 and exactly one stderr line, `error: ...`, naming the problem."""
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_unknown_config_key(tmp_path):
+    result = run_entry_point("train.py", "train.epochz=3", cwd=tmp_path)
+    assert_one_line_error(result, "train.epochz")
+    assert not (tmp_path / "outputs").exists()  # rejected before any run dir is made
+
+
+def test_missing_data_dir(tmp_path):
+    missing = tmp_path / "no_such_dir"
+    result = run_entry_point("train.py", f"data.dir={missing}", f"hydra.run.dir={tmp_path / 'run'}",
+                             cwd=tmp_path)
+    assert_one_line_error(result, str(missing))
+
+
+def test_corrupt_idx_file(tmp_path):
+    data = write_idx_dataset(tmp_path / "data", n_train=32, n_test=16)
+    images = data / "train-images-idx3-ubyte.gz"
+    images.write_bytes(images.read_bytes()[:200])  # cut short, as by an interrupted download
+    result = run_entry_point("train.py", f"data.dir={data}", f"hydra.run.dir={tmp_path / 'run'}",
+                             cwd=tmp_path)
+    assert_one_line_error(result, str(images))
+
+
+def test_missing_checkpoint(tmp_path):
+    result = run_entry_point("evaluate.py", f"checkpoint={tmp_path / 'gone'}", cwd=tmp_path)
+    assert_one_line_error(result, str(tmp_path / "gone"))
+
+
+def test_evaluate_prints_a_table_and_ends_with_json(trained_run, tmp_path):
+    run_dir, metrics = trained_run
+    result = run_entry_point("evaluate.py", f"checkpoint={run_dir}", "which=latest", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert any(line.startswith("confusion matrix") for line in lines)
+    report = json.loads(lines[-1])
+    assert {"accuracy", "loss", "images_per_sec", "per_class_accuracy", "confusion_matrix"} <= set(report)
+    assert report["accuracy"] == metrics["test_accuracy"]
+    written = json.loads((run_dir / "checkpoints" / "latest" / "ckpt-4.eval.json").read_text())
+    assert written["accuracy"] == report["accuracy"]
+    assert written["confusion_matrix"] == report["confusion_matrix"]
+    assert list(tmp_path.iterdir()) == []  # nothing written in the working directory
+
+
+def test_custom_op_true_trains_or_says_how_to_build_the_op(tiny_idx_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*TINY_MODEL, *TINY_TRAIN, "train.epochs=1", "custom_op=true", f"data.dir={tiny_idx_dir}",
+            f"hydra.run.dir={run_dir}"]
+    result = run_entry_point("train.py", *args, cwd=tmp_path)
+    if result.returncode == 2:
+        # Only acceptable when the op library is really not built: no silent fallback.
+        assert_one_line_error(result, "make ops")
+        assert not (run_dir / "metrics.json").exists()
+    else:
+        assert result.returncode == 0, result.stderr
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        assert metrics["epochs"] == 1
+        assert yaml_custom_op(run_dir) is True
+
+
+def yaml_custom_op(run_dir):
+    import yaml
+
+    return yaml.safe_load((run_dir / "config.yaml").read_text())["custom_op"]
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_at_the_next_epoch_and_matches_an_uninterrupted_one(tmp_path):
+    # 2400 examples: 150 steps (a second or more) per epoch, time enough to kill the
+    # run inside epoch 2.
+    data = write_idx_dataset(tmp_path / "data", n_train=2400, n_test=100)
+    steps = 2400 // 16
+    run_dir = tmp_path / "run"
+    args = [*TINY_MODEL, *TINY_TRAIN, "train.epochs=3", "deterministic=true", f"data.dir={data}",
+            f"hydra.run.dir={run_dir}"]
+
+    first = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=tmp_path,
+                             env=entry_point_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             text=True)
+    try:
+        # "epoch 1: ..." is printed once epoch 1's checkpoint is on disk.
+        for line in first.stdout:
+            if line.startswith("epoch 1:"):
+                break
+        first.kill()
+    finally:
+        first.kill()
+        first.wait(timeout=60)
+    assert (run_dir / "checkpoints" / "latest" / "ckpt-1.index").exists()
+    assert not (run_dir / "checkpoints" / "latest" / "ckpt-2.index").exists(), "killed too late"
+    assert not (run_dir / "metrics.json").exists()
+
+    second = run_entry_point("train.py", *args, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert "1 of 3 epochs done" in second.stdout
+    assert "epoch 1/3" not in second.stdout and "epoch 2/3" in second.stdout
+    resumed = json.loads((run_dir / "metrics.json").read_text())
+    assert resumed["epochs"] == 3 and resumed["global_step"] == 3 * steps
+    assert [h["epoch"] for h in resumed["history"]] == [1, 2, 3]
+    # The TensorBoard curves continue: one test point per epoch at the global step.
+    assert [step for step, _ in read_events(run_dir)["test/accuracy"]] == [steps, 2 * steps, 3 * steps]
+
+    # An uninterrupted run (in this process) ends with the same weights and metrics.
+    from tensorflow.python.framework import config as tf_config
+
+    from capsnet.training import train
+
+    try:
+        reference = train(compose_config("train", tiny_overrides(data, tmp_path / "reference",
+                                                                 "train.epochs=3", "deterministic=true")))
+    finally:
+        tf_config.disable_op_determinism()  # a process-wide switch: leave it as other tests expect
+    for key in ("test_accuracy", "test_loss", "train_loss"):
+        assert resumed[key] == reference[key], key
+    assert [h["train_loss"] for h in resumed["history"]] == [h["train_loss"] for h in reference["history"]]
+    ours = tf.train.load_checkpoint(str(run_dir / "checkpoints" / "latest" / "ckpt-3"))
+    theirs = tf.train.load_checkpoint(str(tmp_path / "reference" / "checkpoints" / "latest" / "ckpt-3"))
+    names = [name for name in ours.get_variable_to_shape_map() if name.startswith(("model/", "optimizer/"))]
+    assert any(name.startswith("model/decoder") for name in names)
+    for name in names:
+        np.testing.assert_array_equal(ours.get_tensor(name), theirs.get_tensor(name), err_msg=name)

@@ -1,0 +1,437 @@
+"""capsnet.data: IDX files, split loading and the tf.data pipeline.
+
+References are independent of the code under test: IDX bytes built by hand with
+`struct`, shifts computed by NumPy slicing, permutations checked by sorting.
+"""
+import gzip
+import os
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from capsnet.data import load_split, make_dataset, read_idx, write_idx
+from capsnet.errors import ConfigError, DataError
+
+REAL_MNIST = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mnist"
+
+
+def idx_bytes(array, code):
+    """A hand-built IDX encoding: the reference for write_idx and input for read_idx."""
+    header = bytes((0, 0, code, array.ndim)) + struct.pack(f">{array.ndim}I", *array.shape)
+    return header + array.astype(array.dtype.newbyteorder(">")).tobytes()
+
+
+def tiny_images(n, seed=0, size=28):
+    # Values 1..255, never 0: a shifted-in zero border is always distinguishable.
+    return np.random.default_rng(seed).integers(1, 256, size=(n, size, size), dtype=np.uint8)
+
+
+def write_split(directory, prefix, images, labels, gz=True):
+    suffix = ".gz" if gz else ""
+    write_idx(directory / f"{prefix}-images-idx3-ubyte{suffix}", images)
+    write_idx(directory / f"{prefix}-labels-idx1-ubyte{suffix}", labels)
+
+
+# ----------------------------------------------------------------------------- IDX
+@pytest.mark.parametrize("dtype, code", [
+    (np.uint8, 0x08), (np.int8, 0x09), (np.int16, 0x0B), (np.int32, 0x0C),
+    (np.float32, 0x0D), (np.float64, 0x0E)])
+@pytest.mark.parametrize("suffix", ["", ".gz"])
+def test_idx_round_trip_matches_numpy_and_hand_built_bytes(tmp_path, dtype, code, suffix):
+    rng = np.random.default_rng(1)
+    array = (rng.normal(size=(3, 5, 7)) * 100).astype(dtype)
+    path = tmp_path / f"a.idx{suffix}"
+    write_idx(path, array)
+
+    raw = path.read_bytes()
+    if suffix:
+        assert raw[:2] == b"\x1f\x8b"
+        raw = gzip.decompress(raw)
+    assert raw == idx_bytes(array, code)
+
+    back = read_idx(path)
+    assert back.dtype == np.dtype(dtype) and back.dtype.isnative
+    assert back.shape == array.shape
+    np.testing.assert_array_equal(back, array)
+    back[0, 0, 0] = 0  # a writable copy, not a view of the file buffer
+
+
+def test_read_idx_detects_gzip_by_magic_not_name(tmp_path):
+    labels = np.arange(10, dtype=np.uint8)
+    gz_without_suffix = tmp_path / "labels-idx1-ubyte"
+    gz_without_suffix.write_bytes(gzip.compress(idx_bytes(labels, 0x08)))
+    plain_with_suffix = tmp_path / "labels-idx1-ubyte.gz"
+    plain_with_suffix.write_bytes(idx_bytes(labels, 0x08))
+    np.testing.assert_array_equal(read_idx(gz_without_suffix), labels)
+    np.testing.assert_array_equal(read_idx(str(plain_with_suffix)), labels)
+
+
+def test_read_idx_mnist_magic_numbers(tmp_path):
+    images = tiny_images(2)
+    path = tmp_path / "img"
+    write_idx(path, images)
+    assert struct.unpack(">I", path.read_bytes()[:4])[0] == 0x00000803
+    write_idx(path, np.zeros(4, np.uint8))
+    assert struct.unpack(">I", path.read_bytes()[:4])[0] == 0x00000801
+
+
+GOOD = idx_bytes(np.arange(24, dtype=np.uint8).reshape(2, 3, 4), 0x08)
+
+
+@pytest.mark.parametrize("content, gz, words", [
+    (GOOD[:-1], False, "truncated payload"),
+    (GOOD[:20], False, "truncated payload"),
+    (GOOD[:10], False, "truncated header"),
+    (b"", False, "truncated header"),
+    (GOOD + b"\x00", False, "after the payload"),
+    (b"\x12\x34" + GOOD[2:], False, "bad magic 0x12340803"),
+    (b"\x00\x00\x07\x03" + GOOD[4:], False, "unknown type code 0x07"),
+    (b"\x00\x00\x08\x00", False, "rank 0"),
+    # Wrong dims: the header claims 2x3x5 but the payload holds 2x3x4.
+    (GOOD[:4] + struct.pack(">3I", 2, 3, 5) + GOOD[16:], False, "truncated payload"),
+    (GOOD[:4] + struct.pack(">3I", 2, 3, 3) + GOOD[16:], False, "after the payload"),
+    (gzip.compress(GOOD)[:-12], True, "gzip"),
+    (gzip.compress(GOOD[:-3]), True, "truncated payload"),
+    (b"\x1f\x8b" + b"garbage" * 5, True, "gzip"),
+])
+def test_corrupt_idx_raises_data_error_naming_file(tmp_path, content, gz, words):
+    path = tmp_path / ("broken.gz" if gz else "broken")
+    path.write_bytes(content)
+    with pytest.raises(DataError) as err:
+        read_idx(path)
+    assert str(path) in str(err.value)
+    assert words in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_read_idx_missing_or_directory(tmp_path):
+    with pytest.raises(DataError, match="does not exist") as err:
+        read_idx(tmp_path / "nope-idx3-ubyte")
+    assert str(tmp_path / "nope-idx3-ubyte") in str(err.value)
+    with pytest.raises(DataError, match="directory"):
+        read_idx(tmp_path)
+
+
+def test_write_idx_rejects_unsupported_arrays(tmp_path):
+    with pytest.raises(DataError, match="float16"):
+        write_idx(tmp_path / "x", np.zeros(3, np.float16))
+    with pytest.raises(DataError, match=r"shape \(\)"):
+        write_idx(tmp_path / "x", np.uint8(3))
+
+
+# ----------------------------------------------------------------------------- load_split
+@pytest.fixture
+def idx_dir(tmp_path):
+    """A tiny MNIST-format dir: train gzip, test plain (both spellings are accepted)."""
+    train_x, train_y = tiny_images(12, seed=1), (np.arange(12) % 10).astype(np.uint8)
+    test_x, test_y = tiny_images(5, seed=2), np.array([3, 1, 4, 1, 5], np.uint8)
+    write_split(tmp_path, "train", train_x, train_y, gz=True)
+    write_split(tmp_path, "t10k", test_x, test_y, gz=False)
+    return tmp_path, (train_x, train_y), (test_x, test_y)
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_load_split_from_idx_dir(idx_dir, split):
+    directory, train, test = idx_dir
+    want_x, want_y = train if split == "train" else test
+    for name in ("mnist", "fashion_mnist"):
+        images, labels = load_split(name, split, data_dir=str(directory))
+        assert images.dtype == np.uint8 and images.shape == (len(want_y), 28, 28, 1)
+        assert labels.dtype == np.int64 and labels.shape == (len(want_y),)
+        np.testing.assert_array_equal(images[..., 0], want_x)
+        np.testing.assert_array_equal(labels, want_y)
+
+
+def test_load_split_limit(idx_dir):
+    directory, (train_x, train_y), _ = idx_dir
+    images, labels = load_split("mnist", "train", directory, limit=3)
+    np.testing.assert_array_equal(images[..., 0], train_x[:3])
+    np.testing.assert_array_equal(labels, train_y[:3])
+    images, labels = load_split("mnist", "train", directory, limit=np.int64(1000))  # > N: all
+    assert len(images) == len(labels) == 12
+    for bad in (0, -1, 2.5, True, "3"):
+        with pytest.raises(ConfigError, match="limit"):
+            load_split("mnist", "train", directory, limit=bad)
+
+
+def test_load_split_rejects_unknown_name_or_split(idx_dir):
+    directory = idx_dir[0]
+    with pytest.raises(ConfigError, match="cifar.*fashion_mnist, mnist"):
+        load_split("cifar", "train", directory)
+    with pytest.raises(ConfigError, match="'validation'.*train, test"):
+        load_split("mnist", "validation", directory)
+
+
+def test_load_split_missing_dir_names_path_and_files(tmp_path):
+    missing = tmp_path / "no" / "such"
+    with pytest.raises(DataError) as err:
+        load_split("mnist", "train", missing)
+    message = str(err.value)
+    assert str(missing) in message and "does not exist" in message
+    assert "train-images-idx3-ubyte" in message and "t10k-labels-idx1-ubyte" in message
+
+
+def test_load_split_missing_file_names_dir_and_file(tmp_path):
+    write_split(tmp_path, "train", tiny_images(3), np.zeros(3, np.uint8))
+    write_idx(tmp_path / "t10k-images-idx3-ubyte.gz", tiny_images(3))
+    load_split("mnist", "train", tmp_path)  # the complete split loads
+    with pytest.raises(DataError) as err:
+        load_split("mnist", "test", tmp_path)
+    message = str(err.value)
+    assert str(tmp_path) in message and "t10k-labels-idx1-ubyte" in message
+
+
+def test_load_split_relative_dir(idx_dir, monkeypatch):
+    directory = idx_dir[0]
+    monkeypatch.chdir(directory.parent)
+    images, _ = load_split("mnist", "test", directory.name)
+    assert len(images) == 5
+
+
+@pytest.mark.parametrize("images, labels, words", [
+    (tiny_images(4), np.zeros(3, np.uint8), "has 4 images but"),
+    (tiny_images(3, size=32), np.zeros(3, np.uint8), "(3, 32, 32)"),
+    (tiny_images(3).astype(np.float32), np.zeros(3, np.uint8), "float32"),
+    (tiny_images(3)[:, :, :, None, None], np.zeros(3, np.uint8), "(3, 28, 28, 1, 1)"),
+    (tiny_images(3), np.zeros((3, 1), np.uint8), "(3, 1)"),
+    (tiny_images(3), np.array([0, 10, 2], np.uint8), "0..10"),
+    (tiny_images(0), np.zeros(0, np.uint8), "no examples"),
+])
+def test_load_split_rejects_inconsistent_files(tmp_path, images, labels, words):
+    write_split(tmp_path, "train", images, labels, gz=False)
+    with pytest.raises(DataError) as err:
+        load_split("mnist", "train", tmp_path)
+    assert words in str(err.value)
+    assert str(tmp_path / "train-") in str(err.value)
+
+
+def test_load_split_corrupt_file_names_it(tmp_path):
+    write_split(tmp_path, "train", tiny_images(3), np.zeros(3, np.uint8))
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    path.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(DataError, match="gzip") as err:
+        load_split("mnist", "train", tmp_path)
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.skipif(not REAL_MNIST.is_dir(), reason=f"{REAL_MNIST} absent")
+def test_real_mnist_files():
+    train_x, train_y = load_split("mnist", "train", REAL_MNIST)
+    test_x, test_y = load_split("mnist", "test", REAL_MNIST)
+    assert train_x.shape == (24345, 28, 28, 1) and train_y.shape == (24345,)
+    assert test_x.shape == (10000, 28, 28, 1) and test_y.shape == (10000,)
+    for labels in (train_y, test_y):
+        assert set(np.unique(labels)) == set(range(10))
+    # Digits are dark backgrounds with bright strokes: real images, not noise.
+    assert test_x.max() == 255 and 0.05 < (test_x > 128).mean() < 0.3
+    # The official test set is balanced to within a few hundred per class.
+    assert np.bincount(test_y).min() > 850
+
+
+@pytest.mark.timeout(120)  # unbounded tfds retries would take minutes
+def test_tfds_offline_fails_fast_naming_data_dir(tmp_path, monkeypatch):
+    # A proxy on a closed local port makes every download fail at once, whether or
+    # not this machine has internet; the empty data dir has nothing prepared.
+    for var in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
+        monkeypatch.setenv(var, "http://127.0.0.1:9")
+    start = time.monotonic()
+    with pytest.raises(DataError) as err:
+        load_split("mnist", "train", tfds_data_dir=str(tmp_path))
+    elapsed = time.monotonic() - start
+    message = str(err.value)
+    assert "data.dir=" in message and "tensorflow-datasets" in message
+    assert "\n" not in message
+    assert elapsed < 60, f"took {elapsed:.0f}s: tfds retried for too long"
+
+
+def test_tfds_path_converts_and_validates(tmp_path, monkeypatch):
+    # No network here, so tfds.load itself is replaced: this checks what load_split
+    # asks of it and does with its answer.
+    tfds = pytest.importorskip("tensorflow_datasets")
+    images, labels = tiny_images(6, seed=4)[..., None], np.array([0, 1, 2, 3, 4, 9])
+    calls = []
+
+    def fake_load(name, **kwargs):
+        calls.append((name, kwargs))
+        return tf.constant(images), tf.constant(labels, tf.int64)
+
+    monkeypatch.setattr(tfds, "load", fake_load)
+    got_x, got_y = load_split("fashion_mnist", "test", limit=4, tfds_data_dir=str(tmp_path))
+    assert calls == [("fashion_mnist", dict(split="test", as_supervised=True, batch_size=-1,
+                                            data_dir=str(tmp_path)))]
+    assert got_x.dtype == np.uint8 and got_y.dtype == np.int64
+    np.testing.assert_array_equal(got_x, images[:4])
+    np.testing.assert_array_equal(got_y, labels[:4])
+
+    labels[5] = 10  # out of range for 10 classes
+    with pytest.raises(DataError, match="tensorflow-datasets fashion_mnist/test.*0..10"):
+        load_split("fashion_mnist", "test", tfds_data_dir=str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- make_dataset
+def numpy_shift(image, dy, dx):
+    """out[y, x] = image[y - dy, x - dx] where that is inside, else 0."""
+    h, w = image.shape[:2]
+    out = np.zeros_like(image)
+    out[max(dy, 0):h + min(dy, 0), max(dx, 0):w + min(dx, 0)] = \
+        image[max(-dy, 0):h + min(-dy, 0), max(-dx, 0):w + min(-dx, 0)]
+    return out
+
+
+def collect(dataset):
+    images, labels = zip(*[(x.numpy(), y.numpy()) for x, y in dataset])
+    return np.concatenate(images), np.concatenate(labels)
+
+
+@pytest.fixture(scope="module")
+def examples():
+    """60 noise images with unique labels (= index), so outputs map back to sources."""
+    return tiny_images(60, seed=3)[..., None], np.arange(60, dtype=np.int64)
+
+
+def test_eval_dataset_shapes_order_and_values(examples):
+    images, labels = examples
+    dataset = make_dataset(images, labels, batch_size=16, training=False)
+    assert dataset.element_spec[0].dtype == tf.float32
+    assert dataset.element_spec[1].dtype == tf.int32
+    batches = list(dataset)
+    assert [len(y) for _, y in batches] == [16, 16, 16, 12]
+    assert all(x.shape[1:] == (28, 28, 1) for x, _ in batches)
+    got_x, got_y = collect(dataset)
+    np.testing.assert_array_equal(got_y, labels)  # order preserved
+    np.testing.assert_array_equal(got_x, images.astype(np.float32) / np.float32(255))
+    assert got_x.min() >= 0 and got_x.max() <= 1
+
+
+def test_drop_remainder(examples):
+    images, labels = examples
+    dataset = make_dataset(images, labels, batch_size=16, training=True, drop_remainder=True)
+    assert [len(y) for _, y in dataset] == [16, 16, 16]
+    assert dataset.element_spec[0].shape.as_list() == [16, 28, 28, 1]
+
+
+def test_training_order_is_reproducible_permutation(examples):
+    images, labels = examples
+    def run(seed, epoch, batch_size=16):
+        return collect(make_dataset(images, labels, batch_size=batch_size, training=True,
+                                    seed=seed, epoch=epoch))
+    x0, y0 = run(seed=7, epoch=0)
+    np.testing.assert_array_equal(np.sort(y0), labels)
+    assert not np.array_equal(y0, labels)
+
+    x0_again, y0_again = run(seed=7, epoch=0)  # what a resumed run rebuilds
+    np.testing.assert_array_equal(y0_again, y0)
+    np.testing.assert_array_equal(x0_again, x0)
+
+    # Batching does not change which example comes when, nor its shift.
+    x0_b7, y0_b7 = run(seed=7, epoch=0, batch_size=7)
+    np.testing.assert_array_equal(y0_b7, y0)
+    np.testing.assert_array_equal(x0_b7, x0)
+
+    _, y1 = run(seed=7, epoch=1)
+    _, y_other_seed = run(seed=8, epoch=0)
+    np.testing.assert_array_equal(np.sort(y1), labels)
+    assert not np.array_equal(y1, y0)
+    assert not np.array_equal(y_other_seed, y0)
+
+
+def test_training_batches_independent_of_parallelism(examples):
+    images, labels = examples
+    dataset = make_dataset(images, labels, batch_size=8, training=True, seed=3, epoch=2)
+    options = tf.data.Options()
+    options.threading.private_threadpool_size = 1
+    options.autotune.enabled = False
+    serial = dataset.with_options(options)
+    for (xa, ya), (xb, yb) in zip(dataset, serial, strict=True):
+        np.testing.assert_array_equal(ya, yb)
+        np.testing.assert_array_equal(xa, xb)
+
+
+def find_shift(augmented, source, max_shift):
+    """The (dy, dx) with |dy|, |dx| <= max_shift that turns source into augmented, or None."""
+    for dy in range(-max_shift, max_shift + 1):
+        for dx in range(-max_shift, max_shift + 1):
+            if np.array_equal(numpy_shift(source, dy, dx), augmented):
+                return dy, dx
+    return None
+
+
+@pytest.mark.parametrize("shift_pixels", [1, 2, 3])
+def test_augmented_images_are_zero_filled_shifts(examples, shift_pixels):
+    images, labels = examples
+    dataset = make_dataset(images, labels, batch_size=32, training=True, seed=1, epoch=0,
+                           shift_pixels=shift_pixels)
+    got_x, got_y = collect(dataset)
+    shifts = []
+    for augmented, index in zip(got_x, got_y):
+        pixels = np.rint(augmented * 255)
+        np.testing.assert_allclose(augmented * 255, pixels, atol=1e-4)  # exactly v / 255
+        shift = find_shift(pixels.astype(np.uint8), images[index], shift_pixels)
+        assert shift is not None, f"example {index} is not a shift of its source"
+        shifts.append(shift)
+    dys, dxs = zip(*shifts)
+    # Every offset is used and the shifts vary: 60 draws from (2s + 1) values each.
+    assert set(dys) == set(dxs) == set(range(-shift_pixels, shift_pixels + 1))
+
+
+def test_shifts_change_with_epoch(examples):
+    images, labels = examples
+    def shifts(epoch):
+        got_x, got_y = collect(make_dataset(images, labels, batch_size=60, training=True,
+                                            seed=1, epoch=epoch))
+        by_index = {}
+        for augmented, index in zip(got_x, got_y):
+            by_index[index] = find_shift(np.rint(augmented * 255).astype(np.uint8),
+                                         images[index], 2)
+        return [by_index[i] for i in range(len(labels))]
+    epoch0, epoch1 = shifts(0), shifts(1)
+    assert None not in epoch0 and None not in epoch1
+    # 25 possible shifts: about 1/25 of the examples keep theirs by chance.
+    assert sum(a != b for a, b in zip(epoch0, epoch1)) > len(labels) // 2
+
+
+def test_shift_zero_is_identity(examples):
+    images, labels = examples
+    got_x, got_y = collect(make_dataset(images, labels, batch_size=32, training=True, seed=5,
+                                        shift_pixels=0))
+    assert not np.array_equal(got_y, labels)  # still shuffled
+    np.testing.assert_array_equal(got_x, images[got_y].astype(np.float32) / np.float32(255))
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(batch_size=0), ConfigError, "batch_size must be ≥ 1, got 0"),
+    (dict(batch_size=-4), ConfigError, "batch_size"),
+    (dict(batch_size=2.0), ConfigError, "batch_size must be an integer"),
+    (dict(batch_size=True), ConfigError, "batch_size must be an integer"),
+    (dict(batch_size=8, shift_pixels=-1), ConfigError, "shift_pixels"),
+    (dict(batch_size=8, shift_pixels=28), ConfigError, "shift_pixels must be in [0, 27]"),
+    (dict(batch_size=8, epoch=-1), ConfigError, "epoch"),
+    (dict(batch_size=8, seed="1"), ConfigError, "seed must be an integer"),
+    (dict(batch_size=8, training="yes"), ConfigError, "training"),
+    (dict(batch_size=61, drop_remainder=True), ConfigError, "leaves no batch"),
+])
+def test_make_dataset_rejects_bad_arguments(examples, kwargs, error, words):
+    images, labels = examples
+    kwargs = {"training": True, **kwargs}
+    with pytest.raises(error) as err:
+        make_dataset(images, labels, **kwargs)
+    assert words in str(err.value)
+
+
+@pytest.mark.parametrize("images, labels, words", [
+    (np.zeros((4, 28, 28), np.uint8), np.zeros(4), "(4, 28, 28)"),
+    (np.zeros((4, 28, 28, 1), np.float32), np.zeros(4, np.int64), "float32"),
+    (np.zeros((4, 28, 28, 1), np.uint8), np.zeros(3, np.int64), "4 images"),
+    (np.zeros((4, 28, 28, 1), np.uint8), np.zeros(4, np.float32), "labels must be integers"),
+    (np.zeros((0, 28, 28, 1), np.uint8), np.zeros(0, np.int64), "no examples"),
+])
+def test_make_dataset_rejects_bad_arrays(images, labels, words):
+    with pytest.raises(DataError) as err:
+        make_dataset(images, labels, batch_size=2, training=False)
+    assert words in str(err.value)

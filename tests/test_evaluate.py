@@ -1,0 +1,97 @@
+"""capsnet.evaluation: the report math against NumPy, evaluate() on a tiny trained run, bad input."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+import yaml
+
+from capsnet.data import read_idx
+from capsnet.errors import CheckpointError, ConfigError
+from capsnet.evaluation import confusion_report, evaluate, format_report
+
+REPORT_KEYS = {"accuracy", "loss", "images_per_sec", "per_class_accuracy", "confusion_matrix"}
+
+
+def test_confusion_report_against_numpy():
+    rng = np.random.default_rng(3)
+    labels, predictions = rng.integers(0, 4, 200), rng.integers(0, 4, 200)
+    labels[labels == 2] = 1  # class 2 has no examples: its accuracy is undefined
+    confusion = np.zeros((4, 4), int)
+    for t, p in zip(labels, predictions):
+        confusion[t, p] += 1
+    report = confusion_report(confusion)
+    assert report["accuracy"] == pytest.approx(np.mean(labels == predictions))
+    for k in (0, 1, 3):
+        assert report["per_class_accuracy"][k] == pytest.approx(np.mean(predictions[labels == k] == k))
+    assert report["per_class_accuracy"][2] is None
+    assert report["confusion_matrix"] == confusion.tolist()
+
+
+def test_evaluate_run_dir_uses_its_best_checkpoint(trained_run, tiny_idx_dir):
+    run_dir, metrics = trained_run
+    report = evaluate(run_dir)
+    assert REPORT_KEYS <= set(report)
+    best = metrics["history"][metrics["best_epoch"] - 1]
+    assert report["epoch"] == metrics["best_epoch"]
+    assert report["checkpoint"].endswith(f"best/ckpt-{metrics['best_epoch']}")
+    # The restored weights reproduce what training measured at that epoch.
+    assert report["accuracy"] == best["test_accuracy"]
+    assert report["loss"] == pytest.approx(best["test_loss"], rel=1e-5)
+
+    # The confusion matrix counts every test example once, by its true label.
+    true_labels = read_idx(tiny_idx_dir / "t10k-labels-idx1-ubyte.gz")
+    confusion = np.array(report["confusion_matrix"])
+    np.testing.assert_array_equal(confusion.sum(axis=1), np.bincount(true_labels, minlength=10))
+    assert report["accuracy"] == pytest.approx(np.trace(confusion) / len(true_labels))
+    assert report["num_examples"] == len(true_labels)
+
+    # Written next to the checkpoint, equal to the returned report.
+    written = json.loads(open(report["output"]).read())
+    assert report["output"] == report["checkpoint"] + ".eval.json"
+    assert written == {k: v for k, v in report.items() if k != "output"}
+    table = format_report(report)
+    assert "confusion matrix" in table and f"{report['accuracy']:.4%}" in table
+
+
+def test_evaluate_latest_and_a_checkpoint_path(trained_run, tmp_path):
+    run_dir, metrics = trained_run
+    latest = evaluate(run_dir, which="latest")
+    assert latest["epoch"] == 4
+    assert latest["accuracy"] == metrics["test_accuracy"]
+
+    prefix = run_dir / "checkpoints" / "latest" / "ckpt-3"
+    output = tmp_path / "out" / "ckpt3.json"
+    report = evaluate(str(prefix) + ".index", limit_test=40, batch_size=7, output=output)
+    assert report["epoch"] == 3 and report["num_examples"] == 40
+    assert np.array(report["confusion_matrix"]).sum() == 40
+    assert json.loads(output.read_text())["accuracy"] == report["accuracy"]
+
+
+def test_missing_checkpoints_name_the_path(trained_run, tmp_path):
+    with pytest.raises(CheckpointError, match=f"checkpoint not found: {tmp_path}/nope"):
+        evaluate(tmp_path / "nope")
+
+    empty_run = tmp_path / "empty_run"
+    (empty_run / "checkpoints").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=f"run dir {empty_run} has no best checkpoint"):
+        evaluate(empty_run)
+
+    # Checkpoints without their run's config.yaml cannot rebuild the model.
+    loose = tmp_path / "loose"
+    shutil.copytree(trained_run[0] / "checkpoints" / "latest", loose)
+    with pytest.raises(CheckpointError, match="no config.yaml"):
+        evaluate(loose)
+
+    with pytest.raises(ConfigError, match="which must be one of best, latest, got 'worst'"):
+        evaluate(trained_run[0], which="worst")
+
+
+def test_a_config_that_does_not_match_the_checkpoint_is_reported(trained_run, tmp_path):
+    run_dir = tmp_path / "edited"
+    shutil.copytree(trained_run[0], run_dir)
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config["model"]["decoder_units"] = [32, 32]
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(CheckpointError, match="cannot load the model from checkpoint .*ckpt-"):
+        evaluate(run_dir)

@@ -1,0 +1,269 @@
+"""PrimaryCaps, DigitCaps, Decoder (and CapsNet as a layer): shapes, weights, config, math."""
+import inspect
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import capsnet.routing
+from capsnet import ops
+from capsnet.layers import Decoder, DigitCaps, PrimaryCaps, capsule_lengths, squash
+from capsnet.model import CapsNet
+from test_routing import EPSILON, np_dynamic_routing, np_squash
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    """Same initial weights every run: failures reproduce."""
+    keras.utils.set_random_seed(0)
+
+
+def _flat(structure):
+    """Outputs or shapes as a flat list: a dict by sorted key, a tuple in order, or one item."""
+    if isinstance(structure, dict):
+        return [structure[k] for k in sorted(structure)]
+    if isinstance(structure, (tuple, list)) and structure and not isinstance(structure[0], (int, type(None))):
+        return list(structure)
+    return [structure]
+
+
+def check_layer(layer, args, expected_shapes, expected_params):
+    """The shared layer contract, applied to every layer.
+
+    - called on `args`, the outputs have `expected_shapes` (same structure as the
+      outputs: one shape, a tuple of shapes or a dict of shapes), and
+      compute_output_shape with an unknown batch agrees;
+    - count_params() == expected_params;
+    - get_config() names every __init__ argument; from_config(get_config()) gives a
+      layer with the same config and, with the same weights, the same outputs; Keras'
+      own serialization revives the registered class.
+    """
+    outputs = layer(*args)
+    got = [tuple(t.shape) for t in _flat(outputs)]
+    assert got == [tuple(s) for s in _flat(expected_shapes)]
+    symbolic = layer.compute_output_shape(*[(None, *np.shape(a)[1:]) for a in args])
+    assert [tuple(s) for s in _flat(symbolic)] == [(None, *s[1:]) for s in got]
+    assert layer.count_params() == expected_params
+
+    config = layer.get_config()
+    init_args = [
+        name for name, p in inspect.signature(type(layer).__init__).parameters.items()
+        if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    assert set(init_args) <= set(config), f"get_config misses {set(init_args) - set(config)}"
+    clone = type(layer).from_config(config)
+    assert clone.get_config() == config
+    clone(*args)  # build
+    clone.set_weights(layer.get_weights())
+    for a, b in zip(_flat(outputs), _flat(clone(*args))):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    revived = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(layer))
+    assert type(revived) is type(layer) and revived.get_config() == config
+
+
+# ----------------------------------------------------------------- the contract, every layer
+
+rng = np.random.default_rng(0)
+FEATURES = rng.uniform(size=(2, 12, 12, 6)).astype(np.float32)
+CAPSULES = np_squash(rng.normal(size=(2, 18, 4))).astype(np.float32)
+V_J = np_squash(rng.normal(size=(2, 5, 6))).astype(np.float32)
+IMAGES = rng.uniform(size=(2, 28, 28, 1)).astype(np.float32)
+
+# name: (constructor, call args, output shapes, parameter count worked out by hand)
+LAYER_CASES = {
+    # conv 3×3×6 → 3·4 filters; grid (12 − 3)//2 + 1 = 5 → 5·5·3 capsules
+    "primary_caps": (lambda: PrimaryCaps(num_types=3, dim=4, kernel_size=3, strides=2),
+                     (FEATURES,), (2, 75, 4), 3 * 3 * 6 * 12 + 12),
+    # 'same': grid ceil(12/2) × ceil(12/3) = 6 × 4, 2 types
+    "primary_caps_same": (lambda: PrimaryCaps(num_types=2, dim=5, kernel_size=(3, 5), strides=(2, 3),
+                                              padding="same"),
+                          (FEATURES,), (2, 6 * 4 * 2, 5), 3 * 5 * 6 * 10 + 10),
+    # W only: (in_caps, num_caps, dim, in_dim)
+    "digit_caps": (lambda: DigitCaps(num_caps=5, dim=6, routing_iterations=2),
+                   (CAPSULES,), ((2, 5, 6), (2, 18, 5)), 18 * 5 * 6 * 4),
+    # 5·6 → 7 → 9 → 4·3·2
+    "decoder": (lambda: Decoder(units=(7, 9), output_shape=(4, 3, 2)),
+                (V_J, np.array([1, 4])), (2, 4, 3, 2), (30 * 7 + 7) + (7 * 9 + 9) + (9 * 24 + 24)),
+    # 28 → conv1 9×9 → 20 → primary 9×9/2 → 6: 6·6·2 = 72 capsules
+    "capsnet": (lambda: CapsNet(conv1_filters=6, primary_caps_types=2, primary_caps_dim=4,
+                                digit_caps_dim=5, decoder_units=(8,)),
+                (IMAGES,), {"c_ij": (2, 72, 10), "lengths": (2, 10), "reconstructions": (2, 28, 28, 1),
+                            "v_j": (2, 10, 5)},
+                (81 * 6 + 6) + (81 * 6 * 8 + 8) + 72 * 10 * 5 * 4 + (50 * 8 + 8) + (8 * 784 + 784)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LAYER_CASES))
+def test_layer_contract(case):
+    make, args, shapes, params = LAYER_CASES[case]
+    check_layer(make(), args, shapes, params)
+
+
+# ----------------------------------------------------------------- squash / lengths
+
+def test_layers_exports_the_routing_squash():
+    assert squash is capsnet.routing.squash
+
+
+def test_capsule_lengths_finite_gradient_at_zero():
+    v = tf.constant([[0.0, 0.0], [0.6, 0.8]])
+    with tf.GradientTape() as tape:
+        tape.watch(v)
+        lengths = capsule_lengths(v)
+    grad = tape.gradient(lengths, v).numpy()
+    np.testing.assert_allclose(lengths.numpy(), [1e-6, 1.0], rtol=1e-6)  # sqrt(default epsilon 1e-12) at 0
+    assert np.all(np.isfinite(grad))
+    np.testing.assert_allclose(grad[1], [0.6, 0.8], rtol=1e-5)
+
+
+# ----------------------------------------------------------------- PrimaryCaps
+
+def test_primary_caps_ordering_and_squash():
+    layer = PrimaryCaps(num_types=3, dim=4, kernel_size=3, strides=2)
+    u = layer(FEATURES).numpy()
+    conv = layer.conv(FEATURES).numpy()                  # (2, 5, 5, 12), the pre-activation
+    kernel, bias = (w.numpy() for w in layer.conv.weights)
+    # the conv itself vs NumPy, at one output position (stride 2, valid)
+    patch = FEATURES[:, 2 * 1:2 * 1 + 3, 2 * 4:2 * 4 + 3, :]
+    np.testing.assert_allclose(conv[:, 1, 4], np.einsum("bhwc,hwcf->bf", patch, kernel) + bias,
+                               rtol=1e-5, atol=1e-6)
+    # documented ordering: capsule (h·W' + w)·num_types + t holds channels [t·dim, (t+1)·dim)
+    for h, w, t in [(0, 0, 0), (0, 0, 2), (1, 4, 1), (4, 3, 2)]:
+        i = (h * 5 + w) * 3 + t
+        np.testing.assert_allclose(u[:, i], np_squash(conv[:, h, w, 4 * t:4 * t + 4], epsilon=EPSILON),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_primary_caps_has_no_relu():
+    layer = PrimaryCaps(num_types=3, dim=4, kernel_size=3, strides=2)
+    assert np.any(layer(FEATURES).numpy() < 0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_types=0), "num_types must be a positive integer, got 0"),
+    (dict(dim=2.5), "dim must be a positive integer, got 2.5"),
+    (dict(kernel_size=(3, 3, 3)), r"kernel_size must be 2 positive integers, got \(3, 3, 3\)"),
+    (dict(strides=0), "strides must be 2 positive integers"),
+    (dict(padding="full"), "padding must be 'valid' or 'same', got 'full'"),
+])
+def test_primary_caps_rejects_bad_args(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PrimaryCaps(**kwargs)
+
+
+def test_primary_caps_rejects_small_or_wrong_rank_input():
+    with pytest.raises(ValueError, match=r"\(2, 8, 8, 6\) is smaller than kernel_size \(9, 9\)"):
+        PrimaryCaps()(np.zeros((2, 8, 8, 6), np.float32))
+    with pytest.raises(ValueError, match=r"expected feature maps \(batch, H, W, C\), got shape \(2, 12, 6\)"):
+        PrimaryCaps(kernel_size=3)(np.zeros((2, 12, 6), np.float32))
+
+
+# ----------------------------------------------------------------- DigitCaps
+
+def np_capsule_prediction(u, W):
+    """u_hat[b, i, j, :] = W[i, j] · u[b, i]."""
+    return np.einsum("ijdk,bik->bijd", W, u)
+
+
+@pytest.mark.parametrize("iterations", [1, 3])
+def test_digit_caps_matches_numpy(iterations):
+    layer = DigitCaps(num_caps=5, dim=6, routing_iterations=iterations,
+                      kernel_initializer=keras.initializers.RandomNormal(stddev=0.3, seed=1))
+    v_j, c_ij = layer(CAPSULES)
+    (W,) = layer.get_weights()
+    assert W.shape == (18, 5, 6, 4)  # (in_caps, num_caps, dim, in_dim): the op's and checkpoints' layout
+    v_ref, c_ref = np_dynamic_routing(np_capsule_prediction(CAPSULES.astype(np.float64), W), iterations)
+    np.testing.assert_allclose(v_j.numpy(), v_ref, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(c_ij.numpy(), c_ref, rtol=1e-4, atol=1e-6)
+
+
+def test_digit_caps_default_initializer_scale():
+    layer = DigitCaps(num_caps=10, dim=16)
+    layer(np.zeros((1, 1152, 8), np.float32))
+    assert abs(float(np.std(layer.W.numpy())) - 0.1) < 0.01
+
+
+def test_digit_caps_stop_gradient_flag_reaches_routing():
+    grads = {}
+    for flag in (True, False):
+        layer = DigitCaps(num_caps=5, dim=6, routing_iterations=3, stop_gradient_routing=flag,
+                          kernel_initializer=keras.initializers.RandomNormal(stddev=0.3, seed=1))
+        layer.build(CAPSULES.shape)
+        with tf.GradientTape() as tape:
+            v_j, _ = layer(CAPSULES)
+            loss = tf.reduce_sum(v_j * tf.range(6.0))
+        grads[flag] = tape.gradient(loss, layer.W).numpy()
+    # same W (same seed), different gradient: the flag changes what backprop sees
+    assert np.abs(grads[True] - grads[False]).max() > 1e-4 * np.abs(grads[False]).max()
+
+
+def test_digit_caps_uses_the_selected_prediction(monkeypatch):
+    calls = []
+
+    def fake_op(u, W):
+        calls.append((tuple(u.shape), tuple(W.shape)))
+        return ops.capsule_prediction_matmul(u, W)
+
+    monkeypatch.setattr(ops, "capsule_prediction", fake_op)
+    DigitCaps(num_caps=5, dim=6, custom_op=True)(CAPSULES)
+    assert calls == [((2, 18, 4), (18, 5, 6, 4))]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_caps=0), "num_caps must be a positive integer, got 0"),
+    (dict(routing_iterations=0), "routing_iterations must be a positive integer, got 0"),
+    (dict(stop_gradient_routing="yes"), "stop_gradient_routing must be true or false, got 'yes'"),
+    (dict(custom_op=1), "custom_op must be true or false, got 1"),
+])
+def test_digit_caps_rejects_bad_args(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DigitCaps(**kwargs)
+
+
+def test_digit_caps_rejects_bad_input_shapes():
+    with pytest.raises(ValueError, match=r"expected capsules \(batch, in_caps, in_dim\).*got shape \(2, 72\)"):
+        DigitCaps()(np.zeros((2, 72), np.float32))
+    layer = DigitCaps(num_caps=5, dim=6)
+    layer(CAPSULES)
+    with pytest.raises(ValueError, match="incompatible"):
+        layer(np.zeros((2, 17, 4), np.float32))  # built for 18 input capsules
+
+
+# ----------------------------------------------------------------- Decoder
+
+def test_decoder_matches_numpy_on_masked_capsules():
+    layer = Decoder(units=(7, 9), output_shape=(4, 3, 2))
+    labels = np.array([1, 4])
+    out = layer(V_J, labels).numpy()
+    W1, b1, W2, b2, W3, b3 = layer.get_weights()
+    masked = V_J * np.eye(5)[labels][:, :, None]       # only the labelled capsule survives
+    x = np.maximum(masked.reshape(2, 30) @ W1 + b1, 0)
+    x = np.maximum(x @ W2 + b2, 0)
+    x = 1 / (1 + np.exp(-(x @ W3 + b3)))
+    np.testing.assert_allclose(out, x.reshape(2, 4, 3, 2), rtol=1e-5, atol=1e-6)
+
+
+def test_decoder_ignores_unselected_capsules():
+    layer = Decoder(units=(7, 9), output_shape=(4, 3, 2))
+    labels = np.array([1, 4])
+    changed = V_J.copy()
+    changed[0, [0, 2, 3, 4]] = 0.3
+    changed[1, :4] = -0.2
+    np.testing.assert_array_equal(layer(V_J, labels).numpy(), layer(changed, labels).numpy())
+    assert not np.allclose(layer(V_J, labels).numpy(), layer(V_J, np.array([0, 0])).numpy())
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(units=()), "units must be a non-empty sequence of positive integers, got ()"),
+    (dict(units=(512, 0)), r"units must be .*got \(512, 0\)"),
+    (dict(output_shape=(28, -28, 1)), r"output_shape must be .*got \(28, -28, 1\)"),
+])
+def test_decoder_rejects_bad_args(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Decoder(**kwargs)
+
+
+def test_decoder_rejects_bad_labels():
+    with pytest.raises(ValueError, match=r"mask_labels must be integer class ids of shape \(batch,\), got float32"):
+        Decoder()(V_J, np.array([1.0, 2.0], np.float32))

@@ -1,0 +1,208 @@
+"""CapsNet: parameter counts, outputs, decoder masking, config, weights across custom_op."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from capsnet.errors import OpLibraryError
+from capsnet.losses import margin_loss, reconstruction_loss
+from capsnet.model import CapsNet, build_model
+
+@pytest.fixture(autouse=True)
+def _seed():
+    """Same initial weights every run: failures reproduce."""
+    keras.utils.set_random_seed(0)
+
+
+# Small enough to run in milliseconds: 28 → 20 → 6, 6·6·4 = 144 primary capsules.
+SMALL = dict(conv1_filters=16, primary_caps_types=4, digit_caps_dim=8, decoder_units=(32, 64))
+
+
+def images(batch=4, seed=0):
+    return np.random.default_rng(seed).uniform(size=(batch, 28, 28, 1)).astype(np.float32)
+
+
+def lively(model):
+    """Scale both convolutions up ×10 so capsules have lengths ~0.1–1 instead of the
+    ~1e-4 of a fresh model (squash is quadratic for short vectors), like a trained
+    model: differences between capsules then show in the outputs."""
+    for conv in (model.conv1, model.primary_caps.conv):
+        conv.kernel.assign(conv.kernel * 10.0)
+    return model
+
+
+# ----------------------------------------------------------------- the paper's numbers
+
+def test_paper_parameter_counts():
+    # conv1 9·9·1·256+256 = 20,992; PrimaryCaps 9·9·256·256+256 = 5,308,672;
+    # DigitCaps W 1152·10·16·8 = 1,474,560; decoder 160·512+512 + 512·1024+1024 + 1024·784+784
+    assert build_model(decoder=False).count_params() == 6_804_224
+    model = build_model()
+    assert model.count_params() == 8_215_568
+    assert model.in_caps == 1152
+    assert tuple(model.digit_caps.W.shape) == (1152, 10, 16, 8)
+
+
+def test_paper_config_forward_shapes():
+    out = build_model()(images(batch=1))
+    assert {k: tuple(v.shape) for k, v in out.items()} == {
+        "lengths": (1, 10), "v_j": (1, 10, 16), "c_ij": (1, 1152, 10), "reconstructions": (1, 28, 28, 1)}
+
+
+# ----------------------------------------------------------------- outputs
+
+def test_outputs_are_consistent():
+    model = lively(build_model(**SMALL))
+    out = model(images())
+    assert sorted(out) == ["c_ij", "lengths", "reconstructions", "v_j"]
+    v_j = out["v_j"].numpy()
+    np.testing.assert_allclose(out["lengths"].numpy(), np.linalg.norm(v_j, axis=-1), rtol=1e-4, atol=1e-6)
+    assert np.all(out["lengths"].numpy() < 1)
+    np.testing.assert_allclose(out["c_ij"].numpy().sum(axis=-1), 1.0, rtol=1e-5)
+    recon = out["reconstructions"].numpy()
+    assert recon.dtype == np.float32 and np.all((recon >= 0) & (recon <= 1))
+
+
+def test_no_decoder_means_no_reconstructions():
+    model = build_model(decoder=False, **SMALL)
+    out = model(images(), labels=np.array([0, 1, 2, 3]))
+    assert sorted(out) == ["c_ij", "lengths", "v_j"]
+    assert model.decoder is None
+
+
+def test_decoder_masks_by_labels_else_by_prediction():
+    model = lively(build_model(**SMALL))
+    x = images()
+    evaluated = model(x)
+    predicted = np.argmax(evaluated["lengths"].numpy(), axis=-1).astype(np.int32)
+    # without labels: the decoder sees the predicted capsule
+    np.testing.assert_allclose(evaluated["reconstructions"].numpy(),
+                               model.decoder(evaluated["v_j"], predicted).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(model(x, labels=predicted)["reconstructions"].numpy(),
+                               evaluated["reconstructions"].numpy(), rtol=1e-6)
+    # with labels: the labelled capsule, whatever the prediction
+    other = (predicted + 1) % 10
+    trained = model(x, labels=other)
+    np.testing.assert_allclose(trained["reconstructions"].numpy(),
+                               model.decoder(trained["v_j"], other).numpy(), rtol=1e-6)
+    assert not np.allclose(trained["reconstructions"].numpy(), evaluated["reconstructions"].numpy())
+    np.testing.assert_array_equal(trained["lengths"].numpy(), evaluated["lengths"].numpy())
+
+
+def test_every_weight_gets_a_gradient_and_a_step_lowers_the_loss():
+    model = build_model(**SMALL)
+    x, labels = images(batch=8), np.arange(8) % 10
+    optimizer = keras.optimizers.Adam(1e-3)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            out = model(x, labels=labels, training=True)
+            loss = tf.reduce_mean(margin_loss(labels, out["lengths"])
+                                  + 0.0005 * reconstruction_loss(x, out["reconstructions"]))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss, grads
+
+    first, grads = step()
+    for var, grad in zip(model.trainable_variables, grads):
+        assert grad is not None and np.any(grad.numpy() != 0), var.path
+    for _ in range(5):
+        last, _ = step()
+    assert float(last) < float(first)
+
+
+# ----------------------------------------------------------------- config and weights
+
+def test_config_round_trip():
+    model = build_model(routing_iterations=2, stop_gradient_routing=False, num_classes=7, **SMALL)
+    config = model.get_config()
+    assert config["routing_iterations"] == 2 and config["stop_gradient_routing"] is False
+    clone = CapsNet.from_config(config)
+    assert clone.get_config() == config
+    clone.build((None, 28, 28, 1))
+    clone.set_weights(model.get_weights())
+    x = images()
+    for key, value in model(x).items():
+        np.testing.assert_array_equal(clone(x)[key].numpy(), value.numpy())
+
+
+def test_weights_load_across_custom_op(tmp_path):
+    plain = build_model(name="capsnet", **SMALL)
+    path = str(tmp_path / "capsnet.weights.h5")
+    plain.save_weights(path)
+    compiled = build_model(custom_op=True, name="capsnet", **SMALL)
+    compiled.load_weights(path)
+    assert [w.path for w in compiled.weights] == [w.path for w in plain.weights]
+    for a, b in zip(plain.weights, compiled.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    # and through a tf.train.Checkpoint, as a trainer would
+    prefix = tf.train.Checkpoint(model=plain).save(str(tmp_path / "ckpt"))
+    other = build_model(custom_op=True, **SMALL)
+    tf.train.Checkpoint(model=other).restore(prefix).assert_existing_objects_matched()
+    np.testing.assert_array_equal(other.digit_caps.W.numpy(), plain.digit_caps.W.numpy())
+
+
+def test_custom_op_matches_matmul_path():
+    """The compiled op (`make ops`) against the matmul path on the same weights.
+
+    Needs capsnet/lib/_capsnet_ops.so; `make test` builds it first.
+    """
+    plain = lively(build_model(**SMALL))
+    compiled = build_model(custom_op=True, **SMALL)
+    compiled.set_weights(plain.get_weights())
+    x, labels = images(), np.array([3, 1, 4, 1])
+
+    def run(model):
+        with tf.GradientTape() as tape:
+            out = model(x, labels=labels)
+            loss = tf.reduce_sum(margin_loss(labels, out["lengths"])
+                                 + reconstruction_loss(x, out["reconstructions"]))
+        return out, tape.gradient(loss, model.trainable_variables)
+
+    out_plain, grads_plain = run(plain)
+    out_compiled, grads_compiled = run(compiled)
+    for key in out_plain:
+        np.testing.assert_allclose(out_compiled[key].numpy(), out_plain[key].numpy(), rtol=1e-4, atol=1e-6)
+    for var, a, b in zip(plain.trainable_variables, grads_plain, grads_compiled):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-3, atol=1e-6, err_msg=var.path)
+
+
+# ----------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(routing_iterations=0), "routing_iterations must be a positive integer, got 0"),
+    (dict(num_classes=2.0), "num_classes must be a positive integer, got 2.0"),
+    (dict(decoder="yes"), "decoder must be true or false, got 'yes'"),
+    (dict(input_shape=(28, 28)), r"input_shape must be 3 positive integers, got \(28, 28\)"),
+    (dict(input_shape=(16, 16, 1)), r"input_shape \(16, 16, 1\) is too small .* need at least 17 pixels"),
+    (dict(decoder_units=[]), "decoder_units must be a non-empty sequence"),
+])
+def test_rejects_bad_args(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CapsNet(**kwargs)
+
+
+def test_rejects_bad_images_and_labels():
+    model = build_model(**SMALL)
+    with pytest.raises(ValueError, match=r"expected shape=\(None, 28, 28, 1\), found shape=\(2, 28, 27, 1\)"):
+        model(np.zeros((2, 28, 27, 1), np.float32))
+    with pytest.raises(ValueError, match="images must be float in \\[0, 1\\], got dtype uint8"):
+        model(np.zeros((2, 28, 28, 1), np.uint8))
+    with pytest.raises(ValueError, match=r"labels must be integer class ids of shape \(batch,\), got float32"):
+        model(images(batch=2), labels=np.array([1.0, 2.0], np.float32))
+    with pytest.raises(ValueError, match=r"expected images \(batch, 28, 28, 1\), got shape \(None, 32, 32, 1\)"):
+        CapsNet(**SMALL).build((None, 32, 32, 1))
+
+
+def test_missing_op_library_is_one_clear_line(monkeypatch):
+    from capsnet import ops
+
+    def unbuilt(u, W):
+        raise OpLibraryError("the capsnet op library is not built: run `make ops`")
+
+    monkeypatch.setattr(ops, "capsule_prediction", unbuilt)
+    with pytest.raises(OpLibraryError) as err:
+        build_model(custom_op=True, **SMALL)(images(batch=1))
+    # Keras would otherwise wrap it in a multi-line report of the call arguments
+    assert str(err.value) == "the capsnet op library is not built: run `make ops`"

@@ -1,0 +1,230 @@
+"""capsnet.training: helpers against NumPy, a tiny end-to-end run, resume, config errors."""
+import inspect
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import yaml
+
+from capsnet.errors import CheckpointError, ConfigError, OpLibraryError
+from capsnet.training import image_grid, learning_rate_schedule, train
+from conftest import compose_config, read_events
+
+STEPS_PER_EPOCH = 20  # 320 tiny training images / batch 16
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+def test_image_grid_puts_inputs_over_reconstructions():
+    rng = np.random.default_rng(0)
+    inputs, recons = rng.random((3, 4, 5, 2)), rng.random((3, 4, 5, 2))
+    grid = image_grid(inputs, recons)
+    assert grid.shape == (1, 2 * 4, 3 * 5, 2)
+    for n in range(3):
+        np.testing.assert_array_equal(grid[0, :4, 5 * n:5 * n + 5], inputs[n].astype(np.float32))
+        np.testing.assert_array_equal(grid[0, 4:, 5 * n:5 * n + 5], recons[n].astype(np.float32))
+
+
+def test_image_grid_clips_and_rejects_mismatched_shapes():
+    grid = image_grid(np.full((1, 2, 2, 1), 2.0), np.full((1, 2, 2, 1), -1.0))
+    assert grid.max() == 1.0 and grid.min() == 0.0
+    with pytest.raises(ValueError, match=r"\(2, 4, 4, 1\) and \(2, 4, 5, 1\)"):
+        image_grid(np.zeros((2, 4, 4, 1)), np.zeros((2, 4, 5, 1)))
+
+
+@pytest.mark.parametrize("staircase", [False, True])
+def test_learning_rate_schedule_matches_the_formula(staircase):
+    schedule = learning_rate_schedule(0.001, 0.9, 50, staircase)
+    for step in (0, 1, 49, 50, 51, 777):
+        exponent = step // 50 if staircase else step / 50
+        assert float(schedule(step)) == pytest.approx(0.001 * 0.9 ** exponent, rel=1e-6)
+
+
+# --------------------------------------------------------------------------- configs
+
+def test_model_config_covers_every_capsnet_argument_with_the_paper_values():
+    from capsnet.model import CapsNet
+    from capsnet.training import build_capsnet
+
+    cfg = compose_config("train", ["run_dir=/unused"])
+    arguments = set(inspect.signature(CapsNet.__init__).parameters) - {"self", "kwargs", "custom_op"}
+    assert set(cfg["model"]) == arguments  # custom_op is the top-level key
+    assert build_capsnet(cfg["model"], custom_op=False).count_params() == 8_215_568
+    assert build_capsnet({**cfg["model"], "decoder": False}, custom_op=False).count_params() == 6_804_224
+
+
+def test_config_groups_compose():
+    from hydra.errors import ConfigCompositionException
+
+    fashion = compose_config("train", ["data=fashion_mnist", "run_dir=/unused"])
+    assert fashion["data"]["name"] == "fashion_mnist"
+    assert set(fashion["data"]) == set(compose_config("train", ["run_dir=/unused"])["data"])
+    assert fashion["train"]["reconstruction_weight"] == 0.0005
+    evaluation = compose_config("eval", ["checkpoint=/some/run"])
+    assert evaluation["checkpoint"] == "/some/run" and evaluation["which"] == "best"
+    with pytest.raises(ConfigCompositionException, match="no_such_key"):
+        compose_config("train", ["train.no_such_key=1"])
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.epochs=0", "train.epochs"),
+    ("train.batch_size=-4", "train.batch_size"),
+    ("train.learning_rate=0", "train.learning_rate"),
+    ("train.lr_decay_steps=1.5", "train.lr_decay_steps"),
+    ("seed=abc", "seed"),
+])
+def test_bad_train_values_raise_config_error(tiny_config, override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        train(tiny_config(override))
+
+
+def test_labels_beyond_num_classes_raise_config_error(tiny_config):
+    with pytest.raises(ConfigError, match=r"labels lie in \[0, 9\] but model\.num_classes is 5"):
+        train(tiny_config("model.num_classes=5"))
+
+
+# --------------------------------------------------------------------------- end to end
+
+def test_tiny_run_learns(trained_run):
+    _, metrics = trained_run
+    history = metrics["history"]
+    assert [h["epoch"] for h in history] == [1, 2, 3, 4]
+    assert history[-1]["train_loss"] < 0.8 * history[0]["train_loss"]
+    assert history[-1]["test_loss"] < 0.8 * history[0]["test_loss"]
+    assert metrics["test_accuracy"] >= 0.5  # chance is 0.1
+    assert metrics["global_step"] == 4 * STEPS_PER_EPOCH
+    assert metrics["best_test_accuracy"] == max(h["test_accuracy"] for h in history)
+    assert metrics["images_per_sec"] > 0
+
+
+def test_run_dir_holds_config_checkpoints_and_metrics(trained_run, tiny_idx_dir):
+    run_dir, metrics = trained_run
+    saved = json.loads((run_dir / "metrics.json").read_text())
+    assert saved["test_accuracy"] == metrics["test_accuracy"]
+    assert saved["history"] == json.loads(json.dumps(metrics["history"]))
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["model"]["conv1_filters"] == 16
+    assert config["data"]["dir"] == str(Path(tiny_idx_dir).resolve())
+    history_lines = (run_dir / "history.jsonl").read_text().splitlines()
+    assert [json.loads(line)["epoch"] for line in history_lines] == [1, 2, 3, 4]
+
+    # keep_checkpoints=3 latest, and the best epoch apart.
+    latest = sorted(p.name for p in (run_dir / "checkpoints" / "latest").glob("ckpt-*.index"))
+    assert latest == ["ckpt-2.index", "ckpt-3.index", "ckpt-4.index"]
+    best = [p.name for p in (run_dir / "checkpoints" / "best").glob("ckpt-*.index")]
+    assert best == [f"ckpt-{metrics['best_epoch']}.index"]
+    variables = dict(tf.train.list_variables(str(run_dir / "checkpoints" / "latest" / "ckpt-4")))
+    # The weights go by readable model paths (all of them: also the decoder's hidden layers).
+    for name in ("conv1.Skernel", "primary_caps.Sconv.Skernel", "digit_caps.SW", "decoder.Sfc1.Skernel",
+                 "decoder.Sfc2.Skernel", "decoder.Sfc3.Skernel"):
+        assert f"model/{name}/.ATTRIBUTES/VARIABLE_VALUE" in variables
+    assert variables["model/digit_caps.SW/.ATTRIBUTES/VARIABLE_VALUE"] == [144, 10, 8, 8]
+
+
+def test_tensorboard_logs(trained_run):
+    run_dir, metrics = trained_run
+    events = read_events(run_dir)
+    plugins = {tag: values[0][1].metadata.plugin_data.plugin_name for tag, values in events.items()}
+    for split in ("train", "test"):
+        for name in ("loss", "margin_loss", "reconstruction_loss", "accuracy", "images_per_sec"):
+            assert plugins[f"{split}/{name}"] == "scalars"
+    assert plugins["train/step_time_ms"] == plugins["train/learning_rate"] == "scalars"
+    assert plugins["routing/c_ij"] == plugins["capsules/lengths"] == "histograms"
+    assert plugins["reconstructions/inputs_over_reconstructions"] == "images"
+
+    # Global step as the TB step: test metrics once per epoch, equal to the run's history.
+    test_accuracy = events["test/accuracy"]
+    assert [step for step, _ in test_accuracy] == [STEPS_PER_EPOCH * e for e in (1, 2, 3, 4)]
+    np.testing.assert_allclose([tf.make_ndarray(v.tensor) for _, v in test_accuracy],
+                               [h["test_accuracy"] for h in metrics["history"]], rtol=1e-6)
+    train_steps = [step for step, _ in events["train/loss"]]
+    assert train_steps == sorted(set(train_steps)) and train_steps[-1] == 4 * STEPS_PER_EPOCH
+    last_lr = tf.make_ndarray(events["train/learning_rate"][-1][1].tensor)
+    assert last_lr == pytest.approx(0.01 * 0.9 ** 4, rel=1e-5)  # decays once per epoch
+
+    # The grid: 4 test images over their reconstructions, 28x28 each.
+    _, grid = events["reconstructions/inputs_over_reconstructions"][-1]
+    width, height = (int(x) for x in grid.tensor.string_val[:2])
+    assert (height, width) == (2 * 28, 4 * 28)
+    # c_ij of the 16 histogram examples: 144 primary x 10 digit capsules each, rows of a softmax.
+    _, c_ij = events["routing/c_ij"][-1]
+    buckets = tf.make_ndarray(c_ij.tensor)  # (k, 3): left edge, right edge, count
+    assert buckets[:, 2].sum() == 16 * 144 * 10
+    assert buckets[:, 0].min() >= 0.0 and buckets[:, 1].max() <= 1.0 + 1e-6
+
+    # HParams: the run's values, for side-by-side comparison.
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    start = plugin_data_pb2.HParamsPluginData.FromString(
+        events["_hparams_/session_start_info"][0][1].metadata.plugin_data.content).session_start_info
+    assert start.hparams["custom_op"].bool_value is False
+    assert start.hparams["batch_size"].number_value == 16
+    assert start.hparams["routing_iterations"].number_value == 3
+    assert start.hparams["dataset"].string_value == "mnist"
+    assert start.hparams["seed"].number_value == 0
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(
+        events["_hparams_/experiment"][0][1].metadata.plugin_data.content).experiment
+    assert {m.name.tag for m in experiment.metric_infos} == {"test/accuracy", "train/images_per_sec"}
+
+
+def test_resume_continues_where_the_checkpoint_left_off(trained_run, tiny_config, tmp_path):
+    original_dir, original = trained_run
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(original_dir, run_dir)
+
+    metrics = train(tiny_config("train.epochs=5", run_dir=run_dir))
+    assert metrics["resumed_from"].endswith("ckpt-4")
+    assert metrics["global_step"] == 5 * STEPS_PER_EPOCH
+    assert [h["epoch"] for h in metrics["history"]] == [1, 2, 3, 4, 5]
+    assert metrics["history"][:4] == original["history"]
+    events = read_events(run_dir)
+    assert [step for step, _ in events["test/accuracy"]] == [STEPS_PER_EPOCH * e for e in range(1, 6)]
+    assert len(events["_hparams_/session_start_info"]) == 1  # one trial, continued
+
+    # Rerunning a finished run trains nothing and reports the same checkpoint.
+    again = train(tiny_config("train.epochs=5", run_dir=run_dir))
+    assert again["history"] == metrics["history"] and again["global_step"] == metrics["global_step"]
+    assert again["test_accuracy"] == metrics["test_accuracy"]
+
+
+def test_resume_with_another_model_says_what_differs(trained_run, tiny_config, tmp_path):
+    run_dir = tmp_path / "other"
+    shutil.copytree(trained_run[0], run_dir)
+    with pytest.raises(CheckpointError, match=r"conv1_filters: 16 -> 8"):
+        train(tiny_config("model.conv1_filters=8", "train.epochs=5", run_dir=run_dir))
+
+
+def test_without_decoder(tiny_config, tmp_path):
+    metrics = train(tiny_config("model.decoder=false", "train.epochs=1"))
+    assert metrics["test_reconstruction_loss"] == 0.0
+    assert metrics["test_loss"] == pytest.approx(metrics["test_margin_loss"])
+    tags = set(read_events(tmp_path / "run"))
+    assert "routing/c_ij" in tags and "reconstructions/inputs_over_reconstructions" not in tags
+
+
+def _op_library_runs():
+    from capsnet import ops
+
+    try:
+        ops.capsule_prediction(tf.zeros((1, 1, 1)), tf.zeros((1, 1, 1, 1)))
+    except OpLibraryError:
+        return False
+    return True
+
+
+def test_custom_op_trains_or_fails_with_the_build_hint(tiny_config, tmp_path):
+    if not _op_library_runs():
+        with pytest.raises(OpLibraryError, match="make ops"):
+            train(tiny_config("custom_op=true"))
+        return
+    from capsnet.evaluation import evaluate
+
+    metrics = train(tiny_config("custom_op=true", "train.epochs=1"))
+    assert metrics["history"][0]["train_loss"] > 0
+    # The same weights evaluate identically on the matmul path.
+    report = evaluate(tmp_path / "run", which="latest", custom_op=False)
+    assert report["accuracy"] == metrics["test_accuracy"]
+    assert report["loss"] == pytest.approx(metrics["test_loss"], rel=1e-4)
