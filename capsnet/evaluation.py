@@ -49,17 +49,19 @@ def loss_params(train_cfg):
 
 # --------------------------------------------------------------------------- test pass
 
-def make_eval_step(model, image_shape, *, m_plus, m_minus, lambda_, reconstruction_weight):
+def make_eval_step(model, image_shape, *, m_plus, m_minus, lambda_, reconstruction_weight, jit_compile=False):
     """A compiled test step: sums of the losses, correct count, predictions.
 
     No labels go into the model, so the decoder reconstructs from the PREDICTED
     class, as at test time in the paper; the reconstruction loss is measured on that.
+    jit_compile=True compiles the step with XLA (train.xla=jit; matmul path only: XLA
+    cannot compile the custom op).
     """
 
     @tf.function(input_signature=[
         tf.TensorSpec([None, *image_shape], tf.float32),
         tf.TensorSpec([None], tf.int32),
-    ])
+    ], jit_compile=jit_compile)
     def eval_step(images, labels):
         outputs = model(images, training=False)
         total, margin, reconstruction = capsnet_losses(
@@ -206,10 +208,12 @@ def resolve_checkpoint(checkpoint, which="best"):
 def checkpoint_weights(model):
     """The model's weights by their path inside the model ("decoder/fc1/kernel"), for tf.train.Checkpoint.
 
-    Checkpointing this dict rather than the Keras model object keys every weight by a
-    stable, readable name and does not depend on how the layers hold their sublayers
-    (Keras 3 sublayers kept in a Python list are invisible to tf.train.Checkpoint's
-    object graph: they would silently not be saved or restored through `model=`).
+    This dict, not the Keras model object, is what training checkpoints hold: it keys
+    every weight by a stable, readable name that follows the layer names, not the
+    Python attributes that hold the layers, and it is the checkpoint format (existing
+    run dirs load through it). Checkpointing the model object itself also sees every
+    weight now (the layers hold no sublayers in Python lists, which Keras 3 hides from
+    tf.train.Checkpoint), but under other names.
     """
     weights = {}
     for variable in model.weights:

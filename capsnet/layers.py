@@ -274,12 +274,18 @@ class Decoder(keras.layers.Layer):
         owner = type(self).__name__
         self.units = _positive_int_tuple("units", units, owner)
         self.image_shape = _positive_int_tuple("output_shape", output_shape, owner)
-        self.hidden = [
-            keras.layers.Dense(n, activation="relu", name=f"fc{k + 1}")
-            for k, n in enumerate(self.units)
-        ]
-        self.out = keras.layers.Dense(
-            math.prod(self.image_shape), activation="sigmoid", name=f"fc{len(self.units) + 1}")
+        # One attribute per Dense layer (fc1, fc2, …), never a Python list: Keras 3 wraps
+        # lists in its own container, which tf.train.Checkpoint's object graph cannot see,
+        # so `tf.train.Checkpoint(model=...)` would silently skip every layer in it.
+        for k, n in enumerate(self.units):
+            setattr(self, f"fc{k + 1}", keras.layers.Dense(n, activation="relu", name=f"fc{k + 1}"))
+        last = f"fc{len(self.units) + 1}"
+        setattr(self, last, keras.layers.Dense(math.prod(self.image_shape), activation="sigmoid", name=last))
+
+    @property
+    def dense_layers(self):
+        """The FC layers in order: the ReLU hidden layers, then the sigmoid output layer."""
+        return [getattr(self, f"fc{k + 1}") for k in range(len(self.units) + 1)]
 
     def _caps_shape(self, v_j_shape):
         shape = _known_shape(v_j_shape)
@@ -292,10 +298,9 @@ class Decoder(keras.layers.Layer):
     def build(self, v_j_shape, mask_labels_shape=None):
         num_caps, dim = self._caps_shape(v_j_shape)
         width = num_caps * dim
-        for layer in self.hidden:
+        for layer in self.dense_layers:
             layer.build((None, width))
             width = layer.units
-        self.out.build((None, width))
         self.input_spec = keras.layers.InputSpec(ndim=3, axes={1: num_caps, 2: dim})
 
     def call(self, v_j, mask_labels):
@@ -306,9 +311,8 @@ class Decoder(keras.layers.Layer):
                 f"got {mask_labels.dtype.name} of shape {tuple(mask_labels.shape)}")
         mask = tf.one_hot(mask_labels, num_caps, dtype=v_j.dtype)  # (B, num_caps)
         x = tf.reshape(v_j * mask[:, :, None], (-1, num_caps * dim))  # (B, num_caps*dim)
-        for layer in self.hidden:
-            x = layer(x)
-        x = self.out(x)                                              # (B, H*W*C)
+        for layer in self.dense_layers:
+            x = layer(x)                                             # last: (B, H*W*C)
         return tf.reshape(x, (-1, *self.image_shape))                # (B, H, W, C)
 
     def compute_output_shape(self, v_j_shape, mask_labels_shape=None):

@@ -6,15 +6,145 @@
 Both take u (batch, in_caps, in_dim) and W (in_caps, out_caps, out_dim, in_dim) and
 return u_hat (batch, in_caps, out_caps, out_dim), so a checkpoint trained with one
 runs with the other. `get_capsule_prediction(custom_op)` picks one.
+
+The compiled op lives in capsnet/lib/_capsnet_ops.so (built by `make ops`, i.e.
+scripts/build_ops.py, next to a JSON stamp naming the TensorFlow it was built
+for). Importing this module does not load it: the first `capsule_prediction`
+call does, through `load_op_library()`. A SavedModel that contains the op needs
+the op registered before `tf.saved_model.load`, so call `load_op_library()` first.
 """
+import json
+import os
+import threading
+import warnings
+
 import tensorflow as tf
 
 from capsnet.errors import OpLibraryError
 
+# Where the op library and its stamp live; tests point this elsewhere.
+_LIBRARY_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", "_capsnet_ops.so")
+_REBUILD = "`make ops` (or `python scripts/build_ops.py`)"
+_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+
+_lib = None  # the loaded op module, once loaded
+_lock = threading.Lock()
+
+
+def library_path():
+    """Path of the compiled op library (it may not exist yet)."""
+    return _LIBRARY_PATH
+
+
+def _read_stamp(path):
+    """The build stamp next to the library ({} if missing or unreadable)."""
+    stamp_path = os.path.splitext(path)[0] + ".json"
+    try:
+        with open(stamp_path) as f:
+            stamp = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return stamp if isinstance(stamp, dict) else {}
+
+
+def _load(path):
+    if not os.path.isfile(path):
+        raise OpLibraryError(f"the capsnet op library is not built ({path} is missing): run {_REBUILD}")
+    stamp = _read_stamp(path)
+    built_for = stamp.get("tensorflow")
+    if built_for is not None and built_for != tf.__version__:
+        raise OpLibraryError(
+            f"the capsnet op library {path} was built for TensorFlow {built_for} but TensorFlow "
+            f"{tf.__version__} is installed: rebuild it with {_REBUILD}"
+        )
+    try:
+        lib = tf.load_op_library(path)
+    except (tf.errors.OpError, OSError) as err:
+        # An ABI mismatch shows up as an undefined symbol here.
+        reason = str(getattr(err, "message", err)).strip().splitlines()
+        reason = reason[0] if reason else type(err).__name__
+        raise OpLibraryError(
+            f"the capsnet op library {path} cannot be loaded ({reason}); it was built for "
+            f"TensorFlow {built_for or 'an unknown version'} and this is TensorFlow "
+            f"{tf.__version__}: rebuild it with {_REBUILD}"
+        ) from err
+    if stamp.get("cuda") is False and tf.config.list_physical_devices("GPU"):
+        warnings.warn(
+            f"the capsnet op library {path} was built without CUDA (no nvcc was found), so "
+            "capsule_prediction cannot run on the visible GPUs: rebuild it with `make ops-cuda`",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return lib
+
+
+def load_op_library():
+    """Loads the compiled op library once and returns its op module.
+
+    Raises OpLibraryError (one line, with the rebuild command) when the library
+    is missing, was built for another TensorFlow, or cannot be loaded.
+    """
+    global _lib
+    if _lib is None:
+        with _lock:
+            if _lib is None:
+                _lib = _load(_LIBRARY_PATH)
+    return _lib
+
 
 def capsule_prediction(u, W):
-    # Placeholder until the op library lands (the [op] issue).
-    raise OpLibraryError("the capsnet op library is not built: run `make ops`")
+    """u_hat[b, i, j, :] = W[i, j] · u[b, i] with the compiled op.
+
+    Args:
+      u: (batch, in_caps, in_dim) input capsules.
+      W: (in_caps, out_caps, out_dim, in_dim) transformation matrices, same dtype
+        as u (float16, bfloat16, float32 or float64).
+
+    Returns:
+      u_hat: (batch, in_caps, out_caps, out_dim).
+    """
+    u = tf.convert_to_tensor(u)
+    W = tf.convert_to_tensor(W)
+    if u.dtype != W.dtype:
+        raise TypeError(
+            f"capsule_prediction: u and W must have the same dtype, got u {u.dtype.name} and W {W.dtype.name}"
+        )
+    if u.dtype not in _DTYPES:
+        raise TypeError(
+            f"capsule_prediction: dtype {u.dtype.name} is not supported "
+            f"(one of {', '.join(d.name for d in _DTYPES)})"
+        )
+    return load_op_library().capsnet_capsule_prediction(u=u, weights=W)
+
+
+@tf.RegisterGradient("Capsnet>CapsulePrediction")
+def _capsule_prediction_grad(op, grad):
+    """(grad_u, grad_W) from one CapsulePredictionGrad op (reads grad once)."""
+    u, W = op.inputs
+    grad_u, grad_W = load_op_library().capsnet_capsule_prediction_grad(grad=grad, u=u, weights=W)
+    return grad_u, grad_W
+
+
+@tf.RegisterGradient("Capsnet>CapsulePredictionGrad")
+def _capsule_prediction_grad_grad(op, d_grad_u, d_grad_W):
+    """Second-order gradient: the Grad op is bilinear, so its gradients are the
+    forward and Grad ops again. With grad_u = G(g, W) and grad_W = H(g, u):
+      d g = P(d_grad_u, W) + P(u, d_grad_W)    (P = forward op)
+      d u = G(g, d_grad_W)                     (grad_u of Grad(g, u, d_grad_W))
+      d W = H(g, d_grad_u)                     (grad_W of Grad(g, d_grad_u, W))
+    """
+    g, u, W = op.inputs
+    lib = load_op_library()
+    if d_grad_u is None:
+        d_grad_u = tf.zeros_like(u)
+    if d_grad_W is None:
+        d_grad_W = tf.zeros_like(W)
+    d_g = lib.capsnet_capsule_prediction(u=d_grad_u, weights=W) + lib.capsnet_capsule_prediction(
+        u=u, weights=d_grad_W
+    )
+    d_u = lib.capsnet_capsule_prediction_grad(grad=g, u=u, weights=d_grad_W)[0]
+    d_W = lib.capsnet_capsule_prediction_grad(grad=g, u=d_grad_u, weights=W)[1]
+    return d_g, d_u, d_W
 
 
 def capsule_prediction_matmul(u, W):

@@ -5,6 +5,11 @@ Reads top to bottom like the loop it is: config → setup → data → model and
 final metrics. `cfg` is a plain dict shaped like configs/train.yaml (train.py converts
 Hydra's config at the boundary); nothing here sees a Hydra object.
 
+The pieces train() is made of, shared with scripts/benchmark_train.py:
+`build_capsnet(model_cfg, custom_op)`, `build_optimizer(train_cfg, steps_per_epoch,
+model)` and `make_train_step(model, optimizer, input_shape=..., losses=..., xla=...)`
+with xla none | jit | autocluster (train.xla; see set_autoclustering).
+
 A run dir holds:
     config.yaml                the resolved config (evaluate.py rebuilds the model from it)
     events.out.tfevents.*      TensorBoard: scalars, reconstructions, histograms, HParams
@@ -25,6 +30,7 @@ A run killed mid-epoch loses that epoch only. TensorBoard's step is the global s
 import json
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -45,7 +51,7 @@ from capsnet.model import build_model
 log = logging.getLogger(__name__)
 
 # Values shown side by side in TensorBoard's HParams dashboard, and the metrics they explain.
-HPARAMS = ("custom_op", "dataset", "batch_size", "routing_iterations", "seed", "learning_rate", "decoder")
+HPARAMS = ("custom_op", "xla", "dataset", "batch_size", "routing_iterations", "seed", "learning_rate", "decoder")
 HPARAM_METRICS = ("test/accuracy", "train/images_per_sec")
 
 
@@ -109,6 +115,97 @@ def check_op_library():
                              "rebuild it with `make ops`") from exc
 
 
+def build_optimizer(train_cfg, steps_per_epoch, model):
+    """The paper's optimizer for `model`: Adam on an exponentially decaying LR.
+
+    Returns (optimizer, schedule). `train_cfg` is a config's `train` section;
+    lr_decay_steps null decays once per `steps_per_epoch`. Adam's moments are created
+    now (optimizer.build), so a checkpoint restore fills them in place instead of being
+    deferred to the first step, and the first compiled step creates no variables.
+    """
+    decay_steps = train_cfg["lr_decay_steps"] or steps_per_epoch
+    schedule = learning_rate_schedule(train_cfg["learning_rate"], train_cfg["lr_decay_rate"], decay_steps,
+                                      bool(train_cfg["lr_staircase"]))
+    optimizer = keras.optimizers.Adam(learning_rate=schedule)
+    optimizer.build(model.trainable_variables)
+    return optimizer, schedule
+
+
+# --------------------------------------------------------------------------- compiled steps
+
+XLA_MODES = ("none", "autocluster", "jit")
+
+
+def check_xla(xla, custom_op):
+    """`train.xla` must be one of XLA_MODES, and jit cannot compile the custom op."""
+    if xla not in XLA_MODES:
+        raise ConfigError(f"train.xla must be one of {', '.join(XLA_MODES)}, got {xla!r}")
+    if xla == "jit" and custom_op:
+        # XLA has no kernel for our op: jit_compile would fail on it at the first step.
+        raise ConfigError("train.xla=jit cannot compile the custom op (custom_op=true): use train.xla=autocluster, "
+                          "which compiles the TensorFlow ops around it")
+
+
+def set_autoclustering(enabled):
+    """Turn XLA autoclustering on or off for this PROCESS: it applies to every tf.function
+    run afterwards (the train step, the eval step, and anything else).
+
+    TensorFlow autoclusters only GPU ops unless --tf_xla_cpu_global_jit is in
+    TF_XLA_FLAGS; enabling adds it, so that `autocluster` also works on a CPU-only
+    machine. TensorFlow reads TF_XLA_FLAGS once per process, when it first sets up its
+    devices (the first tensor, variable or device query): call this before that for
+    the flag to count. Once read, the flag stays; set_jit alone then decides whether
+    functions instantiated later are clustered.
+    """
+    if enabled:
+        flags = os.environ.get("TF_XLA_FLAGS", "")
+        if "--tf_xla_cpu_global_jit" not in flags:
+            os.environ["TF_XLA_FLAGS"] = (flags + " --tf_xla_cpu_global_jit").strip()
+    tf.config.optimizer.set_jit("autoclustering" if enabled else False)
+
+
+def make_train_step(model, optimizer, *, input_shape, losses, xla="none"):
+    """The compiled training step: (images, labels) → {loss, margin_loss, reconstruction_loss, accuracy}.
+
+    One Adam step on the mean total loss of the batch; the returned values are batch
+    means (tensors still on the device: reading one waits for the step).
+
+    Args:
+        model: a CapsNet (its `custom_op` decides whether jit is allowed).
+        optimizer: a built Keras optimizer (build_optimizer).
+        input_shape: image shape (H, W, C); the batch size may vary between calls.
+        losses: capsnet_losses' keyword arguments (loss_params(train_cfg)).
+        xla: "none"; "jit" compiles the whole step with XLA (tf.function(jit_compile=True),
+            matmul path only); "autocluster" turns on XLA autoclustering for the process
+            (set_autoclustering), so XLA compiles clusters of plain TF ops around the custom
+            op. "none" and "jit" turn autoclustering off: the last step made decides.
+    """
+    check_xla(xla, getattr(model, "custom_op", False))
+    set_autoclustering(xla == "autocluster")
+    image_spec = tf.TensorSpec([None, *input_shape], tf.float32)
+
+    @tf.function(input_signature=[image_spec, tf.TensorSpec([None], tf.int32)], jit_compile=xla == "jit")
+    def train_step(images, labels):
+        with tf.GradientTape() as tape:
+            # Labels mask the decoder input: reconstruct the TRUE class in training.
+            outputs = model(images, labels=labels, training=True)
+            total, margin, reconstruction = capsnet_losses(images, labels, outputs, **losses)  # (B,) each
+            loss = tf.reduce_mean(total)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        predictions = tf.argmax(outputs["lengths"], axis=-1, output_type=tf.int32)  # (B,)
+        return {
+            "loss": loss,
+            "margin_loss": tf.reduce_mean(margin),
+            "reconstruction_loss": tf.reduce_mean(reconstruction),
+            "accuracy": tf.reduce_mean(tf.cast(tf.equal(predictions, labels), tf.float32)),
+        }
+
+    return train_step
+
+
+# --------------------------------------------------------------------------- config checks
+
 def _positive_int(cfg, section, key, allow_none=False):
     value = cfg[section][key] if section else cfg[key]
     name = f"{section}.{key}" if section else key
@@ -133,6 +230,7 @@ def _check_config(cfg):
     _positive_int(cfg, "train", "lr_decay_steps", allow_none=True)
     for key in ("learning_rate", "lr_decay_rate"):
         _positive_float(cfg, "train", key)
+    check_xla(cfg["train"]["xla"], bool(cfg["custom_op"]))
     if not isinstance(cfg["seed"], int) or isinstance(cfg["seed"], bool):
         raise ConfigError(f"seed must be an integer, got {cfg['seed']!r}")
     if not cfg.get("run_dir"):
@@ -191,6 +289,7 @@ def _write_hparams(writer, run_dir, cfg, data_cfg):
 
     values = {
         "custom_op": bool(cfg["custom_op"]),
+        "xla": str(cfg["train"]["xla"]),
         "dataset": str(data_cfg["name"]),
         "batch_size": int(cfg["train"]["batch_size"]),
         "routing_iterations": int(cfg["model"]["routing_iterations"]),
@@ -255,6 +354,9 @@ def train(cfg):
     if data_cfg.get("dir") is not None:
         # Absolute, so evaluate.py finds the data from any working directory.
         data_cfg["dir"] = str(Path(data_cfg["dir"]).expanduser().resolve())
+    # First, before anything touches a device: on a CPU-only machine autoclustering
+    # needs a TF_XLA_FLAGS flag that TensorFlow reads once, when it sets up its devices.
+    set_autoclustering(tcfg["xla"] == "autocluster")
     if cfg.get("deterministic"):
         tf.config.experimental.enable_op_determinism()
     keras.utils.set_random_seed(seed)  # Python, NumPy and TF seeds: the initial weights
@@ -278,13 +380,7 @@ def train(cfg):
 
     # ---- model, optimizer, checkpoints (new or resumed)
     model = build_capsnet(model_cfg, custom_op)
-    decay_steps = tcfg["lr_decay_steps"] or steps_per_epoch  # null: decay once per epoch
-    schedule = learning_rate_schedule(tcfg["learning_rate"], tcfg["lr_decay_rate"], decay_steps,
-                                      bool(tcfg["lr_staircase"]))
-    optimizer = keras.optimizers.Adam(learning_rate=schedule)
-    # Adam's moments exist only after build; create them now so a restore fills them
-    # in place instead of being deferred to the first step.
-    optimizer.build(model.trainable_variables)
+    optimizer, schedule = build_optimizer(tcfg, steps_per_epoch, model)
     epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")  # epochs done
     best_accuracy = tf.Variable(-1.0, dtype=tf.float64, trainable=False, name="best_accuracy")
     checkpoint = tf.train.Checkpoint(model=checkpoint_weights(model), optimizer=optimizer, epoch=epoch,
@@ -313,28 +409,11 @@ def train(cfg):
     if not resumed_from:
         _write_hparams(writer, run_dir, cfg, data_cfg)
 
-    # ---- compiled steps
+    # ---- compiled steps (xla=autocluster switches XLA on for the whole process)
     losses = loss_params(tcfg)
-    image_spec = tf.TensorSpec([None, *model_cfg["input_shape"]], tf.float32)
-
-    @tf.function(input_signature=[image_spec, tf.TensorSpec([None], tf.int32)])
-    def train_step(images, labels):
-        with tf.GradientTape() as tape:
-            # Labels mask the decoder input: reconstruct the TRUE class in training.
-            outputs = model(images, labels=labels, training=True)
-            total, margin, reconstruction = capsnet_losses(images, labels, outputs, **losses)  # (B,) each
-            loss = tf.reduce_mean(total)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        predictions = tf.argmax(outputs["lengths"], axis=-1, output_type=tf.int32)  # (B,)
-        return {
-            "loss": loss,
-            "margin_loss": tf.reduce_mean(margin),
-            "reconstruction_loss": tf.reduce_mean(reconstruction),
-            "accuracy": tf.reduce_mean(tf.cast(tf.equal(predictions, labels), tf.float32)),
-        }
-
-    eval_step = make_eval_step(model, model_cfg["input_shape"], **losses)
+    train_step = make_train_step(model, optimizer, input_shape=model_cfg["input_shape"], losses=losses,
+                                 xla=tcfg["xla"])
+    eval_step = make_eval_step(model, model_cfg["input_shape"], jit_compile=tcfg["xla"] == "jit", **losses)
     num_classes = int(model_cfg["num_classes"])
 
     # ---- the loop

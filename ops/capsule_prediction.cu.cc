@@ -94,10 +94,11 @@ struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
 
-// Stores one vector; CAPSNET_STREAM_STORES marks it evict-first (st.global.cs).
+// Stores one vector of u_hat marked evict-first (st.global.cs): u_hat is far
+// larger than L2 and is not read again by this kernel, so it should not push
+// u and W out (measured 42 -> 39 us at the paper shape on an H200).
 template <typename T, int N>
 __device__ __forceinline__ void StoreVec(T* p, const Vec<T, N>& v) {
-#ifndef CAPSNET_NO_STREAM_STORES
   if constexpr (sizeof(v) == 16) {
     int4 x;
     memcpy(&x, &v, 16);
@@ -109,9 +110,6 @@ __device__ __forceinline__ void StoreVec(T* p, const Vec<T, N>& v) {
   } else {
     *reinterpret_cast<Vec<T, N>*>(p) = v;
   }
-#else
-  *reinterpret_cast<Vec<T, N>*>(p) = v;
-#endif
 }
 
 // Loads W[row, 0:in_dim] (zero-padded to KMAX) as Acc. When in_dim == KMAX the
@@ -166,18 +164,20 @@ constexpr int MaxThreadsFor(int vec, int kmax, int acc_bytes) {
 // Shared memory of one block; stays under the 48 KiB available without opt-in.
 constexpr int kForwardSmemBudget = 32 * 1024;
 constexpr int kGradSmemBudget = 46 * 1024;
-// Forward: split the batch until about this many blocks exist (H100/H200 have
-// 132 SMs; ~8 resident blocks each keep enough stores in flight).
-#ifndef CAPSNET_FWD_TARGET_BLOCKS
-#define CAPSNET_FWD_TARGET_BLOCKS 288
-#endif
-constexpr int64 kForwardTargetBlocks = CAPSNET_FWD_TARGET_BLOCKS;
-// Backward: split the batch (paying a partials round trip) only below this
-// many capsule tiles.
-#ifndef CAPSNET_GRAD_MIN_TILES
-#define CAPSNET_GRAD_MIN_TILES 256
-#endif
-constexpr int64 kGradMinTiles = CAPSNET_GRAD_MIN_TILES;
+// Preferred threads per block. Measured on an H200 at the paper shape
+// (u_hat 94 MB): 64-128-thread blocks (3 capsules, 120 threads) beat 128-256
+// (4 capsules) by 10% forward and 15% backward; more, smaller blocks hide the
+// per-block start (W and u loads) better.
+constexpr int kBlockThreadsLo = 64;
+constexpr int kBlockThreadsHi = 128;
+// Forward: split the batch only while there are fewer capsule tiles than this.
+// A batch split reloads W per block, and at the paper shape 1 chunk (384
+// blocks) took 27 us against 32 us for 4 chunks (H200).
+constexpr int64 kForwardTargetBlocks = 288;
+// Backward: split the batch (paying a partials round trip through global
+// memory and a reduction kernel) only below this many capsule tiles; a
+// 2-way split of the paper shape was 25% slower than none.
+constexpr int64 kGradMinTiles = 256;
 constexpr int64 kGradMinChunk = 16;
 // Batch rows per stage; the backward holds a stage's grad vectors in registers
 // (kStage loads in flight per thread hide the HBM latency).
@@ -200,7 +200,7 @@ struct Plan {
   int64 b_chunk = 0;   // batch rows per block
   int64 chunks = 1;    // blocks along the batch
   int red_b = 1;       // backward: batch rows per grad_u reduction
-  int red_stride = 1;  // padded row of the grad_u reduction buffer (odd)
+  int red_stride = 1;  // padded row of the grad_u reduction buffer
   std::size_t smem = 0;
 };
 
@@ -209,13 +209,13 @@ int64 CeilDiv(int64 a, int64 b) { return (a + b - 1) / b; }
 // The tile geometry shared by forward and backward; plan.tiled = false if the
 // shape needs the generic kernels.
 template <typename T>
-Plan TileGeometry(const CapsuleDims& d, int max_vec = MaxVec<T>()) {
+Plan TileGeometry(const CapsuleDims& d) {
   Plan p;
   const int64 jd = d.rows_per_cap();
   if (d.in_dim > 16) return p;
   p.kmax = d.in_dim <= 4 ? 4 : (d.in_dim <= 8 ? 8 : 16);
   p.vec = 1;
-  for (int v = max_vec; v > 1; v /= 2) {
+  for (int v = MaxVec<T>(); v > 1; v /= 2) {
     if (jd % v == 0) {
       p.vec = v;
       break;
@@ -237,12 +237,8 @@ Plan TileGeometry(const CapsuleDims& d, int max_vec = MaxVec<T>()) {
     const int64 threads = t * qpc;
     const int64 padded = CeilDiv(threads, 32) * 32;
     double score = 4.0 * (padded - threads) / padded;
-#ifndef CAPSNET_THREADS_LO
-#define CAPSNET_THREADS_LO 64
-#define CAPSNET_THREADS_HI 128
-#endif
-    if (threads < CAPSNET_THREADS_LO) score += (CAPSNET_THREADS_LO - threads) / double(CAPSNET_THREADS_LO);
-    if (threads > CAPSNET_THREADS_HI) score += (threads - double(CAPSNET_THREADS_HI)) / CAPSNET_THREADS_HI;
+    if (threads < kBlockThreadsLo) score += (kBlockThreadsLo - threads) / double(kBlockThreadsLo);
+    if (threads > kBlockThreadsHi) score += (threads - double(kBlockThreadsHi)) / kBlockThreadsHi;
     if (score < best) {
       best = score;
       p.cpb = static_cast<int>(t);
@@ -256,11 +252,7 @@ Plan TileGeometry(const CapsuleDims& d, int max_vec = MaxVec<T>()) {
 
 template <typename T>
 Plan ForwardPlan(const CapsuleDims& d) {
-#ifdef CAPSNET_FWD_MAXVEC
-  Plan p = TileGeometry<T>(d, CAPSNET_FWD_MAXVEC);
-#else
   Plan p = TileGeometry<T>(d);
-#endif
   if (!p.tiled) return p;
   const int64 want = std::max<int64>(1, CeilDiv(kForwardTargetBlocks, p.tiles));
   const int64 chunks = std::min<int64>({want, CeilDiv(d.batch, 8), 65535});
@@ -274,7 +266,13 @@ template <typename T>
 Plan GradPlan(const CapsuleDims& d) {
   Plan p = TileGeometry<T>(d);
   if (!p.tiled) return p;
-  p.red_stride = p.qpc % 2 == 0 ? p.qpc + 1 : p.qpc;  // odd: no bank conflicts
+  // A (b, capsule, k) row of the reduction buffer holds the capsule's qpc
+  // shares, padded to whole 16-byte vectors and to an odd number of them, so
+  // lanes summing consecutive rows with 16-byte loads hit distinct banks.
+  const int per16 = static_cast<int>(16 / sizeof(Acc<T>));
+  int vecs = (p.qpc + per16 - 1) / per16;
+  if (vecs % 2 == 0) ++vecs;
+  p.red_stride = vecs * per16;
   const int64 su_bytes = static_cast<int64>(kStage) * p.cpb * p.kmax * sizeof(Acc<T>);
   const int64 per_b = static_cast<int64>(p.cpb) * p.kmax * p.red_stride * sizeof(Acc<T>);
   p.red_b = static_cast<int>(std::min<int64>((kGradSmemBudget - su_bytes) / per_b, kStage));
@@ -435,6 +433,14 @@ __global__ void __launch_bounds__(MaxThreadsFor(VEC, KMAX, sizeof(Acc<T>)))
   const int64 rows = in_caps * jd;
   const int64 row = (i0 + cap) * jd + static_cast<int64>(q) * VEC;
   const UTile<T, KMAX> tile{u, in_caps, i0, in_dim, ncaps, cpb};
+  // Zero the reduction buffer once: the padding past qpc in each row is never
+  // written and must read as zero.
+  constexpr int kPer16 = 16 / sizeof(A);
+  using RedVec = Vec<A, kPer16>;
+  const int red_vecs = red_b * cpb * KMAX * red_stride / kPer16;
+  for (int x = threadIdx.x; x < red_vecs; x += blockDim.x) {
+    reinterpret_cast<RedVec*>(red)[x] = RedVec{};
+  }
 
   A w[VEC][KMAX];
   A gw[VEC][KMAX];  // grad_W[row:row+VEC, :] summed over this block's batch
@@ -494,21 +500,24 @@ __global__ void __launch_bounds__(MaxThreadsFor(VEC, KMAX, sizeof(Acc<T>)))
       __syncthreads();
       // grad_u[b, i0 + c, k] = sum over the capsule's qpc threads, in order.
       const int nout = (se - sb) * cpb * KMAX;
+      const int row_vecs = red_stride / kPer16;
       for (int o = threadIdx.x; o < nout; o += blockDim.x) {
         const int k = o % KMAX;
         const int bc = o / KMAX;
-        const int c = bc % cpb;
-        const int bb = sb + bc / cpb;
+        const int bq = bc / cpb;
+        const int c = bc - bq * cpb;
         if (c >= ncaps || k >= in_dim) continue;
-        const A* src = red + static_cast<int64>(o) * red_stride;
-        A s0 = A(0), s1 = A(0);
-        int t = 0;
-        for (; t + 1 < qpc; t += 2) {
-          s0 += src[t];
-          s1 += src[t + 1];
+        const RedVec* src = reinterpret_cast<const RedVec*>(red + o * red_stride);
+        A acc[kPer16] = {};
+        for (int t = 0; t < row_vecs; ++t) {
+          const RedVec v = src[t];
+#pragma unroll
+          for (int e = 0; e < kPer16; ++e) acc[e] += v.v[e];
         }
-        if (t < qpc) s0 += src[t];
-        grad_u[((b0 + bb) * in_caps + i0 + c) * in_dim + k] = FromAcc<T>(s0 + s1);
+        A sum = acc[0];
+#pragma unroll
+        for (int e = 1; e < kPer16; ++e) sum += acc[e];
+        grad_u[((b0 + sb + bq) * in_caps + i0 + c) * in_dim + k] = FromAcc<T>(sum);
       }
       if (se < nb) __syncthreads();  // red is reused by the next sub-stage
     }

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from capsnet.data import read_idx
-from capsnet.errors import CheckpointError, ConfigError
+from capsnet.errors import CheckpointError, ConfigError, OpLibraryError
 from capsnet.evaluation import confusion_report, evaluate, format_report
 
 REPORT_KEYS = {"accuracy", "loss", "images_per_sec", "per_class_accuracy", "confusion_matrix"}
@@ -95,3 +95,34 @@ def test_a_config_that_does_not_match_the_checkpoint_is_reported(trained_run, tm
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
     with pytest.raises(CheckpointError, match="cannot load the model from checkpoint .*ckpt-"):
         evaluate(run_dir)
+
+
+# --------------------------------------------------------------------------- the compiled op
+
+def test_evaluate_with_the_custom_op_matches_the_matmul_path(trained_run, tmp_path, monkeypatch):
+    """A checkpoint trained on the matmul path, evaluated through the compiled op.
+
+    Needs the op library (capsnet/lib/_capsnet_ops.so): `make test` builds it first.
+    """
+    from capsnet import ops
+
+    real, calls = ops.capsule_prediction, []
+    monkeypatch.setattr(ops, "capsule_prediction", lambda u, W: calls.append(1) or real(u, W))
+    run_dir, metrics = trained_run
+    report = evaluate(run_dir, which="latest", custom_op=True, output=tmp_path / "op.json")
+    assert calls, "evaluate(custom_op=True) did not use the op"
+    assert report["custom_op"] is True and report["epoch"] == 4
+    assert abs(report["accuracy"] - metrics["test_accuracy"]) <= 1 / report["num_examples"]
+    assert report["loss"] == pytest.approx(metrics["test_loss"], rel=1e-4)
+
+
+def test_evaluate_without_the_op_library_is_one_line_error(trained_run, tmp_path, monkeypatch):
+    from capsnet import ops
+
+    missing = tmp_path / "lib" / "_capsnet_ops.so"
+    monkeypatch.setattr(ops, "_LIBRARY_PATH", str(missing))
+    monkeypatch.setattr(ops, "_lib", None)  # as in a fresh process: nothing loaded yet
+    with pytest.raises(OpLibraryError) as err:
+        evaluate(trained_run[0], custom_op=True, output=tmp_path / "never.json")
+    assert "\n" not in str(err.value) and str(missing) in str(err.value) and "make ops" in str(err.value)
+    assert not (tmp_path / "never.json").exists()

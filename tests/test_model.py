@@ -143,6 +143,27 @@ def test_weights_load_across_custom_op(tmp_path):
     np.testing.assert_array_equal(other.digit_caps.W.numpy(), plain.digit_caps.W.numpy())
 
 
+def test_tf_checkpoint_of_the_model_restores_every_weight(tmp_path):
+    """tf.train.Checkpoint(model=model) must see every weight: sublayers that Keras hides
+    from TF's object graph (e.g. kept in a Python list) would silently not be saved or
+    restored, and a restored model would keep their random initial values."""
+    saved = build_model(**SMALL)
+    rng = np.random.default_rng(7)
+    for weight in saved.weights:  # distinct values everywhere (biases start at zero)
+        weight.assign(rng.normal(size=weight.shape).astype(np.float32))
+    prefix = tf.train.Checkpoint(model=saved).save(str(tmp_path / "ckpt"))
+    in_file = [name for name, _ in tf.train.list_variables(prefix) if name.startswith("model/")]
+    assert len(in_file) == len(saved.weights) == 11  # conv1, primary, W, 3 decoder layers x (kernel, bias)
+
+    restored = build_model(**SMALL)
+    tf.train.Checkpoint(model=restored).restore(prefix).assert_existing_objects_matched()
+    inner = [w.path.split("/", 1)[1] for w in restored.weights]  # without the model's unique name
+    assert inner == [w.path.split("/", 1)[1] for w in saved.weights]
+    assert {"decoder/fc1/kernel", "decoder/fc2/kernel", "decoder/fc3/kernel"} <= set(inner)
+    for a, b in zip(saved.weights, restored.weights):
+        np.testing.assert_array_equal(b.numpy(), a.numpy(), err_msg=a.path)
+
+
 def test_custom_op_matches_matmul_path():
     """The compiled op (`make ops`) against the matmul path on the same weights.
 

@@ -1,7 +1,11 @@
-"""capsnet.training: helpers against NumPy, a tiny end-to-end run, resume, config errors."""
+"""capsnet.training: helpers against NumPy, a tiny end-to-end run, resume, config errors,
+the XLA modes of the train step, the compiled op in training."""
 import inspect
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +15,7 @@ import yaml
 
 from capsnet.errors import CheckpointError, ConfigError, OpLibraryError
 from capsnet.training import image_grid, learning_rate_schedule, train
-from conftest import compose_config, read_events
+from conftest import REPO, compose_config, entry_point_env, read_events, tiny_overrides
 
 STEPS_PER_EPOCH = 20  # 320 tiny training images / batch 16
 
@@ -75,6 +79,7 @@ def test_config_groups_compose():
     ("train.learning_rate=0", "train.learning_rate"),
     ("train.lr_decay_steps=1.5", "train.lr_decay_steps"),
     ("seed=abc", "seed"),
+    ("train.xla=fast", "train.xla"),
 ])
 def test_bad_train_values_raise_config_error(tiny_config, override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -205,26 +210,182 @@ def test_without_decoder(tiny_config, tmp_path):
     assert "routing/c_ij" in tags and "reconstructions/inputs_over_reconstructions" not in tags
 
 
-def _op_library_runs():
+# --------------------------------------------------------------------------- XLA
+
+# Runs in a fresh process (XLA settings are process-wide, and on a CPU the flag that lets
+# autoclustering act is read once, when TensorFlow sets up its devices): the same tiny
+# model and batch, 6 train steps with xla=none, then 6 from the same initial weights with
+# xla=<mode>. Prints the losses as JSON; "MARKER <mode>" on stderr separates the phases.
+XLA_SCRIPT = r"""
+import json, sys
+import keras, tensorflow as tf
+from capsnet.evaluation import loss_params
+from capsnet.training import build_capsnet, build_optimizer, make_train_step, set_autoclustering
+from conftest import synthetic_digits
+
+mode, cfg = sys.argv[1], json.loads(sys.argv[2])
+set_autoclustering(mode == "autocluster")  # before any tensor: see set_autoclustering
+images, labels = synthetic_digits(32, seed=0)
+images = tf.constant(images[..., None] / 255.0, tf.float32)  # (32, 28, 28, 1)
+labels = tf.constant(labels, tf.int32)                         # (32,)
+keras.utils.set_random_seed(0)
+losses, initial = {}, None
+for xla in ("none", mode):
+    model = build_capsnet(cfg["model"], custom_op=False)
+    if initial is None:
+        initial = model.get_weights()
+    model.set_weights(initial)
+    optimizer, _ = build_optimizer(cfg["train"], 20, model)
+    step = make_train_step(model, optimizer, input_shape=cfg["model"]["input_shape"],
+                           losses=loss_params(cfg["train"]), xla=xla)
+    print("MARKER", xla, file=sys.stderr, flush=True)
+    losses[xla] = [float(step(images, labels)["loss"]) for _ in range(6)]
+print(json.dumps(losses))
+"""
+
+
+@pytest.mark.parametrize("mode", ["jit", "autocluster"])
+def test_xla_train_step_compiles_and_trains_like_none(tiny_idx_dir, tmp_path, mode):
+    cfg = compose_config("train", tiny_overrides(tiny_idx_dir, tmp_path / "unused"))
+    env = entry_point_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), env["PYTHONPATH"]])
+    env["TF_CPP_MIN_LOG_LEVEL"] = "0"  # XLA's "Compiled cluster" line is an INFO log
+    env.pop("TF_XLA_FLAGS", None)
+    result = subprocess.run([sys.executable, "-c", XLA_SCRIPT, mode, json.dumps(cfg)], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    losses = json.loads(result.stdout.strip().splitlines()[-1])
+
+    # XLA compiled something, and only in the <mode> phase (TF logs this once per process).
+    before, marker, after = result.stderr.partition(f"MARKER {mode}")
+    assert marker and "Compiled cluster using XLA" not in before
+    assert "Compiled cluster using XLA" in after, result.stderr[-2000:]
+    # Same first-step loss as without XLA; then it trains, along the same path.
+    assert losses[mode][0] == pytest.approx(losses["none"][0], rel=1e-5)
+    assert losses[mode][-1] < 0.9 * losses[mode][0]
+    np.testing.assert_allclose(losses[mode], losses["none"], rtol=1e-3)
+
+
+def test_train_with_xla_jit_matches_the_plain_run(trained_run, tiny_config):
+    """train() wires xla=jit into both compiled steps: its first epoch measures what the
+    plain run's did (same seed, data order and initial weights)."""
+    _, plain = trained_run
+    jit = train(tiny_config("train.xla=jit", "train.epochs=1"))
+    ours, theirs = jit["history"][0], plain["history"][0]
+    for key in ("train_loss", "test_loss", "test_margin_loss"):
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-3), key
+    assert abs(ours["test_accuracy"] - theirs["test_accuracy"]) <= 0.02  # 100 test images: 2 at most
+
+
+def test_xla_jit_with_the_custom_op_is_a_config_error(tiny_config):
+    from capsnet.model import build_model
+    from capsnet.training import build_optimizer, make_train_step
+
+    with pytest.raises(ConfigError, match=r"train\.xla=jit cannot compile the custom op.*use train\.xla=autocluster"):
+        train(tiny_config("custom_op=true", "train.xla=jit"))
+    cfg = tiny_config()
+    model = build_model(custom_op=True, conv1_filters=16, primary_caps_types=4, digit_caps_dim=8)
+    optimizer, _ = build_optimizer(cfg["train"], 20, model)
+    with pytest.raises(ConfigError, match="use train.xla=autocluster"):
+        make_train_step(model, optimizer, input_shape=(28, 28, 1), losses={}, xla="jit")
+
+
+# --------------------------------------------------------------------------- the compiled op
+
+def spy_on_the_op(monkeypatch):
+    """Record each call of the compiled op (at trace time) and pass it through to the real one."""
     from capsnet import ops
 
-    try:
-        ops.capsule_prediction(tf.zeros((1, 1, 1)), tf.zeros((1, 1, 1, 1)))
-    except OpLibraryError:
-        return False
-    return True
+    real, calls = ops.capsule_prediction, []
+
+    def spy(u, W):
+        calls.append((tuple(u.shape), tuple(W.shape)))
+        return real(u, W)
+
+    monkeypatch.setattr(ops, "capsule_prediction", spy)
+    return calls
 
 
-def test_custom_op_trains_or_fails_with_the_build_hint(tiny_config, tmp_path):
-    if not _op_library_runs():
-        with pytest.raises(OpLibraryError, match="make ops"):
-            train(tiny_config("custom_op=true"))
-        return
+def test_custom_op_trains_like_the_matmul_path_and_evaluates_the_same_on_both(
+        trained_run, tiny_config, tmp_path, monkeypatch):
+    """Needs the op library (capsnet/lib/_capsnet_ops.so): `make test` builds it first."""
     from capsnet.evaluation import evaluate
 
+    calls = spy_on_the_op(monkeypatch)
     metrics = train(tiny_config("custom_op=true", "train.epochs=1"))
-    assert metrics["history"][0]["train_loss"] > 0
-    # The same weights evaluate identically on the matmul path.
-    report = evaluate(tmp_path / "run", which="latest", custom_op=False)
-    assert report["accuracy"] == metrics["test_accuracy"]
-    assert report["loss"] == pytest.approx(metrics["test_loss"], rel=1e-4)
+    assert (144, 10, 8, 8) in {W for _, W in calls}  # DigitCaps ran the op, not the matmul path
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["custom_op"] is True
+    # Same seed, data and initial weights as the matmul-path run: the same first epoch.
+    ours, theirs = metrics["history"][0], trained_run[1]["history"][0]
+    for key in ("train_loss", "test_loss"):
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-3), key
+
+    # One checkpoint, evaluated through the op and through the matmul path.
+    calls.clear()
+    op = evaluate(tmp_path / "run", which="latest", custom_op=True, output=tmp_path / "op.json")
+    assert calls, "evaluate(custom_op=True) did not use the op"
+    calls.clear()
+    matmul = evaluate(tmp_path / "run", which="latest", custom_op=False, output=tmp_path / "matmul.json")
+    assert not calls
+    assert (op["custom_op"], matmul["custom_op"]) == (True, False)
+    assert op["accuracy"] == metrics["test_accuracy"]  # what training's own test pass measured
+    assert abs(matmul["accuracy"] - op["accuracy"]) <= 1 / op["num_examples"]  # at most one borderline image
+    assert matmul["loss"] == pytest.approx(op["loss"], rel=1e-4)
+
+
+def test_custom_op_without_the_library_is_one_line_error(tiny_config, tmp_path, monkeypatch):
+    from capsnet import ops
+
+    missing = tmp_path / "lib" / "_capsnet_ops.so"
+    monkeypatch.setattr(ops, "_LIBRARY_PATH", str(missing))
+    monkeypatch.setattr(ops, "_lib", None)  # as in a fresh process: nothing loaded yet
+    with pytest.raises(OpLibraryError) as err:
+        train(tiny_config("custom_op=true"))
+    message = str(err.value)
+    assert "\n" not in message and str(missing) in message and "make ops" in message
+    assert not (tmp_path / "run").exists()  # refused before the run dir was made
+
+
+# --------------------------------------------------------------------------- scripts/benchmark_train.py
+
+def test_benchmark_train_script_times_both_paths_on_the_same_model(tmp_path):
+    """A CPU smoke run of the benchmark on the tiny model (the op library must be built)."""
+    from conftest import TINY_MODEL
+
+    output = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "benchmark_train.py"), "--device", "cpu", "--batch-sizes", "4,6",
+         "--steps", "2", "--repeats", "3", "--warmup", "1", "--variants", "op,matmul", "--json", str(output),
+         *TINY_MODEL],
+        env=entry_point_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(output.read_text())
+    # conv1 9·9·1·16, PrimaryCaps 9·9·16·(4·8), W 144·10·8·8, decoder 80-32-64-784
+    assert report["parameters"] == ((81 * 16 + 16) + (81 * 16 * 32 + 32) + 144 * 10 * 8 * 8
+                                    + (80 * 32 + 32) + (32 * 64 + 64) + (64 * 784 + 784))
+    rows = {(row["variant"], row["batch_size"]): row for row in report["results"]}
+    assert sorted(rows) == [("matmul", 4), ("matmul", 6), ("op", 4), ("op", 6)]
+    assert report["errors"] == []
+    for (variant, batch), row in rows.items():
+        median = float(np.median(row["repeat_seconds"]))
+        assert len(row["repeat_seconds"]) == 3
+        assert row["images_per_sec"] == pytest.approx(2 * batch / median)
+        assert row["ms_per_step"] == pytest.approx(1000 * median / 2)
+        assert row["ratio"] == pytest.approx(row["images_per_sec"] / rows[("matmul", batch)]["images_per_sec"])
+        # Same seed in every variant's process: the same weights and data, so the same first loss.
+        assert row["first_loss"] == pytest.approx(rows[("matmul", batch)]["first_loss"], rel=1e-5)
+        assert np.isfinite(row["last_loss"])
+    table = result.stdout
+    assert "| custom_op=true xla=none | 6 |" in table and "| custom_op=false xla=none | 4 |" in table
+
+
+def test_benchmark_train_script_rejects_bad_arguments(tmp_path):
+    script = str(REPO / "scripts" / "benchmark_train.py")
+    for args, message in ((["--variants", "op,fast"], "unknown variant(s) fast"),
+                          (["--batch-sizes", "128,0"], "positive integers"),
+                          (["custom_op=true"], "custom_op is set by each variant"),
+                          (["model.no_such_key=1"], "error: bad override")):
+        result = subprocess.run([sys.executable, script, *args], env=entry_point_env(), capture_output=True,
+                                text=True, timeout=120, cwd=tmp_path)
+        assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr

@@ -1,0 +1,368 @@
+"""Training throughput of CapsNet: images/s per capsule-prediction path and XLA mode.
+
+    .venv/bin/python scripts/benchmark_train.py                 # GPU: batch 128 and 512, every variant
+    .venv/bin/python scripts/benchmark_train.py --device cpu --batch-sizes 8 --steps 3 --repeats 1
+    .venv/bin/python scripts/benchmark_train.py --json bench.json model.routing_iterations=1
+
+What it measures (the [speed] issue's benchmark 2): training steps per second of the
+model in configs/ (the paper's CapsNet unless Hydra overrides say otherwise, e.g.
+`model.decoder=false`), with the real optimizer (Adam on the decaying LR, as train()
+builds it) and the real compiled step (capsnet.training.make_train_step), for
+
+    op                  custom_op=true  xla=none
+    op+autocluster      custom_op=true  xla=autocluster
+    matmul              custom_op=false xla=none         (the baseline of the ratio column)
+    matmul+jit          custom_op=false xla=jit
+    matmul+autocluster  custom_op=false xla=autocluster
+
+How:
+- Each variant runs in its own subprocess, one after the other on the same device:
+  XLA autoclustering, its flags and op determinism are process-wide settings, and a
+  fresh process also starts with a clean GPU memory pool. Determinism stays off.
+- The data is one synthetic MNIST-shaped batch (uniform [0, 1] images, uniform labels)
+  made once on the device and fed to every step, so no input pipeline or host→device
+  copy is measured: only the training step.
+- A fresh model per batch size; `--warmup` steps first (tracing, XLA compilation,
+  cuDNN/XLA autotuning), not timed. Then `--repeats` times: `--steps` steps dispatched
+  back to back and ONE device sync at the end (reading the last loss waits for every
+  step, since each reads the weights the previous one wrote). The median repeat gives
+  images/s and ms/step.
+
+Prints a markdown table (stdout; progress goes to stderr) and with `--json PATH` also
+writes the results as JSON. Exit status 0; 2 if a variant could not run for a reason the
+user can fix (op library not built, no GPU; the reason is printed), 1 if one crashed.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a clone without `pip install -e .` too
+
+# name: (custom_op, xla)
+VARIANTS = {
+    "op": (True, "none"),
+    "op+autocluster": (True, "autocluster"),
+    "matmul": (False, "none"),
+    "matmul+jit": (False, "jit"),
+    "matmul+autocluster": (False, "autocluster"),
+}
+BASELINE = "matmul"
+# The LR schedule decays once per epoch of the full MNIST training set, as in train().
+MNIST_TRAIN_EXAMPLES = 60_000
+# Set by the variant, not by an override: an override would be silently ignored.
+RESERVED_KEYS = ("custom_op", "train.xla", "train.batch_size", "deterministic")
+
+
+def label(variant):
+    custom_op, xla = VARIANTS[variant]
+    return f"custom_op={str(custom_op).lower()} xla={xla}"
+
+
+# --------------------------------------------------------------------------- arguments
+
+def _positive_ints(text):
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"need comma-separated positive integers, got {text!r}")
+    return values
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"need a positive integer, got {text!r}")
+    return value
+
+
+def _variants(text):
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = [v for v in names if v not in VARIANTS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown variant(s) {', '.join(unknown) or repr(text)}; choose from {', '.join(VARIANTS)}")
+    return list(dict.fromkeys(names))
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        description="Training images/s of CapsNet per capsule-prediction path and XLA mode "
+                    "(one subprocess per variant; synthetic data on the device).",
+        epilog="Overrides are Hydra overrides of configs/train.yaml (model.*, train.* loss and LR values, seed).")
+    parser.add_argument("--batch-sizes", type=_positive_ints, default=[128, 512],
+                        help="comma-separated batch sizes (default 128,512)")
+    parser.add_argument("--steps", type=_positive_int, default=50, help="timed steps per repeat (default 50)")
+    parser.add_argument("--warmup", type=_positive_int, default=10,
+                        help="untimed steps first: tracing, XLA compilation, autotuning (default 10)")
+    parser.add_argument("--repeats", type=_positive_int, default=5, help="timed repeats; the median counts (default 5)")
+    parser.add_argument("--variants", type=_variants, default=list(VARIANTS),
+                        help=f"comma-separated, from: {', '.join(VARIANTS)} (default all)")
+    parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
+                        help="gpu (default; fails without one) or cpu (GPUs hidden; for smoke runs)")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results here as JSON")
+    parser.add_argument("--timeout", type=float, default=1800.0,
+                        help="seconds one variant may take before it is stopped (default 1800)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="Hydra overrides of configs/train.yaml")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one variant, spec as JSON
+    args = parser.parse_args(argv)
+    for override in args.overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key in RESERVED_KEYS:
+            parser.error(f"{key} is set by each variant (--variants) or --batch-sizes, not by an override")
+    return args
+
+
+def compose_config(overrides):
+    """The model and train sections and seed of configs/train.yaml with `overrides` (plain dicts)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+            cfg = compose(config_name="train", overrides=list(overrides))
+        return {
+            "model": OmegaConf.to_container(cfg.model, resolve=True),
+            "train": OmegaConf.to_container(cfg.train, resolve=True),
+            "seed": int(cfg.seed),
+        }
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        # Hydra appends its whole config search path to some messages: keep what names the problem.
+        fail(f"bad override: {str(exc).split('Config search path')[0]}")
+
+
+def fail(message):
+    """`error: <message>` as one line on stderr, exit status 2 (as train.py does)."""
+    sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
+    sys.exit(2)
+
+
+# --------------------------------------------------------------------------- worker (one variant)
+
+def _device_name(kind):
+    import tensorflow as tf
+
+    if kind == "gpu":
+        details = tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0])
+        return details.get("device_name", "GPU")
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        model = next(line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = "CPU"
+    return f"{model} ({os.cpu_count()} cores visible)"
+
+
+def _check_op_library_has_cuda(kind):
+    """A library built without CUDA kernels would run the op on the CPU inside the GPU step
+    (soft placement): the numbers would measure the wrong thing. Its build stamp says."""
+    from capsnet import ops
+    from capsnet.errors import OpLibraryError
+
+    stamp_path = Path(ops.library_path()).with_suffix(".json")
+    try:
+        cuda = json.loads(stamp_path.read_text()).get("cuda")
+    except (OSError, ValueError, AttributeError):
+        cuda = None
+    if kind == "gpu" and cuda is False:
+        raise OpLibraryError(f"the op library was built without CUDA ({stamp_path} says so), so the op "
+                             "would run on the CPU: rebuild it with `make ops-cuda`")
+
+
+def time_training(spec, batch_size, tf_device):
+    """images/s and ms/step of one (variant, batch size): a fresh model, optimizer and step."""
+    import keras
+    import tensorflow as tf
+
+    from capsnet.evaluation import loss_params
+    from capsnet.training import build_capsnet, build_optimizer, make_train_step
+
+    model_cfg, train_cfg = spec["model"], spec["train"]
+    input_shape = tuple(model_cfg["input_shape"])
+    keras.utils.set_random_seed(spec["seed"])  # the same initial weights for every variant
+    with tf.device(tf_device):
+        model = build_capsnet(model_cfg, spec["custom_op"])
+        optimizer, _ = build_optimizer(train_cfg, math.ceil(MNIST_TRAIN_EXAMPLES / batch_size), model)
+        step = make_train_step(model, optimizer, input_shape=input_shape, losses=loss_params(train_cfg),
+                               xla=spec["xla"])
+        # One batch, made on the device and reused: the step alone is measured.
+        generator = tf.random.Generator.from_seed(spec["seed"])
+        images = generator.uniform((batch_size, *input_shape))                       # (B, H, W, C) in [0, 1)
+        labels = generator.uniform((batch_size,), maxval=int(model_cfg["num_classes"]), dtype=tf.int32)  # (B,)
+
+        out = step(images, labels)  # traces and compiles: never timed
+        first_loss = float(out["loss"])
+        for _ in range(spec["warmup"] - 1):
+            out = step(images, labels)
+        float(out["loss"])  # wait for the warm-up to finish before the clock starts
+        seconds = []
+        for _ in range(spec["repeats"]):
+            start = time.perf_counter()
+            for _ in range(spec["steps"]):
+                out = step(images, labels)
+            # The one device sync: each step reads the weights the previous one wrote, so
+            # the last loss exists only after all `steps` steps have run.
+            last_loss = float(out["loss"])
+            seconds.append(time.perf_counter() - start)
+    median = statistics.median(seconds)
+    return {
+        "batch_size": batch_size,
+        "images_per_sec": spec["steps"] * batch_size / median,
+        "ms_per_step": 1000.0 * median / spec["steps"],
+        "repeat_seconds": seconds,
+        "first_loss": first_loss,
+        "last_loss": last_loss,
+        "parameters": int(model.count_params()),
+    }
+
+
+def worker(spec):
+    """Run one variant for every batch size; the last stdout line is the result as JSON."""
+    from capsnet import cli
+
+    cli.import_tensorflow_quietly()
+    import tensorflow as tf
+
+    from capsnet.errors import CapsnetError
+    from capsnet.training import check_op_library, check_xla, set_autoclustering
+
+    result = {"variant": spec["variant"], "results": [], "error": None, "tensorflow": tf.__version__}
+    try:
+        check_xla(spec["xla"], spec["custom_op"])
+        # Before TensorFlow sets up its devices: it reads the XLA flags then (see set_autoclustering).
+        set_autoclustering(spec["xla"] == "autocluster")
+        if spec["device"] == "gpu" and not tf.config.list_physical_devices("GPU"):
+            raise CapsnetError("no GPU visible to TensorFlow: run on a GPU machine (CUDA drivers, "
+                               "tensorflow[and-cuda]) or pass --device cpu for a smoke run")
+        tf_device = "/GPU:0" if spec["device"] == "gpu" else "/CPU:0"
+        result["device"] = _device_name(spec["device"])
+        if spec["custom_op"]:
+            check_op_library()
+            _check_op_library_has_cuda(spec["device"])
+        for batch_size in spec["batch_sizes"]:
+            print(f"  {spec['variant']}: batch {batch_size}", file=sys.stderr, flush=True)
+            try:
+                result["results"].append(time_training(spec, batch_size, tf_device))
+            except tf.errors.ResourceExhaustedError as exc:
+                raise CapsnetError(f"out of device memory at batch {batch_size}: "
+                                   f"{str(exc).strip().splitlines()[0]}") from exc
+    except CapsnetError as exc:
+        result["error"] = " ".join(str(exc).split())
+    print(json.dumps(result))
+
+
+def run_variant(variant, args, cfg):
+    """One variant in a fresh Python process → its result dict (or one with an error)."""
+    custom_op, xla = VARIANTS[variant]
+    spec = {"variant": variant, "custom_op": custom_op, "xla": xla, "device": args.device,
+            "batch_sizes": args.batch_sizes, "steps": args.steps, "warmup": args.warmup,
+            "repeats": args.repeats, **cfg}
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = "-1"  # hide GPUs, so nothing runs or allocates there
+    print(f"{label(variant)} ...", file=sys.stderr, flush=True)
+    try:
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"variant": variant, "results": [], "error": f"stopped after --timeout {args.timeout:g} s",
+                "crashed": True}
+    sys.stderr.write(proc.stderr)  # progress lines, warnings, and a crash's traceback
+    lines = proc.stdout.strip().splitlines()
+    try:
+        result = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+        return {"variant": variant, "results": [], "crashed": True,
+                "error": f"worker exited with status {proc.returncode}: {tail[0]}"}
+    result["crashed"] = False
+    return result
+
+
+# --------------------------------------------------------------------------- report
+
+def with_ratios(runs):
+    """Flat result rows, each with images/s ÷ the baseline's at the same batch size (None without one)."""
+    baseline = {r["batch_size"]: r["images_per_sec"] for run in runs if run["variant"] == BASELINE
+                for r in run["results"]}
+    rows = []
+    for run in runs:
+        custom_op, xla = VARIANTS[run["variant"]]
+        for r in run["results"]:
+            base = baseline.get(r["batch_size"])
+            rows.append({"variant": run["variant"], "label": label(run["variant"]), "custom_op": custom_op,
+                         "xla": xla, **r, "ratio": r["images_per_sec"] / base if base else None})
+    return sorted(rows, key=lambda row: (row["batch_size"], list(VARIANTS).index(row["variant"])))
+
+
+def format_table(rows):
+    lines = [f"| variant | batch | images/s | ms/step | vs {label(BASELINE)} |",
+             "|---|---:|---:|---:|---:|"]
+    for row in rows:
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}×"
+        lines.append(f"| {row['label']} | {row['batch_size']} | {row['images_per_sec']:,.0f} | "
+                     f"{row['ms_per_step']:.2f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.worker:
+        worker(json.loads(args.worker))
+        return 0
+    cfg = compose_config(args.overrides)
+    runs = [run_variant(variant, args, cfg) for variant in args.variants]
+    rows = with_ratios(runs)
+    first = next((run for run in runs if run.get("device")), runs[0])
+    parameters = next((row["parameters"] for row in rows), None)
+    report = {
+        "benchmark": "capsnet training throughput",
+        "device": first.get("device"),
+        "device_kind": args.device,
+        "tensorflow": first.get("tensorflow"),
+        "parameters": parameters,
+        "model": cfg["model"],
+        "overrides": args.overrides,
+        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "seed": cfg["seed"],
+        "results": rows,
+        "errors": [{"variant": run["variant"], "error": run["error"]} for run in runs if run["error"]],
+    }
+
+    model = "the paper model" if not args.overrides else f"configs + {' '.join(args.overrides)}"
+    size = f"{parameters:,} parameters" if parameters else "parameters unknown"
+    print(f"## CapsNet training throughput\n\n"
+          f"{report['device'] or args.device} · TensorFlow {report['tensorflow'] or '?'} · {model} ({size}) · "
+          f"synthetic data on the device · median of {args.repeats} × {args.steps} steps after "
+          f"{args.warmup} warm-up steps\n")
+    if rows:
+        print(format_table(rows))
+    for error in report["errors"]:
+        print(f"\n{label(error['variant'])} failed: {error['error']}")
+    if args.json is not None:
+        try:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
+        except OSError as exc:
+            fail(f"cannot write {args.json}: {exc.strerror}")
+    if any(run["error"] and run["crashed"] for run in runs):
+        return 1
+    return 2 if report["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

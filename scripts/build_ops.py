@@ -1,0 +1,278 @@
+#!/usr/bin/env python3
+"""Builds the capsule-prediction op library capsnet/lib/_capsnet_ops.so.
+
+    python scripts/build_ops.py                  CPU + CUDA kernels if nvcc is found, else CPU only
+    python scripts/build_ops.py --cpu-only       CPU kernels only
+    python scripts/build_ops.py --require-cuda   fail unless nvcc is found
+    python scripts/build_ops.py --driver         also build build/sanitize_driver (needs nvcc)
+    python scripts/build_ops.py --driver-only    only the standalone driver
+
+Compiler flags for TensorFlow come only from tf.sysconfig (headers and ABI of the
+installed pip TensorFlow). nvcc is looked up in $CUDA_HOME/bin, /usr/local/cuda/bin,
+the pip wheel nvidia-cuda-nvcc (site-packages/nvidia/*/bin/nvcc) and PATH. The CUDA
+runtime is not linked: libtensorflow_framework exports it.
+
+A JSON stamp next to the library records the TensorFlow version, whether CUDA
+kernels are in, the GPU architectures and a key of sources and flags; the build
+is skipped when the key is unchanged (--force rebuilds). capsnet.ops reads the
+stamp to refuse a library built for another TensorFlow.
+"""
+import argparse
+import datetime
+import glob
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OPS = os.path.join(ROOT, "ops")
+BUILD = os.path.join(ROOT, "build")
+DEFAULT_OUT = os.path.join(ROOT, "capsnet", "lib", "_capsnet_ops.so")
+CC_SOURCE = os.path.join(OPS, "capsule_prediction.cc")
+CU_SOURCE = os.path.join(OPS, "capsule_prediction.cu.cc")
+HEADER = os.path.join(OPS, "capsule_prediction.h")
+DRIVER_SOURCE = os.path.join(OPS, "sanitize_driver.cu")
+DRIVER_OUT = os.path.join(BUILD, "sanitize_driver")
+
+# sm_80 (A100) and sm_90 (H100/H200) machine code plus compute_90 PTX that newer
+# GPUs JIT-compile. CUDA 13 cannot target sm_70 or older.
+ARCHS = ["sm_80", "sm_90", "compute_90"]
+GENCODE = [
+    "-gencode", "arch=compute_80,code=sm_80",
+    "-gencode", "arch=compute_90,code=sm_90",
+    "-gencode", "arch=compute_90,code=compute_90",
+]
+NVCC_FLAGS = ["-x", "cu", "-std=c++17", "-DGOOGLE_CUDA=1", "--expt-relaxed-constexpr",
+              "-Xcompiler", "-fPIC", "-O3", "--threads", "0"]
+CXX_FLAGS = ["-std=c++17", "-O3", "-fPIC", "-DNDEBUG", "-Wno-deprecated-declarations"]
+
+
+class BuildError(Exception):
+    """A build step failed; the message says which and why."""
+
+
+def log(msg):
+    print(f"build_ops: {msg}", flush=True)
+
+
+def find_nvcc():
+    """Path of a working nvcc, or None."""
+    candidates = []
+    if os.environ.get("CUDA_HOME"):
+        candidates.append(os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc"))
+    candidates.append("/usr/local/cuda/bin/nvcc")
+    # The CUDA 13 pip wheel nvidia-cuda-nvcc puts it under site-packages/nvidia/<pkg>/bin.
+    for site in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+        candidates += sorted(glob.glob(os.path.join(site, "nvidia", "*", "bin", "nvcc")))
+    if shutil.which("nvcc"):
+        candidates.append(shutil.which("nvcc"))
+    for path in candidates:
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            try:
+                subprocess.run([path, "--version"], check=True, capture_output=True, timeout=60)
+            except (OSError, subprocess.SubprocessError):
+                continue
+            return path
+    return None
+
+
+def tool_version(cmd):
+    try:
+        out = subprocess.run(cmd + ["--version"], check=True, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    lines = [line.strip() for line in out.stdout.splitlines() if line.strip()]
+    for line in lines:  # nvcc: "Cuda compilation tools, release 13.0, V13.0.88"
+        if "release" in line:
+            return line
+    return lines[0] if lines else "unknown"  # g++: "g++ (Debian 12.2.0-14) 12.2.0"
+
+
+def run_all(commands):
+    """Runs (name, argv) commands in parallel; raises BuildError with the output of a failure."""
+    procs = []
+    for name, argv in commands:
+        procs.append((name, argv, subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                   text=True)))
+    failures = []
+    outputs = {}
+    for name, argv, proc in procs:
+        out, _ = proc.communicate()
+        outputs[name] = out
+        if proc.returncode != 0:
+            failures.append(f"{name} failed (exit {proc.returncode}):\n  {' '.join(argv)}\n{out}")
+    if failures:
+        raise BuildError("\n".join(failures))
+    return outputs
+
+
+def digest(paths, extra):
+    h = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            h.update(f.read())
+    h.update(json.dumps(extra, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def without_paths(flags):
+    """Flags with include/library paths dropped, so the key survives moving the venv."""
+    return [f for f in flags if not f.startswith(("-I", "-L"))]
+
+
+def ptxas_summary(output):
+    """'kernel: N registers, S bytes spill' lines from nvcc -Xptxas -v output."""
+    import re
+
+    rows, name, spill = [], None, None
+    for line in output.splitlines():
+        m = re.search(r"Compiling entry function '(\S+)' for '(\w+)'", line)
+        if m:
+            name, arch = m.groups()
+            continue
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            spill = m.groups()
+            continue
+        m = re.search(r"Used (\d+) registers", line)
+        if m and name:
+            demangled = name
+            try:
+                demangled = subprocess.run(["c++filt", name], capture_output=True, text=True).stdout.strip()
+            except OSError:
+                pass
+            short = re.sub(r"\(anonymous namespace\)::|capsnet::|\(.*$", "", demangled)
+            rows.append(f"{arch} {short}: {m.group(1)} registers, spill {spill[0]}/{spill[1]} bytes st/ld")
+            name = None
+    return rows
+
+
+def build_library(args, tf, nvcc):
+    out = os.path.abspath(args.out)
+    stamp_path = os.path.splitext(out)[0] + ".json"
+    cflags = tf.sysconfig.get_compile_flags()
+    lflags = tf.sysconfig.get_link_flags()
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise BuildError("no C++ compiler found (install g++, or set CXX)")
+    cuda = nvcc is not None
+    key_inputs = {
+        "tensorflow": tf.__version__,
+        "cflags": without_paths(cflags),
+        "lflags": without_paths(lflags),
+        "cxx": tool_version([cxx]),
+        "cxx_flags": CXX_FLAGS,
+        "cuda": cuda,
+        "nvcc": tool_version([nvcc]) if cuda else None,
+        "nvcc_flags": NVCC_FLAGS + GENCODE if cuda else None,
+    }
+    key = digest([CC_SOURCE, CU_SOURCE, HEADER], key_inputs)
+    if not args.force and os.path.isfile(out) and os.path.isfile(stamp_path):
+        try:
+            with open(stamp_path) as f:
+                if json.load(f).get("key") == key:
+                    log(f"{os.path.relpath(out, ROOT)} is up to date (TensorFlow {tf.__version__}, "
+                        f"{'CPU+CUDA' if cuda else 'CPU only'}); --force rebuilds")
+                    return
+        except (OSError, ValueError):
+            pass
+
+    obj_dir = os.path.join(BUILD, "ops", "cuda" if cuda else "cpu")
+    os.makedirs(obj_dir, exist_ok=True)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    cc_obj = os.path.join(obj_dir, "capsule_prediction.o")
+    cu_obj = os.path.join(obj_dir, "capsule_prediction.cu.o")
+    abi = [f for f in cflags if f.startswith("-D_GLIBCXX_USE_CXX11_ABI")]
+    commands = [("g++ capsule_prediction.cc",
+                 [cxx, *CXX_FLAGS, *(["-DGOOGLE_CUDA=1"] if cuda else []), *cflags, "-c", CC_SOURCE,
+                  "-o", cc_obj])]
+    if cuda:
+        commands.append(("nvcc capsule_prediction.cu.cc",
+                         [nvcc, *NVCC_FLAGS, *GENCODE, *abi, *(["-Xptxas", "-v"] if args.ptxas_info else []),
+                          "-I", OPS, "-c", CU_SOURCE, "-o", cu_obj]))
+    log(f"compiling for TensorFlow {tf.__version__} ({'CPU + CUDA ' + ', '.join(ARCHS) if cuda else 'CPU only'})")
+    outputs = run_all(commands)
+    if cuda and args.ptxas_info:
+        for row in ptxas_summary(outputs["nvcc capsule_prediction.cu.cc"]):
+            print("  " + row)
+    tmp = out + ".tmp"
+    run_all([("link", [cxx, "-shared", "-o", tmp, cc_obj, *([cu_obj] if cuda else []), *lflags])])
+    os.replace(tmp, out)  # atomic: a process that has the old library open keeps it
+    stamp = {
+        "tensorflow": tf.__version__,
+        "cuda": cuda,
+        "archs": ARCHS if cuda else [],
+        "nvcc": key_inputs["nvcc"],
+        "cxx": key_inputs["cxx"],
+        "built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "key": key,
+    }
+    with open(stamp_path + ".tmp", "w") as f:
+        json.dump(stamp, f, indent=2)
+        f.write("\n")
+    os.replace(stamp_path + ".tmp", stamp_path)
+    # Loading it here catches unresolved symbols now rather than at first use.
+    try:
+        tf.load_op_library(out)
+    except Exception as err:  # noqa: BLE001 - report whatever the loader raised
+        raise BuildError(f"built {out} but TensorFlow cannot load it: {err}") from err
+    log(f"built {os.path.relpath(out, ROOT)} ({'CPU + CUDA' if cuda else 'CPU only'}) and {os.path.relpath(stamp_path, ROOT)}")
+
+
+def build_driver(nvcc, force):
+    key = digest([DRIVER_SOURCE, CU_SOURCE, HEADER], {"nvcc": tool_version([nvcc]), "gencode": GENCODE})
+    key_path = DRIVER_OUT + ".key"
+    if not force and os.path.isfile(DRIVER_OUT) and os.path.isfile(key_path):
+        with open(key_path) as f:
+            if f.read().strip() == key:
+                log(f"{os.path.relpath(DRIVER_OUT, ROOT)} is up to date")
+                return
+    os.makedirs(BUILD, exist_ok=True)
+    log("compiling the standalone sanitizer driver")
+    run_all([("nvcc sanitize_driver", [
+        nvcc, "-std=c++17", "--expt-relaxed-constexpr", "-O3", "-lineinfo", *GENCODE, "--threads", "0",
+        "-I", OPS, DRIVER_SOURCE, "-x", "cu", CU_SOURCE, "-o", DRIVER_OUT])])
+    with open(key_path, "w") as f:
+        f.write(key + "\n")
+    log(f"built {os.path.relpath(DRIVER_OUT, ROOT)}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--cpu-only", action="store_true", help="build without CUDA kernels")
+    mode.add_argument("--require-cuda", action="store_true", help="fail if no nvcc is found")
+    parser.add_argument("--out", default=DEFAULT_OUT, help="library path (default: capsnet/lib/_capsnet_ops.so)")
+    parser.add_argument("--driver", action="store_true", help="also build build/sanitize_driver (needs nvcc)")
+    parser.add_argument("--driver-only", action="store_true", help="only build build/sanitize_driver")
+    parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    parser.add_argument("--ptxas-info", action="store_true", help="print registers/spills of every CUDA kernel")
+    args = parser.parse_args(argv)
+
+    try:
+        nvcc = None if args.cpu_only else find_nvcc()
+        if nvcc is None and (args.require_cuda or args.driver or args.driver_only):
+            raise BuildError("no CUDA compiler found (looked in $CUDA_HOME/bin, /usr/local/cuda/bin, "
+                             "site-packages/nvidia/*/bin and PATH): install the CUDA toolkit or "
+                             "`pip install nvidia-cuda-nvcc`, or set CUDA_HOME")
+        if not args.driver_only:
+            if nvcc is None and not args.cpu_only:
+                log("no CUDA compiler found ($CUDA_HOME/bin, /usr/local/cuda/bin, site-packages/nvidia/*/bin, "
+                    "PATH): building the CPU-only library")
+            import tensorflow as tf  # late: --driver-only needs no TensorFlow
+
+            build_library(args, tf, nvcc)
+        if args.driver or args.driver_only:
+            build_driver(nvcc, args.force)
+    except BuildError as err:
+        print(f"build_ops: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

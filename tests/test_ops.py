@@ -1,0 +1,464 @@
+"""Tests of the compiled capsule-prediction op (capsnet.ops.capsule_prediction).
+
+References: NumPy einsum in float64, finite differences (tf.test.compute_gradient)
+and the plain TensorFlow matmul path. The tests assume the library was built
+(`make ops`); if it is missing they fail with the OpLibraryError, they do not skip.
+Tests marked `gpu` run the same checks on /GPU:0 with soft placement off, plus
+compute-sanitizer over the standalone CUDA driver; they skip without a GPU.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from capsnet import ops
+from capsnet.errors import OpLibraryError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (batch, in_caps, out_caps, out_dim, in_dim). Size-1 dims, odd sizes, the paper's
+# 10 x 16 <- 8 rows, in_dim up to 17 (past the GPU's register tiles), and few
+# capsules with a larger batch (the batch-split gradient paths).
+SHAPES = [
+    (1, 1, 1, 1, 1),
+    (2, 3, 4, 5, 6),
+    (3, 5, 2, 16, 8),
+    (4, 7, 3, 5, 3),
+    (2, 2, 1, 6, 16),
+    (5, 9, 10, 16, 8),
+    (3, 4, 3, 3, 11),
+    (2, 3, 2, 4, 17),
+    (70, 2, 10, 16, 8),
+]
+GRAD_SHAPES = [(1, 1, 1, 1, 1), (2, 3, 2, 4, 5), (3, 2, 3, 3, 3), (2, 4, 1, 2, 7)]
+
+
+def inputs(shape, dtype=np.float64, seed=0):
+    B, I, J, D, K = shape
+    rng = np.random.default_rng(seed)
+    u = rng.uniform(-1, 1, (B, I, K)).astype(dtype)
+    W = rng.uniform(-1, 1, (I, J, D, K)).astype(dtype)
+    return u, W
+
+
+def reference(u, W):
+    """u_hat[b, i, j, d] = sum_k W[i, j, d, k] u[b, i, k] in float64."""
+    return np.einsum("bik,ijdk->bijd", u.astype(np.float64), W.astype(np.float64))
+
+
+def tolerance(dtype, K):
+    # Sums of K products of numbers in [-1, 1]: relative error ~ K * eps.
+    eps = {np.float32: 1.2e-7, np.float64: 2.3e-16}[dtype]
+    return 8 * max(K, 1) * eps
+
+
+def grads(fn, u, W, g):
+    u, W, g = (tf.convert_to_tensor(x) for x in (u, W, g))
+    with tf.GradientTape() as tape:
+        tape.watch([u, W])
+        u_hat = fn(u, W)
+    grad_u, grad_W = tape.gradient(u_hat, [u, W], output_gradients=g)
+    return u_hat, grad_u, grad_W
+
+
+# ----------------------------------------------------------------------------
+# Forward and gradients on CPU.
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward_matches_numpy(shape, dtype):
+    u, W = inputs(shape, dtype)
+    u_hat = ops.capsule_prediction(u, W)
+    assert u_hat.dtype == tf.as_dtype(dtype)
+    assert u_hat.shape == shape[:2] + shape[2:4]
+    np.testing.assert_allclose(u_hat.numpy(), reference(u, W), rtol=0, atol=tolerance(dtype, shape[4]))
+
+
+@pytest.mark.parametrize("dtype,atol", [(tf.float16, 2e-2), (tf.bfloat16, 1.5e-1)])
+def test_forward_16bit(dtype, atol):
+    u, W = inputs((3, 5, 10, 16, 8), np.float32)
+    u16, W16 = tf.cast(u, dtype), tf.cast(W, dtype)
+    u_hat = ops.capsule_prediction(u16, W16)
+    assert u_hat.dtype == dtype
+    # Reference on the rounded inputs: only the accumulation/rounding differs.
+    want = reference(tf.cast(u16, tf.float64).numpy(), tf.cast(W16, tf.float64).numpy())
+    np.testing.assert_allclose(tf.cast(u_hat, tf.float64).numpy(), want, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("shape", GRAD_SHAPES)
+def test_gradients_match_finite_differences(shape):
+    u, W = inputs(shape, np.float64, seed=1)
+    theoretical, numerical = tf.test.compute_gradient(ops.capsule_prediction, [u, W])
+    for t, n in zip(theoretical, numerical):
+        np.testing.assert_allclose(t, n, rtol=1e-6, atol=1e-8)
+
+
+def test_second_order_gradients_match_finite_differences():
+    u, W = inputs((2, 3, 2, 3, 4), np.float64, seed=2)
+
+    def first_order(u, W):
+        with tf.GradientTape() as tape:
+            tape.watch([u, W])
+            loss = tf.reduce_sum(tf.sin(ops.capsule_prediction(u, W)))
+        grad_u, grad_W = tape.gradient(loss, [u, W])
+        return tf.concat([tf.reshape(grad_u, [-1]), tf.reshape(grad_W, [-1])], 0)
+
+    theoretical, numerical = tf.test.compute_gradient(first_order, [u, W])
+    for t, n in zip(theoretical, numerical):
+        # Central differences of sin'' carry O(delta^2) ~ 1e-7 error; a wrong
+        # second-order rule would be off by O(1).
+        np.testing.assert_allclose(t, n, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(8, 32, 10, 16, 8), (3, 5, 3, 5, 3), (70, 2, 10, 16, 8), (2, 3, 2, 4, 17)])
+def test_forward_and_gradients_match_matmul_path(shape):
+    u, W = inputs(shape, np.float32, seed=3)
+    g = np.random.default_rng(4).uniform(-1, 1, shape[:2] + shape[2:4]).astype(np.float32)
+    got = grads(ops.capsule_prediction, u, W, g)
+    want = grads(ops.capsule_prediction_matmul, u, W, g)
+    for name, a, b in zip(("u_hat", "grad_u", "grad_W"), got, want):
+        assert a.shape == b.shape, name
+        scale = max(1.0, float(np.abs(b.numpy()).max()))
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-5 * scale, err_msg=name)
+
+
+def test_gradient_is_deterministic():
+    u, W = inputs((70, 2, 10, 16, 8), np.float32, seed=5)
+    g = np.random.default_rng(6).uniform(-1, 1, (70, 2, 10, 16)).astype(np.float32)
+    first = grads(ops.capsule_prediction, u, W, g)
+    second = grads(ops.capsule_prediction, u, W, g)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+# ----------------------------------------------------------------------------
+# Edge cases and bad inputs.
+
+
+def test_empty_batch():
+    u, W = inputs((0, 4, 3, 5, 6))
+    u_hat, grad_u, grad_W = grads(ops.capsule_prediction, u, W, np.zeros((0, 4, 3, 5)))
+    assert u_hat.shape == (0, 4, 3, 5)
+    assert grad_u.shape == (0, 4, 6)
+    np.testing.assert_array_equal(grad_W.numpy(), np.zeros(W.shape))
+
+
+def test_empty_in_dim_gives_zeros():
+    u, W = inputs((2, 3, 4, 5, 0))
+    np.testing.assert_array_equal(ops.capsule_prediction(u, W).numpy(), np.zeros((2, 3, 4, 5)))
+
+
+def test_nan_stays_in_its_capsule():
+    u, W = inputs((4, 6, 3, 5, 7))
+    u[2, 3, 1] = np.nan
+    u_hat = ops.capsule_prediction(u, W).numpy()
+    nan = np.isnan(u_hat)
+    assert nan[2, 3].all()
+    nan[2, 3] = False
+    assert not nan.any()
+
+
+def _both_shapes_named(err, u_shape, w_shape):
+    text = str(err)
+    fmt = lambda s: "[" + ",".join(str(d) for d in s) + "]"  # noqa: E731
+    return fmt(u_shape) in text and fmt(w_shape) in text
+
+
+@pytest.mark.parametrize(
+    "u_shape,w_shape,what",
+    [((2, 3, 8), (4, 2, 5, 8), "in_caps"), ((2, 3, 8), (3, 2, 5, 7), "in_dim"), ((2, 3), (3, 2, 5, 3), "rank")],
+)
+def test_bad_shapes_at_trace_time(u_shape, w_shape, what):
+    # Known shapes: the shape function rejects them while tracing.
+    f = tf.function(ops.capsule_prediction)
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError)) as info:
+        f(np.ones(u_shape, np.float32), np.ones(w_shape, np.float32))
+    assert what in str(info.value)
+    assert _both_shapes_named(info.value, u_shape, w_shape), str(info.value)
+
+
+@pytest.mark.parametrize(
+    "u_shape,w_shape,what",
+    [((2, 3, 8), (4, 2, 5, 8), "in_caps"), ((2, 3, 8), (3, 2, 5, 7), "in_dim")],
+)
+def test_bad_shapes_at_run_time(u_shape, w_shape, what):
+    # Unknown shapes while tracing: the kernel checks again when it runs.
+    f = tf.function(
+        ops.capsule_prediction,
+        input_signature=[tf.TensorSpec([None, None, None], tf.float32), tf.TensorSpec([None] * 4, tf.float32)],
+    )
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        f(np.ones(u_shape, np.float32), np.ones(w_shape, np.float32))
+    assert what in info.value.message
+    assert _both_shapes_named(info.value.message, u_shape, w_shape), info.value.message
+
+
+def test_bad_rank_eagerly():
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        ops.capsule_prediction(np.ones((2, 3), np.float32), np.ones((3, 2, 5, 3), np.float32))
+    assert _both_shapes_named(info.value.message, (2, 3), (3, 2, 5, 3)), info.value.message
+
+
+def test_grad_op_checks_grad_shape():
+    lib = ops.load_op_library()
+    u, W = inputs((2, 3, 4, 5, 6))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"\[2,3,4,5\]"):
+        lib.capsnet_capsule_prediction_grad(grad=np.ones((2, 3, 4, 4)), u=u, weights=W)
+
+
+def test_dtype_mismatch_is_a_clear_error():
+    u, W = inputs((2, 3, 4, 5, 6))
+    with pytest.raises(TypeError, match="same dtype.*float32.*float64"):
+        ops.capsule_prediction(u.astype(np.float32), W)
+
+
+def test_unsupported_dtype_is_a_clear_error():
+    with pytest.raises(TypeError, match="int32 is not supported"):
+        ops.capsule_prediction(np.ones((2, 3, 4), np.int32), np.ones((3, 2, 2, 4), np.int32))
+
+
+# ----------------------------------------------------------------------------
+# tf.function, tf.distribute, SavedModel.
+
+
+def test_tf_function_matches_eager():
+    u, W = inputs((6, 5, 4, 3, 2), np.float32)
+    f = tf.function(ops.capsule_prediction)
+    np.testing.assert_array_equal(f(u, W).numpy(), ops.capsule_prediction(u, W).numpy())
+
+
+@pytest.mark.parametrize("make_strategy", [
+    lambda: tf.distribute.OneDeviceStrategy("/cpu:0"),
+    lambda: tf.distribute.MirroredStrategy(["/cpu:0"]),
+], ids=["one_device", "mirrored"])
+def test_under_tf_distribute(make_strategy):
+    strategy = make_strategy()
+    u, W0 = inputs((4, 5, 3, 2, 6), np.float32)
+    with strategy.scope():
+        W = tf.Variable(W0)
+
+    @tf.function
+    def step(u):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(ops.capsule_prediction(u, W) ** 2)
+        return loss, tape.gradient(loss, W)
+
+    loss, grad_W = strategy.run(step, args=(tf.constant(u),))
+    loss = strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
+    grad_W = strategy.reduce(tf.distribute.ReduceOp.SUM, grad_W, axis=None)
+    u_hat = reference(u, W0)
+    np.testing.assert_allclose(loss.numpy(), (u_hat**2).sum(), rtol=1e-5)
+    want = 2 * np.einsum("bijd,bik->ijdk", u_hat, u.astype(np.float64))
+    np.testing.assert_allclose(grad_W.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+class _Prediction(tf.Module):
+    def __init__(self, W):
+        super().__init__()
+        self.W = tf.Variable(W)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 5, 6], tf.float32)])
+    def __call__(self, u):
+        return ops.capsule_prediction(u, self.W)
+
+
+def test_saved_model_round_trip(tmp_path):
+    u, W = inputs((3, 5, 4, 2, 6), np.float32)
+    path = str(tmp_path / "model")
+    tf.saved_model.save(_Prediction(W), path)
+    np.save(tmp_path / "u.npy", u)
+    # A fresh interpreter: importing capsnet.ops must not load the library (the
+    # matmul path works without it); load_op_library() must come before
+    # tf.saved_model.load.
+    script = textwrap.dedent(f"""
+        import os
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+        import numpy as np
+        import tensorflow as tf
+        loads = []
+        real_load = tf.load_op_library
+        tf.load_op_library = lambda p: loads.append(p) or real_load(p)
+        from capsnet import ops
+        assert ops._lib is None and not loads, "importing capsnet.ops loaded the library"
+        u = np.load({str(tmp_path / "u.npy")!r})
+        ops.capsule_prediction_matmul(u, np.ones((5, 4, 2, 6), np.float32))
+        assert not loads, "the matmul path loaded the library"
+        ops.load_op_library()
+        model = tf.saved_model.load({path!r})
+        np.save({str(tmp_path / "out.npy")!r}, model(u).numpy())
+    """)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), reference(u, W), rtol=1e-5, atol=1e-5)
+
+    # In this process: the restored function is differentiable through the op.
+    restored = tf.saved_model.load(path)
+    with tf.GradientTape() as tape:
+        out = tf.reduce_sum(restored(tf.constant(u)))
+    grad_W = tape.gradient(out, restored.W)
+    want = np.einsum("bik->ik", u.astype(np.float64))[:, None, None, :] * np.ones(W.shape)
+    np.testing.assert_allclose(grad_W.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# Library loading errors.
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch, tmp_path):
+    """Points the loader at tmp_path/_capsnet_ops.so with nothing loaded yet."""
+    path = tmp_path / "_capsnet_ops.so"
+    monkeypatch.setattr(ops, "_LIBRARY_PATH", str(path))
+    monkeypatch.setattr(ops, "_lib", None)
+    return path
+
+
+def test_missing_library_raises_op_library_error(fresh_loader):
+    u, W = inputs((2, 3, 4, 5, 6))
+    with pytest.raises(OpLibraryError, match="not built.*make ops"):
+        ops.capsule_prediction(u, W)
+    # The matmul path does not need the library.
+    np.testing.assert_allclose(ops.capsule_prediction_matmul(u, W).numpy(), reference(u, W), atol=1e-12)
+
+
+def test_library_for_another_tensorflow_raises(fresh_loader):
+    shutil.copy(os.path.join(ROOT, "capsnet", "lib", "_capsnet_ops.so"), fresh_loader)
+    fresh_loader.with_suffix(".json").write_text(json.dumps({"tensorflow": "2.0.0", "cuda": False}))
+    with pytest.raises(OpLibraryError, match=r"built for TensorFlow 2\.0\.0.*make ops"):
+        ops.load_op_library()
+
+
+def test_unloadable_library_raises(fresh_loader):
+    fresh_loader.write_bytes(b"not a shared library")
+    fresh_loader.with_suffix(".json").write_text(json.dumps({"tensorflow": tf.__version__, "cuda": False}))
+    with pytest.raises(OpLibraryError, match="cannot be loaded.*make ops"):
+        ops.load_op_library()
+
+
+# ----------------------------------------------------------------------------
+# GPU (skipped without one).
+
+HAS_GPU = bool(tf.config.list_physical_devices("GPU"))
+gpu = pytest.mark.skipif(not HAS_GPU, reason="no GPU visible to TensorFlow")
+
+
+@pytest.fixture
+def on_gpu():
+    """/GPU:0 with soft placement off (no silent CPU fallback) and TF32 off."""
+    soft = tf.config.get_soft_device_placement()
+    tf32 = tf.config.experimental.tensor_float_32_execution_enabled()
+    tf.config.set_soft_device_placement(False)
+    tf.config.experimental.enable_tensor_float_32_execution(False)
+    try:
+        with tf.device("/GPU:0"):
+            yield
+    finally:
+        tf.config.set_soft_device_placement(soft)
+        tf.config.experimental.enable_tensor_float_32_execution(tf32)
+
+
+GPU_SHAPES = SHAPES + [(2, 1, 5, 820, 4), (3, 4, 0, 4, 8)]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_gpu_forward_matches_numpy(on_gpu, shape, dtype):
+    u, W = inputs(shape, dtype)
+    u_hat = ops.capsule_prediction(tf.constant(u), tf.constant(W))
+    assert "GPU:0" in u_hat.device, u_hat.device
+    np.testing.assert_allclose(u_hat.numpy(), reference(u, W), rtol=0, atol=tolerance(dtype, shape[4]))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,atol", [(tf.float16, 2e-2), (tf.bfloat16, 1.5e-1)])
+def test_gpu_forward_16bit(on_gpu, dtype, atol):
+    u, W = inputs((3, 5, 10, 16, 8), np.float32)
+    u16, W16 = tf.cast(u, dtype), tf.cast(W, dtype)
+    u_hat = ops.capsule_prediction(u16, W16)
+    assert "GPU:0" in u_hat.device
+    want = reference(tf.cast(u16, tf.float64).numpy(), tf.cast(W16, tf.float64).numpy())
+    np.testing.assert_allclose(tf.cast(u_hat, tf.float64).numpy(), want, rtol=0, atol=atol)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GRAD_SHAPES + [(40, 2, 10, 16, 8)])
+def test_gpu_gradients_match_finite_differences(on_gpu, shape):
+    u, W = inputs(shape, np.float64, seed=1)
+    theoretical, numerical = tf.test.compute_gradient(ops.capsule_prediction, [u, W])
+    for t, n in zip(theoretical, numerical):
+        np.testing.assert_allclose(t, n, rtol=1e-6, atol=1e-8)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(128, 1152, 10, 16, 8), (8, 32, 10, 16, 8), (300, 2, 10, 16, 8),
+                                   (3, 5, 3, 5, 3), (2, 3, 2, 4, 17), (2, 1, 5, 820, 4)])
+def test_gpu_matches_matmul_path(on_gpu, shape):
+    u, W = inputs(shape, np.float32, seed=3)
+    g = np.random.default_rng(4).uniform(-1, 1, shape[:2] + shape[2:4]).astype(np.float32)
+    got = grads(ops.capsule_prediction, u, W, g)
+    want = grads(ops.capsule_prediction_matmul, u, W, g)
+    for name, a, b in zip(("u_hat", "grad_u", "grad_W"), got, want):
+        assert "GPU:0" in a.device, (name, a.device)
+        scale = max(1.0, float(np.abs(b.numpy()).max()))
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-5 * scale, err_msg=name)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_deterministic_empty_nan_and_bad_shapes(on_gpu):
+    u, W = inputs((300, 2, 10, 16, 8), np.float32, seed=5)
+    g = np.random.default_rng(6).uniform(-1, 1, (300, 2, 10, 16)).astype(np.float32)
+    first, second = grads(ops.capsule_prediction, u, W, g), grads(ops.capsule_prediction, u, W, g)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+    u0, W0 = inputs((0, 4, 3, 5, 6))
+    u_hat, grad_u, grad_W = grads(ops.capsule_prediction, u0, W0, np.zeros((0, 4, 3, 5)))
+    assert u_hat.shape == (0, 4, 3, 5) and grad_u.shape == (0, 4, 6)
+    np.testing.assert_array_equal(grad_W.numpy(), np.zeros(W0.shape))
+
+    u1, W1 = inputs((4, 6, 3, 5, 7))
+    u1[2, 3, 1] = np.nan
+    nan = np.isnan(ops.capsule_prediction(u1, W1).numpy())
+    assert nan[2, 3].all()
+    nan[2, 3] = False
+    assert not nan.any()
+
+    f = tf.function(
+        ops.capsule_prediction,
+        input_signature=[tf.TensorSpec([None, None, None], tf.float32), tf.TensorSpec([None] * 4, tf.float32)],
+    )
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        f(np.ones((2, 3, 8), np.float32), np.ones((4, 2, 5, 8), np.float32))
+    assert _both_shapes_named(info.value.message, (2, 3, 8), (4, 2, 5, 8))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_gpu_kernels_under_compute_sanitizer(tool):
+    sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    if not os.path.exists(sanitizer):
+        pytest.skip("compute-sanitizer not found")
+    build = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "build_ops.py"), "--driver-only"],
+                           capture_output=True, text=True, timeout=900)
+    assert build.returncode == 0, build.stdout + build.stderr
+    proc = subprocess.run([sanitizer, "--tool", tool, "--error-exitcode", "3",
+                           os.path.join(ROOT, "build", "sanitize_driver")],
+                          capture_output=True, text=True, timeout=1200)
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, tail
+    assert "checks passed" in proc.stdout and "ERROR SUMMARY: 0 errors" in proc.stdout + proc.stderr, tail
