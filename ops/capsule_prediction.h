@@ -90,9 +90,9 @@ struct CapsulePredictionCpu {
 // (no atomics; fixed reduction order that depends on the shape only).
 
 // Which kernels to use: kAuto picks the tiled register kernels when the shape
-// allows (in_dim <= 16, out_caps * out_dim / vector width <= 1024) and the
-// simple one-thread-per-output kernels otherwise; kGeneric forces the latter
-// (the sanitizer driver tests both).
+// allows (in_dim <= 16 and out_caps * out_dim / vector width within one block:
+// 256 or 512 threads) and the simple one-thread-per-output kernels otherwise;
+// kGeneric forces the latter (the sanitizer driver tests both).
 enum class GpuAlgo { kAuto = 0, kGeneric = 1 };
 
 template <typename T>

@@ -15,14 +15,14 @@ if [[ $what == verify || $what == all ]]; then
   # The op tests on the GPU (gpu-marked ones run only here) and the model's op-vs-matmul test.
   python3 -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_model.py 2>&1 | tee "$out/pytest_gpu.log" | tail -15
 fi
-if [[ $what == bench || $what == all ]]; then
-  python3 scripts/benchmark_ops.py --device gpu 2>&1 | tee "$out/benchmark_ops.log" | tail -40
-  python3 scripts/benchmark_train.py --json "$out/benchmark_train.json" 2>&1 | tee "$out/benchmark_train.log" | tail -20
-fi
 if [[ $what == train || $what == all ]]; then
   # A short real run with the compiled op on /GPU:0.
   python3 train.py custom_op=true data.dir=.gpudata/mnist train.epochs=2 train.batch_size=128 \
     hydra.run.dir=/tmp/gpu-run 2>&1 | tee "$out/train_gpu.log" | tail -8
   python3 evaluate.py checkpoint=/tmp/gpu-run custom_op=false 2>&1 | tail -1 | tee "$out/eval_matmul.json"
   python3 evaluate.py checkpoint=/tmp/gpu-run custom_op=true 2>&1 | tail -1 | tee "$out/eval_op.json"
+fi
+if [[ $what == bench || $what == all ]]; then
+  python3 scripts/benchmark_ops.py --device gpu 2>&1 | tee "$out/benchmark_ops.log" | tail -40
+  python3 scripts/benchmark_train.py --json "$out/benchmark_train.json" 2>&1 | tee "$out/benchmark_train.log" | tail -20
 fi

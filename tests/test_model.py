@@ -164,10 +164,21 @@ def test_tf_checkpoint_of_the_model_restores_every_weight(tmp_path):
         np.testing.assert_array_equal(b.numpy(), a.numpy(), err_msg=a.path)
 
 
-def test_custom_op_matches_matmul_path():
+@pytest.fixture
+def no_tf32():
+    """Full float32 matmuls: on a GPU the matmul path would otherwise use TF32 (10-bit
+    mantissa) while the op computes in float32, and differ by ~1e-3 relative."""
+    was = tf.config.experimental.tensor_float_32_execution_enabled()
+    tf.config.experimental.enable_tensor_float_32_execution(False)
+    yield
+    tf.config.experimental.enable_tensor_float_32_execution(was)
+
+
+def test_custom_op_matches_matmul_path(no_tf32):
     """The compiled op (`make ops`) against the matmul path on the same weights.
 
-    Needs capsnet/lib/_capsnet_ops.so; `make test` builds it first.
+    Needs capsnet/lib/_capsnet_ops.so; `make test` builds it first. Runs on the GPU
+    where TensorFlow sees one (the op's CUDA kernels), else on the CPU.
     """
     plain = lively(build_model(**SMALL))
     compiled = build_model(custom_op=True, **SMALL)
