@@ -22,8 +22,10 @@ import tensorflow as tf
 
 from capsnet.errors import OpLibraryError
 
-# Where the op library and its stamp live; tests point this elsewhere.
-_LIBRARY_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", "_capsnet_ops.so")
+# Where the op library and its stamp live: the package's own build, unless
+# CAPSNET_OP_LIBRARY names another (CI runs the op tests against the CPU-only build).
+_LIBRARY_PATH = os.environ.get("CAPSNET_OP_LIBRARY") or os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "lib", "_capsnet_ops.so")
 _REBUILD = "`make ops` (or `python scripts/build_ops.py`)"
 _DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 
