@@ -179,6 +179,11 @@ class DigitCaps(keras.layers.Layer):
         stop_gradient_routing: stop the gradient through u_hat in the inner routing
             iterations (default True; why: see `capsnet.routing.dynamic_routing`).
         custom_op: compute u_hat with the compiled op (capsnet.ops) instead of matmul.
+        jit_routing: compile the routing iterations with XLA on their own
+            (tf.function(jit_compile=True)), fusing their chain of elementwise ops and
+            reductions over u_hat. Meant for custom_op=True: a custom op cannot be
+            jit-compiled, so a whole-step jit_compile is not available there and
+            autoclustering may leave the routing unfused. Same math either way.
         kernel_initializer: initializer for W. Default N(0, 0.1²) per entry. Keras'
             fan-based initializers would read the 4-D W as a conv kernel with fans of
             ~10⁴ (W_ij's own are in_dim and dim) and make it tiny. Measured on MNIST
@@ -191,7 +196,7 @@ class DigitCaps(keras.layers.Layer):
     """
 
     def __init__(self, num_caps=10, dim=16, routing_iterations=3, stop_gradient_routing=True,
-                 custom_op=False, kernel_initializer=None, **kwargs):
+                 custom_op=False, jit_routing=False, kernel_initializer=None, **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
         self.num_caps = _positive_int("num_caps", num_caps, owner)
@@ -199,6 +204,7 @@ class DigitCaps(keras.layers.Layer):
         self.routing_iterations = _positive_int("routing_iterations", routing_iterations, owner)
         self.stop_gradient_routing = _check_bool("stop_gradient_routing", stop_gradient_routing, owner)
         self.custom_op = _check_bool("custom_op", custom_op, owner)
+        self.jit_routing = _check_bool("jit_routing", jit_routing, owner)
         if kernel_initializer is None:
             kernel_initializer = keras.initializers.RandomNormal(stddev=0.1)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
@@ -232,7 +238,8 @@ class DigitCaps(keras.layers.Layer):
             # error needs no more context.
             err._keras_call_info_injected = True
             raise
-        return dynamic_routing(u_hat, self.routing_iterations, self.stop_gradient_routing)
+        route = _dynamic_routing_xla if self.jit_routing else dynamic_routing
+        return route(u_hat, self.routing_iterations, self.stop_gradient_routing)
 
     def compute_output_shape(self, input_shape):
         in_caps, _ = self._in_shape(input_shape)
@@ -247,8 +254,14 @@ class DigitCaps(keras.layers.Layer):
             "routing_iterations": self.routing_iterations,
             "stop_gradient_routing": self.stop_gradient_routing,
             "custom_op": self.custom_op,
+            "jit_routing": self.jit_routing,
             "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
         }
+
+
+# dynamic_routing as one XLA computation (DigitCaps(jit_routing=True)); iterations and
+# stop_gradient are Python values, so each setting traces once.
+_dynamic_routing_xla = tf.function(dynamic_routing, jit_compile=True)
 
 
 @keras.saving.register_keras_serializable(package="capsnet")

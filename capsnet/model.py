@@ -40,7 +40,7 @@ class CapsNet(keras.Model):
                  conv1_kernel_size=9, primary_caps_types=32, primary_caps_dim=8,
                  primary_caps_kernel_size=9, primary_caps_strides=2, digit_caps_dim=16,
                  routing_iterations=3, stop_gradient_routing=True, decoder=True,
-                 decoder_units=(512, 1024), custom_op=False, **kwargs):
+                 decoder_units=(512, 1024), custom_op=False, jit_routing=False, **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
         self.image_shape = _positive_int_tuple("input_shape", input_shape, owner, length=3)
@@ -58,6 +58,7 @@ class CapsNet(keras.Model):
         self.use_decoder = _check_bool("decoder", decoder, owner)
         self.decoder_units = _positive_int_tuple("decoder_units", decoder_units, owner)
         self.custom_op = _check_bool("custom_op", custom_op, owner)
+        self.jit_routing = _check_bool("jit_routing", jit_routing, owner)
 
         # Both convolutions are 'valid': check now that the image survives them, so a
         # bad config fails here with the numbers rather than inside a conv op.
@@ -81,7 +82,7 @@ class CapsNet(keras.Model):
             num_caps=self.num_classes, dim=self.digit_caps_dim,
             routing_iterations=self.routing_iterations,
             stop_gradient_routing=self.stop_gradient_routing, custom_op=self.custom_op,
-            name="digit_caps")
+            jit_routing=self.jit_routing, name="digit_caps")
         self.decoder = (
             Decoder(units=self.decoder_units, output_shape=self.image_shape, name="decoder")
             if self.use_decoder else None)
@@ -164,6 +165,7 @@ class CapsNet(keras.Model):
             "decoder": self.use_decoder,
             "decoder_units": list(self.decoder_units),
             "custom_op": self.custom_op,
+            "jit_routing": self.jit_routing,
         }
 
     @classmethod

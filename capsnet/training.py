@@ -136,14 +136,20 @@ def build_optimizer(train_cfg, steps_per_epoch, model):
 XLA_MODES = ("none", "autocluster", "jit")
 
 
-def check_xla(xla, custom_op):
-    """`train.xla` must be one of XLA_MODES, and jit cannot compile the custom op."""
+def check_xla(xla, custom_op, jit_routing=False):
+    """`train.xla` must be one of XLA_MODES; jit cannot compile the custom op, and
+    jit_routing (an XLA computation of its own) must not be nested inside jit."""
     if xla not in XLA_MODES:
         raise ConfigError(f"train.xla must be one of {', '.join(XLA_MODES)}, got {xla!r}")
     if xla == "jit" and custom_op:
         # XLA has no kernel for our op: jit_compile would fail on it at the first step.
         raise ConfigError("train.xla=jit cannot compile the custom op (custom_op=true): use train.xla=autocluster, "
                           "which compiles the TensorFlow ops around it")
+    if xla == "jit" and jit_routing:
+        # The whole step is one XLA computation already; the nested jit_compile function
+        # aborted the process on an H200 (benchmark_train, 2026-11-21).
+        raise ConfigError("model.jit_routing=true is redundant under train.xla=jit (the whole step is compiled): "
+                          "set model.jit_routing=false")
 
 
 def set_autoclustering(enabled):
@@ -180,7 +186,7 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none"):
             (set_autoclustering), so XLA compiles clusters of plain TF ops around the custom
             op. "none" and "jit" turn autoclustering off: the last step made decides.
     """
-    check_xla(xla, getattr(model, "custom_op", False))
+    check_xla(xla, getattr(model, "custom_op", False), getattr(model, "jit_routing", False))
     set_autoclustering(xla == "autocluster")
     image_spec = tf.TensorSpec([None, *input_shape], tf.float32)
 
@@ -230,7 +236,7 @@ def _check_config(cfg):
     _positive_int(cfg, "train", "lr_decay_steps", allow_none=True)
     for key in ("learning_rate", "lr_decay_rate"):
         _positive_float(cfg, "train", key)
-    check_xla(cfg["train"]["xla"], bool(cfg["custom_op"]))
+    check_xla(cfg["train"]["xla"], bool(cfg["custom_op"]), bool(cfg["model"].get("jit_routing", False)))
     if not isinstance(cfg["seed"], int) or isinstance(cfg["seed"], bool):
         raise ConfigError(f"seed must be an integer, got {cfg['seed']!r}")
     if not cfg.get("run_dir"):

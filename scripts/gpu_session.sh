@@ -26,3 +26,8 @@ if [[ $what == bench || $what == all ]]; then
   python3 scripts/benchmark_ops.py --device gpu 2>&1 | tee "$out/benchmark_ops.log" | tail -40
   python3 scripts/benchmark_train.py --json "$out/benchmark_train.json" 2>&1 | tee "$out/benchmark_train.log" | tail -20
 fi
+if [[ $what == bench-jit-routing || $what == all ]]; then
+  # The op variants with the routing iterations compiled by XLA on their own.
+  python3 scripts/benchmark_train.py --variants op,op+autocluster --json "$out/benchmark_train_jit_routing.json" \
+    model.jit_routing=true 2>&1 | tee "$out/benchmark_train_jit_routing.log" | tail -12
+fi

@@ -290,6 +290,11 @@ def test_xla_jit_with_the_custom_op_is_a_config_error(tiny_config):
         make_train_step(model, optimizer, input_shape=(28, 28, 1), losses={}, xla="jit")
 
 
+def test_jit_routing_inside_xla_jit_is_a_config_error(tiny_config):
+    with pytest.raises(ConfigError, match=r"model\.jit_routing=true is redundant under train\.xla=jit"):
+        train(tiny_config("model.jit_routing=true", "train.xla=jit"))
+
+
 # --------------------------------------------------------------------------- the compiled op
 
 def spy_on_the_op(monkeypatch):
