@@ -12,7 +12,9 @@ RUN apt-get update \
 
 WORKDIR /capsnet
 COPY . .
-# The same steps as on a workstation: .venv, dependencies, the op library.
-RUN make install
+# The same steps as on a workstation: .venv, dependencies, the op library; plus
+# TensorFlow's pinned CUDA runtime wheels (cuDNN, NCCL, ...) so it does not depend on
+# the versions in the base image.
+RUN make install EXTRAS=test,cuda
 
 ENTRYPOINT [".venv/bin/python", "train.py"]

@@ -7,6 +7,8 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
+# pyproject extras installed into .venv (the Dockerfile adds `cuda`)
+EXTRAS ?= test,plots
 
 # First interpreter in 3.10-3.12 (TensorFlow 2.21 wheels); override with PYTHON=...
 PYTHON ?= $(shell for p in python3.12 python3.11 python3.10 python3; do \
@@ -22,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import venv, ensurepip' 2>/dev/null || { echo "make: $(PYTHON) lacks venv/ensurepip: apt-get install python3-venv"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,plots]'
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	@touch $@
 
 # The op library goes into the package (capsnet/lib) so the wrapper, SavedModels

@@ -59,7 +59,8 @@ def reports_user_errors(task):
             return task(cfg)
         except (CapsnetError, OmegaConfBaseException) as exc:
             # OmegaConf errors here come from resolving the config (a bad interpolation).
-            if _full_errors_requested() or cfg.get("debug", False):
+            # `is True`: debug=no is the string 'no' (a ConfigError of its own), not a request.
+            if _full_errors_requested() or cfg.get("debug", False) is True:
                 raise
             fail(_one_line(exc) if isinstance(exc, OmegaConfBaseException) else exc)
 

@@ -12,6 +12,7 @@
 """
 import json
 import math
+import numbers
 import os
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ import tensorflow as tf
 import yaml
 
 from capsnet.errors import CheckpointError, ConfigError, DataError
-from capsnet.losses import margin_loss, reconstruction_loss
+from capsnet.losses import _check_margins, margin_loss, reconstruction_loss
 
 WHICH = ("best", "latest")
 
@@ -42,9 +43,30 @@ def capsnet_losses(images, labels, outputs, *, m_plus, m_minus, lambda_, reconst
     return margin + reconstruction_weight * reconstruction, margin, reconstruction
 
 
+LOSS_KEYS = ("m_plus", "m_minus", "lambda_", "reconstruction_weight")
+
+
 def loss_params(train_cfg):
-    """The loss arguments of capsnet_losses from a config's `train` section."""
-    return {k: float(train_cfg[k]) for k in ("m_plus", "m_minus", "lambda_", "reconstruction_weight")}
+    """The loss arguments of capsnet_losses from a config's `train` section, checked:
+    finite numbers, 0 <= m_minus < m_plus <= 1, lambda_ >= 0, reconstruction_weight >= 0
+    (else ConfigError naming the keys)."""
+    params = {}
+    for key in LOSS_KEYS:
+        if key not in train_cfg:
+            raise ConfigError(f"train.{key} is missing")
+        value = train_cfg[key]
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ConfigError(f"train.{key} must be a finite number, got {value!r}")
+        params[key] = float(value)
+    try:
+        # The margin loss's own rule, checked now rather than when the first step is traced.
+        _check_margins(params["m_plus"], params["m_minus"], params["lambda_"])
+    except ValueError as exc:
+        reason = str(exc).removeprefix("margin_loss: ")
+        raise ConfigError(f"train.m_plus, train.m_minus, train.lambda_: {reason}") from exc
+    if params["reconstruction_weight"] < 0:
+        raise ConfigError(f"train.reconstruction_weight must be >= 0, got {params['reconstruction_weight']!r}")
+    return params
 
 
 # --------------------------------------------------------------------------- test pass
@@ -279,22 +301,38 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
         data_cfg["dir"] = str(data_dir)
     if limit_test is not None:
         data_cfg["limit_test"] = limit_test
-    custom_op = bool(cfg.get("custom_op", False)) if custom_op is None else bool(custom_op)
-    batch_size = int(batch_size or cfg["train"]["batch_size"])
-    if batch_size < 1:
-        raise ConfigError(f"batch_size must be a positive integer, got {batch_size}")
+    # Only real booleans and integers: bool('no') is True, int(2.7) is 2, and 0 would mean "unset".
+    if custom_op is None:
+        custom_op = cfg.get("custom_op", False)
+        where = f"the run config's custom_op ({run_dir / 'config.yaml'})"
+    else:
+        where = "custom_op"
+    if not isinstance(custom_op, bool):
+        raise ConfigError(f"{where} must be true or false (or null: as trained), got {custom_op!r}")
+    train_cfg = cfg.get("train") if isinstance(cfg.get("train"), dict) else {}
+    if batch_size is None:
+        batch_size, where = train_cfg.get("batch_size"), f"the run config's train.batch_size ({run_dir})"
+    else:
+        where = "batch_size"
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"{where} must be a positive integer (or null: the run's train.batch_size), "
+                          f"got {batch_size!r}")
+    try:
+        losses = loss_params(train_cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"the run config of {run_dir}: {exc}") from exc
 
     if custom_op:
         check_op_library()
+    model = build_capsnet(cfg["model"], custom_op)  # its config errors before the data is read
     images, labels = load_split(data_cfg["name"], "test", data_dir=data_cfg.get("dir"),
                                 limit=data_cfg.get("limit_test"))
-    model = build_capsnet(cfg["model"], custom_op)
-    check_labels(labels, images, model_cfg=cfg["model"], split=f"{data_cfg['name']} test")
+    check_labels(labels, images, model=model, split=f"{data_cfg['name']} test")
     epoch = restore_model(model, prefix)
 
     dataset = make_dataset(images, labels, batch_size=batch_size, training=False)
-    eval_step = make_eval_step(model, images.shape[1:], **loss_params(cfg["train"]))
-    result = evaluate_model(eval_step, dataset, int(cfg["model"]["num_classes"]))
+    eval_step = make_eval_step(model, model.image_shape, **losses)
+    result = evaluate_model(eval_step, dataset, model.num_classes)
 
     report = {
         "accuracy": result["accuracy"],

@@ -24,8 +24,9 @@ from capsnet.errors import OpLibraryError
 
 # Where the op library and its stamp live: the package's own build, unless
 # CAPSNET_OP_LIBRARY names another (CI runs the op tests against the CPU-only build).
-_LIBRARY_PATH = os.environ.get("CAPSNET_OP_LIBRARY") or os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "lib", "_capsnet_ops.so")
+# Made absolute now: the library loads lazily, perhaps after a chdir.
+_LIBRARY_PATH = os.path.abspath(os.environ.get("CAPSNET_OP_LIBRARY") or os.path.join(
+    os.path.dirname(__file__), "lib", "_capsnet_ops.so"))
 _REBUILD = "`make ops` (or `python scripts/build_ops.py`)"
 _DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 

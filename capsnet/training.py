@@ -14,7 +14,7 @@ A run dir holds:
     config.yaml                the resolved config (evaluate.py rebuilds the model from it)
     events.out.tfevents.*      TensorBoard: scalars, reconstructions, histograms, HParams
     checkpoints/latest/ckpt-N  the last `train.keep_checkpoints` epochs (N = epochs done)
-    checkpoints/best/ckpt-N    the epoch with the highest test accuracy
+    checkpoints/best/ckpt-N    the epoch with the highest test accuracy (of the epochs done)
     history.jsonl              one line of metrics per finished epoch
     metrics.json               the final metrics, written at the end
 
@@ -26,6 +26,16 @@ functions of (seed, epoch) (capsnet.data), so there is no generator state to sav
 with deterministic=true a resumed run ends bitwise equal to an uninterrupted one.
 A run killed mid-epoch loses that epoch only. TensorBoard's step is the global step
 (optimizer.iterations), so the curves continue where the checkpoint left them.
+
+An epoch ends with: its history line, its best checkpoint (if it is the best), and
+LAST checkpoints/latest/ckpt-N, the commit point: a run killed before it redoes the
+epoch, and whatever that epoch wrote before (a history line, best/ckpt-N) is
+superseded or deleted on restart (see _BestCheckpoint).
+
+Resuming refuses a config that would change the run's trajectory (RESUME_KEYS: the
+model, the data, the seed, the optimizer and loss values) and names what differs;
+train.epochs (to extend a run), custom_op, train.xla, model.jit_routing,
+deterministic, logging and progress keys may change.
 """
 import json
 import logging
@@ -39,12 +49,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 import yaml
+from tensorflow.python.framework import config as tf_config
 
 from capsnet import ops
 from capsnet.data import load_split, make_dataset
 from capsnet.errors import CheckpointError, ConfigError, OpLibraryError
 from capsnet.evaluation import (
-    capsnet_losses, checkpoint_weights, evaluate_model, json_safe, loss_params, make_eval_step,
+    capsnet_losses, checkpoint_weights, evaluate_model, json_safe, loss_params, make_eval_step, read_run_config,
 )
 from capsnet.model import build_model
 
@@ -78,32 +89,45 @@ def image_grid(images, reconstructions):
     return np.clip(grid, 0.0, 1.0)[None]                              # (1, 2H, N·W, C)
 
 
-def check_labels(labels, images, *, model_cfg, split):
-    """The data must fit the model: image shape = input_shape, labels in [0, num_classes)."""
-    input_shape = tuple(model_cfg["input_shape"])
+def check_labels(labels, images, *, model, split):
+    """The data must fit the model: image shape = input_shape, labels in [0, num_classes).
+
+    `model` is a built CapsNet: its input_shape and num_classes have been checked
+    (build_capsnet), unlike the raw config values.
+    """
+    input_shape = tuple(model.image_shape)
     if tuple(images.shape[1:]) != input_shape:
         raise ConfigError(f"{split} images have shape {tuple(images.shape[1:])} but model.input_shape is "
                           f"{list(input_shape)}")
-    num_classes = int(model_cfg["num_classes"])
+    num_classes = int(model.num_classes)
     if len(labels) and (labels.min() < 0 or labels.max() >= num_classes):
         raise ConfigError(f"{split} labels lie in [{labels.min()}, {labels.max()}] but model.num_classes is "
                           f"{num_classes}")
 
 
 def build_capsnet(model_cfg, custom_op):
-    """The CapsNet of a config's `model` section; bad values → ConfigError."""
-    kwargs = dict(model_cfg)
-    kwargs["input_shape"] = tuple(kwargs["input_shape"])
-    kwargs["decoder_units"] = tuple(kwargs["decoder_units"])
+    """The CapsNet of a config's `model` section; bad values (a non-integer num_classes,
+    input_shape=5, an unknown key, ...) → ConfigError naming them.
+
+    The values go to CapsNet as they are: it checks them (and turns lists into
+    tuples), so a bool(...) or tuple(...) here cannot misread or crash on them first.
+    """
     try:
-        return build_model(**kwargs, custom_op=bool(custom_op))
+        return build_model(**dict(model_cfg), custom_op=custom_op)
     except (ValueError, TypeError) as exc:
-        raise ConfigError(f"model: {exc}") from exc
+        raise ConfigError(f"model: {' '.join(str(exc).split())}") from exc
 
 
 def check_op_library():
     """custom_op=true must use the compiled op: fail now, with the op's one-line error, if
-    it cannot run (not built, stale) rather than deep inside the first compiled step."""
+    it cannot run (not built, stale, or built without CUDA while TensorFlow sees a GPU)
+    rather than deep inside the first compiled step."""
+    if tf.config.list_physical_devices("GPU") and ops._read_stamp(ops.library_path()).get("cuda") is False:
+        # The op has only a CPU kernel: TensorFlow would place it on the CPU and copy u and
+        # u_hat across every step, silently, while the rest of the model runs on the GPU.
+        raise OpLibraryError(f"the capsnet op library {ops.library_path()} was built without CUDA, but TensorFlow "
+                             "sees a GPU (the op would run on the CPU): run `make ops-cuda` (needs nvcc), "
+                             "or set custom_op=false")
     u = tf.zeros((1, 1, 1))        # (batch, in_caps, in_dim)
     W = tf.zeros((1, 1, 1, 1))     # (in_caps, out_caps, out_dim, in_dim)
     try:
@@ -125,7 +149,7 @@ def build_optimizer(train_cfg, steps_per_epoch, model):
     """
     decay_steps = train_cfg["lr_decay_steps"] or steps_per_epoch
     schedule = learning_rate_schedule(train_cfg["learning_rate"], train_cfg["lr_decay_rate"], decay_steps,
-                                      bool(train_cfg["lr_staircase"]))
+                                      train_cfg["lr_staircase"])
     optimizer = keras.optimizers.Adam(learning_rate=schedule)
     optimizer.build(model.trainable_variables)
     return optimizer, schedule
@@ -229,23 +253,142 @@ def _positive_float(cfg, section, key):
     return float(value)
 
 
+# (section, key, default when absent; None = required). Only real booleans pass: Hydra
+# passes `custom_op=no` as the string 'no', which bool() would read as True.
+BOOL_KEYS = (
+    (None, "custom_op", None), (None, "deterministic", False), (None, "debug", False),
+    ("train", "lr_staircase", None), ("train", "progress_bar", None),
+    ("model", "decoder", True), ("model", "stop_gradient_routing", True), ("model", "jit_routing", False),
+)
+
+
+def _check_bools(cfg):
+    for section, key, default in BOOL_KEYS:
+        values = cfg[section] if section else cfg
+        if not isinstance(values, dict):
+            raise ConfigError(f"{section} must be a section of keys, got {values!r}")
+        value = values[key] if default is None else values.get(key, default)
+        if not isinstance(value, bool):
+            name = f"{section}.{key}" if section else key
+            raise ConfigError(f"{name} must be true or false, got {value!r}")
+
+
 def _check_config(cfg):
+    """Every value train() reads before the heavy work (data, model): ConfigError naming it."""
+    _check_bools(cfg)
     for key in ("epochs", "batch_size", "keep_checkpoints", "log_every_steps", "num_images",
                 "histogram_examples"):
         _positive_int(cfg, "train", key)
     _positive_int(cfg, "train", "lr_decay_steps", allow_none=True)
     for key in ("learning_rate", "lr_decay_rate"):
         _positive_float(cfg, "train", key)
-    check_xla(cfg["train"]["xla"], bool(cfg["custom_op"]), bool(cfg["model"].get("jit_routing", False)))
+    loss_params(cfg["train"])  # m_plus, m_minus, lambda_, reconstruction_weight
+    check_xla(cfg["train"]["xla"], cfg["custom_op"], cfg["model"].get("jit_routing", False))
     if not isinstance(cfg["seed"], int) or isinstance(cfg["seed"], bool):
         raise ConfigError(f"seed must be an integer, got {cfg['seed']!r}")
     if not cfg.get("run_dir"):
         raise ConfigError("run_dir is not set (train.py sets it to Hydra's run dir; tests pass one)")
 
 
-def _model_differences(saved, current):
-    keys = sorted(set(saved) | set(current))
-    return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
+# What a resumed run must share with the run it continues: everything that changes the
+# trajectory of the weights. The model section is compared whole, except jit_routing
+# (how routing is compiled, not what it computes).
+RESUME_KEYS = {
+    "data": ("name", "dir", "limit_train", "limit_test", "shift_pixels"),
+    "train": ("batch_size", "learning_rate", "lr_decay_rate", "lr_decay_steps", "lr_staircase",
+              "m_plus", "m_minus", "lambda_", "reconstruction_weight"),
+}
+RESUME_FREE_MODEL_KEYS = ("jit_routing",)
+
+
+def _resume_values(cfg):
+    """{dotted key: value} of a config over what a resume must not change (tuples as lists,
+    as they come back from config.yaml)."""
+
+    def section(name):
+        values = cfg.get(name)
+        return values if isinstance(values, dict) else {}
+
+    values = {"seed": cfg.get("seed")}
+    values.update({f"model.{k}": v for k, v in section("model").items() if k not in RESUME_FREE_MODEL_KEYS})
+    for name, keys in RESUME_KEYS.items():
+        values.update({f"{name}.{k}": section(name).get(k) for k in keys})
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+
+
+def _config_differences(saved, current):
+    """'key: old -> new' for every resume-relevant value that differs (a missing key counts)."""
+    saved, current = _resume_values(saved), _resume_values(current)
+
+    def shown(values, key):
+        return repr(values[key]) if key in values else "(absent)"
+
+    return [f"{k}: {shown(saved, k)} -> {shown(current, k)}" for k in sorted(set(saved) | set(current))
+            if k not in saved or k not in current or saved[k] != current[k]]
+
+
+def _check_resumable(run_dir, cfg):
+    """Resuming run_dir with `cfg` (data.dir resolved) must continue the same run: a changed
+    seed, model, data or optimizer value would silently mix two runs. CheckpointError
+    lists what differs."""
+    if not (run_dir / "config.yaml").is_file():
+        return  # nothing to compare (a run dir from before config.yaml was written)
+    saved = read_run_config(run_dir)  # a corrupt config.yaml → CheckpointError
+    differences = _config_differences(saved, cfg)
+    if differences:
+        raise CheckpointError(f"run dir {run_dir} was trained with a different config ({'; '.join(differences)}): "
+                              "resume with the run's values (train.epochs may grow) or use a new hydra.run.dir")
+
+
+class _BestCheckpoint:
+    """checkpoints/best: the epoch with the highest test accuracy among the epochs done.
+
+    Written in two phases around the epoch's commit point (latest.save), so that it
+    never names an epoch a crash makes the run redo, and never loses the previous best
+    before the new one counts: save(N) writes ckpt-N beside the current best;
+    commit(N), once latest holds epoch N, points the `checkpoint` state file (which
+    evaluate.py reads) at ckpt-N and deletes the old best. recover(epochs_done), on every
+    (re)start, keeps the highest ckpt-N with N <= epochs_done (best epochs only grow, so
+    that is the best as of the restored epoch) and deletes the rest: uncommitted ones
+    and any left by a crash between commit's two steps.
+    """
+
+    def __init__(self, checkpoint, directory):
+        self.checkpoint, self.directory = checkpoint, Path(directory)
+
+    def numbers(self):
+        """Epoch numbers N of the ckpt-N in the directory, ascending."""
+        names = (p.name[len("ckpt-"):-len(".index")] for p in self.directory.glob("ckpt-*.index"))
+        return sorted(int(n) for n in names if n.isdigit())
+
+    def save(self, number):
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.checkpoint.write(str(self.directory / f"ckpt-{number}"))
+
+    def commit(self, number):
+        self._keep_only(number)
+
+    def recover(self, epochs_done):
+        done = [n for n in self.numbers() if n <= epochs_done]
+        self._keep_only(done[-1] if done else None)
+
+    def _keep_only(self, number):
+        # The state file first (atomically): it must never name a deleted checkpoint.
+        state = self.directory / "checkpoint"
+        if number is None:
+            state.unlink(missing_ok=True)
+        else:
+            # The CheckpointState text format tf.train.latest_checkpoint reads; relative
+            # paths, so a copied or moved run dir still finds its checkpoint.
+            temporary = self.directory / "checkpoint.tmp"
+            temporary.write_text(f'model_checkpoint_path: "ckpt-{number}"\n'
+                                 f'all_model_checkpoint_paths: "ckpt-{number}"\n')
+            os.replace(temporary, state)
+        for n in self.numbers():
+            if n != number:
+                # The checkpoint's own files only (an evaluation's ckpt-N.eval.json stays).
+                for path in [self.directory / f"ckpt-{n}.index", *self.directory.glob(f"ckpt-{n}.data-*")]:
+                    path.unlink(missing_ok=True)
 
 
 def _read_history(path, epochs_done):
@@ -336,18 +479,6 @@ def _write_epoch_summaries(writer, model, test, show_images, tcfg, step):
     writer.flush()
 
 
-def _check_same_model(run_dir, model_cfg):
-    """Resuming with another architecture would fail deep in the restore; say what differs."""
-    saved_path = run_dir / "config.yaml"
-    if not saved_path.is_file():
-        return
-    saved = (yaml.safe_load(saved_path.read_text()) or {}).get("model") or {}
-    differences = _model_differences(dict(saved), dict(model_cfg))
-    if differences:
-        raise CheckpointError(f"run dir {run_dir} was trained with another model config "
-                              f"({'; '.join(differences)}): use a new hydra.run.dir or the same model.* values")
-
-
 # --------------------------------------------------------------------------- train
 
 def train(cfg):
@@ -356,26 +487,35 @@ def train(cfg):
     _check_config(cfg)
     model_cfg, data_cfg, tcfg = dict(cfg["model"]), dict(cfg["data"]), dict(cfg["train"])
     run_dir = Path(cfg["run_dir"]).expanduser().resolve()
-    seed, custom_op = int(cfg["seed"]), bool(cfg["custom_op"])
+    seed, custom_op = int(cfg["seed"]), cfg["custom_op"]
     if data_cfg.get("dir") is not None:
         # Absolute, so evaluate.py finds the data from any working directory.
         data_cfg["dir"] = str(Path(data_cfg["dir"]).expanduser().resolve())
-    # First, before anything touches a device: on a CPU-only machine autoclustering
-    # needs a TF_XLA_FLAGS flag that TensorFlow reads once, when it sets up its devices.
+    latest_dir = run_dir / "checkpoints" / "latest"
+    if tf.train.latest_checkpoint(str(latest_dir)):
+        _check_resumable(run_dir, {**cfg, "data": data_cfg})  # before the data is read
+    # Before anything touches a device: on a CPU-only machine autoclustering needs a
+    # TF_XLA_FLAGS flag that TensorFlow reads once, when it sets up its devices.
     set_autoclustering(tcfg["xla"] == "autocluster")
-    if cfg.get("deterministic"):
+    if cfg.get("deterministic", False):
         tf.config.experimental.enable_op_determinism()
+    elif tf_config.is_op_determinism_enabled():
+        # A sweep (-m) runs its jobs in one process: a `true` job must not leave it on for the next.
+        tf_config.disable_op_determinism()
     keras.utils.set_random_seed(seed)  # Python, NumPy and TF seeds: the initial weights
     if custom_op:
         check_op_library()
+    # The model first: its config errors (model.num_classes=abc) come before the data is read,
+    # and check_labels compares the data with the checked values.
+    model = build_capsnet(model_cfg, custom_op)
 
     # ---- data (uint8 in memory; make_dataset scales, shuffles and shifts per (seed, epoch))
     train_images, train_labels = load_split(data_cfg["name"], "train", data_dir=data_cfg.get("dir"),
                                             limit=data_cfg.get("limit_train"))
     test_images, test_labels = load_split(data_cfg["name"], "test", data_dir=data_cfg.get("dir"),
                                           limit=data_cfg.get("limit_test"))
-    check_labels(train_labels, train_images, model_cfg=model_cfg, split=f"{data_cfg['name']} train")
-    check_labels(test_labels, test_images, model_cfg=model_cfg, split=f"{data_cfg['name']} test")
+    check_labels(train_labels, train_images, model=model, split=f"{data_cfg['name']} train")
+    check_labels(test_labels, test_images, model=model, split=f"{data_cfg['name']} test")
     batch_size = int(tcfg["batch_size"])
     steps_per_epoch = math.ceil(len(train_labels) / batch_size)
     test_ds = make_dataset(test_images, test_labels, batch_size=batch_size, training=False)
@@ -384,20 +524,17 @@ def train(cfg):
     show_images, _ = next(iter(make_dataset(
         test_images[:n_show], test_labels[:n_show], batch_size=n_show, training=False)))
 
-    # ---- model, optimizer, checkpoints (new or resumed)
-    model = build_capsnet(model_cfg, custom_op)
+    # ---- optimizer, checkpoints (new or resumed)
     optimizer, schedule = build_optimizer(tcfg, steps_per_epoch, model)
     epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")  # epochs done
     best_accuracy = tf.Variable(-1.0, dtype=tf.float64, trainable=False, name="best_accuracy")
     checkpoint = tf.train.Checkpoint(model=checkpoint_weights(model), optimizer=optimizer, epoch=epoch,
                                      best_accuracy=best_accuracy)
-    latest = tf.train.CheckpointManager(checkpoint, str(run_dir / "checkpoints" / "latest"),
-                                        max_to_keep=tcfg["keep_checkpoints"])
-    best = tf.train.CheckpointManager(checkpoint, str(run_dir / "checkpoints" / "best"), max_to_keep=1)
+    latest = tf.train.CheckpointManager(checkpoint, str(latest_dir), max_to_keep=tcfg["keep_checkpoints"])
+    best = _BestCheckpoint(checkpoint, run_dir / "checkpoints" / "best")
     history_path = run_dir / "history.jsonl"
     resumed_from = latest.latest_checkpoint
     if resumed_from:
-        _check_same_model(run_dir, model_cfg)
         try:
             checkpoint.restore(resumed_from).assert_existing_objects_matched()
         except (tf.errors.OpError, ValueError, AssertionError) as exc:
@@ -405,6 +542,7 @@ def train(cfg):
                                   f"{str(exc).strip().splitlines()[0]}") from exc
         log.info("resumed from %s: %d of %d epochs done, step %d", resumed_from, int(epoch),
                  tcfg["epochs"], int(optimizer.iterations))
+    best.recover(int(epoch))  # drops a best checkpoint of an epoch that is to be redone
     history = _read_history(history_path, int(epoch))
     run_dir.mkdir(parents=True, exist_ok=True)
     saved_cfg = {**cfg, "run_dir": str(run_dir), "data": data_cfg}
@@ -417,10 +555,9 @@ def train(cfg):
 
     # ---- compiled steps (xla=autocluster switches XLA on for the whole process)
     losses = loss_params(tcfg)
-    train_step = make_train_step(model, optimizer, input_shape=model_cfg["input_shape"], losses=losses,
-                                 xla=tcfg["xla"])
-    eval_step = make_eval_step(model, model_cfg["input_shape"], jit_compile=tcfg["xla"] == "jit", **losses)
-    num_classes = int(model_cfg["num_classes"])
+    train_step = make_train_step(model, optimizer, input_shape=model.image_shape, losses=losses, xla=tcfg["xla"])
+    eval_step = make_eval_step(model, model.image_shape, jit_compile=tcfg["xla"] == "jit", **losses)
+    num_classes = model.num_classes
 
     # ---- the loop
     test = None
@@ -469,16 +606,13 @@ def train(cfg):
             _write_train_scalars(writer, log_window, schedule(global_step), global_step)
         train_means = epoch_window.means()
 
-        # Test pass, images and histograms; then the checkpoint: it marks the epoch done.
+        # Test pass, images and histograms; then the epoch's records, the checkpoint LAST.
         test = evaluate_model(eval_step, test_ds, num_classes)
         _write_epoch_summaries(writer, model, test, show_images, tcfg, global_step)
         epoch.assign(epoch_index + 1)
         is_best = test["accuracy"] > float(best_accuracy)
         if is_best:
             best_accuracy.assign(test["accuracy"])
-        latest.save(checkpoint_number=epoch_index + 1)
-        if is_best:
-            best.save(checkpoint_number=epoch_index + 1)
         entry = {"epoch": epoch_index + 1, "global_step": global_step,
                  "learning_rate": float(schedule(global_step)),
                  **{f"train_{k}": v for k, v in train_means.items()},
@@ -486,7 +620,13 @@ def train(cfg):
                                                    "images_per_sec")}}
         history.append(entry)
         with history_path.open("a") as f:
-            f.write(json.dumps(entry) + "\n")
+            f.write(json.dumps(entry) + "\n")  # a redone epoch's line supersedes this one (_read_history)
+        if is_best:
+            best.save(epoch_index + 1)
+        # The commit point: until this checkpoint exists, a restart redoes the epoch.
+        latest.save(checkpoint_number=epoch_index + 1)
+        if is_best:
+            best.commit(epoch_index + 1)
         print(f"epoch {epoch_index + 1}: train loss {train_means['loss']:.4f} acc {train_means['accuracy']:.4f}"
               f" | test loss {test['loss']:.4f} acc {test['accuracy']:.4f}"
               f"{' (best)' if is_best else ''}", flush=True)

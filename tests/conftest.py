@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny learnable IDX dataset, the real Hydra config shrunk to a tiny
 model, a tiny trained run, and a helper to run the entry points as a user would."""
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -131,6 +132,24 @@ def run_entry_point(script, *args, cwd, timeout=300):
 
 # --------------------------------------------------------------------------- TensorBoard
 
+def tfrecords(path):
+    """The records of a TFRecord file, up to the first one cut short: the file may still be
+    being written, or its writer killed mid-record (tf.data would raise DataLossError).
+
+    Framing: uint64 length, uint32 CRC of the length, the data, uint32 CRC of the data
+    (little-endian; the CRCs are not checked).
+    """
+    data = Path(path).read_bytes()
+    offset = 0
+    while offset + 12 <= len(data):
+        (length,) = struct.unpack_from("<Q", data, offset)
+        end = offset + 12 + length + 4
+        if end > len(data):
+            return
+        yield data[offset + 12:offset + 12 + length]
+        offset = end
+
+
 def read_events(run_dir):
     """All summaries in run_dir's event files: {tag: [(step, Summary.Value), ...]} in file order."""
     import tensorflow as tf
@@ -138,8 +157,8 @@ def read_events(run_dir):
     events = {}
     # A resumed run adds a file: read them in the order they were written.
     for path in sorted(Path(run_dir).glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime):
-        for record in tf.data.TFRecordDataset(str(path)):
-            event = tf.compat.v1.Event.FromString(record.numpy())
+        for record in tfrecords(path):
+            event = tf.compat.v1.Event.FromString(record)
             for value in event.summary.value:
                 events.setdefault(value.tag, []).append((event.step, value))
     return events

@@ -5,13 +5,15 @@ Each TensorFlow subprocess costs seconds of import, so there are few of them.
 import json
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from conftest import (
-    REPO, TINY_MODEL, TINY_TRAIN, compose_config, entry_point_env, read_events, run_entry_point,
+    REPO, TINY_MODEL, TINY_TRAIN, compose_config, entry_point_env, read_events, run_entry_point, tfrecords,
     tiny_overrides, write_idx_dataset,
 )
 
@@ -47,6 +49,13 @@ def test_corrupt_idx_file(tmp_path):
     result = run_entry_point("train.py", f"data.dir={data}", f"hydra.run.dir={tmp_path / 'run'}",
                              cwd=tmp_path)
     assert_one_line_error(result, str(images))
+
+
+def test_a_non_boolean_switch_is_a_one_line_error(tmp_path):
+    # Hydra passes `no` as the string 'no'; bool('no') would have turned the op on.
+    result = run_entry_point("train.py", "custom_op=no", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert_one_line_error(result, "custom_op must be true or false, got 'no'")
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_missing_checkpoint(tmp_path):
@@ -89,6 +98,16 @@ def yaml_custom_op(run_dir):
     return yaml.safe_load((run_dir / "config.yaml").read_text())["custom_op"]
 
 
+def train_loss_steps(run_dir):
+    """Global steps of the train/loss points on disk so far, read while the run writes them."""
+    steps = []
+    for path in Path(run_dir).glob("events.out.tfevents.*"):
+        for record in tfrecords(path):
+            event = tf.compat.v1.Event.FromString(record)
+            steps += [event.step for value in event.summary.value if value.tag == "train/loss"]
+    return steps
+
+
 @pytest.mark.slow
 def test_killed_run_resumes_at_the_next_epoch_and_matches_an_uninterrupted_one(tmp_path):
     # 2400 examples: 150 steps (a second or more) per epoch, time enough to kill the
@@ -99,24 +118,34 @@ def test_killed_run_resumes_at_the_next_epoch_and_matches_an_uninterrupted_one(t
     args = [*TINY_MODEL, *TINY_TRAIN, "train.epochs=3", "deterministic=true", f"data.dir={data}",
             f"hydra.run.dir={run_dir}"]
 
-    first = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=tmp_path,
-                             env=entry_point_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                             text=True)
+    # Killed MID-epoch 2: once TensorBoard has train/loss past the first checkpoint's step
+    # (log_every_steps=4; the writer flushes every 10 summaries, about every 2 log points),
+    # i.e. after steps of epoch 2 have changed the weights and Adam's state. Polled from
+    # the event file, not timed: epoch 2 has ~140 steps left then, however busy the cores.
+    stdout_path, stderr_path = tmp_path / "first.stdout", tmp_path / "first.stderr"
+    with stdout_path.open("w") as stdout, stderr_path.open("w") as stderr:
+        first = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=tmp_path,
+                                 env=entry_point_env(), stdout=stdout, stderr=stderr)
     try:
-        # "epoch 1: ..." is printed once epoch 1's checkpoint is on disk.
-        for line in first.stdout:
-            if line.startswith("epoch 1:"):
+        deadline = time.monotonic() + 240
+        while first.poll() is None and time.monotonic() < deadline:
+            if max(train_loss_steps(run_dir), default=0) > steps:
                 break
+            time.sleep(0.05)
         first.kill()
     finally:
         first.kill()
         first.wait(timeout=60)
-    assert (run_dir / "checkpoints" / "latest" / "ckpt-1.index").exists()
-    assert not (run_dir / "checkpoints" / "latest" / "ckpt-2.index").exists(), "killed too late"
-    assert not (run_dir / "metrics.json").exists()
+    reached = max(train_loss_steps(run_dir), default=0)
+    log = f"\n--- first run's stdout:\n{stdout_path.read_text()}\n--- stderr:\n{stderr_path.read_text()}"
+    assert steps < reached, f"the first run never got into epoch 2 (train/loss up to step {reached}){log}"
+    assert (run_dir / "checkpoints" / "latest" / "ckpt-1.index").exists(), log
+    assert not (run_dir / "checkpoints" / "latest" / "ckpt-2.index").exists(), f"killed too late{log}"
+    assert "epoch 2/3" in stdout_path.read_text() and "epoch 2:" not in stdout_path.read_text(), log
+    assert not (run_dir / "metrics.json").exists(), log
 
     second = run_entry_point("train.py", *args, cwd=tmp_path)
-    assert second.returncode == 0, second.stderr
+    assert second.returncode == 0, second.stderr + log
     assert "1 of 3 epochs done" in second.stdout
     assert "epoch 1/3" not in second.stdout and "epoch 2/3" in second.stdout
     resumed = json.loads((run_dir / "metrics.json").read_text())

@@ -97,6 +97,35 @@ def test_a_config_that_does_not_match_the_checkpoint_is_reported(trained_run, tm
         evaluate(run_dir)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"batch_size": "abc"}, "batch_size must be a positive integer .*got 'abc'"),
+    ({"batch_size": 0}, "batch_size must be a positive integer .*got 0"),
+    ({"batch_size": 2.7}, "batch_size must be a positive integer .*got 2.7"),
+    ({"batch_size": True}, "batch_size must be a positive integer .*got True"),
+    ({"custom_op": "abc"}, "custom_op must be true or false .*got 'abc'"),
+    ({"custom_op": "no"}, "custom_op must be true or false .*got 'no'"),
+])
+def test_bad_evaluate_arguments_are_one_line_config_errors(trained_run, tmp_path, kwargs, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        evaluate(trained_run[0], output=tmp_path / "never.json", **kwargs)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "never.json").exists()
+
+
+def test_bad_values_in_the_run_config_are_config_errors(trained_run, tmp_path):
+    run_dir = tmp_path / "edited"
+    shutil.copytree(trained_run[0], run_dir)
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    for section, key, value, message in ((None, "custom_op", "yes", "custom_op must be true or false"),
+                                         ("train", "m_minus", 2.0, "m_minus < m_plus"),
+                                         ("model", "num_classes", "ten", "num_classes must be a positive integer")):
+        edited = json.loads(json.dumps(config))
+        (edited[section] if section else edited)[key] = value
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(edited))
+        with pytest.raises(ConfigError, match=message):
+            evaluate(run_dir, output=tmp_path / "never.json")
+
+
 # --------------------------------------------------------------------------- the compiled op
 
 def test_evaluate_with_the_custom_op_matches_the_matmul_path(trained_run, tmp_path, monkeypatch):

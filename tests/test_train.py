@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 import yaml
 
-from capsnet.errors import CheckpointError, ConfigError, OpLibraryError
+from capsnet.errors import CheckpointError, ConfigError, DataError, OpLibraryError
 from capsnet.training import image_grid, learning_rate_schedule, train
 from conftest import REPO, compose_config, entry_point_env, read_events, tiny_overrides
 
@@ -84,6 +84,37 @@ def test_config_groups_compose():
 def test_bad_train_values_raise_config_error(tiny_config, override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         train(tiny_config(override))
+
+
+@pytest.mark.parametrize("override, message", [
+    # Only real booleans: Hydra passes `no`, `off`, `0` and `1` as they are, and bool('no') is True.
+    ("custom_op=no", "custom_op must be true or false, got 'no'"),
+    ("deterministic=yes", "deterministic must be true or false, got 'yes'"),
+    ("debug=0", "debug must be true or false, got 0"),
+    ("train.lr_staircase=1", "train.lr_staircase must be true or false, got 1"),
+    ("train.progress_bar=off", "train.progress_bar must be true or false, got 'off'"),
+    ("model.decoder=no", "model.decoder must be true or false, got 'no'"),
+    ("model.stop_gradient_routing=none", "model.stop_gradient_routing must be true or false"),
+    ("model.jit_routing=no", "model.jit_routing must be true or false"),
+    # The loss values, checked before anything is built.
+    ("train.m_plus=abc", "train.m_plus must be a finite number, got 'abc'"),
+    ("train.m_minus=0.95", r"need 0 <= m_minus < m_plus <= 1 .*got m_plus=0.9, m_minus=0.95"),
+    ("train.m_plus=1.5", r"m_minus < m_plus <= 1"),
+    ("train.lambda_=-1", "lambda_ must be >= 0"),
+    ("train.reconstruction_weight=-0.1", r"train\.reconstruction_weight must be >= 0, got -0\.1"),
+    ("train.reconstruction_weight=nan", "train.reconstruction_weight must be a finite number"),
+    # The model section, checked before the labels are compared with it.
+    ("model.num_classes=abc", "num_classes must be a positive integer, got 'abc'"),
+    ("model.num_classes=2.5", "num_classes must be a positive integer, got 2.5"),
+    ("model.input_shape=5", r"input_shape \(5, 5, 5\) is too small"),
+    ("model.input_shape=[28,28]", "input_shape must be 3 positive integers"),
+    ("model.decoder_units=[32,abc]", "decoder_units must be a non-empty sequence of positive integers"),
+])
+def test_bad_values_raise_one_line_config_errors_before_any_work(tiny_config, tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        train(tiny_config(override))
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "run").exists()  # refused before the run dir was made
 
 
 def test_labels_beyond_num_classes_raise_config_error(tiny_config):
@@ -189,17 +220,109 @@ def test_resume_continues_where_the_checkpoint_left_off(trained_run, tiny_config
     assert [step for step, _ in events["test/accuracy"]] == [STEPS_PER_EPOCH * e for e in range(1, 6)]
     assert len(events["_hparams_/session_start_info"]) == 1  # one trial, continued
 
-    # Rerunning a finished run trains nothing and reports the same checkpoint.
-    again = train(tiny_config("train.epochs=5", run_dir=run_dir))
+    # Rerunning a finished run trains nothing and reports the same checkpoint; keys that do not
+    # change the run's trajectory may differ from the run's config.
+    again = train(tiny_config("train.epochs=5", "train.log_every_steps=7", "train.keep_checkpoints=5",
+                              "train.progress_bar=true", "train.num_images=2", run_dir=run_dir))
     assert again["history"] == metrics["history"] and again["global_step"] == metrics["global_step"]
     assert again["test_accuracy"] == metrics["test_accuracy"]
 
 
-def test_resume_with_another_model_says_what_differs(trained_run, tiny_config, tmp_path):
+@pytest.mark.parametrize("overrides, differences", [
+    (["seed=1"], ["seed: 0 -> 1"]),
+    (["model.conv1_filters=8"], ["model.conv1_filters: 16 -> 8"]),
+    (["data.limit_train=100", "train.m_plus=0.8"], ["data.limit_train: None -> 100", "train.m_plus: 0.9 -> 0.8"]),
+    (["train.batch_size=32", "train.lr_staircase=true", "data.shift_pixels=0"],
+     ["data.shift_pixels: 2 -> 0", "train.batch_size: 16 -> 32", "train.lr_staircase: False -> True"]),
+])
+def test_resume_with_a_config_that_changes_the_run_says_what_differs(trained_run, tiny_config, tmp_path,
+                                                                     overrides, differences):
     run_dir = tmp_path / "other"
     shutil.copytree(trained_run[0], run_dir)
-    with pytest.raises(CheckpointError, match=r"conv1_filters: 16 -> 8"):
-        train(tiny_config("model.conv1_filters=8", "train.epochs=5", run_dir=run_dir))
+    with pytest.raises(CheckpointError) as err:
+        train(tiny_config(*overrides, "train.epochs=5", run_dir=run_dir))
+    message = str(err.value)
+    assert f"run dir {run_dir} was trained with a different config ({'; '.join(differences)})" in message
+    assert "\n" not in message
+    assert (run_dir / "history.jsonl").read_text() == (trained_run[0] / "history.jsonl").read_text()  # untouched
+
+
+def test_resume_with_a_corrupt_config_yaml_is_a_checkpoint_error(trained_run, tiny_config, tmp_path):
+    run_dir = tmp_path / "corrupt"
+    shutil.copytree(trained_run[0], run_dir)
+    (run_dir / "config.yaml").write_text("model: [unclosed\n")
+    with pytest.raises(CheckpointError, match=f"cannot parse the run config {run_dir}/config.yaml") as err:
+        train(tiny_config("train.epochs=5", run_dir=run_dir))
+    assert "\n" not in str(err.value)
+
+
+def test_a_crash_before_the_epoch_checkpoint_redoes_the_epoch(tiny_config, tmp_path, monkeypatch):
+    """The epoch's checkpoint is its commit point: history line and best checkpoint come first,
+    and a restart discards what an uncommitted epoch left."""
+    run_dir = tmp_path / "run"
+    real_save = tf.train.CheckpointManager.save
+
+    def crash(self, *args, **kwargs):
+        raise RuntimeError("simulated crash at the commit point")
+
+    monkeypatch.setattr(tf.train.CheckpointManager, "save", crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(tiny_config("train.epochs=1"))
+    # Written before the commit point: the history line and (epoch 1 is always the best) best/ckpt-1,
+    # which the state file (what evaluate.py reads) does not name yet.
+    assert [json.loads(line)["epoch"] for line in (run_dir / "history.jsonl").read_text().splitlines()] == [1]
+    assert (run_dir / "checkpoints" / "best" / "ckpt-1.index").exists()
+    assert tf.train.latest_checkpoint(str(run_dir / "checkpoints" / "best")) is None
+    assert tf.train.latest_checkpoint(str(run_dir / "checkpoints" / "latest")) is None
+
+    monkeypatch.setattr(tf.train.CheckpointManager, "save", real_save)
+    metrics = train(tiny_config("train.epochs=1"))
+    assert metrics["resumed_from"] is None  # nothing was committed: the epoch is redone
+    assert metrics["epochs"] == 1 and [h["epoch"] for h in metrics["history"]] == [1]
+    best = tf.train.latest_checkpoint(str(run_dir / "checkpoints" / "best"))
+    assert best is not None and best.endswith("best/ckpt-1")
+    assert sorted(p.name for p in (run_dir / "checkpoints" / "best").glob("ckpt-*.index")) == ["ckpt-1.index"]
+    # The best checkpoint holds the committed epoch 1, the same state as latest/ckpt-1.
+    ours, committed = tf.train.load_checkpoint(best), tf.train.load_checkpoint(str(run_dir / "checkpoints" / "latest" / "ckpt-1"))
+    for name in ("model/digit_caps.SW/.ATTRIBUTES/VARIABLE_VALUE", "epoch/.ATTRIBUTES/VARIABLE_VALUE"):
+        np.testing.assert_array_equal(ours.get_tensor(name), committed.get_tensor(name), err_msg=name)
+
+
+def test_resume_drops_best_checkpoints_of_epochs_not_done(trained_run, tiny_config, tmp_path):
+    """best/ holding a checkpoint numbered above the restored epoch (a crash before the commit
+    point, or a run dir written before the best checkpoint waited for it) and an older one (a
+    crash between the commit and the deletion of the previous best): only the best as of the
+    restored epoch remains."""
+    original_dir, original = trained_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(original_dir, run_dir)
+    best_dir = run_dir / "checkpoints" / "best"
+    best_epoch = original["best_epoch"]
+    for number in (0, 7):
+        for path in best_dir.glob(f"ckpt-{best_epoch}.*"):
+            shutil.copy(path, best_dir / path.name.replace(f"ckpt-{best_epoch}.", f"ckpt-{number}."))
+    (best_dir / "checkpoint").write_text('model_checkpoint_path: "ckpt-7"\n')
+
+    metrics = train(tiny_config(run_dir=run_dir))  # all 4 epochs done: nothing to train
+    assert metrics["epochs"] == 4
+    assert sorted(p.name for p in best_dir.glob("ckpt-*.index")) == [f"ckpt-{best_epoch}.index"]
+    assert tf.train.latest_checkpoint(str(best_dir)) == str(best_dir / f"ckpt-{best_epoch}")
+
+
+def test_deterministic_false_after_a_true_run_in_one_process_turns_determinism_off(tiny_config, tmp_path):
+    """A sweep (-m) runs its jobs in one process; op determinism is a process-wide switch."""
+    from tensorflow.python.framework import config as tf_config
+
+    missing = tmp_path / "no_data"
+    try:
+        for deterministic in (True, False, True, False):
+            cfg = tiny_config(f"deterministic={str(deterministic).lower()}")
+            cfg["data"]["dir"] = str(missing)  # stops the job once the switch is set, before any training
+            with pytest.raises(DataError, match="no_data"):
+                train(cfg)
+            assert tf_config.is_op_determinism_enabled() is deterministic
+    finally:
+        tf_config.disable_op_determinism()
 
 
 def test_without_decoder(tiny_config, tmp_path):
@@ -336,6 +459,33 @@ def test_custom_op_trains_like_the_matmul_path_and_evaluates_the_same_on_both(
     assert op["accuracy"] == metrics["test_accuracy"]  # what training's own test pass measured
     assert abs(matmul["accuracy"] - op["accuracy"]) <= 1 / op["num_examples"]  # at most one borderline image
     assert matmul["loss"] == pytest.approx(op["loss"], rel=1e-4)
+
+
+def test_custom_op_library_without_cuda_while_tf_sees_a_gpu_is_refused(tiny_config, tmp_path, monkeypatch):
+    """It would run the op on the CPU beside a GPU, silently; the stamp says how it was built."""
+    from capsnet import ops
+    from capsnet.training import check_op_library
+
+    real_devices = tf.config.list_physical_devices
+    stamps = []
+    monkeypatch.setattr(ops, "_read_stamp", lambda path: stamps.append(path) or {"cuda": False})
+    check_op_library()  # no GPU here: the CPU build is what is needed
+
+    def with_a_gpu(device_type=None):
+        if device_type == "GPU":
+            return [tf.config.PhysicalDevice(name="/physical_device:GPU:0", device_type="GPU")]
+        return real_devices(device_type)
+
+    monkeypatch.setattr(tf.config, "list_physical_devices", with_a_gpu)
+    with pytest.raises(OpLibraryError) as err:
+        train(tiny_config("custom_op=true"))
+    message = str(err.value)
+    assert "\n" not in message and "built without CUDA" in message and "make ops-cuda" in message
+    assert ops.library_path() in message and stamps[-1] == ops.library_path()
+    assert not (tmp_path / "run").exists()
+
+    monkeypatch.setattr(ops, "_read_stamp", lambda path: {"cuda": True})
+    check_op_library()  # a CUDA build passes (the op itself runs on the CPU here)
 
 
 def test_custom_op_without_the_library_is_one_line_error(tiny_config, tmp_path, monkeypatch):
