@@ -39,7 +39,7 @@ def library_path():
     return _LIBRARY_PATH
 
 
-def _read_stamp(path):
+def build_stamp(path):
     """The build stamp next to the library ({} if missing or unreadable)."""
     stamp_path = os.path.splitext(path)[0] + ".json"
     try:
@@ -53,7 +53,7 @@ def _read_stamp(path):
 def _load(path):
     if not os.path.isfile(path):
         raise OpLibraryError(f"the capsnet op library is not built ({path} is missing): run {_REBUILD}")
-    stamp = _read_stamp(path)
+    stamp = build_stamp(path)
     built_for = stamp.get("tensorflow")
     if built_for is not None and built_for != tf.__version__:
         raise OpLibraryError(

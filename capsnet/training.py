@@ -122,7 +122,7 @@ def check_op_library():
     """custom_op=true must use the compiled op: fail now, with the op's one-line error, if
     it cannot run (not built, stale, or built without CUDA while TensorFlow sees a GPU)
     rather than deep inside the first compiled step."""
-    if tf.config.list_physical_devices("GPU") and ops._read_stamp(ops.library_path()).get("cuda") is False:
+    if tf.config.list_physical_devices("GPU") and ops.build_stamp(ops.library_path()).get("cuda") is False:
         # The op has only a CPU kernel: TensorFlow would place it on the CPU and copy u and
         # u_hat across every step, silently, while the rest of the model runs on the GPU.
         raise OpLibraryError(f"the capsnet op library {ops.library_path()} was built without CUDA, but TensorFlow "

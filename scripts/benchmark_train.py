@@ -45,6 +45,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a clone without `pip install -e .` too
 
+from capsnet.cli import fail  # noqa: E402  (`error: ...` on one line, exit 2, as train.py does)
+
 # name: (custom_op, xla)
 VARIANTS = {
     "op": (True, "none"),
@@ -144,12 +146,6 @@ def compose_config(overrides):
         fail(f"bad override: {str(exc).split('Config search path')[0]}")
 
 
-def fail(message):
-    """`error: <message>` as one line on stderr, exit status 2 (as train.py does)."""
-    sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
-    sys.exit(2)
-
-
 # --------------------------------------------------------------------------- worker (one variant)
 
 def _device_name(kind):
@@ -164,22 +160,6 @@ def _device_name(kind):
     except (OSError, StopIteration):
         model = "CPU"
     return f"{model} ({os.cpu_count()} cores visible)"
-
-
-def _check_op_library_has_cuda(kind):
-    """A library built without CUDA kernels would run the op on the CPU inside the GPU step
-    (soft placement): the numbers would measure the wrong thing. Its build stamp says."""
-    from capsnet import ops
-    from capsnet.errors import OpLibraryError
-
-    stamp_path = Path(ops.library_path()).with_suffix(".json")
-    try:
-        cuda = json.loads(stamp_path.read_text()).get("cuda")
-    except (OSError, ValueError, AttributeError):
-        cuda = None
-    if kind == "gpu" and cuda is False:
-        raise OpLibraryError(f"the op library was built without CUDA ({stamp_path} says so), so the op "
-                             "would run on the CPU: rebuild it with `make ops-cuda`")
 
 
 def time_training(spec, batch_size, tf_device):
@@ -250,8 +230,7 @@ def worker(spec):
         tf_device = "/GPU:0" if spec["device"] == "gpu" else "/CPU:0"
         result["device"] = _device_name(spec["device"])
         if spec["custom_op"]:
-            check_op_library()
-            _check_op_library_has_cuda(spec["device"])
+            check_op_library()  # also refuses a CPU-only library while a GPU is visible
         for batch_size in spec["batch_sizes"]:
             print(f"  {spec['variant']}: batch {batch_size}", file=sys.stderr, flush=True)
             try:

@@ -121,7 +121,8 @@ def test_killed_run_resumes_at_the_next_epoch_and_matches_an_uninterrupted_one(t
     # Killed MID-epoch 2: once TensorBoard has train/loss past the first checkpoint's step
     # (log_every_steps=4; the writer flushes every 10 summaries, about every 2 log points),
     # i.e. after steps of epoch 2 have changed the weights and Adam's state. Polled from
-    # the event file, not timed: epoch 2 has ~140 steps left then, however busy the cores.
+    # the event file, not timed: epoch 2 then has ~140 steps left (about a second on an idle
+    # 2-core machine, longer on a busy one, when the poller is also slower to see the point).
     stdout_path, stderr_path = tmp_path / "first.stdout", tmp_path / "first.stderr"
     with stdout_path.open("w") as stdout, stderr_path.open("w") as stderr:
         first = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=tmp_path,

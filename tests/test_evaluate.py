@@ -116,9 +116,10 @@ def test_bad_values_in_the_run_config_are_config_errors(trained_run, tmp_path):
     run_dir = tmp_path / "edited"
     shutil.copytree(trained_run[0], run_dir)
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    for section, key, value, message in ((None, "custom_op", "yes", "custom_op must be true or false"),
-                                         ("train", "m_minus", 2.0, "m_minus < m_plus"),
-                                         ("model", "num_classes", "ten", "num_classes must be a positive integer")):
+    for section, key, value, message in (
+            (None, "custom_op", "yes", r"custom_op \(.*config.yaml\) must be true or false"),
+            ("train", "m_minus", 2.0, "m_minus < m_plus"),
+            ("model", "num_classes", "ten", "num_classes must be a positive integer")):
         edited = json.loads(json.dumps(config))
         (edited[section] if section else edited)[key] = value
         (run_dir / "config.yaml").write_text(yaml.safe_dump(edited))

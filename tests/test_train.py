@@ -283,7 +283,8 @@ def test_a_crash_before_the_epoch_checkpoint_redoes_the_epoch(tiny_config, tmp_p
     assert best is not None and best.endswith("best/ckpt-1")
     assert sorted(p.name for p in (run_dir / "checkpoints" / "best").glob("ckpt-*.index")) == ["ckpt-1.index"]
     # The best checkpoint holds the committed epoch 1, the same state as latest/ckpt-1.
-    ours, committed = tf.train.load_checkpoint(best), tf.train.load_checkpoint(str(run_dir / "checkpoints" / "latest" / "ckpt-1"))
+    ours = tf.train.load_checkpoint(best)
+    committed = tf.train.load_checkpoint(str(run_dir / "checkpoints" / "latest" / "ckpt-1"))
     for name in ("model/digit_caps.SW/.ATTRIBUTES/VARIABLE_VALUE", "epoch/.ATTRIBUTES/VARIABLE_VALUE"):
         np.testing.assert_array_equal(ours.get_tensor(name), committed.get_tensor(name), err_msg=name)
 
@@ -468,7 +469,7 @@ def test_custom_op_library_without_cuda_while_tf_sees_a_gpu_is_refused(tiny_conf
 
     real_devices = tf.config.list_physical_devices
     stamps = []
-    monkeypatch.setattr(ops, "_read_stamp", lambda path: stamps.append(path) or {"cuda": False})
+    monkeypatch.setattr(ops, "build_stamp", lambda path: stamps.append(path) or {"cuda": False})
     check_op_library()  # no GPU here: the CPU build is what is needed
 
     def with_a_gpu(device_type=None):
@@ -484,7 +485,7 @@ def test_custom_op_library_without_cuda_while_tf_sees_a_gpu_is_refused(tiny_conf
     assert ops.library_path() in message and stamps[-1] == ops.library_path()
     assert not (tmp_path / "run").exists()
 
-    monkeypatch.setattr(ops, "_read_stamp", lambda path: {"cuda": True})
+    monkeypatch.setattr(ops, "build_stamp", lambda path: {"cuda": True})
     check_op_library()  # a CUDA build passes (the op itself runs on the CPU here)
 
 
