@@ -31,3 +31,19 @@ if [[ $what == bench-jit-routing || $what == all ]]; then
   python3 scripts/benchmark_train.py --variants op,op+autocluster --json "$out/benchmark_train_jit_routing.json" \
     model.jit_routing=true 2>&1 | tee "$out/benchmark_train_jit_routing.log" | tail -12
 fi
+if [[ $what == paper_mnist || $what == paper_fashion_mnist ]]; then
+  # An [accuracy] run: the experiment preset on the real IDX files (.gpudata = a copy of
+  # ../shared/data), the compiled op with XLA-compiled routing. Rerunning the same call
+  # resumes it (same run dir) if the time limit cut it.
+  data=.gpudata/mnist; [[ $what == paper_fashion_mnist ]] && data=.gpudata/fashion-mnist
+  run="/tmp/runs/$what"
+  timeout "${TRAIN_TIMEOUT:-540}" python3 train.py experiment="$what" data.dir="$data" custom_op=true \
+    model.jit_routing=true hydra.run.dir="$run" > "$out/$what.log" 2>&1
+  echo "train exit $?"; grep "^epoch [0-9]*:" "$out/$what.log" | tail -3
+  if [[ -f "$run/metrics.json" ]]; then
+    for op in true false; do
+      python3 evaluate.py checkpoint="$run" which=latest custom_op=$op output="$out/${what}_eval_op_$op.json" 2>&1 | tail -1 | cut -c1-160
+    done
+  fi
+  tar -czf "$out/${what}_run.tgz" -C "$run" --exclude checkpoints .
+fi
