@@ -1,0 +1,135 @@
+"""scripts/plot_runs.py: PNGs from a real tiny run's event files, the values it reads against
+the run's history.jsonl, resumed and cut-short event files, and one-line errors."""
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, entry_point_env
+
+SCRIPT = REPO / "scripts" / "plot_runs.py"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def plot_runs():
+    spec = importlib.util.spec_from_file_location("plot_runs", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def history(run_dir):
+    return [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
+
+
+def assert_png(path, min_bytes=2000, max_bytes=150_000):
+    import matplotlib.image
+
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, path
+    assert min_bytes < len(data) < max_bytes, (path, len(data))
+    pixels = matplotlib.image.imread(path)  # (height, width, channels) floats in [0, 1]
+    assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
+    assert pixels[..., :3].std() > 0.05  # drawn on, not a blank canvas
+    return pixels
+
+
+def test_plots_curves_and_reconstructions_of_real_runs(plot_runs, trained_run, tmp_path, capsys):
+    run_dir, _ = trained_run
+    out = tmp_path / "img"
+    written = plot_runs.main([str(run_dir), str(run_dir), "--out", str(out), "--names", "tiny,again"])
+
+    expected = [out / "curves.png", out / "tiny_reconstructions.png", out / "again_reconstructions.png"]
+    assert written == expected
+    assert capsys.readouterr().out.split() == [str(p) for p in expected]
+    for path in expected:
+        assert_png(path)
+    assert sorted(out.iterdir()) == sorted(expected)
+
+    # The reconstruction PNG shows the last epoch's grid: dark background, bright strokes.
+    grid = plot_runs.last_image(plot_runs.read_run(run_dir))[1]
+    assert grid.shape == (2 * 28, 4 * 28, 1)  # train.num_images=4: inputs row over reconstructions row
+    recon = assert_png(out / "tiny_reconstructions.png")
+    assert recon.shape[1] / recon.shape[0] > 1.5  # the 4:2 grid's aspect (plus a title strip)
+
+
+def test_reads_what_training_wrote(plot_runs, trained_run):
+    run_dir, metrics = trained_run
+    epochs = history(run_dir)
+    run = plot_runs.load_run(run_dir)
+    assert run["epochs"] == [h["epoch"] for h in epochs] == [1, 2, 3, 4]
+    np.testing.assert_allclose(run["accuracy"], [h["test_accuracy"] for h in epochs], rtol=1e-6)
+    test_x, test_loss = run["losses"]["test"]
+    assert test_x == [1.0, 2.0, 3.0, 4.0]
+    np.testing.assert_allclose(test_loss, [h["test_loss"] for h in epochs], rtol=1e-6)
+    # Train losses are logged every 4 of the 20 steps of an epoch: x = step / 20.
+    train_x, train_loss = run["losses"]["train"]
+    assert train_x == pytest.approx([s / 20 for s in range(4, 81, 4)])
+    assert all(np.isfinite(train_loss))
+    assert run["image_epoch"] == 4
+
+
+def test_purge_keeps_the_latest_value_of_rewritten_steps(plot_runs):
+    # A run killed in epoch 3 (steps 50, 60 written), resumed from the epoch-2 checkpoint.
+    written = [(20, "a"), (40, "b"), (50, "killed"), (60, "killed"), (50, "c"), (60, "d"), (80, "e")]
+    assert plot_runs.purge_rewritten_steps(written) == [(20, "a"), (40, "b"), (50, "c"), (60, "d"), (80, "e")]
+    assert plot_runs.purge_rewritten_steps([(10, "x"), (10, "y")]) == [(10, "y")]
+    assert plot_runs.purge_rewritten_steps([]) == []
+
+
+def test_resumed_and_cut_short_event_files(plot_runs, trained_run, tmp_path):
+    import tensorflow as tf
+
+    run_dir, _ = trained_run
+    original = plot_runs.load_run(run_dir)
+    copy = tmp_path / "resumed"
+    copy.mkdir()
+    (source,) = sorted(run_dir.glob("events.out.tfevents.*"))
+    # An earlier start time in the name than the writer below gets: read first, whatever the mtimes.
+    first = copy / "events.out.tfevents.1000000000.host.1.0.v2"
+    shutil.copy(source, first)
+    # A second process rewrote epoch 4 and trained a fifth epoch.
+    with tf.summary.create_file_writer(str(copy)).as_default():
+        for step, accuracy in ((80, 0.5), (100, 0.25)):
+            tf.summary.scalar("test/accuracy", accuracy, step=step)
+    resumed = plot_runs.load_run(copy)
+    assert resumed["epochs"] == [1, 2, 3, 4, 5]
+    np.testing.assert_allclose(resumed["accuracy"], original["accuracy"][:3] + [0.5, 0.25], rtol=1e-6)
+
+    # A writer killed mid-record: the partial record is dropped, the rest is read.
+    data = source.read_bytes()
+    for path in copy.iterdir():
+        path.unlink()
+    (copy / source.name).write_bytes(data + data[:30])
+    np.testing.assert_allclose(plot_runs.load_run(copy)["accuracy"], original["accuracy"], rtol=1e-6)
+
+
+def test_bad_inputs_exit_2_with_one_line(plot_runs, trained_run, tmp_path, capsys):
+    run_dir, _ = trained_run
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        ([str(tmp_path / "missing"), "--out", str(tmp_path / "o")], "missing"),
+        ([str(empty), "--out", str(tmp_path / "o")], "no TensorBoard event files"),
+        ([str(run_dir), "--out", str(tmp_path / "o"), "--names", "a,b"], "2 names for 1 run dirs"),
+        ([str(run_dir), str(run_dir), "--out", str(tmp_path / "o")], "unique"),
+        ([str(run_dir), "--out", str(tmp_path / "o"), "--names", "../x"], "'../x'"),
+    ]
+    for argv, words in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            plot_runs.main(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and words in err, err
+    assert not (tmp_path / "o").exists()
+
+    # As a user runs it: the same one line from the command line, and nothing on stdout.
+    result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "missing"), "--out", str(tmp_path / "o")],
+                            env=entry_point_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == f"error: run dir {tmp_path / 'missing'} does not exist or is not a directory\n"
