@@ -1,5 +1,7 @@
 """Shared fixtures: a tiny learnable IDX dataset, the real Hydra config shrunk to a tiny
-model, a tiny trained run, and a helper to run the entry points as a user would."""
+model, a tiny trained run, helpers to run the entry points as a user would, and the
+shared pieces of the op and model tests (NumPy reference of the capsule prediction,
+seeding, TF32 off, a spy on the compiled op, an op loader with no library)."""
 import os
 import struct
 import subprocess
@@ -116,11 +118,20 @@ def trained_run(tiny_idx_dir, tmp_path_factory):
 
 # --------------------------------------------------------------------------- subprocesses
 
-def entry_point_env():
+def repo_env(*paths):
+    """This process's environment for a subprocess that imports capsnet: `paths`, then the
+    repository, then any PYTHONPATH already set, on its PYTHONPATH."""
     env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
+def entry_point_env(*paths):
+    """repo_env(*paths) as a user's shell would have it: without the variables that change
+    what the entry points print (full Hydra tracebacks, TensorFlow's log level)."""
+    env = repo_env(*paths)
     env.pop("HYDRA_FULL_ERROR", None)
     env.pop("TF_CPP_MIN_LOG_LEVEL", None)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 
@@ -162,3 +173,65 @@ def read_events(run_dir):
             for value in event.summary.value:
                 events.setdefault(value.tag, []).append((event.step, value))
     return events
+
+
+# --------------------------------------------------------------------------- op and model tests
+
+def np_capsule_prediction(u, W):
+    """NumPy reference of the capsule prediction in float64:
+    u_hat[b, i, j, d] = sum_k W[i, j, d, k] u[b, i, k]."""
+    return np.einsum("bik,ijdk->bijd", np.asarray(u, np.float64), np.asarray(W, np.float64))
+
+
+@pytest.fixture
+def seeded():
+    """Same initial weights every run: failures reproduce. Modules that build layers use it
+    for every test: pytestmark = pytest.mark.usefixtures("seeded")."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+
+
+@pytest.fixture
+def no_tf32():
+    """Full float32 matmuls: on a GPU the matmul path would otherwise use TF32 (10-bit
+    mantissa) while the op computes in float32, and differ by ~1e-3 relative."""
+    import tensorflow as tf
+
+    was = tf.config.experimental.tensor_float_32_execution_enabled()
+    tf.config.experimental.enable_tensor_float_32_execution(False)
+    yield
+    tf.config.experimental.enable_tensor_float_32_execution(was)
+
+
+@pytest.fixture
+def spy_on_op(monkeypatch):
+    """spy_on_op(through=None) replaces ops.capsule_prediction (the compiled op) with a spy
+    that records each call as (u.shape, W.shape) (at trace time inside a tf.function) and
+    passes it on to `through`, by default the real op; returns the list of calls."""
+    from capsnet import ops
+
+    def spy_on(through=None):
+        through = through or ops.capsule_prediction
+        calls = []
+
+        def spy(u, W):
+            calls.append((tuple(u.shape), tuple(W.shape)))
+            return through(u, W)
+
+        monkeypatch.setattr(ops, "capsule_prediction", spy)
+        return calls
+
+    return spy_on
+
+
+@pytest.fixture
+def fresh_op_loader(monkeypatch, tmp_path):
+    """The op loader pointed at tmp_path/_capsnet_ops.so, which does not exist (yet), with
+    nothing loaded, as in a fresh process; returns that path."""
+    from capsnet import ops
+
+    path = tmp_path / "_capsnet_ops.so"
+    monkeypatch.setattr(ops, "_LIBRARY_PATH", str(path))
+    monkeypatch.setattr(ops, "_lib", None)
+    return path

@@ -129,15 +129,12 @@ def test_bad_values_in_the_run_config_are_config_errors(trained_run, tmp_path):
 
 # --------------------------------------------------------------------------- the compiled op
 
-def test_evaluate_with_the_custom_op_matches_the_matmul_path(trained_run, tmp_path, monkeypatch):
+def test_evaluate_with_the_custom_op_matches_the_matmul_path(trained_run, tmp_path, spy_on_op):
     """A checkpoint trained on the matmul path, evaluated through the compiled op.
 
     Needs the op library (capsnet/lib/_capsnet_ops.so): `make test` builds it first.
     """
-    from capsnet import ops
-
-    real, calls = ops.capsule_prediction, []
-    monkeypatch.setattr(ops, "capsule_prediction", lambda u, W: calls.append(1) or real(u, W))
+    calls = spy_on_op()
     run_dir, metrics = trained_run
     report = evaluate(run_dir, which="latest", custom_op=True, output=tmp_path / "op.json")
     assert calls, "evaluate(custom_op=True) did not use the op"
@@ -146,12 +143,8 @@ def test_evaluate_with_the_custom_op_matches_the_matmul_path(trained_run, tmp_pa
     assert report["loss"] == pytest.approx(metrics["test_loss"], rel=1e-4)
 
 
-def test_evaluate_without_the_op_library_is_one_line_error(trained_run, tmp_path, monkeypatch):
-    from capsnet import ops
-
-    missing = tmp_path / "lib" / "_capsnet_ops.so"
-    monkeypatch.setattr(ops, "_LIBRARY_PATH", str(missing))
-    monkeypatch.setattr(ops, "_lib", None)  # as in a fresh process: nothing loaded yet
+def test_evaluate_without_the_op_library_is_one_line_error(trained_run, tmp_path, fresh_op_loader):
+    missing = fresh_op_loader
     with pytest.raises(OpLibraryError) as err:
         evaluate(trained_run[0], custom_op=True, output=tmp_path / "never.json")
     assert "\n" not in str(err.value) and str(missing) in str(err.value) and "make ops" in str(err.value)

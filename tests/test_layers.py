@@ -10,13 +10,10 @@ import capsnet.routing
 from capsnet import ops
 from capsnet.layers import Decoder, DigitCaps, PrimaryCaps, capsule_lengths, squash
 from capsnet.model import CapsNet
+from conftest import np_capsule_prediction
 from test_routing import EPSILON, np_dynamic_routing, np_squash
 
-
-@pytest.fixture(autouse=True)
-def _seed():
-    """Same initial weights every run: failures reproduce."""
-    keras.utils.set_random_seed(0)
+pytestmark = pytest.mark.usefixtures("seeded")  # same initial weights every run: failures reproduce
 
 
 def _flat(structure):
@@ -161,11 +158,6 @@ def test_primary_caps_rejects_small_or_wrong_rank_input():
 
 # ----------------------------------------------------------------- DigitCaps
 
-def np_capsule_prediction(u, W):
-    """u_hat[b, i, j, :] = W[i, j] · u[b, i]."""
-    return np.einsum("ijdk,bik->bijd", W, u)
-
-
 @pytest.mark.parametrize("iterations", [1, 3])
 def test_digit_caps_matches_numpy(iterations):
     layer = DigitCaps(num_caps=5, dim=6, routing_iterations=iterations,
@@ -173,7 +165,7 @@ def test_digit_caps_matches_numpy(iterations):
     v_j, c_ij = layer(CAPSULES)
     (W,) = layer.get_weights()
     assert W.shape == (18, 5, 6, 4)  # (in_caps, num_caps, dim, in_dim): the op's and checkpoints' layout
-    v_ref, c_ref = np_dynamic_routing(np_capsule_prediction(CAPSULES.astype(np.float64), W), iterations)
+    v_ref, c_ref = np_dynamic_routing(np_capsule_prediction(CAPSULES, W), iterations)  # in float64
     np.testing.assert_allclose(v_j.numpy(), v_ref, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(c_ij.numpy(), c_ref, rtol=1e-4, atol=1e-6)
 
@@ -198,14 +190,8 @@ def test_digit_caps_stop_gradient_flag_reaches_routing():
     assert np.abs(grads[True] - grads[False]).max() > 1e-4 * np.abs(grads[False]).max()
 
 
-def test_digit_caps_uses_the_selected_prediction(monkeypatch):
-    calls = []
-
-    def fake_op(u, W):
-        calls.append((tuple(u.shape), tuple(W.shape)))
-        return ops.capsule_prediction_matmul(u, W)
-
-    monkeypatch.setattr(ops, "capsule_prediction", fake_op)
+def test_digit_caps_uses_the_selected_prediction(spy_on_op):
+    calls = spy_on_op(through=ops.capsule_prediction_matmul)  # the op library is not needed here
     DigitCaps(num_caps=5, dim=6, custom_op=True)(CAPSULES)
     assert calls == [((2, 18, 4), (18, 5, 6, 4))]
 

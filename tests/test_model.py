@@ -8,10 +8,7 @@ from capsnet.errors import OpLibraryError
 from capsnet.losses import margin_loss, reconstruction_loss
 from capsnet.model import CapsNet, build_model
 
-@pytest.fixture(autouse=True)
-def _seed():
-    """Same initial weights every run: failures reproduce."""
-    keras.utils.set_random_seed(0)
+pytestmark = pytest.mark.usefixtures("seeded")  # same initial weights every run: failures reproduce
 
 
 # Small enough to run in milliseconds: 28 → 20 → 6, 6·6·4 = 144 primary capsules.
@@ -162,16 +159,6 @@ def test_tf_checkpoint_of_the_model_restores_every_weight(tmp_path):
     assert {"decoder/fc1/kernel", "decoder/fc2/kernel", "decoder/fc3/kernel"} <= set(inner)
     for a, b in zip(saved.weights, restored.weights):
         np.testing.assert_array_equal(b.numpy(), a.numpy(), err_msg=a.path)
-
-
-@pytest.fixture
-def no_tf32():
-    """Full float32 matmuls: on a GPU the matmul path would otherwise use TF32 (10-bit
-    mantissa) while the op computes in float32, and differ by ~1e-3 relative."""
-    was = tf.config.experimental.tensor_float_32_execution_enabled()
-    tf.config.experimental.enable_tensor_float_32_execution(False)
-    yield
-    tf.config.experimental.enable_tensor_float_32_execution(was)
 
 
 def test_custom_op_matches_matmul_path(no_tf32):

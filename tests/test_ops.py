@@ -19,8 +19,7 @@ import tensorflow as tf
 
 from capsnet import ops
 from capsnet.errors import OpLibraryError
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO, np_capsule_prediction, repo_env
 
 # (batch, in_caps, out_caps, out_dim, in_dim). Size-1 dims, odd sizes, the paper's
 # 10 x 16 <- 8 rows, in_dim up to 17 (past the GPU's register tiles), and few
@@ -57,11 +56,6 @@ def inputs(shape, dtype=np.float64, seed=0):
     return u, W
 
 
-def reference(u, W):
-    """u_hat[b, i, j, d] = sum_k W[i, j, d, k] u[b, i, k] in float64."""
-    return np.einsum("bik,ijdk->bijd", u.astype(np.float64), W.astype(np.float64))
-
-
 def tolerance(dtype, K):
     # Sums of K products of numbers in [-1, 1]: relative error ~ K * eps.
     eps = {np.float32: 1.2e-7, np.float64: 2.3e-16}[dtype]
@@ -88,7 +82,7 @@ def test_forward_matches_numpy(shape, dtype):
     u_hat = ops.capsule_prediction(u, W)
     assert u_hat.dtype == tf.as_dtype(dtype)
     assert u_hat.shape == shape[:2] + shape[2:4]
-    np.testing.assert_allclose(u_hat.numpy(), reference(u, W), rtol=0, atol=tolerance(dtype, shape[4]))
+    np.testing.assert_allclose(u_hat.numpy(), np_capsule_prediction(u, W), rtol=0, atol=tolerance(dtype, shape[4]))
 
 
 @pytest.mark.parametrize("dtype,atol", [(tf.float16, 2e-2), (tf.bfloat16, 1.5e-1)])
@@ -98,7 +92,7 @@ def test_forward_16bit(dtype, atol):
     u_hat = ops.capsule_prediction(u16, W16)
     assert u_hat.dtype == dtype
     # Reference on the rounded inputs: only the accumulation/rounding differs.
-    want = reference(tf.cast(u16, tf.float64).numpy(), tf.cast(W16, tf.float64).numpy())
+    want = np_capsule_prediction(tf.cast(u16, tf.float64).numpy(), tf.cast(W16, tf.float64).numpy())
     np.testing.assert_allclose(tf.cast(u_hat, tf.float64).numpy(), want, rtol=0, atol=atol)
 
 
@@ -263,7 +257,7 @@ def test_under_tf_distribute(make_strategy):
     loss, grad_W = strategy.run(step, args=(tf.constant(u),))
     loss = strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
     grad_W = strategy.reduce(tf.distribute.ReduceOp.SUM, grad_W, axis=None)
-    u_hat = reference(u, W0)
+    u_hat = np_capsule_prediction(u, W0)
     np.testing.assert_allclose(loss.numpy(), (u_hat**2).sum(), rtol=1e-5)
     want = 2 * np.einsum("bijd,bik->ijdk", u_hat, u.astype(np.float64))
     np.testing.assert_allclose(grad_W.numpy(), want, rtol=1e-5, atol=1e-5)
@@ -304,10 +298,10 @@ def test_saved_model_round_trip(tmp_path):
         model = tf.saved_model.load({path!r})
         np.save({str(tmp_path / "out.npy")!r}, model(u).numpy())
     """)
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=repo_env(),
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), reference(u, W), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), np_capsule_prediction(u, W), rtol=1e-5, atol=1e-5)
 
     # In this process: the restored function is differentiable through the op.
     restored = tf.saved_model.load(path)
@@ -322,33 +316,24 @@ def test_saved_model_round_trip(tmp_path):
 # Library loading errors.
 
 
-@pytest.fixture
-def fresh_loader(monkeypatch, tmp_path):
-    """Points the loader at tmp_path/_capsnet_ops.so with nothing loaded yet."""
-    path = tmp_path / "_capsnet_ops.so"
-    monkeypatch.setattr(ops, "_LIBRARY_PATH", str(path))
-    monkeypatch.setattr(ops, "_lib", None)
-    return path
-
-
-def test_missing_library_raises_op_library_error(fresh_loader):
+def test_missing_library_raises_op_library_error(fresh_op_loader):
     u, W = inputs((2, 3, 4, 5, 6))
     with pytest.raises(OpLibraryError, match="not built.*make ops"):
         ops.capsule_prediction(u, W)
     # The matmul path does not need the library.
-    np.testing.assert_allclose(ops.capsule_prediction_matmul(u, W).numpy(), reference(u, W), atol=1e-12)
+    np.testing.assert_allclose(ops.capsule_prediction_matmul(u, W).numpy(), np_capsule_prediction(u, W), atol=1e-12)
 
 
-def test_library_for_another_tensorflow_raises(fresh_loader):
-    shutil.copy(os.path.join(ROOT, "capsnet", "lib", "_capsnet_ops.so"), fresh_loader)
-    fresh_loader.with_suffix(".json").write_text(json.dumps({"tensorflow": "2.0.0", "cuda": False}))
+def test_library_for_another_tensorflow_raises(fresh_op_loader):
+    shutil.copy(REPO / "capsnet" / "lib" / "_capsnet_ops.so", fresh_op_loader)
+    fresh_op_loader.with_suffix(".json").write_text(json.dumps({"tensorflow": "2.0.0", "cuda": False}))
     with pytest.raises(OpLibraryError, match=r"built for TensorFlow 2\.0\.0.*make ops"):
         ops.load_op_library()
 
 
-def test_unloadable_library_raises(fresh_loader):
-    fresh_loader.write_bytes(b"not a shared library")
-    fresh_loader.with_suffix(".json").write_text(json.dumps({"tensorflow": tf.__version__, "cuda": False}))
+def test_unloadable_library_raises(fresh_op_loader):
+    fresh_op_loader.write_bytes(b"not a shared library")
+    fresh_op_loader.with_suffix(".json").write_text(json.dumps({"tensorflow": tf.__version__, "cuda": False}))
     with pytest.raises(OpLibraryError, match="cannot be loaded.*make ops"):
         ops.load_op_library()
 
@@ -361,18 +346,15 @@ gpu = pytest.mark.skipif(not HAS_GPU, reason="no GPU visible to TensorFlow")
 
 
 @pytest.fixture
-def on_gpu():
+def on_gpu(no_tf32):
     """/GPU:0 with soft placement off (no silent CPU fallback) and TF32 off."""
     soft = tf.config.get_soft_device_placement()
-    tf32 = tf.config.experimental.tensor_float_32_execution_enabled()
     tf.config.set_soft_device_placement(False)
-    tf.config.experimental.enable_tensor_float_32_execution(False)
     try:
         with tf.device("/GPU:0"):
             yield
     finally:
         tf.config.set_soft_device_placement(soft)
-        tf.config.experimental.enable_tensor_float_32_execution(tf32)
 
 
 GPU_SHAPES = SHAPES + [(2, 1, 5, 820, 4), (3, 4, 0, 4, 8)]
@@ -386,7 +368,7 @@ def test_gpu_forward_matches_numpy(on_gpu, shape, dtype):
     u, W = inputs(shape, dtype)
     u_hat = ops.capsule_prediction(tf.constant(u), tf.constant(W))
     assert "GPU:0" in u_hat.device, u_hat.device
-    np.testing.assert_allclose(u_hat.numpy(), reference(u, W), rtol=0, atol=tolerance(dtype, shape[4]))
+    np.testing.assert_allclose(u_hat.numpy(), np_capsule_prediction(u, W), rtol=0, atol=tolerance(dtype, shape[4]))
 
 
 @gpu
@@ -397,7 +379,7 @@ def test_gpu_forward_16bit(on_gpu, dtype, atol):
     u16, W16 = tf.cast(u, dtype), tf.cast(W, dtype)
     u_hat = ops.capsule_prediction(u16, W16)
     assert "GPU:0" in u_hat.device
-    want = reference(tf.cast(u16, tf.float64).numpy(), tf.cast(W16, tf.float64).numpy())
+    want = np_capsule_prediction(tf.cast(u16, tf.float64).numpy(), tf.cast(W16, tf.float64).numpy())
     np.testing.assert_allclose(tf.cast(u_hat, tf.float64).numpy(), want, rtol=0, atol=atol)
 
 
@@ -463,11 +445,11 @@ def test_gpu_kernels_under_compute_sanitizer(tool):
     sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     if not os.path.exists(sanitizer):
         pytest.skip("compute-sanitizer not found")
-    build = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "build_ops.py"), "--driver-only"],
+    build = subprocess.run([sys.executable, str(REPO / "scripts" / "build_ops.py"), "--driver-only"],
                            capture_output=True, text=True, timeout=900)
     assert build.returncode == 0, build.stdout + build.stderr
     proc = subprocess.run([sanitizer, "--tool", tool, "--error-exitcode", "3",
-                           os.path.join(ROOT, "build", "sanitize_driver")],
+                           str(REPO / "build" / "sanitize_driver")],
                           capture_output=True, text=True, timeout=1200)
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail

@@ -2,7 +2,6 @@
 the XLA modes of the train step, the compiled op in training."""
 import inspect
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -371,8 +370,7 @@ print(json.dumps(losses))
 @pytest.mark.parametrize("mode", ["jit", "autocluster"])
 def test_xla_train_step_compiles_and_trains_like_none(tiny_idx_dir, tmp_path, mode):
     cfg = compose_config("train", tiny_overrides(tiny_idx_dir, tmp_path / "unused"))
-    env = entry_point_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), env["PYTHONPATH"]])
+    env = entry_point_env(REPO / "tests")  # the script imports conftest
     env["TF_CPP_MIN_LOG_LEVEL"] = "0"  # XLA's "Compiled cluster" line is an INFO log
     env.pop("TF_XLA_FLAGS", None)
     result = subprocess.run([sys.executable, "-c", XLA_SCRIPT, mode, json.dumps(cfg)], env=env,
@@ -421,26 +419,12 @@ def test_jit_routing_inside_xla_jit_is_a_config_error(tiny_config):
 
 # --------------------------------------------------------------------------- the compiled op
 
-def spy_on_the_op(monkeypatch):
-    """Record each call of the compiled op (at trace time) and pass it through to the real one."""
-    from capsnet import ops
-
-    real, calls = ops.capsule_prediction, []
-
-    def spy(u, W):
-        calls.append((tuple(u.shape), tuple(W.shape)))
-        return real(u, W)
-
-    monkeypatch.setattr(ops, "capsule_prediction", spy)
-    return calls
-
-
 def test_custom_op_trains_like_the_matmul_path_and_evaluates_the_same_on_both(
-        trained_run, tiny_config, tmp_path, monkeypatch):
+        trained_run, tiny_config, tmp_path, spy_on_op):
     """Needs the op library (capsnet/lib/_capsnet_ops.so): `make test` builds it first."""
     from capsnet.evaluation import evaluate
 
-    calls = spy_on_the_op(monkeypatch)
+    calls = spy_on_op()
     metrics = train(tiny_config("custom_op=true", "train.epochs=1"))
     assert (144, 10, 8, 8) in {W for _, W in calls}  # DigitCaps ran the op, not the matmul path
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["custom_op"] is True
@@ -489,12 +473,8 @@ def test_custom_op_library_without_cuda_while_tf_sees_a_gpu_is_refused(tiny_conf
     check_op_library()  # a CUDA build passes (the op itself runs on the CPU here)
 
 
-def test_custom_op_without_the_library_is_one_line_error(tiny_config, tmp_path, monkeypatch):
-    from capsnet import ops
-
-    missing = tmp_path / "lib" / "_capsnet_ops.so"
-    monkeypatch.setattr(ops, "_LIBRARY_PATH", str(missing))
-    monkeypatch.setattr(ops, "_lib", None)  # as in a fresh process: nothing loaded yet
+def test_custom_op_without_the_library_is_one_line_error(tiny_config, tmp_path, fresh_op_loader):
+    missing = fresh_op_loader
     with pytest.raises(OpLibraryError) as err:
         train(tiny_config("custom_op=true"))
     message = str(err.value)
