@@ -20,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from capsnet.errors import ConfigError, DataError
+from capsnet.validation import boolean, integer
 
 # --------------------------------------------------------------------------- IDX files
 # An IDX file is a 4-byte magic (0x00, 0x00, type code, rank), `rank` big-endian uint32
@@ -176,7 +177,7 @@ def load_split(name, split, data_dir=None, limit=None, *, tfds_data_dir=None):
     if split not in _IDX_PREFIX:
         raise ConfigError(f"unknown split {split!r} (known: {', '.join(_IDX_PREFIX)})")
     if limit is not None:
-        limit = _check_int("limit", limit, minimum=1, hint=" (null: all examples)")
+        limit = integer("limit", limit, minimum=1, hint=" (null: all examples)", error=ConfigError)
     spec = DATASETS[name]
     if data_dir is None:
         images, labels, source = _load_tfds(name, spec, split, tfds_data_dir)
@@ -298,16 +299,14 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
     Returns:
       A `tf.data.Dataset` of (images float32 (B, H, W, C) in [0, 1], labels int32 (B,)).
     """
-    if not isinstance(training, bool):
-        raise ConfigError(f"training must be True or False, got {training!r}")
-    if not isinstance(drop_remainder, bool):
-        raise ConfigError(f"drop_remainder must be True or False, got {drop_remainder!r}")
+    boolean("training", training, expected="True or False", error=ConfigError)
+    boolean("drop_remainder", drop_remainder, expected="True or False", error=ConfigError)
     images, labels = _check_examples(images, labels)
     n, h, w, c = images.shape
-    batch_size = _check_int("batch_size", batch_size, minimum=1)
-    seed = _check_int("seed", seed, minimum=-(2**63), maximum=2**63 - 1)
-    epoch = _check_int("epoch", epoch, minimum=0, maximum=2**63 - 1)
-    shift_pixels = _check_int("shift_pixels", shift_pixels, minimum=0, maximum=min(h, w) - 1)
+    batch_size = integer("batch_size", batch_size, minimum=1, error=ConfigError)
+    seed = integer("seed", seed, minimum=-(2**63), maximum=2**63 - 1, error=ConfigError)
+    epoch = integer("epoch", epoch, minimum=0, maximum=2**63 - 1, error=ConfigError)
+    shift_pixels = integer("shift_pixels", shift_pixels, minimum=0, maximum=min(h, w) - 1, error=ConfigError)
     if drop_remainder and n < batch_size:
         raise ConfigError(f"batch_size {batch_size} with drop_remainder=True leaves no batch "
                           f"from {n} examples")
@@ -372,14 +371,3 @@ def _check_examples(images, labels):
     if labels.min() < np.iinfo(np.int32).min or labels.max() > np.iinfo(np.int32).max:
         raise DataError(f"labels span {labels.min()}..{labels.max()}, beyond int32")
     return images, labels
-
-
-def _check_int(what, value, *, minimum=None, maximum=None, hint=""):
-    """`value` as a Python int within [minimum, maximum], else ConfigError."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ConfigError(f"{what} must be an integer, got {value!r}{hint}")
-    value = int(value)
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        bounds = (f"≥ {minimum}" if maximum is None else f"in [{minimum}, {maximum}]")
-        raise ConfigError(f"{what} must be {bounds}, got {value}{hint}")
-    return value

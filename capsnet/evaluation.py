@@ -12,7 +12,6 @@
 """
 import json
 import math
-import numbers
 import os
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import yaml
 
 from capsnet.errors import CheckpointError, ConfigError, DataError
 from capsnet.losses import _check_margins, margin_loss, reconstruction_loss
+from capsnet.validation import boolean, finite_float, positive_int
 
 WHICH = ("best", "latest")
 
@@ -54,10 +54,7 @@ def loss_params(train_cfg):
     for key in LOSS_KEYS:
         if key not in train_cfg:
             raise ConfigError(f"train.{key} is missing")
-        value = train_cfg[key]
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise ConfigError(f"train.{key} must be a finite number, got {value!r}")
-        params[key] = float(value)
+        params[key] = finite_float(f"train.{key}", train_cfg[key], error=ConfigError)
     try:
         # The margin loss's own rule, checked now rather than when the first step is traced.
         _check_margins(params["m_plus"], params["m_minus"], params["lambda_"])
@@ -307,16 +304,14 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
         where = f"the run config's custom_op ({run_dir / 'config.yaml'})"
     else:
         where = "custom_op"
-    if not isinstance(custom_op, bool):
-        raise ConfigError(f"{where} must be true or false (or null: as trained), got {custom_op!r}")
+    boolean(where, custom_op, expected="true or false (or null: as trained)", error=ConfigError)
     train_cfg = cfg.get("train") if isinstance(cfg.get("train"), dict) else {}
     if batch_size is None:
         batch_size, where = train_cfg.get("batch_size"), f"the run config's train.batch_size ({run_dir})"
     else:
         where = "batch_size"
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigError(f"{where} must be a positive integer (or null: the run's train.batch_size), "
-                          f"got {batch_size!r}")
+    batch_size = positive_int(where, batch_size, expected="a positive integer (or null: the run's train.batch_size)",
+                              error=ConfigError)
     try:
         losses = loss_params(train_cfg)
     except ConfigError as exc:

@@ -11,7 +11,6 @@ Names follow the paper: u (input capsules), u_hat (predictions), b_ij (routing l
 c_ij (coupling coefficients), s_j (weighted sum), v_j (squashed output capsules).
 """
 import math
-import numbers
 
 import keras
 import tensorflow as tf
@@ -19,6 +18,7 @@ import tensorflow as tf
 from capsnet import ops
 from capsnet.errors import CapsnetError
 from capsnet.routing import dynamic_routing, squash
+from capsnet.validation import boolean, positive_float, positive_int, positive_int_tuple
 
 __all__ = ["squash", "capsule_lengths", "PrimaryCaps", "DigitCaps", "Decoder"]
 
@@ -33,44 +33,9 @@ def capsule_lengths(v, axis=-1, epsilon=1e-12):
     quadratic for short vectors): squash's 1e-7 here would put a 3e-4 floor under
     them and shrink their gradients by up to 30×.
     """
-    _check_epsilon(epsilon)
+    positive_float("epsilon", epsilon)
     v = tf.convert_to_tensor(v)
     return tf.sqrt(tf.reduce_sum(tf.square(v), axis=axis) + epsilon)
-
-
-# --------------------------------------------------------------------------- checks
-
-def _check_epsilon(epsilon):
-    if not isinstance(epsilon, numbers.Real) or not epsilon > 0:
-        raise ValueError(f"epsilon must be a positive number, got {epsilon!r}")
-
-
-def _positive_int(name, value, owner):
-    # bool is an int subclass; `True` filters is a typo, not a count.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{owner}: {name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def _positive_int_tuple(name, value, owner, length=None):
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        value = (value,) * (length or 1)
-    try:
-        items = tuple(value)
-    except TypeError:
-        raise ValueError(f"{owner}: {name} must be a sequence of positive integers, got {value!r}") from None
-    if not items or (length is not None and len(items) != length) or not all(
-        isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1 for x in items
-    ):
-        what = f"{length} positive integers" if length else "a non-empty sequence of positive integers"
-        raise ValueError(f"{owner}: {name} must be {what}, got {value!r}")
-    return tuple(int(x) for x in items)
-
-
-def _check_bool(name, value, owner):
-    if not isinstance(value, bool):
-        raise ValueError(f"{owner}: {name} must be true or false, got {value!r}")
-    return value
 
 
 def _known_shape(shape):
@@ -99,10 +64,10 @@ class PrimaryCaps(keras.layers.Layer):
                  kernel_initializer="glorot_uniform", **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
-        self.num_types = _positive_int("num_types", num_types, owner)
-        self.dim = _positive_int("dim", dim, owner)
-        self.kernel_size = _positive_int_tuple("kernel_size", kernel_size, owner, length=2)
-        self.strides = _positive_int_tuple("strides", strides, owner, length=2)
+        self.num_types = positive_int(f"{owner}: num_types", num_types)
+        self.dim = positive_int(f"{owner}: dim", dim)
+        self.kernel_size = positive_int_tuple(f"{owner}: kernel_size", kernel_size, length=2)
+        self.strides = positive_int_tuple(f"{owner}: strides", strides, length=2)
         if padding not in ("valid", "same"):
             raise ValueError(f"{owner}: padding must be 'valid' or 'same', got {padding!r}")
         self.padding = padding
@@ -199,12 +164,12 @@ class DigitCaps(keras.layers.Layer):
                  custom_op=False, jit_routing=False, kernel_initializer=None, **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
-        self.num_caps = _positive_int("num_caps", num_caps, owner)
-        self.dim = _positive_int("dim", dim, owner)
-        self.routing_iterations = _positive_int("routing_iterations", routing_iterations, owner)
-        self.stop_gradient_routing = _check_bool("stop_gradient_routing", stop_gradient_routing, owner)
-        self.custom_op = _check_bool("custom_op", custom_op, owner)
-        self.jit_routing = _check_bool("jit_routing", jit_routing, owner)
+        self.num_caps = positive_int(f"{owner}: num_caps", num_caps)
+        self.dim = positive_int(f"{owner}: dim", dim)
+        self.routing_iterations = positive_int(f"{owner}: routing_iterations", routing_iterations)
+        self.stop_gradient_routing = boolean(f"{owner}: stop_gradient_routing", stop_gradient_routing)
+        self.custom_op = boolean(f"{owner}: custom_op", custom_op)
+        self.jit_routing = boolean(f"{owner}: jit_routing", jit_routing)
         if kernel_initializer is None:
             kernel_initializer = keras.initializers.RandomNormal(stddev=0.1)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
@@ -285,8 +250,8 @@ class Decoder(keras.layers.Layer):
     def __init__(self, units=(512, 1024), output_shape=(28, 28, 1), **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
-        self.units = _positive_int_tuple("units", units, owner)
-        self.image_shape = _positive_int_tuple("output_shape", output_shape, owner)
+        self.units = positive_int_tuple(f"{owner}: units", units)
+        self.image_shape = positive_int_tuple(f"{owner}: output_shape", output_shape)
         # One attribute per Dense layer (fc1, fc2, …), never a Python list: Keras 3 wraps
         # lists in its own container, which tf.train.Checkpoint's object graph cannot see,
         # so `tf.train.Checkpoint(model=...)` would silently skip every layer in it.

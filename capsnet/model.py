@@ -8,10 +8,8 @@ PrimaryCaps 32 types × 8-D @9×9 stride 2 (6·6·32 = 1152 capsules) → DigitC
 import keras
 import tensorflow as tf
 
-from capsnet.layers import (
-    Decoder, DigitCaps, PrimaryCaps, _check_bool, _positive_int, _positive_int_tuple,
-    capsule_lengths,
-)
+from capsnet.layers import Decoder, DigitCaps, PrimaryCaps, capsule_lengths
+from capsnet.validation import boolean, positive_int, positive_int_tuple
 
 __all__ = ["CapsNet", "build_model"]
 
@@ -43,22 +41,21 @@ class CapsNet(keras.Model):
                  decoder_units=(512, 1024), custom_op=False, jit_routing=False, **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
-        self.image_shape = _positive_int_tuple("input_shape", input_shape, owner, length=3)
-        self.num_classes = _positive_int("num_classes", num_classes, owner)
-        self.conv1_filters = _positive_int("conv1_filters", conv1_filters, owner)
-        self.conv1_kernel_size = _positive_int("conv1_kernel_size", conv1_kernel_size, owner)
-        self.primary_caps_types = _positive_int("primary_caps_types", primary_caps_types, owner)
-        self.primary_caps_dim = _positive_int("primary_caps_dim", primary_caps_dim, owner)
-        self.primary_caps_kernel_size = _positive_int(
-            "primary_caps_kernel_size", primary_caps_kernel_size, owner)
-        self.primary_caps_strides = _positive_int("primary_caps_strides", primary_caps_strides, owner)
-        self.digit_caps_dim = _positive_int("digit_caps_dim", digit_caps_dim, owner)
-        self.routing_iterations = _positive_int("routing_iterations", routing_iterations, owner)
-        self.stop_gradient_routing = _check_bool("stop_gradient_routing", stop_gradient_routing, owner)
-        self.use_decoder = _check_bool("decoder", decoder, owner)
-        self.decoder_units = _positive_int_tuple("decoder_units", decoder_units, owner)
-        self.custom_op = _check_bool("custom_op", custom_op, owner)
-        self.jit_routing = _check_bool("jit_routing", jit_routing, owner)
+        self.image_shape = positive_int_tuple(f"{owner}: input_shape", input_shape, length=3)
+        self.num_classes = positive_int(f"{owner}: num_classes", num_classes)
+        self.conv1_filters = positive_int(f"{owner}: conv1_filters", conv1_filters)
+        self.conv1_kernel_size = positive_int(f"{owner}: conv1_kernel_size", conv1_kernel_size)
+        self.primary_caps_types = positive_int(f"{owner}: primary_caps_types", primary_caps_types)
+        self.primary_caps_dim = positive_int(f"{owner}: primary_caps_dim", primary_caps_dim)
+        self.primary_caps_kernel_size = positive_int(f"{owner}: primary_caps_kernel_size", primary_caps_kernel_size)
+        self.primary_caps_strides = positive_int(f"{owner}: primary_caps_strides", primary_caps_strides)
+        self.digit_caps_dim = positive_int(f"{owner}: digit_caps_dim", digit_caps_dim)
+        self.routing_iterations = positive_int(f"{owner}: routing_iterations", routing_iterations)
+        self.stop_gradient_routing = boolean(f"{owner}: stop_gradient_routing", stop_gradient_routing)
+        self.use_decoder = boolean(f"{owner}: decoder", decoder)
+        self.decoder_units = positive_int_tuple(f"{owner}: decoder_units", decoder_units)
+        self.custom_op = boolean(f"{owner}: custom_op", custom_op)
+        self.jit_routing = boolean(f"{owner}: jit_routing", jit_routing)
 
         # Both convolutions are 'valid': check now that the image survives them, so a
         # bad config fails here with the numbers rather than inside a conv op.

@@ -4,9 +4,9 @@ Pure TensorFlow math, no layers or weights: `capsnet.layers.DigitCaps` wraps it,
 tests compare it with an independent NumPy version. `squash` lives here (and is
 re-exported by capsnet.layers) because routing applies it every iteration.
 """
-import numbers
-
 import tensorflow as tf
+
+from capsnet.validation import boolean, positive_float, positive_int
 
 __all__ = ["squash", "dynamic_routing"]
 
@@ -20,8 +20,7 @@ def squash(s, axis=-1, epsilon=1e-7):
     gives v = 0 with a finite gradient. The relative change of |v| is below
     epsilon / (2|s|²), i.e. under 1e-5 for |s| ≥ 0.1.
     """
-    if not isinstance(epsilon, numbers.Real) or not epsilon > 0:
-        raise ValueError(f"squash: epsilon must be a positive number, got {epsilon!r}")
+    positive_float("squash: epsilon", epsilon)
     s = tf.convert_to_tensor(s)
     squared_norm = tf.reduce_sum(tf.square(s), axis=axis, keepdims=True)
     scale = squared_norm / (1.0 + squared_norm) / tf.sqrt(squared_norm + epsilon)
@@ -61,10 +60,8 @@ def dynamic_routing(u_hat, iterations=3, stop_gradient=True):
         c_ij: the coupling coefficients used for the final v_j (batch, in_caps,
             out_caps); each row sums to 1 over j.
     """
-    if isinstance(iterations, bool) or not isinstance(iterations, numbers.Integral) or iterations < 1:
-        raise ValueError(f"dynamic_routing: iterations must be an integer >= 1, got {iterations!r}")
-    if not isinstance(stop_gradient, bool):
-        raise ValueError(f"dynamic_routing: stop_gradient must be a bool, got {stop_gradient!r}")
+    iterations = positive_int("dynamic_routing: iterations", iterations, expected="an integer >= 1")
+    boolean("dynamic_routing: stop_gradient", stop_gradient, expected="a bool")
     u_hat = tf.convert_to_tensor(u_hat)
     if u_hat.shape.rank != 4:
         raise ValueError(

@@ -58,6 +58,7 @@ from capsnet.evaluation import (
     capsnet_losses, checkpoint_weights, evaluate_model, json_safe, loss_params, make_eval_step, read_run_config,
 )
 from capsnet.model import build_model
+from capsnet.validation import boolean, integer, positive_float, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -236,23 +237,6 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none"):
 
 # --------------------------------------------------------------------------- config checks
 
-def _positive_int(cfg, section, key, allow_none=False):
-    value = cfg[section][key] if section else cfg[key]
-    name = f"{section}.{key}" if section else key
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer{' or null' if allow_none else ''}, got {value!r}")
-    return value
-
-
-def _positive_float(cfg, section, key):
-    value = cfg[section][key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"{section}.{key} must be a positive number, got {value!r}")
-    return float(value)
-
-
 # (section, key, default when absent; None = required). Only real booleans pass: Hydra
 # passes `custom_op=no` as the string 'no', which bool() would read as True.
 BOOL_KEYS = (
@@ -268,24 +252,22 @@ def _check_bools(cfg):
         if not isinstance(values, dict):
             raise ConfigError(f"{section} must be a section of keys, got {values!r}")
         value = values[key] if default is None else values.get(key, default)
-        if not isinstance(value, bool):
-            name = f"{section}.{key}" if section else key
-            raise ConfigError(f"{name} must be true or false, got {value!r}")
+        boolean(f"{section}.{key}" if section else key, value, error=ConfigError)
 
 
 def _check_config(cfg):
     """Every value train() reads before the heavy work (data, model): ConfigError naming it."""
     _check_bools(cfg)
+    train_cfg = cfg["train"]
     for key in ("epochs", "batch_size", "keep_checkpoints", "log_every_steps", "num_images",
                 "histogram_examples"):
-        _positive_int(cfg, "train", key)
-    _positive_int(cfg, "train", "lr_decay_steps", allow_none=True)
+        positive_int(f"train.{key}", train_cfg[key], error=ConfigError)
+    positive_int("train.lr_decay_steps", train_cfg["lr_decay_steps"], allow_none=True, error=ConfigError)
     for key in ("learning_rate", "lr_decay_rate"):
-        _positive_float(cfg, "train", key)
+        positive_float(f"train.{key}", train_cfg[key], error=ConfigError)
     loss_params(cfg["train"])  # m_plus, m_minus, lambda_, reconstruction_weight
     check_xla(cfg["train"]["xla"], cfg["custom_op"], cfg["model"].get("jit_routing", False))
-    if not isinstance(cfg["seed"], int) or isinstance(cfg["seed"], bool):
-        raise ConfigError(f"seed must be an integer, got {cfg['seed']!r}")
+    integer("seed", cfg["seed"], error=ConfigError)
     if not cfg.get("run_dir"):
         raise ConfigError("run_dir is not set (train.py sets it to Hydra's run dir; tests pass one)")
 

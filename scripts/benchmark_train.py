@@ -46,6 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a clone without `pip install -e .` too
 
 from capsnet.cli import fail  # noqa: E402  (`error: ...` on one line, exit 2, as train.py does)
+from capsnet.validation import positive_int  # noqa: E402
 
 # name: (custom_op, xla)
 VARIANTS = {
@@ -69,24 +70,24 @@ def label(variant):
 
 # --------------------------------------------------------------------------- arguments
 
+# argparse type functions: parse the text, then the shared check; argparse wants
+# ArgumentTypeError (it prints "argument --steps: <message>").
+
 def _positive_ints(text):
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        values = [positive_int("value", int(v)) for v in text.split(",") if v.strip()]
     except ValueError:
         values = []
-    if not values or min(values) < 1:
+    if not values:
         raise argparse.ArgumentTypeError(f"need comma-separated positive integers, got {text!r}")
     return values
 
 
 def _positive_int(text):
     try:
-        value = int(text)
+        return positive_int("value", int(text))
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"need a positive integer, got {text!r}")
-    return value
+        raise argparse.ArgumentTypeError(f"need a positive integer, got {text!r}") from None
 
 
 def _variants(text):
