@@ -393,6 +393,23 @@ absl::Status CheckGradShapes(const TensorShape& g, const TensorShape& u,
   return absl::OkStatus();
 }
 
+// The CPU and GPU kernels share their prologue: check the inputs at run time (shapes
+// may be unknown at trace time) and allocate the outputs.
+absl::Status PrepareForward(OpKernelContext* ctx, capsnet::CapsuleDims* d, Tensor** u_hat) {
+  TF_RETURN_IF_ERROR(CheckForwardShapes(ctx->input(0).shape(), ctx->input(1).shape(), d));
+  return ctx->allocate_output(0, TensorShape({d->batch, d->in_caps, d->out_caps, d->out_dim}),
+                              u_hat);
+}
+
+absl::Status PrepareGrad(OpKernelContext* ctx, capsnet::CapsuleDims* d, Tensor** grad_u,
+                         Tensor** grad_w) {
+  const TensorShape& u = ctx->input(1).shape();
+  const TensorShape& w = ctx->input(2).shape();
+  TF_RETURN_IF_ERROR(CheckGradShapes(ctx->input(0).shape(), u, w, d));
+  TF_RETURN_IF_ERROR(ctx->allocate_output(0, u, grad_u));
+  return ctx->allocate_output(1, w, grad_w);
+}
+
 template <typename T>
 class CapsulePredictionCpuOp : public OpKernel {
  public:
@@ -402,11 +419,8 @@ class CapsulePredictionCpuOp : public OpKernel {
     const Tensor& u = ctx->input(0);
     const Tensor& w = ctx->input(1);
     capsnet::CapsuleDims d;
-    OP_REQUIRES_OK(ctx, CheckForwardShapes(u.shape(), w.shape(), &d));
     Tensor* u_hat = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({d.batch, d.in_caps, d.out_caps, d.out_dim}),
-                            &u_hat));
+    OP_REQUIRES_OK(ctx, PrepareForward(ctx, &d, &u_hat));
     if (u_hat->NumElements() == 0) return;
     using Cpu = capsnet::CapsulePredictionCpu<T>;
     const T* u_ptr = u.flat<T>().data();
@@ -430,11 +444,9 @@ class CapsulePredictionGradCpuOp : public OpKernel {
     const Tensor& u = ctx->input(1);
     const Tensor& w = ctx->input(2);
     capsnet::CapsuleDims d;
-    OP_REQUIRES_OK(ctx, CheckGradShapes(g.shape(), u.shape(), w.shape(), &d));
     Tensor* grad_u = nullptr;
     Tensor* grad_w = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, u.shape(), &grad_u));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, w.shape(), &grad_w));
+    OP_REQUIRES_OK(ctx, PrepareGrad(ctx, &d, &grad_u, &grad_w));
     if (grad_u->NumElements() == 0 && grad_w->NumElements() == 0) return;
     using Cpu = capsnet::CapsulePredictionCpu<T>;
     using A = capsnet::CpuAcc<T>;
@@ -536,11 +548,8 @@ class CapsulePredictionGpuOp : public OpKernel {
     const Tensor& u = ctx->input(0);
     const Tensor& w = ctx->input(1);
     capsnet::CapsuleDims d;
-    OP_REQUIRES_OK(ctx, CheckForwardShapes(u.shape(), w.shape(), &d));
     Tensor* u_hat = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({d.batch, d.in_caps, d.out_caps, d.out_dim}),
-                            &u_hat));
+    OP_REQUIRES_OK(ctx, PrepareForward(ctx, &d, &u_hat));
     if (u_hat->NumElements() == 0) return;
     capsnet::GpuStream stream;
     OP_REQUIRES_OK(ctx, GetGpuStream(ctx, &stream));
@@ -561,11 +570,9 @@ class CapsulePredictionGradGpuOp : public OpKernel {
     const Tensor& u = ctx->input(1);
     const Tensor& w = ctx->input(2);
     capsnet::CapsuleDims d;
-    OP_REQUIRES_OK(ctx, CheckGradShapes(g.shape(), u.shape(), w.shape(), &d));
     Tensor* grad_u = nullptr;
     Tensor* grad_w = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, u.shape(), &grad_u));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, w.shape(), &grad_w));
+    OP_REQUIRES_OK(ctx, PrepareGrad(ctx, &d, &grad_u, &grad_w));
     if (grad_u->NumElements() == 0 && grad_w->NumElements() == 0) return;
     using G = typename GpuType<T>::type;
     const std::size_t ws_bytes = capsnet::CapsulePredictionGradWorkspaceBytes<G>(d);
