@@ -319,7 +319,11 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
 
     if custom_op:
         check_op_library()
-    model = build_capsnet(cfg["model"], custom_op)  # its config errors before the data is read
+    model_cfg = dict(cfg["model"])
+    if not custom_op:
+        # The fused routing op is the compiled op too; without it the same W routes in TF.
+        model_cfg["fused_routing"] = False
+    model = build_capsnet(model_cfg, custom_op)  # its config errors before the data is read
     images, labels = load_split(data_cfg["name"], "test", data_dir=data_cfg.get("dir"),
                                 limit=data_cfg.get("limit_test"))
     check_labels(labels, images, model=model, split=f"{data_cfg['name']} test")

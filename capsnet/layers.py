@@ -4,7 +4,8 @@
 - `capsule_lengths(v)`: |v_j|, the class scores, with a gradient that stays finite at 0.
 - `PrimaryCaps`: a convolution whose channels are grouped into 8-D capsules u_i.
 - `DigitCaps`: u_hat_j|i = W_ij u_i for every (primary i, digit j) pair, then dynamic
-  routing (capsnet.routing) to the outputs v_j.
+  routing (capsnet.routing) to the outputs v_j; or both in one compiled op
+  (`fused_routing`).
 - `Decoder`: the reconstruction network on the masked v_j.
 
 Names follow the paper: u (input capsules), u_hat (predictions), b_ij (routing logits),
@@ -149,6 +150,12 @@ class DigitCaps(keras.layers.Layer):
             reductions over u_hat. Meant for custom_op=True: a custom op cannot be
             jit-compiled, so a whole-step jit_compile is not available there and
             autoclustering may leave the routing unfused. Same math either way.
+        fused_routing: prediction and all routing iterations in one compiled op
+            (`capsnet.ops.capsule_routing`), which never writes u_hat to memory; only
+            the final squash runs in TensorFlow. Same math; needs custom_op=True (it is
+            the compiled op) and stop_gradient_routing=True (the op's gradient is that
+            of stop-gradient routing), and excludes jit_routing (no TF routing is left
+            to compile).
         kernel_initializer: initializer for W. Default N(0, 0.1²) per entry. Keras'
             fan-based initializers would read the 4-D W as a conv kernel with fans of
             ~10⁴ (W_ij's own are in_dim and dim) and make it tiny. Measured on MNIST
@@ -161,7 +168,7 @@ class DigitCaps(keras.layers.Layer):
     """
 
     def __init__(self, num_caps=10, dim=16, routing_iterations=3, stop_gradient_routing=True,
-                 custom_op=False, jit_routing=False, kernel_initializer=None, **kwargs):
+                 custom_op=False, jit_routing=False, fused_routing=False, kernel_initializer=None, **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
         self.num_caps = positive_int(f"{owner}: num_caps", num_caps)
@@ -170,6 +177,16 @@ class DigitCaps(keras.layers.Layer):
         self.stop_gradient_routing = boolean(f"{owner}: stop_gradient_routing", stop_gradient_routing)
         self.custom_op = boolean(f"{owner}: custom_op", custom_op)
         self.jit_routing = boolean(f"{owner}: jit_routing", jit_routing)
+        self.fused_routing = boolean(f"{owner}: fused_routing", fused_routing)
+        if self.fused_routing and not (self.custom_op and self.stop_gradient_routing):
+            raise ValueError(
+                f"{owner}: fused_routing=true needs custom_op=true (it is the compiled op) and "
+                "stop_gradient_routing=true (its gradient is that of stop-gradient routing), got "
+                f"custom_op={str(self.custom_op).lower()}, "
+                f"stop_gradient_routing={str(self.stop_gradient_routing).lower()}")
+        if self.fused_routing and self.jit_routing:
+            raise ValueError(f"{owner}: jit_routing=true has nothing to compile with fused_routing=true "
+                             "(the routing runs inside the fused op): set one of them to false")
         if kernel_initializer is None:
             kernel_initializer = keras.initializers.RandomNormal(stddev=0.1)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
@@ -191,11 +208,16 @@ class DigitCaps(keras.layers.Layer):
         self.input_spec = keras.layers.InputSpec(ndim=3, axes={1: in_caps, 2: in_dim})
 
     def call(self, u):
-        # Looked up per call (not once in __init__) so a test or a rebuilt op library
-        # is picked up; the lookup only happens at trace time under tf.function.
-        predict = ops.get_capsule_prediction(self.custom_op)
+        W = tf.cast(self.W, u.dtype)
+        # The ops are looked up per call (not once in __init__) so a test or a rebuilt op
+        # library is picked up; the lookup only happens at trace time under tf.function.
         try:
-            u_hat = predict(u, tf.cast(self.W, u.dtype))  # (B, in_caps, num_caps, dim)
+            if self.fused_routing:
+                # s_j (B, num_caps, dim) before the last squash, c_ij (B, in_caps, num_caps)
+                s_j, c_ij = ops.capsule_routing(u, W, self.routing_iterations)
+                return squash(s_j), c_ij
+            predict = ops.get_capsule_prediction(self.custom_op)
+            u_hat = predict(u, W)  # (B, in_caps, num_caps, dim)
         except CapsnetError as err:
             # Keras rewrites errors raised in call() into a multi-line message with
             # the call arguments; an unbuilt op library is the user's to fix and must
@@ -220,6 +242,7 @@ class DigitCaps(keras.layers.Layer):
             "stop_gradient_routing": self.stop_gradient_routing,
             "custom_op": self.custom_op,
             "jit_routing": self.jit_routing,
+            "fused_routing": self.fused_routing,
             "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
         }
 

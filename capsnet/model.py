@@ -30,15 +30,17 @@ class CapsNet(keras.Model):
     stop_gradient_routing (default True) stops the gradient through u_hat in the inner
     routing iterations; the reasons for that default are in
     `capsnet.routing.dynamic_routing`.
-    `custom_op` only picks how DigitCaps computes u_hat; the weights are identical,
-    so a model built with either setting loads the other's weights.
+    `custom_op` only picks how DigitCaps computes u_hat, and `fused_routing` (with
+    custom_op) whether one compiled op also does the routing; the weights are
+    identical, so a model built with any setting loads the others' weights.
     """
 
     def __init__(self, input_shape=(28, 28, 1), num_classes=10, conv1_filters=256,
                  conv1_kernel_size=9, primary_caps_types=32, primary_caps_dim=8,
                  primary_caps_kernel_size=9, primary_caps_strides=2, digit_caps_dim=16,
                  routing_iterations=3, stop_gradient_routing=True, decoder=True,
-                 decoder_units=(512, 1024), custom_op=False, jit_routing=False, **kwargs):
+                 decoder_units=(512, 1024), custom_op=False, jit_routing=False, fused_routing=False,
+                 **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
         self.image_shape = positive_int_tuple(f"{owner}: input_shape", input_shape, length=3)
@@ -56,6 +58,7 @@ class CapsNet(keras.Model):
         self.decoder_units = positive_int_tuple(f"{owner}: decoder_units", decoder_units)
         self.custom_op = boolean(f"{owner}: custom_op", custom_op)
         self.jit_routing = boolean(f"{owner}: jit_routing", jit_routing)
+        self.fused_routing = boolean(f"{owner}: fused_routing", fused_routing)
 
         # Both convolutions are 'valid': check now that the image survives them, so a
         # bad config fails here with the numbers rather than inside a conv op.
@@ -79,7 +82,7 @@ class CapsNet(keras.Model):
             num_caps=self.num_classes, dim=self.digit_caps_dim,
             routing_iterations=self.routing_iterations,
             stop_gradient_routing=self.stop_gradient_routing, custom_op=self.custom_op,
-            jit_routing=self.jit_routing, name="digit_caps")
+            jit_routing=self.jit_routing, fused_routing=self.fused_routing, name="digit_caps")
         self.decoder = (
             Decoder(units=self.decoder_units, output_shape=self.image_shape, name="decoder")
             if self.use_decoder else None)
@@ -163,6 +166,7 @@ class CapsNet(keras.Model):
             "decoder_units": list(self.decoder_units),
             "custom_op": self.custom_op,
             "jit_routing": self.jit_routing,
+            "fused_routing": self.fused_routing,
         }
 
     @classmethod

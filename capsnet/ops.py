@@ -1,11 +1,15 @@
-"""Capsule prediction u_hat[b, i, j, :] = W[i, j] · u[b, i], two implementations.
+"""Capsule prediction u_hat[b, i, j, :] = W[i, j] · u[b, i], two implementations, and
+the fused prediction + dynamic routing op.
 
 - `capsule_prediction(u, W)`: the compiled op (ops/), with a registered gradient.
 - `capsule_prediction_matmul(u, W)`: the plain TensorFlow transpose/matmul/reshape path.
+- `capsule_routing(u, W, iterations)`: the compiled op that predicts and routes in one
+  go, never writing u_hat to memory; its gradient is that of stop-gradient routing.
 
-Both take u (batch, in_caps, in_dim) and W (in_caps, out_caps, out_dim, in_dim) and
-return u_hat (batch, in_caps, out_caps, out_dim), so a checkpoint trained with one
-runs with the other. `get_capsule_prediction(custom_op)` picks one.
+All take u (batch, in_caps, in_dim) and W (in_caps, out_caps, out_dim, in_dim); the
+first two return u_hat (batch, in_caps, out_caps, out_dim), so a checkpoint trained
+with one runs with the other (and with capsule_routing: same W).
+`get_capsule_prediction(custom_op)` picks one of the two.
 
 The compiled op lives in capsnet/lib/_capsnet_ops.so (built by `make ops`, i.e.
 scripts/build_ops.py, next to a JSON stamp naming the TensorFlow it was built
@@ -21,6 +25,7 @@ import warnings
 import tensorflow as tf
 
 from capsnet.errors import OpLibraryError
+from capsnet.validation import positive_int
 
 # Where the op library and its stamp live: the package's own build, unless
 # CAPSNET_OP_LIBRARY names another (CI runs the op tests against the CPU-only build).
@@ -95,6 +100,17 @@ def load_op_library():
     return _lib
 
 
+def _check_inputs(name, u, W):
+    """u and W as tensors of one supported dtype, else a TypeError naming both."""
+    u = tf.convert_to_tensor(u)
+    W = tf.convert_to_tensor(W)
+    if u.dtype != W.dtype:
+        raise TypeError(f"{name}: u and W must have the same dtype, got u {u.dtype.name} and W {W.dtype.name}")
+    if u.dtype not in _DTYPES:
+        raise TypeError(f"{name}: dtype {u.dtype.name} is not supported (one of {', '.join(d.name for d in _DTYPES)})")
+    return u, W
+
+
 def capsule_prediction(u, W):
     """u_hat[b, i, j, :] = W[i, j] · u[b, i] with the compiled op.
 
@@ -106,17 +122,7 @@ def capsule_prediction(u, W):
     Returns:
       u_hat: (batch, in_caps, out_caps, out_dim).
     """
-    u = tf.convert_to_tensor(u)
-    W = tf.convert_to_tensor(W)
-    if u.dtype != W.dtype:
-        raise TypeError(
-            f"capsule_prediction: u and W must have the same dtype, got u {u.dtype.name} and W {W.dtype.name}"
-        )
-    if u.dtype not in _DTYPES:
-        raise TypeError(
-            f"capsule_prediction: dtype {u.dtype.name} is not supported "
-            f"(one of {', '.join(d.name for d in _DTYPES)})"
-        )
+    u, W = _check_inputs("capsule_prediction", u, W)
     return load_op_library().capsnet_capsule_prediction(u=u, weights=W)
 
 
@@ -148,6 +154,72 @@ def _capsule_prediction_grad_grad(op, d_grad_u, d_grad_W):
     d_u = lib.capsnet_capsule_prediction_grad(grad=g, u=u, weights=d_grad_W)[0]
     d_W = lib.capsnet_capsule_prediction_grad(grad=g, u=d_grad_u, weights=W)[1]
     return d_g, d_u, d_W
+
+
+def capsule_routing(u, W, iterations):
+    """Capsule prediction and dynamic routing in one compiled op; returns (s_j, c_ij).
+
+    Computes what `dynamic_routing(capsule_prediction(u, W), iterations)` does
+    (capsnet.routing, Procedure 1 of the paper) without writing u_hat to memory: the
+    GPU kernels recompute u_hat = W · u from u and W in every iteration instead of
+    reading a (batch, in_caps, out_caps, out_dim) tensor several times. It stops
+    before the last squash: v_j = squash(s_j) is left to the caller, so that
+    gradient is TensorFlow's own.
+
+    Gradient: that of stop-gradient routing (`dynamic_routing(..., stop_gradient=True)`),
+    the only one this op has. The coupling coefficients are constants for backprop,
+    so the loss reaches u and W only through the last s_j = Σ_i c_ij u_hat_j|i; the
+    gradient with respect to the c_ij output is therefore dropped (zero), exactly as
+    tf.stop_gradient makes it in the TensorFlow path. The gradient op forms
+    c_ij · dL/ds_j on the fly rather than a u_hat-sized gradient.
+
+    Args:
+      u: (batch, in_caps, in_dim) input capsules.
+      W: (in_caps, out_caps, out_dim, in_dim) transformation matrices, same dtype as
+        u (float16, bfloat16, float32 or float64; 16-bit types route in float32).
+      iterations: routing rounds r ≥ 1 (a Python int: it is compiled into the op).
+
+    Returns:
+      s_j: (batch, out_caps, out_dim) the last iteration's weighted sum, not squashed.
+      c_ij: (batch, in_caps, out_caps) the last iteration's coupling coefficients.
+    """
+    iterations = positive_int("capsule_routing: iterations", iterations, expected="an integer >= 1")
+    u, W = _check_inputs("capsule_routing", u, W)
+    return tuple(load_op_library().capsnet_capsule_routing(u=u, weights=W, iterations=iterations))
+
+
+@tf.RegisterGradient("Capsnet>CapsuleRouting")
+def _capsule_routing_grad(op, grad_s, grad_c):
+    """(grad_u, grad_W) through the last s_j only; grad_c is ignored: the c_ij are
+    constants of stop-gradient routing (see capsule_routing)."""
+    del grad_c
+    u, W = op.inputs
+    if grad_s is None:  # only c_ij reached the loss: no gradient path at all
+        return tf.zeros_like(u), tf.zeros_like(W)
+    return tuple(load_op_library().capsnet_capsule_routing_grad(u=u, weights=W, c_ij=op.outputs[1], grad_s=grad_s))
+
+
+@tf.RegisterGradient("Capsnet>CapsuleRoutingGrad")
+def _capsule_routing_grad_grad(op, d_grad_u, d_grad_W):
+    """Second-order gradient. With c = c_ij held constant, the gradient op is
+    grad_u = G(c·g, W), grad_W = H(c·g, u) with G, H the prediction gradient's two
+    halves, bilinear in (g, W) and (g, u); so
+      d g[b, j, d] = Σ_i c[b, i, j] (P(d_grad_u, W) + P(u, d_grad_W))[b, i, j, d]
+      d u = grad_u of Grad(u, d_grad_W, c, g)
+      d W = grad_W of Grad(d_grad_u, W, c, g)
+    (P = capsule prediction) and nothing for c (a constant)."""
+    u, W, c_ij, g = op.inputs
+    lib = load_op_library()
+    if d_grad_u is None:
+        d_grad_u = tf.zeros_like(u)
+    if d_grad_W is None:
+        d_grad_W = tf.zeros_like(W)
+    d_u_hat = lib.capsnet_capsule_prediction(u=d_grad_u, weights=W) + lib.capsnet_capsule_prediction(
+        u=u, weights=d_grad_W)                                         # (B, in_caps, out_caps, out_dim)
+    d_g = tf.einsum("bij,bijd->bjd", c_ij, d_u_hat)                    # (B, out_caps, out_dim)
+    d_u = lib.capsnet_capsule_routing_grad(u=u, weights=d_grad_W, c_ij=c_ij, grad_s=g)[0]
+    d_W = lib.capsnet_capsule_routing_grad(u=d_grad_u, weights=W, c_ij=c_ij, grad_s=g)[1]
+    return d_u, d_W, None, d_g
 
 
 def capsule_prediction_matmul(u, W):

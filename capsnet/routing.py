@@ -18,7 +18,10 @@ def squash(s, axis=-1, epsilon=1e-7):
     direction is kept. |s| is computed as sqrt(|s|² + epsilon): at s = 0 the exact
     |s| has an infinite derivative (NaN gradient) and s / |s| is 0 / 0, while this
     gives v = 0 with a finite gradient. The relative change of |v| is below
-    epsilon / (2|s|²), i.e. under 1e-5 for |s| ≥ 0.1.
+    epsilon / (2|s|²), i.e. under 1e-5 for |s| ≥ 0.1. The fused routing op
+    (capsnet.ops.capsule_routing) squashes its inner iterations with this default
+    compiled in (kSquashEpsilon in ops/capsule_prediction.h); tests/test_routing_op.py
+    checks that the two agree.
     """
     positive_float("squash: epsilon", epsilon)
     s = tf.convert_to_tensor(s)
@@ -49,6 +52,8 @@ def dynamic_routing(u_hat, iterations=3, stop_gradient=True):
     at the paper's batch 128) twice, so a step is cheaper in time and memory.
     With iterations = 1 there are no inner iterations and the flag changes nothing.
     Pass stop_gradient=False for the fully differentiable variant.
+    `capsnet.ops.capsule_routing` computes the same from u and W in one compiled op
+    (stop_gradient=True only), without materialising u_hat.
 
     Args:
         u_hat: predictions (batch, in_caps, out_caps, out_dim).

@@ -111,6 +111,51 @@ CAPSNET_CLONES void GradRows(const double* wt, const double* g, const double* u,
   GradRowsImpl(wt, g, u, gu, gwt, jd, K);
 }
 
+// The two passes of a routing iteration over one sample's u_hat (I x J x D):
+// s[j, d] += sum_i c[i, j] u_hat[i, j, d] (i in order) and
+// b[i, j] += sum_d u_hat[i, j, d] v[j, d].
+template <typename A>
+inline void WeightedSumImpl(const A* __restrict c, const A* __restrict u_hat,
+                            A* __restrict s, int64 I, int64 J, int64 D) {
+  for (int64 i = 0; i < I; ++i) {
+    const A* uh = u_hat + i * J * D;
+    for (int64 j = 0; j < J; ++j) {
+      const A cij = c[i * J + j];
+      for (int64 x = j * D; x < (j + 1) * D; ++x) s[x] += cij * uh[x];
+    }
+  }
+}
+
+template <typename A>
+inline void AddAgreementImpl(const A* __restrict u_hat, const A* __restrict v,
+                             A* __restrict b, int64 I, int64 J, int64 D) {
+  for (int64 i = 0; i < I; ++i) {
+    const A* uh = u_hat + i * J * D;
+    for (int64 j = 0; j < J; ++j) {
+      A agreement = A(0);
+      for (int64 x = j * D; x < (j + 1) * D; ++x) agreement += uh[x] * v[x];
+      b[i * J + j] += agreement;
+    }
+  }
+}
+
+CAPSNET_CLONES void WeightedSum(const float* c, const float* u_hat, float* s, int64 I, int64 J,
+                                int64 D) {
+  WeightedSumImpl(c, u_hat, s, I, J, D);
+}
+CAPSNET_CLONES void WeightedSum(const double* c, const double* u_hat, double* s, int64 I,
+                                int64 J, int64 D) {
+  WeightedSumImpl(c, u_hat, s, I, J, D);
+}
+CAPSNET_CLONES void AddAgreement(const float* u_hat, const float* v, float* b, int64 I, int64 J,
+                                 int64 D) {
+  AddAgreementImpl(u_hat, v, b, I, J, D);
+}
+CAPSNET_CLONES void AddAgreement(const double* u_hat, const double* v, double* b, int64 I,
+                                 int64 J, int64 D) {
+  AddAgreementImpl(u_hat, v, b, I, J, D);
+}
+
 // Batch rows per forward unit: enough to amortize transposing W_i.
 constexpr int64 kForwardBatchBlock = 32;
 // The backward splits the batch only when there are fewer capsules than this,
@@ -184,18 +229,57 @@ int64 CapsulePredictionCpu<T>::GradPartialsSize(const CapsuleDims& d) {
   return chunks > 1 ? chunks * d.w_size() : 0;
 }
 
+namespace {
+
+// The rows grad_u_hat[b, i, :, :] (JD values) the gradient units read, in the
+// accumulation type. Two sources: a u_hat-sized gradient in memory (the
+// prediction op's gradient) or c_ij * grad_s formed on the fly (the fused
+// routing op's), so both ops share one gradient implementation.
 template <typename T>
-void CapsulePredictionCpu<T>::Grad(const T* grad, const T* u, const T* W,
-                                   T* grad_u, T* grad_W, void* partials,
-                                   const CapsuleDims& d, int64 unit_begin,
-                                   int64 unit_end) {
+struct MemoryGradRows {
+  using A = CpuAcc<T>;
+  const T* grad;  // (batch, in_caps, out_caps, out_dim)
+  int64 in_caps, jd;
+  // Returns a pointer to the JD values; `scratch` holds JD values if needed.
+  const A* Row(int64 b, int64 i, A* scratch) const {
+    const T* g_bi = grad + (b * in_caps + i) * jd;  // grad[b, i, :, :] as JD rows
+    if constexpr (std::is_same_v<T, A>) {
+      return g_bi;
+    } else {
+      for (int64 r = 0; r < jd; ++r) scratch[r] = static_cast<A>(g_bi[r]);
+      return scratch;
+    }
+  }
+};
+
+template <typename T>
+struct CouplingGradRows {
+  using A = CpuAcc<T>;
+  const T* c_ij;    // (batch, in_caps, out_caps)
+  const T* grad_s;  // (batch, out_caps, out_dim)
+  int64 in_caps, out_caps, out_dim;
+  const A* Row(int64 b, int64 i, A* scratch) const {
+    const T* c = c_ij + (b * in_caps + i) * out_caps;
+    const T* g = grad_s + b * out_caps * out_dim;
+    for (int64 j = 0; j < out_caps; ++j) {
+      const A cj = static_cast<A>(c[j]);
+      for (int64 x = j * out_dim; x < (j + 1) * out_dim; ++x) {
+        scratch[x] = cj * static_cast<A>(g[x]);
+      }
+    }
+    return scratch;
+  }
+};
+
+// The body of CapsulePredictionCpu<T>::Grad for any row source.
+template <typename T, typename Rows>
+void RunGradUnits(const Rows& rows_of, const T* u, const T* W, T* grad_u, T* grad_W,
+                  void* partials, const CapsuleDims& d, int64 chunks, int64 unit_begin,
+                  int64 unit_end) {
   using A = CpuAcc<T>;
   const int64 jd = d.rows_per_cap(), K = d.in_dim, I = d.in_caps;
-  const int64 rows = d.rows();
-  const int64 chunks = GradChunks(d);
   const int64 per_chunk = (d.batch + chunks - 1) / chunks;
-  std::vector<A> wt(jd * K), gwt(jd * K), ub(K), gu(K);
-  std::vector<A> g_row(std::is_same_v<T, A> ? 0 : jd);
+  std::vector<A> wt(jd * K), gwt(jd * K), ub(K), gu(K), g_row(jd);
   for (int64 unit = unit_begin; unit < unit_end; ++unit) {
     const int64 i = unit / chunks;
     const int64 chunk = unit - i * chunks;
@@ -206,14 +290,7 @@ void CapsulePredictionCpu<T>::Grad(const T* grad, const T* u, const T* W,
     for (int64 b = b_begin; b < b_end; ++b) {
       const T* u_bi = u + (b * I + i) * K;
       for (int64 k = 0; k < K; ++k) ub[k] = static_cast<A>(u_bi[k]);
-      const T* g_bi = grad + b * rows + i * jd;  // grad[b, i, :, :] as JD rows
-      const A* g;
-      if constexpr (std::is_same_v<T, A>) {
-        g = g_bi;
-      } else {
-        for (int64 r = 0; r < jd; ++r) g_row[r] = static_cast<A>(g_bi[r]);
-        g = g_row.data();
-      }
+      const A* g = rows_of.Row(b, i, g_row.data());
       GradRows(wt.data(), g, ub.data(), gu.data(), gwt.data(), jd, K);
       T* gu_bi = grad_u + (b * I + i) * K;
       for (int64 k = 0; k < K; ++k) gu_bi[k] = static_cast<T>(gu[k]);
@@ -231,6 +308,17 @@ void CapsulePredictionCpu<T>::Grad(const T* grad, const T* u, const T* W,
       }
     }
   }
+}
+
+}  // namespace
+
+template <typename T>
+void CapsulePredictionCpu<T>::Grad(const T* grad, const T* u, const T* W,
+                                   T* grad_u, T* grad_W, void* partials,
+                                   const CapsuleDims& d, int64 unit_begin,
+                                   int64 unit_end) {
+  const MemoryGradRows<T> rows{grad, d.in_caps, d.rows_per_cap()};
+  RunGradUnits(rows, u, W, grad_u, grad_W, partials, d, GradChunks(d), unit_begin, unit_end);
 }
 
 template <typename T>
@@ -253,6 +341,95 @@ template struct CapsulePredictionCpu<double>;
 template struct CapsulePredictionCpu<Eigen::half>;
 template struct CapsulePredictionCpu<Eigen::bfloat16>;
 
+// ----------------------------------------------------------------------------
+// Fused routing on the CPU. A unit is one sample: its u_hat (I x JD values,
+// 737 KB at the paper shape) is computed once into a buffer that stays in the
+// core's cache for the r iterations, with the same mat-vec as the prediction
+// op; W is transposed once per call (TransposeW) and shared by all units.
+
+template <typename T>
+int64 CapsuleRoutingCpu<T>::TransposedWSize(const CapsuleDims& d) {
+  return d.w_size();
+}
+
+template <typename T>
+void CapsuleRoutingCpu<T>::TransposeW(const T* W, void* wt, const CapsuleDims& d,
+                                      int64 cap_begin, int64 cap_end) {
+  using A = CpuAcc<T>;
+  const int64 per_cap = d.rows_per_cap() * d.in_dim;
+  for (int64 i = cap_begin; i < cap_end; ++i) {
+    TransposeCapsule(W + i * per_cap, static_cast<A*>(wt) + i * per_cap, d.rows_per_cap(),
+                     d.in_dim);
+  }
+}
+
+template <typename T>
+void CapsuleRoutingCpu<T>::Forward(const T* u, const void* wt_void, T* s_out, T* c_out,
+                                   const CapsuleDims& d, int iterations, int64 b_begin,
+                                   int64 b_end) {
+  using A = CpuAcc<T>;
+  const int64 I = d.in_caps, J = d.out_caps, D = d.out_dim, K = d.in_dim;
+  const int64 jd = d.rows_per_cap();
+  const A* wt = static_cast<const A*>(wt_void);
+  const A eps = static_cast<A>(kSquashEpsilon);
+  if (J == 0) return;  // nothing to route (the op's kernel never calls this then)
+  std::vector<A> u_hat(I * jd), b_ij(I * J), c(I * J), s(jd), v(jd), ub(K);
+  for (int64 b = b_begin; b < b_end; ++b) {
+    for (int64 i = 0; i < I; ++i) {
+      const T* u_bi = u + (b * I + i) * K;
+      for (int64 k = 0; k < K; ++k) ub[k] = static_cast<A>(u_bi[k]);
+      MatVecRows(wt + i * K * jd, ub.data(), u_hat.data() + i * jd, jd, K);
+    }
+    std::fill(b_ij.begin(), b_ij.end(), A(0));
+    for (int t = 0; t < iterations; ++t) {
+      // c_ij = softmax_j(b_ij), as exp(b - max) / sum.
+      for (int64 i = 0; i < I; ++i) {
+        const A* bi = b_ij.data() + i * J;
+        A* ci = c.data() + i * J;
+        A m = bi[0];
+        for (int64 j = 1; j < J; ++j) m = std::max(m, bi[j]);
+        A sum = A(0);
+        for (int64 j = 0; j < J; ++j) {
+          ci[j] = std::exp(bi[j] - m);
+          sum += ci[j];
+        }
+        for (int64 j = 0; j < J; ++j) ci[j] /= sum;
+      }
+      // s_j = sum_i c_ij u_hat_j|i, i in order.
+      std::fill(s.begin(), s.end(), A(0));
+      WeightedSum(c.data(), u_hat.data(), s.data(), I, J, D);
+      if (t == iterations - 1) break;
+      // v_j = squash(s_j), written as capsnet.routing.squash computes it.
+      for (int64 j = 0; j < J; ++j) {
+        A sq = A(0);
+        for (int64 x = j * D; x < (j + 1) * D; ++x) sq += s[x] * s[x];
+        const A scale = sq / (A(1) + sq) / std::sqrt(sq + eps);
+        for (int64 x = j * D; x < (j + 1) * D; ++x) v[x] = scale * s[x];
+      }
+      // b_ij += u_hat_j|i . v_j
+      AddAgreement(u_hat.data(), v.data(), b_ij.data(), I, J, D);
+    }
+    T* s_b = s_out + b * jd;
+    for (int64 x = 0; x < jd; ++x) s_b[x] = static_cast<T>(s[x]);
+    T* c_b = c_out + b * I * J;
+    for (int64 x = 0; x < I * J; ++x) c_b[x] = static_cast<T>(c[x]);
+  }
+}
+
+template <typename T>
+void CapsuleRoutingCpu<T>::Grad(const T* c_ij, const T* grad_s, const T* u, const T* W,
+                                T* grad_u, T* grad_W, void* partials, const CapsuleDims& d,
+                                int64 unit_begin, int64 unit_end) {
+  const CouplingGradRows<T> rows{c_ij, grad_s, d.in_caps, d.out_caps, d.out_dim};
+  RunGradUnits(rows, u, W, grad_u, grad_W, partials, d, CapsulePredictionCpu<T>::GradChunks(d),
+               unit_begin, unit_end);
+}
+
+template struct CapsuleRoutingCpu<float>;
+template struct CapsuleRoutingCpu<double>;
+template struct CapsuleRoutingCpu<Eigen::half>;
+template struct CapsuleRoutingCpu<Eigen::bfloat16>;
+
 }  // namespace capsnet
 
 // ============================================================================
@@ -267,14 +444,18 @@ using ::tensorflow::shape_inference::ShapeHandle;
 
 // Merges dimension `a_dim` of `a` with dimension `b_dim` of `b`, with an error
 // naming both full shapes when both are known and differ.
+// `op` prefixes the message: the Python name of the op whose inputs disagree.
+constexpr char kPredictionOp[] = "capsule_prediction";
+constexpr char kRoutingOp[] = "capsule_routing";
+
 absl::Status MergeNamed(InferenceContext* c, ShapeHandle a, int a_dim,
                         const char* a_name, ShapeHandle b, int b_dim,
                         const char* b_name, const char* what,
-                        DimensionHandle* out) {
+                        DimensionHandle* out, const char* op = kPredictionOp) {
   DimensionHandle da = c->Dim(a, a_dim), db = c->Dim(b, b_dim);
   if (c->ValueKnown(da) && c->ValueKnown(db) && c->Value(da) != c->Value(db)) {
     return errors::InvalidArgument(
-        "capsule_prediction: ", what, " disagrees between ", a_name, " ",
+        op, ": ", what, " disagrees between ", a_name, " ",
         c->DebugString(a), " (dim ", a_dim, " = ", c->Value(da), ") and ", b_name,
         " ", c->DebugString(b), " (dim ", b_dim, " = ", c->Value(db), ")");
   }
@@ -283,14 +464,14 @@ absl::Status MergeNamed(InferenceContext* c, ShapeHandle a, int a_dim,
 
 absl::Status WithRankNamed(InferenceContext* c, int input, int rank,
                            const char* name, const char* layout,
-                           ShapeHandle* out) {
+                           ShapeHandle* out, const char* op = kPredictionOp) {
   ShapeHandle s = c->input(input);
   if (c->RankKnown(s) && c->Rank(s) != rank) {
     std::string all;
     for (int x = 0; x < c->num_inputs(); ++x) {
       all += (x ? ", " : "") + c->DebugString(c->input(x));
     }
-    return errors::InvalidArgument("capsule_prediction: ", name, " must have rank ",
+    return errors::InvalidArgument(op, ": ", name, " must have rank ",
                                    rank, " ", layout, " but has shape ",
                                    c->DebugString(s), " (input shapes: ", all, ")");
   }
@@ -361,20 +542,20 @@ grad_weights[i, j, d, k] = sum_b grad[b, i, j, d] * u[b, i, k].
 
 // Run-time shape checks (shapes may be unknown when the graph is built).
 absl::Status CheckForwardShapes(const TensorShape& u, const TensorShape& w,
-                                capsnet::CapsuleDims* dims) {
+                                capsnet::CapsuleDims* dims, const char* op = kPredictionOp) {
   if (u.dims() != 3 || w.dims() != 4) {
     return errors::InvalidArgument(
-        "capsule_prediction: u must be ", kULayout, " and W ", kWLayout,
+        op, ": u must be ", kULayout, " and W ", kWLayout,
         ", got u ", u.DebugString(), " and W ", w.DebugString());
   }
   if (u.dim_size(1) != w.dim_size(0)) {
     return errors::InvalidArgument(
-        "capsule_prediction: in_caps disagrees between u ", u.DebugString(),
+        op, ": in_caps disagrees between u ", u.DebugString(),
         " (dim 1) and W ", w.DebugString(), " (dim 0)");
   }
   if (u.dim_size(2) != w.dim_size(3)) {
     return errors::InvalidArgument(
-        "capsule_prediction: in_dim disagrees between u ", u.DebugString(),
+        op, ": in_dim disagrees between u ", u.DebugString(),
         " (dim 2) and W ", w.DebugString(), " (dim 3)");
   }
   *dims = {u.dim_size(0), u.dim_size(1), w.dim_size(1), w.dim_size(2), u.dim_size(2)};
@@ -434,6 +615,37 @@ class CapsulePredictionCpuOp : public OpKernel {
   }
 };
 
+// Runs gradient units unit_fn(partials, begin, end) (CapsulePredictionCpu's
+// units, from either gradient op) on the CPU pool, then sums the grad_W partials
+// over batch chunks in chunk order.
+template <typename T, typename UnitFn>
+void ShardGradUnits(OpKernelContext* ctx, const capsnet::CapsuleDims& d, Tensor* grad_w,
+                    UnitFn unit_fn) {
+  using Cpu = capsnet::CapsulePredictionCpu<T>;
+  using A = capsnet::CpuAcc<T>;
+  Tensor partials;
+  void* partials_ptr = nullptr;
+  const int64_t partials_size = Cpu::GradPartialsSize(d);
+  if (partials_size > 0) {
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<A>::value,
+                                           TensorShape({partials_size}), &partials));
+    partials_ptr = partials.flat<A>().data();
+  }
+  T* gw_ptr = grad_w->flat<T>().data();
+  const auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
+  const int64_t chunk_batch = (d.batch + Cpu::GradChunks(d) - 1) / Cpu::GradChunks(d);
+  const int64_t cost = (chunk_batch + 1) * 4 * d.rows_per_cap() * (d.in_dim + 1);
+  Shard(workers->num_threads, workers->workers, Cpu::GradUnits(d), cost,
+        [&](int64_t begin, int64_t end) { unit_fn(partials_ptr, begin, end); });
+  if (partials_ptr != nullptr) {
+    Shard(workers->num_threads, workers->workers, d.in_caps,
+          Cpu::GradChunks(d) * d.rows_per_cap() * d.in_dim,
+          [&](int64_t begin, int64_t end) {
+            Cpu::ReduceGradW(partials_ptr, gw_ptr, d, begin, end);
+          });
+  }
+}
+
 template <typename T>
 class CapsulePredictionGradCpuOp : public OpKernel {
  public:
@@ -448,35 +660,15 @@ class CapsulePredictionGradCpuOp : public OpKernel {
     Tensor* grad_w = nullptr;
     OP_REQUIRES_OK(ctx, PrepareGrad(ctx, &d, &grad_u, &grad_w));
     if (grad_u->NumElements() == 0 && grad_w->NumElements() == 0) return;
-    using Cpu = capsnet::CapsulePredictionCpu<T>;
-    using A = capsnet::CpuAcc<T>;
-    Tensor partials;
-    void* partials_ptr = nullptr;
-    const int64_t partials_size = Cpu::GradPartialsSize(d);
-    if (partials_size > 0) {
-      OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<A>::value,
-                                             TensorShape({partials_size}), &partials));
-      partials_ptr = partials.flat<A>().data();
-    }
     const T* g_ptr = g.flat<T>().data();
     const T* u_ptr = u.flat<T>().data();
     const T* w_ptr = w.flat<T>().data();
     T* gu_ptr = grad_u->flat<T>().data();
     T* gw_ptr = grad_w->flat<T>().data();
-    const auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
-    const int64_t chunk_batch = (d.batch + Cpu::GradChunks(d) - 1) / Cpu::GradChunks(d);
-    const int64_t cost = (chunk_batch + 1) * 4 * d.rows_per_cap() * (d.in_dim + 1);
-    Shard(workers->num_threads, workers->workers, Cpu::GradUnits(d), cost,
-          [&](int64_t begin, int64_t end) {
-            Cpu::Grad(g_ptr, u_ptr, w_ptr, gu_ptr, gw_ptr, partials_ptr, d, begin, end);
-          });
-    if (partials_ptr != nullptr) {
-      Shard(workers->num_threads, workers->workers, d.in_caps,
-            Cpu::GradChunks(d) * d.rows_per_cap() * d.in_dim,
-            [&](int64_t begin, int64_t end) {
-              Cpu::ReduceGradW(partials_ptr, gw_ptr, d, begin, end);
-            });
-    }
+    ShardGradUnits<T>(ctx, d, grad_w, [&](void* partials, int64_t begin, int64_t end) {
+      capsnet::CapsulePredictionCpu<T>::Grad(g_ptr, u_ptr, w_ptr, gu_ptr, gw_ptr, partials, d,
+                                             begin, end);
+    });
   }
 };
 
@@ -533,10 +725,21 @@ absl::Status GetGpuStream(OpKernelContext* ctx, capsnet::GpuStream* stream) {
   return absl::OkStatus();
 }
 
-absl::Status LaunchStatus(int status, const char* what) {
+absl::Status LaunchStatus(int status, const char* what, const char* op = kPredictionOp) {
   if (status == 0) return absl::OkStatus();
-  return errors::Internal("capsule_prediction: CUDA launch of the ", what,
+  return errors::Internal(op, ": CUDA launch of the ", what,
                           " kernels failed: ", capsnet::GpuErrorString(status));
+}
+
+// A device scratch buffer of `bytes` (none for 0) that lives as long as `tensor`.
+absl::Status AllocateWorkspace(OpKernelContext* ctx, std::size_t bytes, Tensor* tensor,
+                               void** ptr) {
+  *ptr = nullptr;
+  if (bytes == 0) return absl::OkStatus();
+  TF_RETURN_IF_ERROR(
+      ctx->allocate_temp(DT_UINT8, TensorShape({static_cast<int64_t>(bytes)}), tensor));
+  *ptr = tensor->flat<uint8_t>().data();
+  return absl::OkStatus();
 }
 
 template <typename T>
@@ -578,12 +781,7 @@ class CapsulePredictionGradGpuOp : public OpKernel {
     const std::size_t ws_bytes = capsnet::CapsulePredictionGradWorkspaceBytes<G>(d);
     Tensor workspace;
     void* ws = nullptr;
-    if (ws_bytes > 0) {
-      OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_UINT8,
-                                             TensorShape({static_cast<int64_t>(ws_bytes)}),
-                                             &workspace));
-      ws = workspace.flat<uint8_t>().data();
-    }
+    OP_REQUIRES_OK(ctx, AllocateWorkspace(ctx, ws_bytes, &workspace, &ws));
     capsnet::GpuStream stream;
     OP_REQUIRES_OK(ctx, GetGpuStream(ctx, &stream));
     OP_REQUIRES_OK(ctx, LaunchStatus(capsnet::LaunchCapsulePredictionGrad(
@@ -602,6 +800,276 @@ class CapsulePredictionGradGpuOp : public OpKernel {
                               .Device(DEVICE_GPU)                                \
                               .TypeConstraint<T>("T"),                           \
                           CapsulePredictionGradGpuOp<T>);
+CAPSNET_REGISTER_GPU(float)
+CAPSNET_REGISTER_GPU(double)
+CAPSNET_REGISTER_GPU(Eigen::half)
+CAPSNET_REGISTER_GPU(Eigen::bfloat16)
+#undef CAPSNET_REGISTER_GPU
+
+#endif  // GOOGLE_CUDA
+
+// ============================================================================
+// Fused dynamic routing: Capsnet>CapsuleRouting and Capsnet>CapsuleRoutingGrad
+// (math and gradient rule in capsule_prediction.h).
+
+constexpr char kSLayout[] = "(batch, out_caps, out_dim)";
+constexpr char kCLayout[] = "(batch, in_caps, out_caps)";
+
+absl::Status RoutingShape(InferenceContext* c) {
+  ShapeHandle u, w;
+  TF_RETURN_IF_ERROR(WithRankNamed(c, 0, 3, "u", kULayout, &u, kRoutingOp));
+  TF_RETURN_IF_ERROR(WithRankNamed(c, 1, 4, "W", kWLayout, &w, kRoutingOp));
+  DimensionHandle in_caps, in_dim;
+  TF_RETURN_IF_ERROR(MergeNamed(c, u, 1, "u", w, 0, "W", "in_caps", &in_caps, kRoutingOp));
+  TF_RETURN_IF_ERROR(MergeNamed(c, u, 2, "u", w, 3, "W", "in_dim", &in_dim, kRoutingOp));
+  c->set_output(0, c->MakeShape({c->Dim(u, 0), c->Dim(w, 1), c->Dim(w, 2)}));
+  c->set_output(1, c->MakeShape({c->Dim(u, 0), in_caps, c->Dim(w, 1)}));
+  return absl::OkStatus();
+}
+
+absl::Status RoutingGradShape(InferenceContext* c) {
+  ShapeHandle u, w, cij, g;
+  TF_RETURN_IF_ERROR(WithRankNamed(c, 0, 3, "u", kULayout, &u, kRoutingOp));
+  TF_RETURN_IF_ERROR(WithRankNamed(c, 1, 4, "W", kWLayout, &w, kRoutingOp));
+  TF_RETURN_IF_ERROR(WithRankNamed(c, 2, 3, "c_ij", kCLayout, &cij, kRoutingOp));
+  TF_RETURN_IF_ERROR(WithRankNamed(c, 3, 3, "grad_s", kSLayout, &g, kRoutingOp));
+  DimensionHandle in_caps, in_dim, batch, out_caps, out_dim;
+  TF_RETURN_IF_ERROR(MergeNamed(c, u, 1, "u", w, 0, "W", "in_caps", &in_caps, kRoutingOp));
+  TF_RETURN_IF_ERROR(MergeNamed(c, u, 2, "u", w, 3, "W", "in_dim", &in_dim, kRoutingOp));
+  TF_RETURN_IF_ERROR(MergeNamed(c, cij, 0, "c_ij", u, 0, "u", "batch", &batch, kRoutingOp));
+  TF_RETURN_IF_ERROR(MergeNamed(c, g, 0, "grad_s", u, 0, "u", "batch", &batch, kRoutingOp));
+  TF_RETURN_IF_ERROR(MergeNamed(c, cij, 1, "c_ij", w, 0, "W", "in_caps", &in_caps, kRoutingOp));
+  TF_RETURN_IF_ERROR(MergeNamed(c, cij, 2, "c_ij", w, 1, "W", "out_caps", &out_caps, kRoutingOp));
+  TF_RETURN_IF_ERROR(MergeNamed(c, g, 1, "grad_s", w, 1, "W", "out_caps", &out_caps, kRoutingOp));
+  TF_RETURN_IF_ERROR(MergeNamed(c, g, 2, "grad_s", w, 2, "W", "out_dim", &out_dim, kRoutingOp));
+  c->set_output(0, c->MakeShape({batch, in_caps, in_dim}));
+  c->set_output(1, c->MakeShape({in_caps, out_caps, out_dim, in_dim}));
+  return absl::OkStatus();
+}
+
+REGISTER_OP("Capsnet>CapsuleRouting")
+    .Input("u: T")
+    .Input("weights: T")
+    .Output("s_j: T")
+    .Output("c_ij: T")
+    .Attr("iterations: int >= 1")
+    .Attr("T: {half, bfloat16, float, double}")
+    .SetShapeFn(RoutingShape)
+    .Doc(R"doc(
+Capsule prediction and `iterations` rounds of dynamic routing, fused: u_hat is
+never written to memory.
+
+u: (batch, in_caps, in_dim) input capsules.
+weights: (in_caps, out_caps, out_dim, in_dim) transformation matrices W.
+s_j: (batch, out_caps, out_dim) the last iteration's s_j = sum_i c_ij u_hat_j|i,
+  before the squash.
+c_ij: (batch, in_caps, out_caps) the last iteration's coupling coefficients.
+)doc");
+
+REGISTER_OP("Capsnet>CapsuleRoutingGrad")
+    .Input("u: T")
+    .Input("weights: T")
+    .Input("c_ij: T")
+    .Input("grad_s: T")
+    .Output("grad_u: T")
+    .Output("grad_weights: T")
+    .Attr("T: {half, bfloat16, float, double}")
+    .SetShapeFn(RoutingGradShape)
+    .Doc(R"doc(
+Gradient of Capsnet>CapsuleRouting under stop-gradient routing (c_ij constant):
+with grad_u_hat[b, i, j, d] = c_ij[b, i, j] * grad_s[b, j, d] (not materialised),
+grad_u[b, i, k] = sum_{j,d} weights[i, j, d, k] * grad_u_hat[b, i, j, d] and
+grad_weights[i, j, d, k] = sum_b grad_u_hat[b, i, j, d] * u[b, i, k].
+)doc");
+
+absl::Status CheckRoutingGradShapes(const TensorShape& u, const TensorShape& w,
+                                    const TensorShape& cij, const TensorShape& g,
+                                    capsnet::CapsuleDims* d) {
+  TF_RETURN_IF_ERROR(CheckForwardShapes(u, w, d, kRoutingOp));
+  const TensorShape want_c({d->batch, d->in_caps, d->out_caps});
+  const TensorShape want_g({d->batch, d->out_caps, d->out_dim});
+  if (cij != want_c || g != want_g) {
+    return errors::InvalidArgument(
+        "capsule_routing gradient: c_ij ", cij.DebugString(), " and grad_s ", g.DebugString(),
+        " must be ", want_c.DebugString(), " ", kCLayout, " and ", want_g.DebugString(), " ",
+        kSLayout, " for u ", u.DebugString(), " and W ", w.DebugString());
+  }
+  return absl::OkStatus();
+}
+
+// The routing kernels' shared prologue, as PrepareForward / PrepareGrad.
+absl::Status PrepareRouting(OpKernelContext* ctx, capsnet::CapsuleDims* d, Tensor** s_j,
+                            Tensor** c_ij) {
+  TF_RETURN_IF_ERROR(
+      CheckForwardShapes(ctx->input(0).shape(), ctx->input(1).shape(), d, kRoutingOp));
+  TF_RETURN_IF_ERROR(
+      ctx->allocate_output(0, TensorShape({d->batch, d->out_caps, d->out_dim}), s_j));
+  return ctx->allocate_output(1, TensorShape({d->batch, d->in_caps, d->out_caps}), c_ij);
+}
+
+absl::Status PrepareRoutingGrad(OpKernelContext* ctx, capsnet::CapsuleDims* d, Tensor** grad_u,
+                                Tensor** grad_w) {
+  const TensorShape& u = ctx->input(0).shape();
+  const TensorShape& w = ctx->input(1).shape();
+  TF_RETURN_IF_ERROR(
+      CheckRoutingGradShapes(u, w, ctx->input(2).shape(), ctx->input(3).shape(), d));
+  TF_RETURN_IF_ERROR(ctx->allocate_output(0, u, grad_u));
+  return ctx->allocate_output(1, w, grad_w);
+}
+
+template <typename T>
+class CapsuleRoutingCpuOp : public OpKernel {
+ public:
+  explicit CapsuleRoutingCpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("iterations", &iterations_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& u = ctx->input(0);
+    const Tensor& w = ctx->input(1);
+    capsnet::CapsuleDims d;
+    Tensor* s_j = nullptr;
+    Tensor* c_ij = nullptr;
+    OP_REQUIRES_OK(ctx, PrepareRouting(ctx, &d, &s_j, &c_ij));
+    if (s_j->NumElements() == 0 && c_ij->NumElements() == 0) return;
+    using A = capsnet::CpuAcc<T>;
+    if (d.u_hat_size() == 0 || d.in_dim == 0) {
+      // u_hat is empty or zero: s_j = 0, every b_ij stays 0, c_ij = 1 / out_caps.
+      s_j->flat<T>().setZero();
+      c_ij->flat<T>().setConstant(static_cast<T>(A(1) / static_cast<A>(d.out_caps)));
+      return;
+    }
+    using Cpu = capsnet::CapsuleRoutingCpu<T>;
+    Tensor wt;
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<A>::value,
+                                           TensorShape({Cpu::TransposedWSize(d)}), &wt));
+    const T* u_ptr = u.flat<T>().data();
+    const T* w_ptr = w.flat<T>().data();
+    A* wt_ptr = wt.flat<A>().data();
+    T* s_ptr = s_j->flat<T>().data();
+    T* c_ptr = c_ij->flat<T>().data();
+    const auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
+    const int64_t per_cap = d.rows_per_cap() * d.in_dim;
+    Shard(workers->num_threads, workers->workers, d.in_caps, 2 * per_cap,
+          [&](int64_t begin, int64_t end) { Cpu::TransposeW(w_ptr, wt_ptr, d, begin, end); });
+    // Per sample: the prediction (K FMAs per u_hat element), then per iteration
+    // the weighted sum and the agreement (one FMA each per element).
+    const int64_t cost = d.in_caps * d.rows_per_cap() * (2 * d.in_dim + 4 * iterations_);
+    const int iterations = iterations_;
+    Shard(workers->num_threads, workers->workers, d.batch, cost,
+          [&](int64_t begin, int64_t end) {
+            Cpu::Forward(u_ptr, wt_ptr, s_ptr, c_ptr, d, iterations, begin, end);
+          });
+  }
+
+ private:
+  int iterations_;
+};
+
+template <typename T>
+class CapsuleRoutingGradCpuOp : public OpKernel {
+ public:
+  explicit CapsuleRoutingGradCpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    capsnet::CapsuleDims d;
+    Tensor* grad_u = nullptr;
+    Tensor* grad_w = nullptr;
+    OP_REQUIRES_OK(ctx, PrepareRoutingGrad(ctx, &d, &grad_u, &grad_w));
+    if (grad_u->NumElements() == 0 && grad_w->NumElements() == 0) return;
+    const T* u_ptr = ctx->input(0).flat<T>().data();
+    const T* w_ptr = ctx->input(1).flat<T>().data();
+    const T* c_ptr = ctx->input(2).flat<T>().data();
+    const T* g_ptr = ctx->input(3).flat<T>().data();
+    T* gu_ptr = grad_u->flat<T>().data();
+    T* gw_ptr = grad_w->flat<T>().data();
+    ShardGradUnits<T>(ctx, d, grad_w, [&](void* partials, int64_t begin, int64_t end) {
+      capsnet::CapsuleRoutingCpu<T>::Grad(c_ptr, g_ptr, u_ptr, w_ptr, gu_ptr, gw_ptr, partials,
+                                          d, begin, end);
+    });
+  }
+};
+
+#define CAPSNET_REGISTER_CPU(T)                                                          \
+  REGISTER_KERNEL_BUILDER(                                                               \
+      Name("Capsnet>CapsuleRouting").Device(DEVICE_CPU).TypeConstraint<T>("T"),          \
+      CapsuleRoutingCpuOp<T>);                                                           \
+  REGISTER_KERNEL_BUILDER(                                                               \
+      Name("Capsnet>CapsuleRoutingGrad").Device(DEVICE_CPU).TypeConstraint<T>("T"),      \
+      CapsuleRoutingGradCpuOp<T>);
+CAPSNET_REGISTER_CPU(float)
+CAPSNET_REGISTER_CPU(double)
+CAPSNET_REGISTER_CPU(Eigen::half)
+CAPSNET_REGISTER_CPU(Eigen::bfloat16)
+#undef CAPSNET_REGISTER_CPU
+
+#if GOOGLE_CUDA
+
+template <typename T>
+class CapsuleRoutingGpuOp : public OpKernel {
+ public:
+  explicit CapsuleRoutingGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("iterations", &iterations_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    capsnet::CapsuleDims d;
+    Tensor* s_j = nullptr;
+    Tensor* c_ij = nullptr;
+    OP_REQUIRES_OK(ctx, PrepareRouting(ctx, &d, &s_j, &c_ij));
+    if (s_j->NumElements() == 0 && c_ij->NumElements() == 0) return;
+    using G = typename GpuType<T>::type;
+    const std::size_t ws_bytes = capsnet::CapsuleRoutingWorkspaceBytes<G>(d, iterations_);
+    Tensor workspace;
+    void* ws = nullptr;
+    OP_REQUIRES_OK(ctx, AllocateWorkspace(ctx, ws_bytes, &workspace, &ws));
+    capsnet::GpuStream stream;
+    OP_REQUIRES_OK(ctx, GetGpuStream(ctx, &stream));
+    OP_REQUIRES_OK(ctx, LaunchStatus(capsnet::LaunchCapsuleRoutingForward(
+                                         DevPtr<T>(ctx->input(0)), DevPtr<T>(ctx->input(1)),
+                                         DevPtr<T>(s_j), DevPtr<T>(c_ij), ws, ws_bytes, d,
+                                         iterations_, stream),
+                                     "routing", kRoutingOp));
+  }
+
+ private:
+  int iterations_;
+};
+
+template <typename T>
+class CapsuleRoutingGradGpuOp : public OpKernel {
+ public:
+  explicit CapsuleRoutingGradGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    capsnet::CapsuleDims d;
+    Tensor* grad_u = nullptr;
+    Tensor* grad_w = nullptr;
+    OP_REQUIRES_OK(ctx, PrepareRoutingGrad(ctx, &d, &grad_u, &grad_w));
+    if (grad_u->NumElements() == 0 && grad_w->NumElements() == 0) return;
+    using G = typename GpuType<T>::type;
+    const std::size_t ws_bytes = capsnet::CapsuleRoutingGradWorkspaceBytes<G>(d);
+    Tensor workspace;
+    void* ws = nullptr;
+    OP_REQUIRES_OK(ctx, AllocateWorkspace(ctx, ws_bytes, &workspace, &ws));
+    capsnet::GpuStream stream;
+    OP_REQUIRES_OK(ctx, GetGpuStream(ctx, &stream));
+    OP_REQUIRES_OK(ctx, LaunchStatus(capsnet::LaunchCapsuleRoutingGrad(
+                                         DevPtr<T>(ctx->input(2)), DevPtr<T>(ctx->input(3)),
+                                         DevPtr<T>(ctx->input(0)), DevPtr<T>(ctx->input(1)),
+                                         DevPtr<T>(grad_u), DevPtr<T>(grad_w), ws, ws_bytes, d,
+                                         stream),
+                                     "routing gradient", kRoutingOp));
+  }
+};
+
+#define CAPSNET_REGISTER_GPU(T)                                                          \
+  REGISTER_KERNEL_BUILDER(                                                               \
+      Name("Capsnet>CapsuleRouting").Device(DEVICE_GPU).TypeConstraint<T>("T"),          \
+      CapsuleRoutingGpuOp<T>);                                                           \
+  REGISTER_KERNEL_BUILDER(                                                               \
+      Name("Capsnet>CapsuleRoutingGrad").Device(DEVICE_GPU).TypeConstraint<T>("T"),      \
+      CapsuleRoutingGradGpuOp<T>);
 CAPSNET_REGISTER_GPU(float)
 CAPSNET_REGISTER_GPU(double)
 CAPSNET_REGISTER_GPU(Eigen::half)

@@ -118,6 +118,93 @@ int LaunchCapsulePredictionGrad(const T* grad, const T* u, const T* W,
 // cudaGetErrorString for a launcher's return value.
 const char* GpuErrorString(int status);
 
+// ============================================================================
+// Fused dynamic routing (op Capsnet>CapsuleRouting): the prediction above plus
+// all r routing iterations (Sabour et al. 2017, Procedure 1), without writing
+// u_hat to memory.
+//
+//   u (B, I, K), W (I, J, D, K), iterations r >= 1  ->
+//     s_j  (B, J, D)  the last iteration's s_j = sum_i c_ij u_hat_j|i, before
+//                     the squash (the caller squashes, so that gradient is its own)
+//     c_ij (B, I, J)  the last iteration's coupling coefficients
+//   b_ij = 0; r times: c_ij = softmax_j(b_ij); s_j = sum_i c_ij u_hat_j|i;
+//   v_j = squash(s_j); b_ij += u_hat_j|i . v_j except after the last iteration.
+//
+// The gradient is that of stop-gradient routing (capsnet/routing.py): the c_ij
+// are constants, so with g = dL/ds_j the only path is the last s_j, and
+//   grad_u_hat[b, i, j, d] = c_ij[b, i, j] * g[b, j, d]
+// goes through the capsule-prediction gradient kernels above, which compute
+// c_ij * g on the fly instead of reading a u_hat-sized gradient. The gradient
+// with respect to the c_ij output is zero by that same rule.
+//
+// Empty sums follow the math: with in_dim, out_dim or in_caps 0, u_hat is
+// empty or zero, so s_j = 0 and c_ij = 1 / out_caps.
+
+// squash's epsilon inside the norm, |s| = sqrt(|s|^2 + epsilon): the default of
+// capsnet.routing.squash (tests check that the two agree).
+constexpr double kSquashEpsilon = 1e-7;
+
+// CPU kernels (capsule_prediction.cc; float, double, Eigen::half,
+// Eigen::bfloat16 with float accumulation). Deterministic: every output element
+// is computed by one unit in a fixed order.
+template <typename T>
+struct CapsuleRoutingCpu {
+  // W transposed per capsule to (K x JD) in the accumulation type, the layout
+  // CapsulePredictionCpu's mat-vec reads: TransposedWSize() elements (float for
+  // float/half/bfloat16, double for double), written for capsules
+  // [cap_begin, cap_end).
+  static int64 TransposedWSize(const CapsuleDims& dims);
+  static void TransposeW(const T* W, void* wt, const CapsuleDims& dims,
+                         int64 cap_begin, int64 cap_end);
+  // Forward units are samples: one sample is routed start to finish with its
+  // u_hat in a per-call buffer (I * JD accumulation values).
+  static void Forward(const T* u, const void* wt, T* s_j, T* c_ij,
+                      const CapsuleDims& dims, int iterations, int64 b_begin,
+                      int64 b_end);
+  // The gradient: CapsulePredictionCpu's units, chunks and partials (use its
+  // GradUnits, GradPartialsSize and ReduceGradW), with grad_u_hat rows formed
+  // as c_ij * grad_s.
+  static void Grad(const T* c_ij, const T* grad_s, const T* u, const T* W,
+                   T* grad_u, T* grad_W, void* partials, const CapsuleDims& dims,
+                   int64 unit_begin, int64 unit_end);
+};
+
+// GPU launchers (capsule_prediction.cu.cc; T = float, double, half_t,
+// bfloat16_t), same conventions as above: device pointers, work enqueued on
+// `stream`, cudaError_t as int, deterministic (fixed reduction order, no
+// atomics, launch plan a function of the shape only).
+//
+// Bytes of device scratch LaunchCapsuleRoutingForward needs: the routing
+// logits b_ij, the per-block partial sums of s_j and v_j, in the accumulation
+// type. Depends on the shape, `iterations` and `algo` only.
+template <typename T>
+std::size_t CapsuleRoutingWorkspaceBytes(const CapsuleDims& dims, int iterations,
+                                         GpuAlgo algo = GpuAlgo::kAuto);
+
+// u, W -> s_j (B, J, D), c_ij (B, I, J). kAuto uses the tiled kernels when the
+// shape allows (in_dim <= 16, out_caps * out_dim within one block) and the
+// simple one-thread-per-output kernels otherwise; kGeneric forces the latter.
+template <typename T>
+int LaunchCapsuleRoutingForward(const T* u, const T* W, T* s_j, T* c_ij,
+                                void* workspace, std::size_t workspace_bytes,
+                                const CapsuleDims& dims, int iterations,
+                                GpuStream stream, GpuAlgo algo = GpuAlgo::kAuto);
+
+// Bytes of device scratch LaunchCapsuleRoutingGrad needs (the prediction
+// gradient's batch-split partials of grad_W; 0 when the batch is not split).
+template <typename T>
+std::size_t CapsuleRoutingGradWorkspaceBytes(const CapsuleDims& dims,
+                                             GpuAlgo algo = GpuAlgo::kAuto);
+
+// c_ij (B, I, J), grad_s (B, J, D) -> grad_u (shape of u), grad_W (shape of W),
+// with the prediction gradient's kernels (their row width then divides out_dim).
+// `workspace` must hold CapsuleRoutingGradWorkspaceBytes<T>(dims, algo).
+template <typename T>
+int LaunchCapsuleRoutingGrad(const T* c_ij, const T* grad_s, const T* u,
+                             const T* W, T* grad_u, T* grad_W, void* workspace,
+                             std::size_t workspace_bytes, const CapsuleDims& dims,
+                             GpuStream stream, GpuAlgo algo = GpuAlgo::kAuto);
+
 }  // namespace capsnet
 
 #endif  // CAPSNET_OPS_CAPSULE_PREDICTION_H_

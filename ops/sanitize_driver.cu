@@ -1,18 +1,20 @@
-// Standalone driver of the capsule prediction GPU launchers (no TensorFlow).
+// Standalone driver of the capsule prediction and fused routing GPU launchers
+// (no TensorFlow).
 //
 //   sanitize_driver            check forward and gradient of every kernel path
 //                              (tiled and generic; float, double, half,
-//                              bfloat16) on small shapes against a host
-//                              reference; exit 1 on any mismatch. Small enough
-//                              to run under compute-sanitizer memcheck/racecheck.
+//                              bfloat16) of both ops on small shapes against a
+//                              host reference; exit 1 on any mismatch. Small
+//                              enough to run under compute-sanitizer
+//                              memcheck/racecheck.
 //   sanitize_driver --bench [--iters N]
 //                              time forward/backward at the benchmark shapes
 //                              with CUDA events, next to a device-to-device copy.
 //
 // Built by `python scripts/build_ops.py --driver` into build/sanitize_driver.
 // Buffers are allocated at their exact size so memcheck sees any overrun, and
-// outputs are pre-filled with NaN bytes so an element a kernel forgets to write
-// shows up as a mismatch.
+// outputs and workspaces are pre-filled with NaN bytes so an element a kernel
+// forgets to write, or scratch it reads before writing, shows up as a mismatch.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -25,6 +27,8 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "capsule_prediction.h"
@@ -205,6 +209,10 @@ bool CheckShape(const CapsuleDims& d, GpuAlgo algo, std::mt19937& rng) {
   }
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  // The NaN/zero fills above ran on the legacy stream, which a non-blocking stream does
+  // not wait for: without this, a launcher's own cudaMemsetAsync (empty sums) could run
+  // before the fill and have its zeros overwritten by NaN.
+  CHECK_CUDA(cudaDeviceSynchronize());
   CHECK_LAUNCH(capsnet::LaunchCapsulePredictionForward<T>(du.ptr, dw.ptr, dout.ptr, d, stream, algo));
   CHECK_LAUNCH(capsnet::LaunchCapsulePredictionGrad<T>(dg.ptr, du.ptr, dw.ptr, dgu.ptr, dgw.ptr,
                                                        ws, ws_bytes, d, stream, algo));
@@ -226,6 +234,202 @@ bool CheckShape(const CapsuleDims& d, GpuAlgo algo, std::mt19937& rng) {
   }
   CHECK_CUDA(cudaStreamDestroy(stream));
   if (ws != nullptr) CHECK_CUDA(cudaFree(ws));
+  return ok;
+}
+
+// ---------------------------------------------------------------------------
+// Fused routing: host reference in double (Procedure 1, as the CPU kernel), with
+// error scales for the tolerance. L[b, i] = the absolute sum of the terms of the
+// logits b_i. (rounding them moves c_ij by about eps * L * c_ij, and by at most
+// eps * L); s_j's terms are c_ij u_hat with u_hat itself a sum of K products, so
+// its scale is sum_i c_ij (1 + L[b, i]) sum_k |W u|.
+
+struct RoutingReference {
+  std::vector<double> s, c;              // outputs
+  std::vector<double> s_scale, c_scale;  // error scales, per element
+};
+
+RoutingReference HostRouting(const std::vector<double>& u, const std::vector<double>& w,
+                             const CapsuleDims& d, int iterations) {
+  const int64 B = d.batch, I = d.in_caps, J = d.out_caps, D = d.out_dim, K = d.in_dim;
+  const int64 JD = J * D;
+  RoutingReference ref;
+  ref.s.assign(B * JD, 0);
+  ref.s_scale.assign(B * JD, 0);
+  ref.c.assign(B * I * J, 0);
+  ref.c_scale.assign(B * I * J, 0);
+  std::vector<double> u_hat(I * JD), u_hat_abs(I * JD), logits(I * J), c(I * J), s(JD), v(JD);
+  std::vector<double> terms(I);
+  if (J == 0) return ref;  // nothing to route: every output is empty
+  for (int64 b = 0; b < B; ++b) {
+    for (int64 i = 0; i < I; ++i) {
+      for (int64 r = 0; r < JD; ++r) {
+        double acc = 0, abs_acc = 0;
+        for (int64 k = 0; k < K; ++k) {
+          const double term = w[(i * JD + r) * K + k] * u[(b * I + i) * K + k];
+          acc += term;
+          abs_acc += std::fabs(term);
+        }
+        u_hat[i * JD + r] = acc;
+        u_hat_abs[i * JD + r] = abs_acc;
+      }
+    }
+    std::fill(logits.begin(), logits.end(), 0.0);
+    std::fill(terms.begin(), terms.end(), 0.0);
+    for (int t = 0; t < iterations; ++t) {
+      for (int64 i = 0; i < I; ++i) {
+        double m = logits[i * J];
+        for (int64 j = 1; j < J; ++j) m = std::max(m, logits[i * J + j]);
+        double sum = 0;
+        for (int64 j = 0; j < J; ++j) sum += c[i * J + j] = std::exp(logits[i * J + j] - m);
+        for (int64 j = 0; j < J; ++j) c[i * J + j] /= sum;
+      }
+      std::fill(s.begin(), s.end(), 0.0);
+      for (int64 i = 0; i < I; ++i) {
+        for (int64 r = 0; r < JD; ++r) s[r] += c[i * J + r / D] * u_hat[i * JD + r];
+      }
+      if (t == iterations - 1) break;
+      for (int64 j = 0; j < J; ++j) {
+        double sq = 0;
+        for (int64 x = j * D; x < (j + 1) * D; ++x) sq += s[x] * s[x];
+        const double scale = sq / (1 + sq) / std::sqrt(sq + capsnet::kSquashEpsilon);
+        for (int64 x = j * D; x < (j + 1) * D; ++x) v[x] = scale * s[x];
+      }
+      for (int64 i = 0; i < I; ++i) {
+        for (int64 j = 0; j < J; ++j) {
+          double a = 0;
+          for (int64 x = j * D; x < (j + 1) * D; ++x) {
+            a += u_hat[i * JD + x] * v[x];
+            terms[i] += u_hat_abs[i * JD + x] * std::fabs(v[x]);
+          }
+          logits[i * J + j] += a;
+        }
+      }
+    }
+    for (int64 i = 0; i < I; ++i) {
+      for (int64 j = 0; j < J; ++j) {
+        ref.c[(b * I + i) * J + j] = c[i * J + j];
+        ref.c_scale[(b * I + i) * J + j] = 1 + terms[i];
+      }
+      for (int64 r = 0; r < JD; ++r) {
+        ref.s_scale[b * JD + r] += c[i * J + r / D] * (1 + terms[i]) * u_hat_abs[i * JD + r];
+      }
+    }
+    for (int64 r = 0; r < JD; ++r) ref.s[b * JD + r] = s[r];
+  }
+  return ref;
+}
+
+// Compares with an error allowance of tol_acc * scale (propagated accumulation
+// error: float, or double for double) plus T's rounding of the output.
+template <typename T>
+bool CompareRouted(const char* what, const std::vector<T>& got, const std::vector<double>& want,
+                   const std::vector<double>& scale) {
+  const double tol_acc = std::is_same<T, double>::value ? 1e-12 : 2e-5;
+  std::vector<double> allowed(want.size());
+  for (size_t x = 0; x < want.size(); ++x) {
+    allowed[x] = (tol_acc * scale[x] + Host<T>::tol() * std::fabs(want[x])) / Host<T>::tol();
+  }
+  return Compare(what, got, want, allowed);
+}
+
+template <typename T>
+bool CheckRouting(const CapsuleDims& d, int iterations, GpuAlgo algo, std::mt19937& rng) {
+  std::uniform_real_distribution<double> dist(-1.0, 1.0);
+  const int64 B = d.batch, I = d.in_caps, J = d.out_caps, D = d.out_dim, K = d.in_dim;
+  const int64 JD = J * D;
+  const int64 s_size = B * JD, c_size = B * I * J;
+  std::vector<T> hu(d.u_size()), hw(d.w_size()), hc(c_size), hg(s_size);
+  std::vector<double> u(hu.size()), w(hw.size()), cin(hc.size()), g(hg.size());
+  // |u| ~ 1 / sqrt(K) like squashed capsules, so the agreements move the routing
+  // without saturating the softmax.
+  const double u_scale = 1.0 / std::sqrt(static_cast<double>(std::max<int64>(K, 1)));
+  for (size_t x = 0; x < hu.size(); ++x) { hu[x] = Host<T>::from(u_scale * dist(rng)); u[x] = Host<T>::to(hu[x]); }
+  for (size_t x = 0; x < hw.size(); ++x) { hw[x] = Host<T>::from(dist(rng)); w[x] = Host<T>::to(hw[x]); }
+  // The gradient's own inputs: any c_ij in [0, 1] and grad_s.
+  for (size_t x = 0; x < hc.size(); ++x) { hc[x] = Host<T>::from(0.5 + 0.5 * dist(rng)); cin[x] = Host<T>::to(hc[x]); }
+  for (size_t x = 0; x < hg.size(); ++x) { hg[x] = Host<T>::from(dist(rng)); g[x] = Host<T>::to(hg[x]); }
+  const RoutingReference ref = HostRouting(u, w, d, iterations);
+
+  // Gradient reference: grad_u_hat = c ⊗ g, then the prediction gradient.
+  std::vector<double> grad_u(hu.size(), 0), s_u(hu.size(), 0), grad_w(hw.size(), 0), s_w(hw.size(), 0);
+  for (int64 b = 0; b < B; ++b) {
+    for (int64 i = 0; i < I; ++i) {
+      for (int64 r = 0; r < JD; ++r) {
+        const double gh = cin[(b * I + i) * J + r / D] * g[b * JD + r];
+        for (int64 k = 0; k < K; ++k) {
+          const double wv = w[(i * JD + r) * K + k], uv = u[(b * I + i) * K + k];
+          grad_u[(b * I + i) * K + k] += wv * gh;
+          s_u[(b * I + i) * K + k] += std::fabs(wv * gh);
+          grad_w[(i * JD + r) * K + k] += gh * uv;
+          s_w[(i * JD + r) * K + k] += std::fabs(gh * uv);
+        }
+      }
+    }
+  }
+
+  DeviceBuffer<T> du(hu.size()), dw(hw.size()), dc(hc.size()), dg(hg.size());
+  DeviceBuffer<T> ds(s_size), dco(c_size), dgu(hu.size()), dgw(hw.size());
+  du.upload(hu);
+  dw.upload(hw);
+  dc.upload(hc);
+  dg.upload(hg);
+  ds.fill_nan();
+  dco.fill_nan();
+  dgu.fill_nan();
+  dgw.fill_nan();
+  const size_t fwd_bytes = capsnet::CapsuleRoutingWorkspaceBytes<T>(d, iterations, algo);
+  const size_t grad_bytes = capsnet::CapsuleRoutingGradWorkspaceBytes<T>(d, algo);
+  void* fwd_ws = nullptr;
+  void* grad_ws = nullptr;
+  if (fwd_bytes > 0) {
+    CHECK_CUDA(cudaMalloc(&fwd_ws, fwd_bytes));
+    CHECK_CUDA(cudaMemset(fwd_ws, 0xFF, fwd_bytes));
+  }
+  if (grad_bytes > 0) {
+    CHECK_CUDA(cudaMalloc(&grad_ws, grad_bytes));
+    CHECK_CUDA(cudaMemset(grad_ws, 0xFF, grad_bytes));
+  }
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  // The NaN/zero fills above ran on the legacy stream, which a non-blocking stream does
+  // not wait for: without this, a launcher's own cudaMemsetAsync (empty sums) could run
+  // before the fill and have its zeros overwritten by NaN.
+  CHECK_CUDA(cudaDeviceSynchronize());
+  auto forward = [&] {
+    CHECK_LAUNCH(capsnet::LaunchCapsuleRoutingForward<T>(du.ptr, dw.ptr, ds.ptr, dco.ptr, fwd_ws,
+                                                         fwd_bytes, d, iterations, stream, algo));
+  };
+  auto backward = [&] {
+    CHECK_LAUNCH(capsnet::LaunchCapsuleRoutingGrad<T>(dc.ptr, dg.ptr, du.ptr, dw.ptr, dgu.ptr,
+                                                      dgw.ptr, grad_ws, grad_bytes, d, stream, algo));
+  };
+  forward();
+  backward();
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  const std::vector<T> s1 = ds.download(), c1 = dco.download();
+  const std::vector<T> gu1 = dgu.download(), gw1 = dgw.download();
+  bool ok = CompareRouted("s_j", s1, ref.s, ref.s_scale);
+  ok &= CompareRouted("c_ij", c1, ref.c, ref.c_scale);
+  ok &= Compare("routing grad_u", gu1, grad_u, s_u);
+  ok &= Compare("routing grad_W", gw1, grad_w, s_w);
+
+  // Deterministic: a second run gives the same bits (the workspace now holds the
+  // first run's values, which must not matter either).
+  forward();
+  backward();
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  auto same = [](const std::vector<T>& a, const std::vector<T>& b) {
+    return a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+  };
+  if (!same(s1, ds.download()) || !same(c1, dco.download()) || !same(gu1, dgu.download()) ||
+      !same(gw1, dgw.download())) {
+    std::printf("    MISMATCH: routing differs between two runs\n");
+    ok = false;
+  }
+  CHECK_CUDA(cudaStreamDestroy(stream));
+  if (fwd_ws != nullptr) CHECK_CUDA(cudaFree(fwd_ws));
+  if (grad_ws != nullptr) CHECK_CUDA(cudaFree(grad_ws));
   return ok;
 }
 
@@ -266,6 +470,45 @@ int RunChecks() {
   run_all(double());
   run_all(capsnet::half_t());
   run_all(capsnet::bfloat16_t());
+
+  // Fused routing: (shape, iterations), each line a path of the routing plan.
+  const std::vector<std::pair<CapsuleDims, int>> routing = {
+      {{3, 5, 2, 16, 8}, 3},     // 4 rows per thread, in_dim 8
+      {{2, 7, 3, 5, 3}, 3},      // odd out_dim: 1 row per thread, in_dim padded to 4
+      {{1, 1, 1, 1, 1}, 1},      // all ones, no agreement
+      {{1, 1, 1, 1, 1}, 3},
+      {{4, 3, 1, 6, 16}, 2},     // one output capsule, 2 rows per thread, in_dim 16
+      {{5, 9, 10, 16, 8}, 3},    // paper capsules, in_caps not a multiple of a sub-chunk
+      {{2, 4, 3, 3, 11}, 3},     // in_dim padded 11 -> 16
+      {{70, 2, 10, 16, 8}, 3},   // two batch stages, b_ij stored and read back
+      {{3, 2000, 10, 16, 8}, 3}, // 2 sub-chunks per block, the last one short
+      {{9, 6, 33, 2, 4}, 4},     // many output capsules, 4 iterations
+      {{3, 2, 2, 4, 17}, 2},     // in_dim > 16: generic kernels
+      {{2, 1, 5, 820, 4}, 2},    // J*D too wide for a block: generic kernels
+      {{0, 4, 2, 4, 8}, 3},      // empty batch
+      {{3, 4, 2, 4, 0}, 3},      // in_dim 0: s_j = 0, c_ij = 1/J
+      {{3, 4, 2, 0, 8}, 3},      // out_dim 0: c_ij = 1/J
+      {{3, 0, 2, 4, 8}, 3},      // no input capsules: s_j = 0
+      {{3, 4, 0, 4, 8}, 3},      // no output capsules: everything empty
+  };
+  auto run_routing = [&](auto tag) {
+    using T = decltype(tag);
+    for (const auto& [d, iterations] : routing) {
+      for (GpuAlgo algo : {GpuAlgo::kAuto, GpuAlgo::kGeneric}) {
+        const bool ok = CheckRouting<T>(d, iterations, algo, rng);
+        ++runs;
+        if (!ok) ++failures;
+        std::printf("%-4s %-8s routing r=%d B=%lld I=%lld J=%lld D=%lld K=%lld %s\n", ok ? "ok" : "FAIL",
+                    Host<T>::name(), iterations, (long long)d.batch, (long long)d.in_caps,
+                    (long long)d.out_caps, (long long)d.out_dim, (long long)d.in_dim,
+                    algo == GpuAlgo::kAuto ? "auto" : "generic");
+      }
+    }
+  };
+  run_routing(float());
+  run_routing(double());
+  run_routing(capsnet::half_t());
+  run_routing(capsnet::bfloat16_t());
   std::printf("%d of %d checks passed\n", runs - failures, runs);
   return failures == 0 ? 0 : 1;
 }
@@ -365,6 +608,49 @@ int RunBench(int iters) {
       }
       if (ws != nullptr) CHECK_CUDA(cudaFree(ws));
     }
+  }
+
+  // Fused routing, r = 3, float: the forward (prediction + 3 iterations) and the
+  // gradient. Bytes: the inputs and outputs once (u, W, s_j, c_ij; backward:
+  // u, W, c_ij, grad_s, grad_u, grad_W), for comparison with the unfused path's
+  // u_hat of B*I*J*D floats written once and read ~7 times.
+  std::printf("\n| shape (B, I, J, D, K) | fused routing, r=3 | pass | us | bytes in+out (MB) | u_hat (MB) |\n");
+  std::printf("|---|---|---|---:|---:|---:|\n");
+  for (const auto& named : shapes) {
+    const char* name = named.first;
+    const CapsuleDims d = named.second;
+    const int iterations = 3;
+    const int64 s_size = d.batch * d.rows_per_cap(), c_size = d.batch * d.in_caps * d.out_caps;
+    DeviceBuffer<T> u(d.u_size()), w(d.w_size()), s_j(s_size), c_ij(c_size), g(s_size);
+    DeviceBuffer<T> gu(d.u_size()), gw(d.w_size());
+    CHECK_CUDA(cudaMemset(u.ptr, 0, d.u_size() * sizeof(T)));
+    CHECK_CUDA(cudaMemset(w.ptr, 0, d.w_size() * sizeof(T)));
+    CHECK_CUDA(cudaMemset(g.ptr, 0, s_size * sizeof(T)));
+    const size_t fwd_bytes = capsnet::CapsuleRoutingWorkspaceBytes<T>(d, iterations);
+    const size_t grad_bytes = capsnet::CapsuleRoutingGradWorkspaceBytes<T>(d);
+    void* fwd_ws = nullptr;
+    void* grad_ws = nullptr;
+    if (fwd_bytes > 0) CHECK_CUDA(cudaMalloc(&fwd_ws, fwd_bytes));
+    if (grad_bytes > 0) CHECK_CUDA(cudaMalloc(&grad_ws, grad_bytes));
+    const double fwd_us = TimeUs([&] {
+      CHECK_LAUNCH(capsnet::LaunchCapsuleRoutingForward<T>(u.ptr, w.ptr, s_j.ptr, c_ij.ptr, fwd_ws,
+                                                           fwd_bytes, d, iterations, stream));
+    }, iters, repeats, stream);
+    const double bwd_us = TimeUs([&] {
+      CHECK_LAUNCH(capsnet::LaunchCapsuleRoutingGrad<T>(c_ij.ptr, g.ptr, u.ptr, w.ptr, gu.ptr, gw.ptr,
+                                                        grad_ws, grad_bytes, d, stream));
+    }, iters, repeats, stream);
+    const double small = double(d.u_size() + d.w_size()) * sizeof(T);
+    const double sc = double(s_size + c_size) * sizeof(T);
+    const double u_hat_mb = double(d.u_hat_size()) * sizeof(T) / 1e6;
+    std::printf("| %s (%lld, %lld, %lld, %lld, %lld) | tiled | forward | %.1f | %.1f | %.1f |\n", name,
+                (long long)d.batch, (long long)d.in_caps, (long long)d.out_caps, (long long)d.out_dim,
+                (long long)d.in_dim, fwd_us, (small + sc) / 1e6, u_hat_mb);
+    std::printf("| %s (%lld, %lld, %lld, %lld, %lld) | tiled | backward | %.1f | %.1f | %.1f |\n", name,
+                (long long)d.batch, (long long)d.in_caps, (long long)d.out_caps, (long long)d.out_dim,
+                (long long)d.in_dim, bwd_us, (2 * small + sc) / 1e6, u_hat_mb);
+    if (fwd_ws != nullptr) CHECK_CUDA(cudaFree(fwd_ws));
+    if (grad_ws != nullptr) CHECK_CUDA(cudaFree(grad_ws));
   }
   CHECK_CUDA(cudaStreamDestroy(stream));
   return 0;

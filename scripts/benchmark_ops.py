@@ -3,6 +3,7 @@
 
     python scripts/benchmark_ops.py --device gpu            # paper, batch512, large
     python scripts/benchmark_ops.py --device cpu --shapes paper
+    python scripts/benchmark_ops.py --device gpu --shapes paper,batch512 --impls none   # routing step only
 
 For each shape, implementation (op: capsnet.ops.capsule_prediction; matmul: the
 transpose/matmul/reshape path; einsum: tf.einsum; matmul_xla: the matmul path
@@ -18,6 +19,20 @@ moved once), the share of the copy bandwidth measured in the same run (a large
 tf.negative, read + write), the multiple of the bandwidth floor (those bytes at
 copy bandwidth) and the speed-up over the matmul path. A markdown table goes to
 stdout.
+
+A second table times the whole routing step, u and W to (v_j, c_ij) with
+r = --iterations (3) and stop-gradient routing, as DigitCaps computes it
+(--routing-impls; `none` skips it):
+    fused            capsnet.ops.capsule_routing + squash (model.fused_routing=true)
+    op+routing       the prediction op, then dynamic_routing as TF ops (custom_op=true)
+    op+jit_routing   the prediction op, then dynamic_routing compiled by XLA on its own
+                     (model.jit_routing=true)
+    matmul_xla       the matmul path and dynamic_routing as one XLA computation (what
+                     train.xla=jit compiles)
+for the passes forward (v_j, c_ij) and forward+backward (plus dL/du and dL/dW for a
+random dL/dv_j), with the same unrolled-slope timing, and the speed-ups over op+routing
+and matmul_xla. u_hat (B·in_caps·out_caps·out_dim floats) is listed: the unfused paths
+write and read it, the fused op never does.
 """
 import argparse
 import os
@@ -33,6 +48,8 @@ import tensorflow as tf  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from capsnet import ops  # noqa: E402
 from capsnet.errors import CapsnetError  # noqa: E402
+from capsnet.layers import _dynamic_routing_xla  # noqa: E402  (what DigitCaps(jit_routing=True) runs)
+from capsnet.routing import dynamic_routing, squash  # noqa: E402
 
 SHAPES = {  # name: (batch, in_caps, out_caps, out_dim, in_dim)
     "paper": (128, 1152, 10, 16, 8),
@@ -41,6 +58,8 @@ SHAPES = {  # name: (batch, in_caps, out_caps, out_dim, in_dim)
 }
 IMPLS = ("op", "matmul", "einsum", "matmul_xla")
 PASSES = ("forward", "backward", "forward+backward")
+ROUTING_IMPLS = ("fused", "op+routing", "op+jit_routing", "matmul_xla")
+ROUTING_PASSES = ("forward", "forward+backward")
 
 
 def einsum_path(u, W):
@@ -62,6 +81,33 @@ def make_step(impl, pass_name):
         if pass_name == "backward":
             return grad_u, grad_W  # u_hat unused: the forward op is pruned
         return u_hat, grad_u, grad_W
+
+    if impl == "matmul_xla":
+        return tf.function(step, jit_compile=True)
+    return step
+
+
+def make_routing_step(impl, pass_name, iterations):
+    """A function (u, W, g) -> tuple of result tensors for one routing step; g is dL/dv_j."""
+
+    def route(u, W):
+        if impl == "fused":
+            s_j, c_ij = ops.capsule_routing(u, W, iterations)
+            return squash(s_j), c_ij
+        if impl == "op+routing":
+            return dynamic_routing(ops.capsule_prediction(u, W), iterations)
+        if impl == "op+jit_routing":
+            return _dynamic_routing_xla(ops.capsule_prediction(u, W), iterations, True)
+        return dynamic_routing(ops.capsule_prediction_matmul(u, W), iterations)  # matmul_xla
+
+    def step(u, W, g):
+        if pass_name == "forward":
+            return route(u, W)
+        with tf.GradientTape() as tape:
+            tape.watch([u, W])
+            v_j, c_ij = route(u, W)
+        grad_u, grad_W = tape.gradient(v_j, [u, W], output_gradients=g)
+        return v_j, c_ij, grad_u, grad_W
 
     if impl == "matmul_xla":
         return tf.function(step, jit_compile=True)
@@ -132,6 +178,15 @@ def pass_bytes(shape, dtype, pass_name):
     return {"forward": fwd, "backward": bwd, "forward+backward": fwd + bwd}[pass_name]
 
 
+def parse_list(text, known, what):
+    """Comma-separated names from `known`; 'none' (or nothing) is the empty list."""
+    names = [x.strip() for x in text.split(",") if x.strip() and x.strip() != "none"]
+    for x in names:
+        if x not in known:
+            raise SystemExit(f"benchmark_ops: unknown {what} {x!r} (known: {', '.join(known)}, none)")
+    return names
+
+
 def parse_shapes(text):
     shapes = []
     for item in text.split(","):
@@ -148,8 +203,14 @@ def main(argv=None):
     parser.add_argument("--device", choices=("cpu", "gpu"), default="gpu")
     parser.add_argument("--shapes", default=None,
                         help=f"comma-separated from {', '.join(SHAPES)} (default: all on GPU, paper on CPU)")
-    parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated from {', '.join(IMPLS)}")
+    parser.add_argument("--impls", default=",".join(IMPLS),
+                        help=f"comma-separated from {', '.join(IMPLS)}, or none (no prediction table)")
     parser.add_argument("--passes", default=",".join(PASSES), help=f"comma-separated from {', '.join(PASSES)}")
+    parser.add_argument("--routing-impls", default=",".join(ROUTING_IMPLS),
+                        help=f"routing step: comma-separated from {', '.join(ROUTING_IMPLS)}, or none")
+    parser.add_argument("--routing-passes", default=",".join(ROUTING_PASSES),
+                        help=f"routing step: comma-separated from {', '.join(ROUTING_PASSES)}")
+    parser.add_argument("--iterations", type=int, default=3, help="routing iterations r (default 3, the paper's)")
     parser.add_argument("--iters", type=int, default=None, help="iterations per timed call (default 40 GPU, 8 CPU)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16", "float64"), default="float32")
@@ -167,21 +228,21 @@ def main(argv=None):
         return 2
     tf.config.experimental.enable_tensor_float_32_execution(args.tf32 == "on")
     shapes = parse_shapes(args.shapes or ("paper,batch512,large" if args.device == "gpu" else "paper"))
-    impls = [x.strip() for x in args.impls.split(",")]
-    passes = [x.strip() for x in args.passes.split(",")]
-    for name, known in (("impl", IMPLS), ("pass", PASSES)):
-        for x in impls if name == "impl" else passes:
-            if x not in known:
-                raise SystemExit(f"benchmark_ops: unknown {name} {x!r} (known: {', '.join(known)})")
+    impls = parse_list(args.impls, IMPLS, "impl")
+    passes = parse_list(args.passes, PASSES, "pass")
+    routing_impls = parse_list(args.routing_impls, ROUTING_IMPLS, "routing impl")
+    routing_passes = parse_list(args.routing_passes, ROUTING_PASSES, "routing pass")
     iters = args.iters or (40 if args.device == "gpu" else 8)
     if iters < 2:
         raise SystemExit("benchmark_ops: --iters must be at least 2")
+    if args.iterations < 1:
+        raise SystemExit("benchmark_ops: --iterations must be at least 1")
     dtype = tf.as_dtype(args.dtype)
     device = "/GPU:0" if args.device == "gpu" else "/CPU:0"
 
     with tf.device(device):
         copy_bps = copy_bandwidth(args.device, dtype, iters, args.repeats)
-        rows = []
+        rows, routing_rows = [], []
         for shape_name, shape in shapes:
             B, I, J, D, K = shape
             # iters extra batch rows: iteration i reads rows [i, i + B).
@@ -203,6 +264,20 @@ def main(argv=None):
                     base = times.get(("matmul", pass_name))
                     rows.append((f"{shape_name} {shape}", impl, pass_name, us, gbs, 100 * gbs * 1e9 / copy_bps,
                                  us / floor_us, base / us if base else float("nan")))
+            # The routing step: dL/dv_j is (B, out_caps, out_dim).
+            gv_buf = tf.cast(tf.random.uniform((B + iters, J, D), -1, 1, seed=4), dtype)
+            routing_times = {}
+            for impl in routing_impls:
+                for pass_name in routing_passes:
+                    run = make_unrolled(make_routing_step(impl, pass_name, args.iterations), B)
+                    routing_times[impl, pass_name] = per_iteration_us(run, (u_buf, W, gv_buf), iters, args.repeats)
+            for pass_name in routing_passes:
+                for impl in routing_impls:
+                    us = routing_times[impl, pass_name]
+                    speedups = [routing_times[base, pass_name] / us if (base, pass_name) in routing_times
+                                else float("nan") for base in ("op+routing", "matmul_xla")]
+                    routing_rows.append((f"{shape_name} {shape}", impl, pass_name, us, B * I * J * D * dtype.size / 1e6,
+                                         *speedups))
 
     dev_name = args.device.upper()
     if args.device == "gpu":
@@ -211,11 +286,19 @@ def main(argv=None):
     print(f"device: {dev_name}; dtype {args.dtype}; TF32 {args.tf32 if args.device == 'gpu' else 'n/a'}; "
           f"TensorFlow {tf.__version__}; {iters} iterations per call, median of {args.repeats}; "
           f"copy bandwidth {copy_bps / 1e9:.0f} GB/s (read + write)\n")
-    print("| shape (B, I, J, D, K) | impl | pass | µs | GB/s | % of copy BW | × floor | speed-up vs matmul |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
-    for shape_s, impl, pass_name, us, gbs, pct, floor_x, speedup in rows:
-        print(f"| {shape_s} | {impl} | {pass_name} | {us:.1f} | {gbs:.0f} | {pct:.0f} | {floor_x:.2f} | "
-              f"{speedup:.2f} |")
+    if rows:
+        print("| shape (B, I, J, D, K) | impl | pass | µs | GB/s | % of copy BW | × floor | speed-up vs matmul |")
+        print("|---|---|---|---:|---:|---:|---:|---:|")
+        for shape_s, impl, pass_name, us, gbs, pct, floor_x, speedup in rows:
+            print(f"| {shape_s} | {impl} | {pass_name} | {us:.1f} | {gbs:.0f} | {pct:.0f} | {floor_x:.2f} | "
+                  f"{speedup:.2f} |")
+    if routing_rows:
+        print(f"\nRouting step, r = {args.iterations}, stop-gradient routing (u, W → v_j, c_ij):\n")
+        print("| shape (B, I, J, D, K) | impl | pass | µs | u_hat MB | speed-up vs op+routing | "
+              "speed-up vs matmul_xla |")
+        print("|---|---|---|---:|---:|---:|---:|")
+        for shape_s, impl, pass_name, us, u_hat_mb, vs_op, vs_xla in routing_rows:
+            print(f"| {shape_s} | {impl} | {pass_name} | {us:.1f} | {u_hat_mb:.0f} | {vs_op:.2f} | {vs_xla:.2f} |")
     return 0
 
 

@@ -9,11 +9,17 @@ model in configs/ (the paper's CapsNet unless Hydra overrides say otherwise, e.g
 `model.decoder=false`), with the real optimizer (Adam on the decaying LR, as train()
 builds it) and the real compiled step (capsnet.training.make_train_step), for
 
-    op                  custom_op=true  xla=none
-    op+autocluster      custom_op=true  xla=autocluster
-    matmul              custom_op=false xla=none         (the baseline of the ratio column)
-    matmul+jit          custom_op=false xla=jit
-    matmul+autocluster  custom_op=false xla=autocluster
+    op                     custom_op=true  xla=none
+    op+autocluster         custom_op=true  xla=autocluster
+    op+fused               custom_op=true  xla=none         model.fused_routing=true
+    op+fused+autocluster   custom_op=true  xla=autocluster  model.fused_routing=true
+    matmul                 custom_op=false xla=none         (the baseline of the ratio column)
+    matmul+jit             custom_op=false xla=jit
+    matmul+autocluster     custom_op=false xla=autocluster
+
+The fused variants route inside the compiled op (capsnet.ops.capsule_routing) and so
+run with model.jit_routing=false whatever the overrides say (nothing is left to
+compile); the others take model.* from the config and overrides as they are.
 
 How:
 - Each variant runs in its own subprocess, one after the other on the same device:
@@ -52,20 +58,35 @@ from capsnet.validation import positive_int  # noqa: E402
 VARIANTS = {
     "op": (True, "none"),
     "op+autocluster": (True, "autocluster"),
+    "op+fused": (True, "none"),
+    "op+fused+autocluster": (True, "autocluster"),
     "matmul": (False, "none"),
     "matmul+jit": (False, "jit"),
     "matmul+autocluster": (False, "autocluster"),
 }
+# Variants whose model routes inside the compiled op (variant_model_cfg).
+FUSED_VARIANTS = ("op+fused", "op+fused+autocluster")
 BASELINE = "matmul"
 # The LR schedule decays once per epoch of the full MNIST training set, as in train().
 MNIST_TRAIN_EXAMPLES = 60_000
 # Set by the variant, not by an override: an override would be silently ignored.
-RESERVED_KEYS = ("custom_op", "train.xla", "train.batch_size", "deterministic")
+RESERVED_KEYS = ("custom_op", "train.xla", "train.batch_size", "deterministic", "model.fused_routing")
 
 
 def label(variant):
     custom_op, xla = VARIANTS[variant]
-    return f"custom_op={str(custom_op).lower()} xla={xla}"
+    return f"custom_op={str(custom_op).lower()} xla={xla}" + (" fused_routing" if variant in FUSED_VARIANTS else "")
+
+
+def variant_model_cfg(variant, model_cfg):
+    """The config's model section as `variant` builds it: the fused variants set
+    fused_routing=true and jit_routing=false (exclusive: nothing is left to compile),
+    the others fused_routing=false."""
+    if variant in FUSED_VARIANTS:
+        return {**model_cfg, "fused_routing": True, "jit_routing": False}
+    # The other variants time the unfused paths: the op for u_hat alone, TF routing
+    # (the config's null would pick the fused op for custom_op=true).
+    return {**model_cfg, "fused_routing": False}
 
 
 # --------------------------------------------------------------------------- arguments
@@ -171,7 +192,7 @@ def time_training(spec, batch_size, tf_device):
     from capsnet.evaluation import loss_params
     from capsnet.training import build_capsnet, build_optimizer, make_train_step
 
-    model_cfg, train_cfg = spec["model"], spec["train"]
+    model_cfg, train_cfg = variant_model_cfg(spec["variant"], spec["model"]), spec["train"]
     input_shape = tuple(model_cfg["input_shape"])
     keras.utils.set_random_seed(spec["seed"])  # the same initial weights for every variant
     with tf.device(tf_device):
@@ -286,7 +307,8 @@ def with_ratios(runs):
         for r in run["results"]:
             base = baseline.get(r["batch_size"])
             rows.append({"variant": run["variant"], "label": label(run["variant"]), "custom_op": custom_op,
-                         "xla": xla, **r, "ratio": r["images_per_sec"] / base if base else None})
+                         "xla": xla, "fused_routing": run["variant"] in FUSED_VARIANTS, **r,
+                         "ratio": r["images_per_sec"] / base if base else None})
     return sorted(rows, key=lambda row: (row["batch_size"], list(VARIANTS).index(row["variant"])))
 
 

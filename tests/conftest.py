@@ -206,20 +206,21 @@ def no_tf32():
 
 @pytest.fixture
 def spy_on_op(monkeypatch):
-    """spy_on_op(through=None) replaces ops.capsule_prediction (the compiled op) with a spy
-    that records each call as (u.shape, W.shape) (at trace time inside a tf.function) and
-    passes it on to `through`, by default the real op; returns the list of calls."""
+    """spy_on_op(through=None, op="capsule_prediction") replaces ops.<op> (a compiled op's
+    wrapper: capsule_prediction or capsule_routing) with a spy that records each call as
+    (u.shape, W.shape) (at trace time inside a tf.function) and passes it on to
+    `through`, by default the real op; returns the list of calls."""
     from capsnet import ops
 
-    def spy_on(through=None):
-        through = through or ops.capsule_prediction
+    def spy_on(through=None, op="capsule_prediction"):
+        through = through or getattr(ops, op)
         calls = []
 
-        def spy(u, W):
+        def spy(u, W, *args, **kwargs):
             calls.append((tuple(u.shape), tuple(W.shape)))
-            return through(u, W)
+            return through(u, W, *args, **kwargs)
 
-        monkeypatch.setattr(ops, "capsule_prediction", spy)
+        monkeypatch.setattr(ops, op, spy)
         return calls
 
     return spy_on

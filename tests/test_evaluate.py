@@ -143,6 +143,22 @@ def test_evaluate_with_the_custom_op_matches_the_matmul_path(trained_run, tmp_pa
     assert report["loss"] == pytest.approx(metrics["test_loss"], rel=1e-4)
 
 
+def test_a_fused_routing_run_evaluates_on_either_path(trained_run, tmp_path):
+    """A run trained with model.fused_routing=true (same W as every path): evaluated as
+    trained (the fused op) and with custom_op=false (TF routing), the same accuracy and loss."""
+    run_dir = tmp_path / "fused"
+    shutil.copytree(trained_run[0], run_dir)
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    saved["custom_op"], saved["model"]["fused_routing"] = True, True
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    fused = evaluate(run_dir, which="latest", output=tmp_path / "fused.json")
+    matmul = evaluate(run_dir, which="latest", custom_op=False, output=tmp_path / "matmul.json")
+    assert fused["custom_op"] is True and matmul["custom_op"] is False
+    assert abs(fused["accuracy"] - trained_run[1]["test_accuracy"]) <= 1 / fused["num_examples"]
+    assert abs(matmul["accuracy"] - fused["accuracy"]) <= 1 / fused["num_examples"]
+    assert matmul["loss"] == pytest.approx(fused["loss"], rel=1e-4)
+
+
 def test_evaluate_without_the_op_library_is_one_line_error(trained_run, tmp_path, fresh_op_loader):
     missing = fresh_op_loader
     with pytest.raises(OpLibraryError) as err:

@@ -79,6 +79,10 @@ LAYER_CASES = {
     # W only: (in_caps, num_caps, dim, in_dim)
     "digit_caps": (lambda: DigitCaps(num_caps=5, dim=6, routing_iterations=2),
                    (CAPSULES,), ((2, 5, 6), (2, 18, 5)), 18 * 5 * 6 * 4),
+    # the same with the fused prediction + routing op: same outputs and weight
+    "digit_caps_fused": (lambda: DigitCaps(num_caps=5, dim=6, routing_iterations=2, custom_op=True,
+                                           fused_routing=True),
+                         (CAPSULES,), ((2, 5, 6), (2, 18, 5)), 18 * 5 * 6 * 4),
     # 5·6 → 7 → 9 → 4·3·2
     "decoder": (lambda: Decoder(units=(7, 9), output_shape=(4, 3, 2)),
                 (V_J, np.array([1, 4])), (2, 4, 3, 2), (30 * 7 + 7) + (7 * 9 + 9) + (9 * 24 + 24)),
@@ -196,6 +200,46 @@ def test_digit_caps_uses_the_selected_prediction(spy_on_op):
     assert calls == [((2, 18, 4), (18, 5, 6, 4))]
 
 
+@pytest.mark.parametrize("iterations", [1, 3])
+def test_digit_caps_fused_routing_matches_numpy(iterations):
+    layer = DigitCaps(num_caps=5, dim=6, routing_iterations=iterations, custom_op=True, fused_routing=True,
+                      kernel_initializer=keras.initializers.RandomNormal(stddev=0.3, seed=1))
+    v_j, c_ij = layer(CAPSULES)
+    (W,) = layer.get_weights()
+    assert W.shape == (18, 5, 6, 4)  # the same weight as the unfused paths
+    v_ref, c_ref = np_dynamic_routing(np_capsule_prediction(CAPSULES, W), iterations)
+    np.testing.assert_allclose(v_j.numpy(), v_ref, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(c_ij.numpy(), c_ref, rtol=1e-4, atol=1e-6)
+
+
+def test_digit_caps_fused_routing_uses_only_the_fused_op(spy_on_op, monkeypatch):
+    prediction_calls = spy_on_op()
+    routing_calls = []
+    real_routing = ops.capsule_routing
+
+    def spy(u, W, iterations):
+        routing_calls.append((tuple(u.shape), tuple(W.shape), iterations))
+        return real_routing(u, W, iterations)
+
+    monkeypatch.setattr(ops, "capsule_routing", spy)
+    DigitCaps(num_caps=5, dim=6, routing_iterations=2, custom_op=True, fused_routing=True)(CAPSULES)
+    assert routing_calls == [((2, 18, 4), (18, 5, 6, 4), 2)] and prediction_calls == []
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(fused_routing=True), "fused_routing=true needs custom_op=true .* got custom_op=false, "
+                               "stop_gradient_routing=true"),
+    (dict(fused_routing=True, custom_op=True, stop_gradient_routing=False),
+     "fused_routing=true needs custom_op=true .*stop_gradient_routing=true .*got custom_op=true, "
+     "stop_gradient_routing=false"),
+    (dict(fused_routing=True, custom_op=True, jit_routing=True), "jit_routing=true has nothing to compile"),
+    (dict(fused_routing="yes"), "fused_routing must be true or false, got 'yes'"),
+])
+def test_digit_caps_rejects_bad_fused_routing(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DigitCaps(**kwargs)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(num_caps=0), "num_caps must be a positive integer, got 0"),
     (dict(routing_iterations=0), "routing_iterations must be a positive integer, got 0"),
@@ -218,7 +262,8 @@ def test_digit_caps_rejects_bad_input_shapes():
 
 # ----------------------------------------------------------------- Decoder
 
-def test_decoder_matches_numpy_on_masked_capsules():
+def test_decoder_matches_numpy_on_masked_capsules(no_tf32):
+    # no_tf32: on a GPU the Dense layers would run in TF32 (~1e-5 relative off NumPy here).
     layer = Decoder(units=(7, 9), output_shape=(4, 3, 2))
     labels = np.array([1, 4])
     out = layer(V_J, labels).numpy()

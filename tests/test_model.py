@@ -7,12 +7,20 @@ import tensorflow as tf
 from capsnet.errors import OpLibraryError
 from capsnet.losses import margin_loss, reconstruction_loss
 from capsnet.model import CapsNet, build_model
+from conftest import compose_config
 
 pytestmark = pytest.mark.usefixtures("seeded")  # same initial weights every run: failures reproduce
 
 
 # Small enough to run in milliseconds: 28 → 20 → 6, 6·6·4 = 144 primary capsules.
 SMALL = dict(conv1_filters=16, primary_caps_types=4, digit_caps_dim=8, decoder_units=(32, 64))
+CONFIG_SMALL = ["model.conv1_filters=16", "model.primary_caps_types=4", "model.digit_caps_dim=8",
+                "model.decoder_units=[32,64]"]
+
+
+def config(*overrides):
+    """The real configs/ composition (run_dir is Hydra's at run time; unused here)."""
+    return compose_config("train", ["run_dir=unused", *overrides])
 
 
 def images(batch=4, seed=0):
@@ -250,3 +258,107 @@ def test_jit_routing_computes_the_same_outputs_and_gradients(custom_op, no_tf32)
             assert b is None, var.path  # the decoder gets no gradient from the margin loss alone
             continue
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-3, atol=1e-6, err_msg=var.path)
+
+
+# ----------------------------------------------------------------- fused routing
+
+def _loss_and_grads(model, x, labels):
+    """Outputs and the gradients of the training loss (margin + reconstruction)."""
+    with tf.GradientTape() as tape:
+        out = model(x, labels=labels)
+        loss = tf.reduce_sum(margin_loss(labels, out["lengths"]) + reconstruction_loss(x, out["reconstructions"]))
+    return out, tape.gradient(loss, model.trainable_variables)
+
+
+@pytest.mark.parametrize("routing_iterations", [1, 3])
+def test_fused_routing_matches_the_matmul_path(routing_iterations, no_tf32):
+    """model.fused_routing=true (one op for prediction + routing) against the plain
+    custom_op=false model on the same weights: every output and every gradient.
+    On the GPU where TensorFlow sees one, else on the CPU."""
+    plain = lively(build_model(routing_iterations=routing_iterations, **SMALL))
+    fused = build_model(routing_iterations=routing_iterations, custom_op=True, fused_routing=True, **SMALL)
+    fused.set_weights(plain.get_weights())
+    x, labels = images(), np.array([3, 1, 4, 1])
+    out_plain, grads_plain = _loss_and_grads(plain, x, labels)
+    out_fused, grads_fused = _loss_and_grads(fused, x, labels)
+    assert fused.get_config()["fused_routing"] is True
+    for key in out_plain:
+        np.testing.assert_allclose(out_fused[key].numpy(), out_plain[key].numpy(), rtol=1e-4, atol=1e-6,
+                                   err_msg=key)
+    for var, a, b in zip(plain.trainable_variables, grads_plain, grads_fused):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-3, atol=1e-6, err_msg=var.path)
+
+
+def test_fused_routing_train_step_matches_the_matmul_path(no_tf32):
+    """The real compiled train step (capsnet.training.make_train_step) of both models
+    from the same weights: the losses of five Adam steps agree."""
+    from capsnet.evaluation import loss_params
+    from capsnet.training import make_train_step
+
+    train_cfg = config()["train"]
+    x, labels = images(batch=8), (np.arange(8) % 10).astype(np.int32)
+    losses = {}
+    start = lively(build_model(**SMALL)).get_weights()
+    for name, kwargs in (("plain", {}), ("fused", dict(custom_op=True, fused_routing=True))):
+        model = build_model(**SMALL, **kwargs)
+        model.set_weights(start)
+        step = make_train_step(model, keras.optimizers.Adam(1e-3), input_shape=(28, 28, 1),
+                               losses=loss_params(train_cfg))
+        losses[name] = [float(step(x, labels)["loss"]) for _ in range(5)]
+    np.testing.assert_allclose(losses["fused"], losses["plain"], rtol=2e-4)
+    assert losses["fused"][-1] < losses["fused"][0]
+
+
+def test_weights_load_across_fused_routing(tmp_path):
+    fused = build_model(custom_op=True, fused_routing=True, name="capsnet", **SMALL)
+    rng = np.random.default_rng(3)
+    for weight in fused.weights:
+        weight.assign(rng.normal(size=weight.shape).astype(np.float32))
+    path = str(tmp_path / "fused.weights.h5")
+    fused.save_weights(path)
+    plain = build_model(name="capsnet", **SMALL)
+    plain.load_weights(path)
+    for a, b in zip(fused.weights, plain.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    # and a trainer's tf.train.Checkpoint, both ways
+    prefix = tf.train.Checkpoint(model=fused).save(str(tmp_path / "ckpt"))
+    other = build_model(**SMALL)
+    tf.train.Checkpoint(model=other).restore(prefix).assert_existing_objects_matched()
+    np.testing.assert_array_equal(other.digit_caps.W.numpy(), fused.digit_caps.W.numpy())
+    prefix = tf.train.Checkpoint(model=plain).save(str(tmp_path / "ckpt_plain"))
+    back = build_model(custom_op=True, fused_routing=True, **SMALL)
+    tf.train.Checkpoint(model=back).restore(prefix).assert_existing_objects_matched()
+    np.testing.assert_array_equal(back.digit_caps.W.numpy(), fused.digit_caps.W.numpy())
+
+
+def test_fused_routing_from_the_config():
+    from capsnet.errors import ConfigError
+    from capsnet.training import build_capsnet
+
+    cfg = config("custom_op=true", "model.fused_routing=true", *CONFIG_SMALL)
+    model = build_capsnet(cfg["model"], cfg["custom_op"])
+    assert model.digit_caps.fused_routing and model.get_config()["fused_routing"] is True
+    assert config()["model"]["fused_routing"] is None  # null: on wherever it applies
+
+    cfg = config("custom_op=false", "model.fused_routing=true", *CONFIG_SMALL)
+    with pytest.raises(ConfigError) as err:
+        build_capsnet(cfg["model"], cfg["custom_op"])
+    assert "fused_routing=true needs custom_op=true" in str(err.value) and "\n" not in str(err.value)
+    cfg = config("custom_op=true", "model.fused_routing=true", "model.stop_gradient_routing=false", *CONFIG_SMALL)
+    with pytest.raises(ConfigError, match="stop_gradient_routing=false"):
+        build_capsnet(cfg["model"], cfg["custom_op"])
+
+
+@pytest.mark.parametrize("overrides, fused", [
+    (["custom_op=true"], True),                                       # the fast path by default
+    (["custom_op=false"], False),                                     # no compiled op
+    (["custom_op=true", "model.jit_routing=true"], False),            # asked for the other speed-up
+    (["custom_op=true", "model.stop_gradient_routing=false"], False),  # a gradient the op lacks
+    (["custom_op=true", "model.fused_routing=false"], False),          # forced off
+])
+def test_fused_routing_null_turns_on_where_it_applies(overrides, fused):
+    from capsnet.training import build_capsnet
+
+    cfg = config(*overrides, *CONFIG_SMALL)
+    model = build_capsnet(cfg["model"], cfg["custom_op"])
+    assert model.digit_caps.fused_routing is fused and model.get_config()["fused_routing"] is fused

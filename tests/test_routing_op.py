@@ -1,0 +1,540 @@
+"""Tests of the fused prediction + dynamic routing op (capsnet.ops.capsule_routing).
+
+References: the NumPy version of Procedure 1 (test_routing.np_dynamic_routing on
+conftest.np_capsule_prediction, float64), the unfused TensorFlow path
+(capsule_prediction + dynamic_routing with stop_gradient=True, values and
+gradients), and finite differences (tf.test.compute_gradient) of the function the
+gradient claims to differentiate. Every test runs on the CPU; the ones with a
+`device` parameter run again on /GPU:0 (marker `gpu`, soft placement off, TF32 off)
+where TensorFlow sees a GPU. The library must be built (`make ops`): a missing one
+fails with OpLibraryError, it does not skip. The CUDA kernels' own checks (every plan
+path and dtype, NaN-filled outputs and workspace, under compute-sanitizer memcheck
+and racecheck) are in ops/sanitize_driver.cu, run by
+test_ops.py::test_gpu_kernels_under_compute_sanitizer.
+"""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from capsnet import ops
+from capsnet.routing import dynamic_routing, squash
+from conftest import REPO, TINY_MODEL, entry_point_env, np_capsule_prediction
+from test_routing import EPSILON, np_dynamic_routing, np_squash
+
+HAS_GPU = bool(tf.config.list_physical_devices("GPU"))
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("gpu", id="gpu",
+                 marks=(pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no GPU visible to TensorFlow"))),
+]
+
+# (batch, in_caps, out_caps, out_dim, in_dim). Each line is a distinct path of the GPU
+# launch plan (tiles of rows per thread 4/2/1, in_dim padded to 4/8/16, capsule
+# chunks, batch stages of 32) or an odd size; on the CPU they are just shapes.
+SHAPES = [
+    (1, 1, 1, 1, 1),       # all ones
+    (2, 3, 4, 5, 6),       # odd out_dim: one row per thread
+    (3, 5, 2, 16, 8),      # paper capsule sizes, 4 rows per thread
+    (4, 7, 3, 6, 3),       # out_dim 6: 2 rows per thread, in_dim padded 3 -> 4
+    (2, 2, 1, 6, 16),      # a single output capsule (softmax of one logit)
+    (5, 9, 10, 16, 8),     # paper rows, in_caps not a multiple of the capsule chunk
+    (3, 4, 3, 3, 11),      # in_dim padded 11 -> 16
+    (2, 3, 2, 4, 17),      # in_dim > 16: the generic GPU kernels
+    (70, 2, 10, 16, 8),    # batch > one stage of 32 samples, few capsules
+    (33, 37, 10, 16, 8),   # batch one past a stage, in_caps past several chunks
+    (2, 5, 33, 2, 4),      # many output capsules
+    (2, 3, 3, 40, 2),      # long output capsules
+]
+ITERATIONS = [1, 2, 3]
+
+
+@pytest.fixture(autouse=True)
+def _cpu_by_default():
+    """Tests without a device parameter run on the CPU, also on a machine with a GPU."""
+    with tf.device("/CPU:0"):
+        yield
+
+
+@pytest.fixture
+def device(request, no_tf32):
+    """'cpu' or 'gpu': the test body runs there; on the GPU with soft placement off, so
+    a missing GPU kernel fails instead of silently running on the CPU."""
+    soft = tf.config.get_soft_device_placement()
+    tf.config.set_soft_device_placement(request.param == "cpu")
+    try:
+        with tf.device(f"/{request.param.upper()}:0"):
+            yield request.param
+    finally:
+        tf.config.set_soft_device_placement(soft)
+
+
+def on_device(device, *tensors):
+    for t in tensors:
+        assert f"{device.upper()}:0" in t.device, t.device
+
+
+def inputs(shape, dtype=np.float64, seed=0):
+    """u (|u| < 1 like squashed capsules) and W scaled so the agreements move the routing
+    without saturating the softmax."""
+    B, I, J, D, K = shape
+    rng = np.random.default_rng(seed)
+    u = rng.uniform(-1, 1, (B, I, K)) / np.sqrt(max(K, 1))
+    W = rng.uniform(-1, 1, (I, J, D, K))
+    return u.astype(dtype), W.astype(dtype)
+
+
+def np_routing(u, W, iterations):
+    """The NumPy reference: (s_j before the squash, c_ij, v_j) of the last iteration."""
+    u_hat = np_capsule_prediction(u, W)
+    v, c = np_dynamic_routing(u_hat, iterations)
+    return np.einsum("bij,bijd->bjd", c, u_hat), c, v
+
+
+def unfused(u, W, iterations):
+    """The unfused TensorFlow path the op replaces: (v_j, c_ij)."""
+    return dynamic_routing(ops.capsule_prediction_matmul(u, W), iterations, stop_gradient=True)
+
+
+def fused(u, W, iterations):
+    """The op as DigitCaps uses it: (squash(s_j), c_ij)."""
+    s_j, c_ij = ops.capsule_routing(u, W, iterations)
+    return squash(s_j), c_ij
+
+
+def value_and_grads(route, u, W, iterations, weights_v, weights_c):
+    """(v_j, c_ij, dL/du, dL/dW) with L = Σ v_j·weights_v + Σ c_ij·weights_c."""
+    u, W = tf.constant(u), tf.constant(W)
+    with tf.GradientTape() as tape:
+        tape.watch([u, W])
+        v_j, c_ij = route(u, W, iterations)
+        loss = tf.reduce_sum(v_j * weights_v) + tf.reduce_sum(c_ij * weights_c)
+    grad_u, grad_W = tape.gradient(loss, [u, W])
+    return v_j, c_ij, grad_u, grad_W
+
+
+def loss_weights(shape, dtype, seed=7):
+    B, I, J, D, _ = shape
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(B, J, D)).astype(dtype), rng.normal(size=(B, I, J)).astype(dtype)
+
+
+def assert_close(got, want, rtol, atol_scale, what):
+    """|got - want| <= rtol·|want| + atol_scale·max(1, max|want|)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    scale = max(1.0, float(np.abs(want).max())) if want.size else 1.0
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol_scale * scale, err_msg=what)
+
+
+# ----------------------------------------------------------------------------
+# Forward against the NumPy reference.
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("iterations", ITERATIONS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward_matches_numpy_float64(device, shape, iterations):
+    u, W = inputs(shape)
+    s_j, c_ij = ops.capsule_routing(tf.constant(u), tf.constant(W), iterations)
+    on_device(device, s_j, c_ij)
+    B, I, J, D, _ = shape
+    assert s_j.shape == (B, J, D) and c_ij.shape == (B, I, J)
+    assert s_j.dtype == tf.float64 and c_ij.dtype == tf.float64
+    s_ref, c_ref, v_ref = np_routing(u, W, iterations)
+    assert_close(s_j, s_ref, 1e-10, 1e-12, "s_j")
+    assert_close(c_ij, c_ref, 1e-10, 1e-12, "c_ij")
+    assert_close(squash(s_j), v_ref, 1e-10, 1e-12, "squash(s_j)")
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("shape", [(5, 9, 10, 16, 8), (33, 37, 10, 16, 8), (3, 2000, 10, 16, 8), (2, 3, 3, 40, 2),
+                                   (2, 3, 2, 4, 17)])
+def test_forward_matches_numpy_float32(device, shape):
+    u, W = inputs(shape, np.float32, seed=1)
+    s_j, c_ij = ops.capsule_routing(u, W, 3)
+    on_device(device, s_j, c_ij)
+    assert s_j.dtype == tf.float32
+    s_ref, c_ref, _ = np_routing(u, W, 3)
+    assert_close(s_j, s_ref, 2e-5, 2e-6, "s_j")
+    assert_close(c_ij, c_ref, 2e-5, 2e-6, "c_ij")
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_more_iterations_keep_matching(device):
+    u, W = inputs((4, 6, 3, 5, 4), seed=2)
+    s_j, c_ij = ops.capsule_routing(u, W, 6)
+    s_ref, c_ref, _ = np_routing(u, W, 6)
+    assert_close(s_j, s_ref, 1e-10, 1e-12, "s_j")
+    assert_close(c_ij, c_ref, 1e-10, 1e-12, "c_ij")
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("dtype,atol", [(tf.float16, 1e-2), (tf.bfloat16, 6e-2)])
+def test_forward_16bit(device, dtype, atol):
+    # Routing runs in float32 on the rounded inputs: only the output rounding (and the
+    # propagated input rounding, which the reference sees too) differs.
+    u, W = inputs((3, 9, 10, 16, 8), np.float32, seed=3)
+    u16, W16 = tf.cast(u, dtype), tf.cast(W, dtype)
+    s_j, c_ij = ops.capsule_routing(u16, W16, 3)
+    on_device(device, s_j, c_ij)
+    assert s_j.dtype == dtype and c_ij.dtype == dtype
+    s_ref, c_ref, _ = np_routing(tf.cast(u16, tf.float64).numpy(), tf.cast(W16, tf.float64).numpy(), 3)
+    assert_close(tf.cast(s_j, tf.float64), s_ref, 0, atol, "s_j")
+    assert_close(tf.cast(c_ij, tf.float64), c_ref, 0, atol, "c_ij")
+
+
+def test_squash_epsilon_is_the_routing_default():
+    # The op squashes its inner v_j with a compiled-in epsilon: it must be squash's.
+    # A large epsilon relative to |s|² shows any difference.
+    u, W = inputs((2, 3, 2, 4, 3), seed=4)
+    W *= 1e-3  # |s|² ~ 1e-7: the epsilon term matters in the inner squashes
+    s_j, c_ij = ops.capsule_routing(u, W, 3)
+    s_ref, c_ref, _ = np_routing(u, W, 3)
+    assert EPSILON == 1e-7
+    assert_close(c_ij, c_ref, 1e-9, 1e-14, "c_ij")
+    assert_close(s_j, s_ref, 1e-9, 1e-14, "s_j")
+
+
+# ----------------------------------------------------------------------------
+# Against the unfused TensorFlow path: values and gradients.
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("iterations", ITERATIONS)
+@pytest.mark.parametrize("shape", [(3, 5, 2, 16, 8), (4, 7, 3, 6, 3), (70, 2, 10, 16, 8), (2, 3, 2, 4, 17)])
+def test_values_and_gradients_match_unfused_path_float64(device, shape, iterations):
+    u, W = inputs(shape, seed=5)
+    weights_v, weights_c = loss_weights(shape, np.float64)
+    got = value_and_grads(fused, u, W, iterations, weights_v, weights_c)
+    want = value_and_grads(unfused, u, W, iterations, weights_v, weights_c)
+    on_device(device, *got)
+    for name, a, b in zip(("v_j", "c_ij", "grad_u", "grad_W"), got, want):
+        assert_close(a, b, 1e-10, 1e-12, name)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("shape", [(8, 32, 10, 16, 8), (33, 37, 10, 16, 8), (3, 5, 3, 5, 3)])
+def test_values_and_gradients_match_unfused_path_float32(device, shape):
+    u, W = inputs(shape, np.float32, seed=6)
+    weights_v, weights_c = loss_weights(shape, np.float32)
+    got = value_and_grads(fused, u, W, 3, weights_v, weights_c)
+    want = value_and_grads(unfused, u, W, 3, weights_v, weights_c)
+    for name, a, b in zip(("v_j", "c_ij", "grad_u", "grad_W"), got, want):
+        assert_close(a, b, 1e-4, 1e-5, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no GPU visible to TensorFlow")
+@pytest.mark.parametrize("batch", [128, 512])
+def test_gpu_paper_shape_matches_unfused_path(no_tf32, batch):
+    """The training shape (1152 -> 10 x 16, in_dim 8), fused on /GPU:0 against the
+    unfused op + TF routing on /GPU:0, values and gradients, float32."""
+    shape = (batch, 1152, 10, 16, 8)
+    u, W = inputs(shape, np.float32, seed=7)
+    W *= 0.3  # the scale of a trained DigitCaps W (init N(0, 0.1²))
+    weights_v, weights_c = loss_weights(shape, np.float32)
+    soft = tf.config.get_soft_device_placement()
+    tf.config.set_soft_device_placement(False)
+    try:
+        with tf.device("/GPU:0"):
+            got = value_and_grads(fused, u, W, 3, weights_v, weights_c)
+            want = value_and_grads(
+                lambda u, W, r: dynamic_routing(ops.capsule_prediction(u, W), r), u, W, 3, weights_v, weights_c)
+    finally:
+        tf.config.set_soft_device_placement(soft)
+    on_device("gpu", *got)
+    for name, a, b in zip(("v_j", "c_ij", "grad_u", "grad_W"), got, want):
+        # float32 sums over 1152 capsules (and, for grad_W, the batch) in different
+        # orders: ~1e-6 relative to the largest element.
+        assert_close(a, b, 1e-3, 1e-5, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no GPU visible to TensorFlow")
+@pytest.mark.parametrize("shape", SHAPES + [(2, 1, 5, 820, 4), (3, 2000, 10, 16, 8), (129, 1152, 10, 16, 8)])
+def test_gpu_matches_cpu_op(no_tf32, shape):
+    """The CUDA kernels against the C++ ones, forward and gradient, float64 (so any
+    difference beyond rounding is a kernel bug, not float32 noise)."""
+    u, W = inputs(shape, seed=8)
+    weights_v, weights_c = loss_weights(shape, np.float64)
+    results = {}
+    for where in ("CPU", "GPU"):
+        with tf.device(f"/{where}:0"):
+            results[where] = value_and_grads(fused, u, W, 3, weights_v, weights_c)
+    on_device("gpu", *results["GPU"])
+    for name, a, b in zip(("v_j", "c_ij", "grad_u", "grad_W"), results["GPU"], results["CPU"]):
+        assert_close(a, b, 1e-10, 1e-12, name)
+
+
+# ----------------------------------------------------------------------------
+# Gradients against finite differences (float64).
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1, 1), (2, 3, 2, 4, 5), (3, 2, 3, 3, 3), (2, 4, 1, 2, 7)])
+def test_one_iteration_gradient_matches_finite_differences(device, shape):
+    # With r = 1, c_ij = 1/J is constant, so the op's gradient is the full derivative.
+    u, W = inputs(shape, seed=9)
+    theoretical, numerical = tf.test.compute_gradient(lambda u, W: ops.capsule_routing(u, W, 1)[0], [u, W])
+    for t, n in zip(theoretical, numerical):
+        np.testing.assert_allclose(t, n, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("iterations", [2, 3])
+def test_gradient_is_the_derivative_with_coupling_frozen(device, iterations):
+    """For r > 1 the op differentiates s_j = Σ_i c_ij W_ij u_i with c_ij held at its
+    routed value (stop-gradient routing): finite differences of exactly that function."""
+    u, W = inputs((2, 3, 3, 4, 3), seed=10)
+    _, c_routed = ops.capsule_routing(u, W, iterations)
+
+    def frozen(u, W):  # s_j with the coupling coefficients as constants
+        return tf.einsum("bij,bijd->bjd", c_routed, ops.capsule_prediction_matmul(u, W))
+
+    theoretical, full = tf.test.compute_gradient(lambda u, W: ops.capsule_routing(u, W, iterations)[0], [u, W])
+    _, numerical = tf.test.compute_gradient(frozen, [u, W])
+    for t, n in zip(theoretical, numerical):
+        np.testing.assert_allclose(t, n, rtol=1e-6, atol=1e-8)
+    # ...which is not the full derivative (the op's own finite differences): the
+    # coupling does depend on u and W.
+    assert max(np.abs(t - f).max() for t, f in zip(theoretical, full)) > 1e-4
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_second_order_gradients_match_finite_differences(device):
+    u, W = inputs((2, 3, 2, 3, 4), seed=11)
+
+    def first_order(u, W):
+        with tf.GradientTape() as tape:
+            tape.watch([u, W])
+            loss = tf.reduce_sum(tf.sin(ops.capsule_routing(u, W, 1)[0]))
+        grad_u, grad_W = tape.gradient(loss, [u, W])
+        return tf.concat([tf.reshape(grad_u, [-1]), tf.reshape(grad_W, [-1])], 0)
+
+    theoretical, numerical = tf.test.compute_gradient(first_order, [u, W])
+    for t, n in zip(theoretical, numerical):
+        # Central differences of sin'' carry O(delta²) ~ 1e-7 error; a wrong rule is O(1) off.
+        np.testing.assert_allclose(t, n, rtol=1e-5, atol=1e-6)
+
+
+def test_second_order_gradients_match_unfused_path():
+    # r = 3: both paths hold the coupling constant, so their second derivatives agree.
+    u, W = inputs((2, 4, 3, 3, 4), seed=12)
+    weights_v, _ = loss_weights((2, 4, 3, 3, 4), np.float64)
+
+    def hessian_vector(route):
+        u_t, W_t = tf.constant(u), tf.constant(W)
+        with tf.GradientTape() as outer:
+            outer.watch([u_t, W_t])
+            with tf.GradientTape() as inner:
+                inner.watch([u_t, W_t])
+                v_j, _ = route(u_t, W_t, 3)
+                loss = tf.reduce_sum(v_j * weights_v)
+            grad_u, grad_W = inner.gradient(loss, [u_t, W_t])
+            total = tf.reduce_sum(grad_u ** 2) + tf.reduce_sum(grad_W ** 2)
+        return outer.gradient(total, [u_t, W_t])
+
+    for name, a, b in zip(("d/du", "d/dW"), hessian_vector(fused), hessian_vector(unfused)):
+        assert_close(a, b, 1e-9, 1e-11, name)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_coupling_output_carries_no_gradient(device):
+    # Stop-gradient routing: c_ij are constants, so a loss of c_ij alone has a zero
+    # gradient (the TF path has no gradient path at all there).
+    u, W = (tf.constant(x) for x in inputs((3, 4, 3, 5, 2), seed=13))
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch([u, W])
+        _, c_ij = ops.capsule_routing(u, W, 3)
+        loss = tf.reduce_sum(c_ij * tf.range(1.0, 4.0, dtype=tf.float64))
+        _, c_tf = unfused(u, W, 3)
+        loss_tf = tf.reduce_sum(c_tf * tf.range(1.0, 4.0, dtype=tf.float64))
+    grad_u, grad_W = tape.gradient(loss, [u, W])
+    np.testing.assert_array_equal(grad_u.numpy(), 0)
+    np.testing.assert_array_equal(grad_W.numpy(), 0)
+    assert tape.gradient(loss_tf, [u, W]) == [None, None]
+
+
+# ----------------------------------------------------------------------------
+# Edge cases, determinism, bad inputs.
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_batch_of_one_and_empty_batch(device):
+    u, W = inputs((5, 6, 3, 4, 5), seed=14)
+    s_all, c_all = ops.capsule_routing(u, W, 3)
+    s_one, c_one = ops.capsule_routing(u[2:3], W, 3)
+    # Routing is per sample: sample 2 alone gives what it gave in the batch (to rounding:
+    # the GPU's reduction over capsule chunks depends on the shape, not the batch).
+    assert_close(s_one, s_all.numpy()[2:3], 1e-12, 1e-14, "s_j")
+    assert_close(c_one, c_all.numpy()[2:3], 1e-12, 1e-14, "c_ij")
+
+    u0 = np.zeros((0, 6, 5))
+    weights_v, weights_c = np.zeros((0, 3, 4)), np.zeros((0, 6, 3))
+    v_j, c_ij, grad_u, grad_W = value_and_grads(fused, u0, W, 3, weights_v, weights_c)
+    assert v_j.shape == (0, 3, 4) and c_ij.shape == (0, 6, 3) and grad_u.shape == (0, 6, 5)
+    np.testing.assert_array_equal(grad_W.numpy(), np.zeros(W.shape))
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5, 0), (2, 3, 4, 0, 5), (2, 0, 4, 5, 3)],
+                         ids=["in_dim0", "out_dim0", "in_caps0"])
+def test_empty_sums_follow_the_math(device, shape):
+    # u_hat is zero or empty: s_j = 0, every agreement 0, so c_ij = softmax(0) = 1/J;
+    # the same as the unfused path, and the gradients are zero.
+    u, W = inputs(shape)
+    B, I, J, D, _ = shape
+    s_j, c_ij = ops.capsule_routing(u, W, 3)
+    # (einsum, not the matmul path: its reshape(-1, ...) cannot recover the batch of an
+    # empty u_hat)
+    _, c_ref = dynamic_routing(tf.einsum("bik,ijdk->bijd", u, W), 3)
+    np.testing.assert_array_equal(s_j.numpy(), np.zeros((B, J, D)))
+    np.testing.assert_array_equal(c_ij.numpy(), np.full((B, I, J), 1 / J))
+    np.testing.assert_array_equal(c_ij.numpy(), c_ref.numpy())
+    _, _, grad_u, grad_W = value_and_grads(fused, u, W, 3, *loss_weights(shape, np.float64))
+    np.testing.assert_array_equal(grad_u.numpy(), np.zeros(u.shape))
+    np.testing.assert_array_equal(grad_W.numpy(), np.zeros(W.shape))
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_no_output_capsules(device):
+    u, W = inputs((2, 3, 0, 4, 5))
+    s_j, c_ij = ops.capsule_routing(u, W, 3)
+    assert s_j.shape == (2, 0, 4) and c_ij.shape == (2, 3, 0)
+    _, _, grad_u, _ = value_and_grads(fused, u, W, 3, np.zeros((2, 0, 4)), np.zeros((2, 3, 0)))
+    np.testing.assert_array_equal(grad_u.numpy(), np.zeros(u.shape))
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("shape", [(70, 2, 10, 16, 8), (33, 37, 10, 16, 8)])
+def test_forward_and_gradient_are_deterministic(device, shape):
+    u, W = inputs(shape, np.float32, seed=15)
+    weights_v, weights_c = loss_weights(shape, np.float32)
+    first = value_and_grads(fused, u, W, 3, weights_v, weights_c)
+    second = value_and_grads(fused, u, W, 3, weights_v, weights_c)
+    for name, a, b in zip(("v_j", "c_ij", "grad_u", "grad_W"), first, second):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_nan_stays_in_its_sample(device):
+    u, W = inputs((4, 6, 3, 5, 7), np.float32, seed=16)
+    u[2, 3, 1] = np.nan
+    s_j, c_ij = ops.capsule_routing(u, W, 3)
+    s, c = s_j.numpy(), c_ij.numpy()
+    assert np.isnan(s[2]).all()
+    assert np.isfinite(np.delete(s, 2, axis=0)).all() and np.isfinite(np.delete(c, 2, axis=0)).all()
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_tf_function_with_unknown_batch_matches_eager(device):
+    u, W = inputs((6, 5, 4, 3, 2), np.float32, seed=17)
+    f = tf.function(lambda u, W: ops.capsule_routing(u, W, 3),
+                    input_signature=[tf.TensorSpec([None, 5, 2], tf.float32), tf.TensorSpec([5, 4, 3, 2], tf.float32)])
+    s_j, c_ij = f(u, W)
+    assert f.get_concrete_function().structured_outputs[0].shape.as_list() == [None, 4, 3]
+    eager_s, eager_c = ops.capsule_routing(u, W, 3)
+    np.testing.assert_array_equal(s_j.numpy(), eager_s.numpy())
+    np.testing.assert_array_equal(c_ij.numpy(), eager_c.numpy())
+
+
+def _shapes_named(text, *shapes):
+    fmt = lambda s: "[" + ",".join(str(d) for d in s) + "]"  # noqa: E731
+    return all(fmt(s) in text for s in shapes)
+
+
+BAD_SHAPES = [((2, 3, 8), (4, 2, 5, 8), "in_caps"), ((2, 3, 8), (3, 2, 5, 7), "in_dim"),
+              ((2, 3), (3, 2, 5, 3), "rank"), ((2, 3, 8), (3, 2, 8), "rank")]
+
+
+@pytest.mark.parametrize("u_shape,w_shape,what", BAD_SHAPES)
+def test_bad_shapes_at_trace_time(u_shape, w_shape, what):
+    f = tf.function(lambda u, W: ops.capsule_routing(u, W, 3))
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError)) as info:
+        f(np.ones(u_shape, np.float32), np.ones(w_shape, np.float32))
+    assert "capsule_routing" in str(info.value) and what in str(info.value)
+    assert _shapes_named(str(info.value), u_shape, w_shape), str(info.value)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("u_shape,w_shape,what", BAD_SHAPES[:2])
+def test_bad_shapes_at_run_time(device, u_shape, w_shape, what):
+    # Unknown shapes while tracing: the kernel checks again when it runs.
+    f = tf.function(lambda u, W: ops.capsule_routing(u, W, 3),
+                    input_signature=[tf.TensorSpec([None] * 3, tf.float32), tf.TensorSpec([None] * 4, tf.float32)])
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        f(np.ones(u_shape, np.float32), np.ones(w_shape, np.float32))
+    assert "capsule_routing: " + what in info.value.message, info.value.message
+    assert _shapes_named(info.value.message, u_shape, w_shape), info.value.message
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("c_shape,g_shape", [((2, 3, 4), (2, 4, 4)), ((2, 3, 3), (2, 4, 5)), ((1, 3, 4), (2, 4, 5))])
+def test_grad_op_checks_its_shapes(device, c_shape, g_shape):
+    u, W = inputs((2, 3, 4, 5, 6))
+    grad = tf.function(
+        lambda u, W, c, g: ops.load_op_library().capsnet_capsule_routing_grad(u=u, weights=W, c_ij=c, grad_s=g),
+        input_signature=[tf.TensorSpec([None] * rank, tf.float64) for rank in (3, 4, 3, 3)])
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        grad(u, W, np.ones(c_shape), np.ones(g_shape))
+    assert _shapes_named(info.value.message, c_shape, g_shape, (2, 3, 4), (2, 4, 5)), info.value.message
+    # and with known shapes, the shape function already refuses them
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="capsule_routing"):
+        tf.function(lambda: ops.load_op_library().capsnet_capsule_routing_grad(
+            u=u, weights=W, c_ij=np.ones(c_shape), grad_s=np.ones(g_shape)))()
+
+
+@pytest.mark.parametrize("iterations", [0, -1, 2.0, True, "3"])
+def test_rejects_bad_iterations(iterations):
+    u, W = inputs((2, 3, 4, 5, 6))
+    with pytest.raises(ValueError, match="capsule_routing: iterations must be an integer >= 1"):
+        ops.capsule_routing(u, W, iterations)
+
+
+def test_dtype_errors_are_clear():
+    u, W = inputs((2, 3, 4, 5, 6))
+    with pytest.raises(TypeError, match="capsule_routing: u and W must have the same dtype.*float32.*float64"):
+        ops.capsule_routing(u.astype(np.float32), W, 3)
+    with pytest.raises(TypeError, match="capsule_routing: dtype int32 is not supported"):
+        ops.capsule_routing(np.ones((2, 3, 4), np.int32), np.ones((3, 2, 2, 4), np.int32), 3)
+
+
+def test_numpy_reference_is_procedure_one():
+    """np_routing's s_j is the pre-squash sum the op returns: squashing it gives the
+    reference's v_j (the tests above compare against both)."""
+    u, W = inputs((3, 4, 3, 5, 2), seed=18)
+    s_ref, _, v_ref = np_routing(u, W, 3)
+    np.testing.assert_allclose(np_squash(s_ref, epsilon=EPSILON), v_ref, rtol=1e-12)
+
+
+# ----------------------------------------------------------------------------
+# The benchmarks' fused routing rows (CPU smoke runs of what runs on the GPU).
+
+
+@pytest.mark.slow
+def test_benchmark_scripts_time_the_fused_routing(tmp_path):
+    ops_bench = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "benchmark_ops.py"), "--device", "cpu", "--shapes", "paper",
+         "--impls", "none", "--routing-impls", "fused,op+routing", "--routing-passes", "forward+backward",
+         "--iters", "2", "--repeats", "1"],
+        env=entry_point_env(), capture_output=True, text=True, timeout=600)
+    assert ops_bench.returncode == 0, ops_bench.stderr[-3000:]
+    for impl in ("fused", "op+routing"):
+        assert f"| paper (128, 1152, 10, 16, 8) | {impl} | forward+backward |" in ops_bench.stdout, ops_bench.stdout
+
+    output = tmp_path / "bench.json"
+    train_bench = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "benchmark_train.py"), "--device", "cpu", "--batch-sizes", "4",
+         "--steps", "1", "--repeats", "1", "--warmup", "1", "--variants", "op+fused,matmul", "--json", str(output),
+         *TINY_MODEL],
+        env=entry_point_env(), capture_output=True, text=True, timeout=600)
+    assert train_bench.returncode == 0, train_bench.stderr[-3000:]
+    rows = {row["variant"]: row for row in json.loads(output.read_text())["results"]}
+    assert rows["op+fused"]["fused_routing"] is True and rows["matmul"]["fused_routing"] is False
+    # Same seed, weights and data in both processes: the fused model's first loss is the matmul path's.
+    assert rows["op+fused"]["first_loss"] == pytest.approx(rows["matmul"]["first_loss"], rel=1e-5)
+    assert "| custom_op=true xla=none fused_routing | 4 |" in train_bench.stdout
