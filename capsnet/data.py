@@ -4,9 +4,10 @@
 - `load_split(name, split, data_dir, limit)`: one split as NumPy arrays, from an IDX
   directory (offline) or from tensorflow-datasets (the online default).
 - `make_dataset(images, labels, ...)`: batches of (float32 images in [0, 1], int32
-  labels). Training batches are shuffled and randomly shifted with stateless RNG keyed
-  by (seed, epoch), so an epoch's batches depend on nothing else: a run resumed at
-  epoch e sees exactly what an uninterrupted run saw, whatever the parallelism.
+  labels). Training batches are shuffled and augmented (the paper's random shifts;
+  optionally flips, rotations and zoom) with stateless RNG keyed by (seed, epoch), so
+  an epoch's batches depend on nothing else: a run resumed at epoch e sees exactly
+  what an uninterrupted run saw, whatever the parallelism.
 """
 import contextlib
 import dataclasses
@@ -20,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from capsnet.errors import ConfigError, DataError
-from capsnet.validation import boolean, integer
+from capsnet.validation import boolean, float_in_range, integer
 
 # --------------------------------------------------------------------------- IDX files
 # An IDX file is a 4-byte magic (0x00, 0x00, type code, rank), `rank` big-endian uint32
@@ -281,8 +282,14 @@ def _check_split(name, spec, images, labels, images_src, labels_src):
 
 
 # --------------------------------------------------------------------------- tf.data
+# The `data.*` config keys that are make_dataset's augmentation arguments, with the values
+# that mean "off" (what a run saved before a key existed was trained with).
+AUGMENTATION_OFF = {"shift_pixels": 0, "flip": False, "rotate_degrees": 0.0, "zoom": 0.0}
+AUGMENTATION_KEYS = tuple(AUGMENTATION_OFF)
+
+
 def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift_pixels=2,
-                 drop_remainder=False):
+                 flip=False, rotate_degrees=0.0, zoom=0.0, drop_remainder=False):
     """Builds one epoch of batches.
 
     Args:
@@ -290,11 +297,18 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
       labels: integer (N,).
       batch_size: examples per batch (≥ 1); the last batch is smaller unless
         `drop_remainder`.
-      training: True: shuffle and randomly shift; False: keep order, no augmentation.
-      seed, epoch: key the shuffle order and the shifts. The same (seed, epoch) gives
-        the same batches every time, independent of tf.data's parallelism.
+      training: True: shuffle and augment; False: keep order, no augmentation.
+      seed, epoch: key the shuffle order and the augmentation. The same (seed, epoch)
+        gives the same batches every time, independent of tf.data's parallelism.
       shift_pixels: the largest shift in each direction (paper: 2); the uncovered
         border is zero. 0: no shift.
+      flip: mirror each image left-right with probability 1/2 (label-preserving for
+        clothing, not for digits).
+      rotate_degrees, zoom: a random rotation by an angle uniform in
+        ±rotate_degrees and a scaling by a factor uniform in [1 − zoom, 1 + zoom], about
+        the image centre, bilinear, zero outside. 0 and 0 (default): none, and then
+        every pixel stays an exact multiple of 1/255.
+      Augmentations apply in the order flip, rotate/zoom, shift.
 
     Returns:
       A `tf.data.Dataset` of (images float32 (B, H, W, C) in [0, 1], labels int32 (B,)).
@@ -307,6 +321,9 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
     seed = integer("seed", seed, minimum=-(2**63), maximum=2**63 - 1, error=ConfigError)
     epoch = integer("epoch", epoch, minimum=0, maximum=2**63 - 1, error=ConfigError)
     shift_pixels = integer("shift_pixels", shift_pixels, minimum=0, maximum=min(h, w) - 1, error=ConfigError)
+    flip = boolean("flip", flip, expected="true or false", error=ConfigError)
+    rotate_degrees = float_in_range("rotate_degrees", rotate_degrees, 0, 180, error=ConfigError)
+    zoom = float_in_range("zoom", zoom, 0, 0.5, error=ConfigError)
     if drop_remainder and n < batch_size:
         raise ConfigError(f"batch_size {batch_size} with drop_remainder=True leaves no batch "
                           f"from {n} examples")
@@ -317,24 +334,32 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
         images_t = tf.constant(images)                    # (N, H, W, C) uint8
         labels_t = tf.constant(labels.astype(np.int32))   # (N,)
         if training:
-            # Two independent streams from one (seed, epoch) key: the order and the shifts.
+            # Independent streams from one (seed, epoch) key: the order and the shifts
+            # (these two as in the first version, so its runs replay unchanged), then
+            # the flips and the rotation/zoom.
             key = tf.constant([seed, epoch], tf.int64)
             shuffle_key, shift_key = tf.unstack(
                 tf.random.experimental.stateless_split(key, 2, alg="philox"))
+            flip_key, affine_key = tf.unstack(
+                tf.random.experimental.stateless_split(shift_key, 2, alg="philox"))
             order = tf.random.experimental.stateless_shuffle(
                 tf.range(n, dtype=tf.int64), seed=shuffle_key, alg="philox")
         else:
             order = tf.range(n, dtype=tf.int64)
-        augment = training and shift_pixels > 0
+        def example_key(stream_key, index):
+            # Keyed by the example's index in `images`, not by its position in a batch
+            # or thread, so its augmentation is the same however the map runs.
+            return tf.random.experimental.stateless_fold_in(stream_key, index, alg="philox")
 
         def load_example(index):
             image = tf.gather(images_t, index)  # (H, W, C) uint8
-            if augment:
-                # Keyed by the example's index in `images`, not by its position in a
-                # batch or thread, so its shift is the same however the map runs.
-                example_key = tf.random.experimental.stateless_fold_in(shift_key, index,
-                                                                       alg="philox")
-                image = random_shift(image, shift_pixels, example_key)
+            if training and flip:
+                image = random_flip(image, example_key(flip_key, index))
+            if training and (rotate_degrees > 0 or zoom > 0):
+                image = random_rotate_zoom(tf.cast(image, tf.float32), rotate_degrees, zoom,
+                                           example_key(affine_key, index))
+            if training and shift_pixels > 0:
+                image = random_shift(image, shift_pixels, example_key(shift_key, index))
             return tf.cast(image, tf.float32) / 255.0, tf.gather(labels_t, index)
 
         dataset = tf.data.Dataset.from_tensor_slices(order)
@@ -355,6 +380,48 @@ def random_shift(image, shift_pixels, key):
     corner = tf.random.stateless_uniform([2], seed=key, minval=0, maxval=2 * s + 1,
                                          dtype=tf.int32, alg="philox")
     return tf.slice(padded, [corner[0], corner[1], 0], [h, w, c])  # (H, W, C)
+
+
+def random_flip(image, key):
+    """Mirrors one (H, W, C) image left-right with probability 1/2 (stateless RNG `key`)."""
+    mirror = tf.random.stateless_uniform([], seed=key, alg="philox") < 0.5
+    return tf.cond(mirror, lambda: tf.reverse(image, axis=[1]), lambda: image)
+
+
+def random_rotate_zoom(image, rotate_degrees, zoom, key):
+    """Rotates one float (H, W, C) image by an angle uniform in ±rotate_degrees and scales
+    it by a factor uniform in [1 − zoom, 1 + zoom] about its centre (stateless RNG
+    `key`); bilinear, zero outside. Returns float32 on the input's 0..255 scale."""
+    angle_key, scale_key = tf.unstack(tf.random.experimental.stateless_split(key, 2, alg="philox"))
+    angle = tf.random.stateless_uniform([], seed=angle_key, minval=-rotate_degrees,
+                                        maxval=rotate_degrees, alg="philox") * (math.pi / 180.0)
+    scale = tf.random.stateless_uniform([], seed=scale_key, minval=1.0 - zoom,
+                                        maxval=1.0 + zoom, alg="philox")
+    return rotate_zoom(image, angle, scale)
+
+
+def rotate_zoom(image, angle, scale):
+    """`image` (H, W, C) float rotated by `angle` radians (counter-clockwise as displayed,
+    rows running down) and scaled by `scale` about its centre, bilinear, zero outside.
+
+    ImageProjectiveTransformV3 maps each output pixel (x, y) to the input point it
+    samples; for a rotation by θ and a scaling by s about the centre (cx, cy) that is
+    the inverse map p_in = R(−θ)(p_out − c)/s + c.
+    """
+    h, w = int(image.shape[0]), int(image.shape[1])
+    cx, cy = (w - 1) / 2.0, (h - 1) / 2.0
+    cos, sin = tf.cos(angle) / scale, tf.sin(angle) / scale
+    # Rows grow downwards, so a counter-clockwise turn on screen is a clockwise one in
+    # (x, y): x_in = cos·x' − sin·y' and y_in = sin·x' + cos·y' about the centre.
+    a0, a1, b0, b1 = cos, -sin, sin, cos
+    a2 = cx - a0 * cx - a1 * cy
+    b2 = cy - b0 * cx - b1 * cy
+    transform = tf.stack([a0, a1, a2, b0, b1, b2, 0.0, 0.0])[None]     # (1, 8)
+    out = tf.raw_ops.ImageProjectiveTransformV3(
+        images=tf.cast(image, tf.float32)[None], transforms=transform,
+        output_shape=tf.constant([h, w], tf.int32), fill_value=0.0,
+        interpolation="BILINEAR", fill_mode="CONSTANT")
+    return out[0]
 
 
 def _check_examples(images, labels):

@@ -35,13 +35,30 @@ superseded or deleted on restart (see _BestCheckpoint).
 Resuming refuses a config that would change the run's trajectory (RESUME_KEYS: the
 model, the data, the seed, the optimizer and loss values) and names what differs;
 train.epochs (to extend a run), custom_op, train.xla, model.jit_routing,
-deterministic, logging and progress keys may change.
+deterministic, logging and progress keys may change, and so may the distribute
+strategy and devices (a run started on one GPU may continue on two).
+
+Several devices (`distribute`, configs/distribute/; make_strategy): `mirrored` runs one
+replica per local GPU (tf.distribute.MirroredStrategy), `multi_worker` one per GPU of
+every machine of a TF_CONFIG cluster (MultiWorkerMirroredStrategy); `none` (default)
+is the one-device code path, untouched. train.batch_size is the GLOBAL batch: the
+(seed, epoch)-ordered batches of capsnet.data are split evenly over the replicas
+(distribute_dataset), each replica's loss is its share of the global-batch mean, the
+optimizer sums the replicas' gradients, so a step is the one-device step on the same
+batch up to float rounding. distribute.scale_lr scales the learning rate with the
+global batch (scaled_learning_rate). Only the chief (worker 0, or the task "chief")
+writes into the run dir; the other workers save their checkpoints into a scratch
+directory of their own and write nothing else. Evaluation runs on one device of
+every worker, as without a strategy, and a distributed run's checkpoints are
+ordinary ones (a mirrored variable is saved once).
 """
+import contextlib
 import json
 import logging
 import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,7 +69,7 @@ import yaml
 from tensorflow.python.framework import config as tf_config
 
 from capsnet import ops
-from capsnet.data import load_split, make_dataset
+from capsnet.data import AUGMENTATION_KEYS, AUGMENTATION_OFF, load_split, make_dataset
 from capsnet.errors import CheckpointError, ConfigError, OpLibraryError
 from capsnet.evaluation import (
     capsnet_losses, checkpoint_weights, evaluate_model, json_safe, loss_params, make_eval_step, read_run_config,
@@ -113,31 +130,51 @@ def build_capsnet(model_cfg, custom_op):
     The values go to CapsNet as they are: it checks them (and turns lists into
     tuples), so a bool(...) or tuple(...) here cannot misread or crash on them first.
     """
+    model_cfg = dict(model_cfg)
+    if model_cfg.get("fused_routing", False) is None:
+        # null (the config's default): the fused routing op wherever it applies, so that
+        # custom_op=true alone is the fastest setting (docs/benchmarks.md).
+        model_cfg["fused_routing"] = fused_routing_applies(model_cfg, custom_op)
     try:
-        return build_model(**dict(model_cfg), custom_op=custom_op)
+        return build_model(**model_cfg, custom_op=custom_op)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"model: {' '.join(str(exc).split())}") from exc
 
 
-def check_op_library():
+def fused_routing_applies(model_cfg, custom_op):
+    """Whether model.fused_routing=null turns the fused op on: with the compiled op
+    (custom_op=true), stop-gradient routing (the gradient the op implements) and no
+    jit_routing (the other way to speed the routing up; asking for it wins)."""
+    return (custom_op is True and model_cfg.get("stop_gradient_routing", True) is True
+            and not model_cfg.get("jit_routing", False))
+
+
+def check_op_library(devices=None):
     """custom_op=true must use the compiled op: fail now, with the op's one-line error, if
     it cannot run (not built, stale, or built without CUDA while TensorFlow sees a GPU)
-    rather than deep inside the first compiled step."""
+    rather than deep inside the first compiled step.
+
+    devices: where the op will run (a strategy's replica devices, each of which runs it
+    on its own slice of the batch); None = the default device.
+    """
     if tf.config.list_physical_devices("GPU") and ops.build_stamp(ops.library_path()).get("cuda") is False:
         # The op has only a CPU kernel: TensorFlow would place it on the CPU and copy u and
         # u_hat across every step, silently, while the rest of the model runs on the GPU.
         raise OpLibraryError(f"the capsnet op library {ops.library_path()} was built without CUDA, but TensorFlow "
                              "sees a GPU (the op would run on the CPU): run `make ops-cuda` (needs nvcc), "
                              "or set custom_op=false")
-    u = tf.zeros((1, 1, 1))        # (batch, in_caps, in_dim)
-    W = tf.zeros((1, 1, 1, 1))     # (in_caps, out_caps, out_dim, in_dim)
-    try:
-        ops.capsule_prediction(u, W)
-    except OpLibraryError:
-        raise
-    except tf.errors.OpError as exc:
-        raise OpLibraryError(f"the capsule-prediction op library does not run: {exc.message}; "
-                             "rebuild it with `make ops`") from exc
+    for device in devices or [None]:
+        with tf.device(device):
+            u = tf.zeros((1, 1, 1))        # (batch, in_caps, in_dim)
+            W = tf.zeros((1, 1, 1, 1))     # (in_caps, out_caps, out_dim, in_dim)
+            try:
+                ops.capsule_prediction(u, W)
+            except OpLibraryError:
+                raise
+            except tf.errors.OpError as exc:
+                where = f" on {device}" if device else ""
+                raise OpLibraryError(f"the capsule-prediction op library does not run{where}: {exc.message}; "
+                                     "rebuild it with `make ops`") from exc
 
 
 def build_optimizer(train_cfg, steps_per_epoch, model):
@@ -195,7 +232,7 @@ def set_autoclustering(enabled):
     tf.config.optimizer.set_jit("autoclustering" if enabled else False)
 
 
-def make_train_step(model, optimizer, *, input_shape, losses, xla="none"):
+def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strategy=None):
     """The compiled training step: (images, labels) → {loss, margin_loss, reconstruction_loss, accuracy}.
 
     One Adam step on the mean total loss of the batch; the returned values are batch
@@ -210,9 +247,15 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none"):
             matmul path only); "autocluster" turns on XLA autoclustering for the process
             (set_autoclustering), so XLA compiles clusters of plain TF ops around the custom
             op. "none" and "jit" turn autoclustering off: the last step made decides.
+        strategy: None (one device), or the tf.distribute strategy that `model` and
+            `optimizer` were built under: the step is then
+            (per-replica images, per-replica labels, global batch size) → the same dict,
+            means over the global batch (_make_distributed_train_step).
     """
     check_xla(xla, getattr(model, "custom_op", False), getattr(model, "jit_routing", False))
     set_autoclustering(xla == "autocluster")
+    if strategy is not None:
+        return _make_distributed_train_step(model, optimizer, losses=losses, xla=xla, strategy=strategy)
     image_spec = tf.TensorSpec([None, *input_shape], tf.float32)
 
     @tf.function(input_signature=[image_spec, tf.TensorSpec([None], tf.int32)], jit_compile=xla == "jit")
@@ -233,6 +276,257 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none"):
         }
 
     return train_step
+
+
+# The sums each replica returns, in this order (stacked, so one all-reduce carries them).
+_STEP_SUMS = ("loss", "margin_loss", "reconstruction_loss", "accuracy")
+
+
+def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy):
+    """make_train_step under a strategy: strategy.run of one replica's step on its slice
+    of the global batch, then the batch means over all replicas (and workers).
+
+    The returned function takes the per-replica images and labels of a distributed
+    dataset (distribute_dataset) and the global batch size of the step (an int; the last
+    batch of an epoch may be short, so it is passed rather than assumed).
+    """
+
+    def forward_backward(images, labels, global_batch_size):
+        with tf.GradientTape() as tape:
+            # Labels mask the decoder input: reconstruct the TRUE class in training.
+            outputs = model(images, labels=labels, training=True)
+            total, margin, reconstruction = capsnet_losses(images, labels, outputs, **losses)  # (b,) each
+            # This replica's share of the GLOBAL batch mean: the sum of its per-example totals
+            # (margin + weighted reconstruction) over the global batch size. The optimizer sums
+            # the replicas' gradients (an all-reduce), which makes the gradient of the mean
+            # over the whole batch, as on one device. A per-replica mean would weigh the
+            # examples of a short last batch's unequal slices unequally.
+            loss = tf.nn.compute_average_loss(total, global_batch_size=global_batch_size)
+        grads = tape.gradient(loss, model.trainable_variables)
+        predictions = tf.argmax(outputs["lengths"], axis=-1, output_type=tf.int32)  # (b,)
+        correct = tf.reduce_sum(tf.cast(tf.equal(predictions, labels), tf.float32))
+        sums = tf.stack([tf.reduce_sum(total), tf.reduce_sum(margin), tf.reduce_sum(reconstruction), correct])  # (4,)
+        return grads, sums
+
+    if xla == "jit":
+        # A whole-step jit_compile cannot work here: the optimizer's gradient all-reduce is a
+        # cross-replica step (MirroredStrategy: a merge of the replicas' threads), and XLA
+        # refuses a function that reads variables on another replica's device. So XLA
+        # compiles each replica's forward and backward pass; the all-reduce and the Adam
+        # update (elementwise, cheap) run outside it.
+        forward_backward = tf.function(forward_backward, jit_compile=True)
+
+    def replica_step(images, labels, global_batch_size):
+        grads, sums = forward_backward(images, labels, global_batch_size)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return sums
+
+    # reduce_retracing: a short last batch changes the per-replica shapes; the second
+    # trace generalises the batch dimension, so there is no third.
+    @tf.function(reduce_retracing=True)
+    def distributed_step(images, labels, global_batch_size):
+        sums = strategy.run(replica_step, args=(images, labels, global_batch_size))
+        means = strategy.reduce(tf.distribute.ReduceOp.SUM, sums, axis=None) / tf.cast(global_batch_size, tf.float32)
+        return dict(zip(_STEP_SUMS, tf.unstack(means)))
+
+    def train_step(images, labels, global_batch_size):
+        # A tensor, not a Python int: an int would trace the step once per distinct value.
+        return distributed_step(images, labels, tf.constant(global_batch_size, tf.int32))
+
+    return train_step
+
+
+# --------------------------------------------------------------------------- tf.distribute
+
+STRATEGIES = ("none", "mirrored", "multi_worker")
+# distribute.all_reduce: how the replicas sum their gradients, per strategy.
+ALL_REDUCE = {
+    "none": ("auto",),
+    "mirrored": ("auto", "nccl", "one_device"),
+    "multi_worker": ("auto", "nccl", "ring"),
+}
+SCALE_LR = ("none", "linear", "sqrt")
+# The distribute section of a config that has none (written before it existed).
+DISTRIBUTE_DEFAULTS = {"strategy": "none", "devices": None, "all_reduce": "auto", "scale_lr": "none",
+                       "lr_base_batch_size": 100}
+TF_CONFIG_EXAMPLE = ('{"cluster": {"worker": ["host1:12345", "host2:12345"]}, '
+                     '"task": {"type": "worker", "index": 0}}')
+
+
+def distribute_config(cfg):
+    """The checked `distribute` section of a config (absent = one device): ConfigError
+    naming the key and value. multi_worker also needs a valid TF_CONFIG (read_tf_config)."""
+    section = cfg.get("distribute", DISTRIBUTE_DEFAULTS)
+    if not isinstance(section, dict):
+        raise ConfigError(f"distribute must be a section of keys, got {section!r}")
+    unknown = sorted(set(section) - set(DISTRIBUTE_DEFAULTS))
+    if unknown:
+        raise ConfigError(f"distribute has unknown key(s) {', '.join(unknown)} "
+                          f"(known: {', '.join(DISTRIBUTE_DEFAULTS)})")
+    dcfg = {**DISTRIBUTE_DEFAULTS, **section}
+    strategy = dcfg["strategy"]
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"distribute.strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if dcfg["all_reduce"] not in ALL_REDUCE[strategy]:
+        raise ConfigError(f"distribute.all_reduce must be one of {', '.join(ALL_REDUCE[strategy])} with "
+                          f"distribute={strategy}, got {dcfg['all_reduce']!r}")
+    devices = dcfg["devices"]
+    if devices is not None:
+        if strategy != "mirrored":
+            raise ConfigError(f"distribute.devices applies to distribute=mirrored only (distribute={strategy} "
+                              f"{'uses one device' if strategy == 'none' else 'uses every GPU of each worker'}), "
+                              f"got {devices!r}: set it to null")
+        if (not isinstance(devices, (list, tuple)) or not devices
+                or not all(isinstance(d, str) and d.strip() for d in devices)):
+            raise ConfigError(f"distribute.devices must be null or a non-empty list of device names like "
+                              f"[/gpu:0, /gpu:1], got {devices!r}")
+        dcfg["devices"] = list(devices)
+    if dcfg["scale_lr"] not in SCALE_LR:
+        raise ConfigError(f"distribute.scale_lr must be one of {', '.join(SCALE_LR)}, got {dcfg['scale_lr']!r}")
+    positive_int("distribute.lr_base_batch_size", dcfg["lr_base_batch_size"], error=ConfigError)
+    if strategy == "multi_worker":
+        read_tf_config()
+    elif os.environ.get("TF_CONFIG"):
+        log.warning("TF_CONFIG is set but distribute=%s: this process trains alone (distribute=multi_worker "
+                    "joins the cluster)", strategy)
+    return dcfg
+
+
+def read_tf_config():
+    """The cluster and task of TF_CONFIG (MultiWorkerMirroredStrategy's source): a dict,
+    checked enough that a mistake is a one-line ConfigError rather than a hang."""
+    text = os.environ.get("TF_CONFIG")
+    if not text:
+        raise ConfigError(f"distribute=multi_worker needs the cluster in the TF_CONFIG environment variable, which "
+                          f"is not set; on each worker e.g. TF_CONFIG='{TF_CONFIG_EXAMPLE}' (index: this worker's)")
+    try:
+        tf_config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"TF_CONFIG is not valid JSON ({exc}): {text!r}") from exc
+    cluster = tf_config.get("cluster") if isinstance(tf_config, dict) else None
+    task = tf_config.get("task") if isinstance(tf_config, dict) else None
+    if (not isinstance(cluster, dict) or not cluster
+            or not all(isinstance(v, list) and v and all(isinstance(a, str) for a in v) for v in cluster.values())):
+        raise ConfigError(f"TF_CONFIG needs a \"cluster\" of task types to lists of host:port, got {text!r} "
+                          f"(e.g. {TF_CONFIG_EXAMPLE})")
+    if not isinstance(task, dict) or task.get("type") not in ("chief", "worker"):
+        raise ConfigError(f"TF_CONFIG needs a \"task\" with type \"chief\" or \"worker\" (the tasks that train), "
+                          f"got {text!r}")
+    index = task.get("index", 0)
+    hosts = cluster.get(task["type"], [])
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(hosts):
+        raise ConfigError(f"TF_CONFIG task index {index!r} is not one of the {len(hosts)} {task['type']} "
+                          f"address(es) of its cluster: {text!r}")
+    return tf_config
+
+
+def scaled_learning_rate(learning_rate, batch_size, scale_lr, base_batch_size):
+    """The learning rate train() uses: train.learning_rate, scaled with the global batch.
+
+    linear: × batch_size / base_batch_size (Goyal et al. 2017, for SGD); sqrt:
+    × √(batch_size / base_batch_size), the rule for Adam (Malladi et al. 2022: the
+    gradient noise falls as 1/√batch, and Adam's update divides by its scale);
+    none: unchanged. base_batch_size is the batch `learning_rate` was tuned for.
+    """
+    ratio = batch_size / base_batch_size
+    return learning_rate * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[scale_lr]
+
+
+def _check_devices(devices):
+    """Every name in distribute.devices must be a device TensorFlow sees (MirroredStrategy
+    would only warn, then fail when it first places a variable there)."""
+    visible = tf.config.list_logical_devices()
+    known = {(d.device_type, tf.DeviceSpec.from_string(d.name).device_index) for d in visible}
+    for name in devices:
+        try:
+            spec = tf.DeviceSpec.from_string(name)
+        except ValueError as exc:
+            raise ConfigError(f"distribute.devices: {name!r} is not a device name ({exc})") from exc
+        if (str(spec.device_type).upper(), spec.device_index or 0) not in known:
+            seen = ", ".join(d.name.split("device:")[-1] for d in visible)
+            raise ConfigError(f"distribute.devices: {name} is not a device TensorFlow sees here (it sees {seen})")
+
+
+def make_strategy(dcfg):
+    """The tf.distribute strategy of a checked distribute section (distribute_config); None
+    for `none`, which keeps the one-device code path.
+
+    multi_worker must be made before TensorFlow starts (its first tensor or variable): it
+    configures the collective ops of the process, so train() makes it first, and a
+    second one in the same process (a -m sweep) is refused.
+    """
+    strategy = dcfg["strategy"]
+    if strategy == "none":
+        return None
+    if strategy == "mirrored":
+        if dcfg["devices"] is not None:
+            _check_devices(dcfg["devices"])
+        cross_device_ops = None  # auto: TensorFlow's pick, NCCL when every device is a GPU
+        if dcfg["all_reduce"] == "nccl":
+            cross_device_ops = tf.distribute.NcclAllReduce()
+        elif dcfg["all_reduce"] == "one_device":
+            cross_device_ops = tf.distribute.ReductionToOneDevice()
+        return tf.distribute.MirroredStrategy(devices=dcfg["devices"], cross_device_ops=cross_device_ops)
+    implementation = {"auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+                      "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+                      "ring": tf.distribute.experimental.CommunicationImplementation.RING}[dcfg["all_reduce"]]
+    try:
+        return tf.distribute.MultiWorkerMirroredStrategy(
+            communication_options=tf.distribute.experimental.CommunicationOptions(implementation=implementation))
+    except RuntimeError as exc:
+        # "Collective ops must be configured at program startup"
+        raise ConfigError(f"distribute=multi_worker must be set up before TensorFlow starts, once per process "
+                          f"(one training per process, no -m sweep): {' '.join(str(exc).split())}") from exc
+
+
+def check_global_batch(batch_size, strategy):
+    """train.batch_size is the global batch: it must split evenly over the replicas."""
+    replicas = strategy.num_replicas_in_sync
+    if batch_size % replicas:
+        raise ConfigError(f"train.batch_size={batch_size} is the global batch and must divide evenly over the "
+                          f"{replicas} replicas ({', '.join(strategy.extended.worker_devices)}"
+                          f"{' on this worker' if len(strategy.extended.worker_devices) < replicas else ''}): "
+                          f"use a multiple of {replicas}")
+
+
+def is_chief(strategy):
+    """Whether this process writes the run dir: always without a strategy or with mirrored
+    (one process); under multi_worker the task "chief", else worker 0."""
+    return strategy is None or strategy.extended.should_checkpoint
+
+
+def distribute_dataset(strategy, dataset):
+    """`dataset`'s batches (global batches) split over the strategy's replicas, in order.
+
+    Each global batch is cut into one contiguous slice per replica (sizes differ by at
+    most one example; a short last batch as well), so step k of every replica together
+    sees global batch k of a one-device run. Every worker builds the whole (seed,
+    epoch)-ordered dataset and keeps its replicas' slices (DATA sharding: the examples
+    are tensors in memory, not files, so there are no files to split, and its
+    augmentation is keyed by the example, not by the worker).
+    """
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return strategy.experimental_distribute_dataset(dataset.with_options(options))
+
+
+def _check_workers_agree(strategy, epochs_done, step):
+    """Every worker must continue from the same checkpoint: one that found none (another
+    run dir, not on a shared filesystem) would start its epochs over while the others go
+    on, and the step's collectives would pair different epochs' batches, or hang.
+
+    All-reduces (v, v²) of v = (epochs done, step) over the replicas: every worker gets
+    n·v and n·v² back iff all v are equal, so each worker sees a disagreement and stops.
+    """
+    local = tf.constant([epochs_done, step], tf.float64)
+    per_replica = strategy.experimental_distribute_values_from_function(lambda _: tf.stack([local, local * local]))
+    total = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None).numpy()  # (2, 2)
+    n = strategy.num_replicas_in_sync
+    if not np.array_equal(total, n * np.stack([local.numpy(), local.numpy() ** 2])):
+        raise CheckpointError(
+            f"the workers restored different checkpoints (this one: {epochs_done} epochs done, step {step}; mean over "
+            f"the replicas: {total[0][0] / n:g} epochs, step {total[0][1] / n:g}): every worker needs the same run dir "
+            "(hydra.run.dir) on a filesystem they share")
 
 
 # --------------------------------------------------------------------------- config checks
@@ -256,7 +550,8 @@ def _check_bools(cfg):
 
 
 def _check_config(cfg):
-    """Every value train() reads before the heavy work (data, model): ConfigError naming it."""
+    """Every value train() reads before the heavy work (data, model): ConfigError naming it.
+    Returns the checked distribute section (distribute_config)."""
     _check_bools(cfg)
     train_cfg = cfg["train"]
     for key in ("epochs", "batch_size", "keep_checkpoints", "log_every_steps", "num_images",
@@ -270,17 +565,18 @@ def _check_config(cfg):
     integer("seed", cfg["seed"], error=ConfigError)
     if not cfg.get("run_dir"):
         raise ConfigError("run_dir is not set (train.py sets it to Hydra's run dir; tests pass one)")
+    return distribute_config(cfg)
 
 
 # What a resumed run must share with the run it continues: everything that changes the
-# trajectory of the weights. The model section is compared whole, except jit_routing
-# (how routing is compiled, not what it computes).
+# trajectory of the weights. The model section is compared whole, except jit_routing and
+# fused_routing (how routing is computed, not what: the same W and the same math).
 RESUME_KEYS = {
-    "data": ("name", "dir", "limit_train", "limit_test", "shift_pixels"),
+    "data": ("name", "dir", "limit_train", "limit_test", *AUGMENTATION_KEYS),
     "train": ("batch_size", "learning_rate", "lr_decay_rate", "lr_decay_steps", "lr_staircase",
               "m_plus", "m_minus", "lambda_", "reconstruction_weight"),
 }
-RESUME_FREE_MODEL_KEYS = ("jit_routing",)
+RESUME_FREE_MODEL_KEYS = ("jit_routing", "fused_routing")
 
 
 def _resume_values(cfg):
@@ -295,6 +591,16 @@ def _resume_values(cfg):
     values.update({f"model.{k}": v for k, v in section("model").items() if k not in RESUME_FREE_MODEL_KEYS})
     for name, keys in RESUME_KEYS.items():
         values.update({f"{name}.{k}": section(name).get(k) for k in keys})
+    # Augmentations added after a run was saved were off in it.
+    values.update({f"data.{k}": off for k, off in AUGMENTATION_OFF.items()
+                   if k not in section("data") and section("data")})
+    # Of distribute, only what sets the learning rate: the strategy, devices and all-reduce
+    # do not change the trajectory (a run may move from one GPU to several and back). A run
+    # dir from before distribute existed trained as its defaults do.
+    distribute = {**DISTRIBUTE_DEFAULTS, **section("distribute")}
+    values["distribute.scale_lr"] = distribute["scale_lr"]
+    if distribute["scale_lr"] != "none":  # the base batch matters only when it scales
+        values["distribute.lr_base_batch_size"] = distribute["lr_base_batch_size"]
     return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
 
 
@@ -371,6 +677,12 @@ class _BestCheckpoint:
                 # The checkpoint's own files only (an evaluation's ckpt-N.eval.json stays).
                 for path in [self.directory / f"ckpt-{n}.index", *self.directory.glob(f"ckpt-{n}.data-*")]:
                     path.unlink(missing_ok=True)
+
+
+def _steps_done(optimizer):
+    """The optimizer's step counter as an int (.numpy(): int() of the Keras variable fails
+    when a strategy made it a MirroredVariable)."""
+    return int(optimizer.iterations.numpy())
 
 
 def _read_history(path, epochs_done):
@@ -466,7 +778,7 @@ def _write_epoch_summaries(writer, model, test, show_images, tcfg, step):
 def train(cfg):
     """Train (or resume) the run in cfg["run_dir"]; returns the final metrics (also metrics.json)."""
     # ---- config and setup
-    _check_config(cfg)
+    dcfg = _check_config(cfg)
     model_cfg, data_cfg, tcfg = dict(cfg["model"]), dict(cfg["data"]), dict(cfg["train"])
     run_dir = Path(cfg["run_dir"]).expanduser().resolve()
     seed, custom_op = int(cfg["seed"]), cfg["custom_op"]
@@ -484,12 +796,29 @@ def train(cfg):
     elif tf_config.is_op_determinism_enabled():
         # A sweep (-m) runs its jobs in one process: a `true` job must not leave it on for the next.
         tf_config.disable_op_determinism()
+    # Before the first tensor (multi_worker configures the process's collective ops then);
+    # None = one device. Variables made in a scope() are mirrored over the replicas.
+    strategy = make_strategy(dcfg)
+
+    def scope():
+        return strategy.scope() if strategy is not None else contextlib.nullcontext()
+
+    chief = is_chief(strategy)
+    batch_size = int(tcfg["batch_size"])
+    if strategy is not None:
+        check_global_batch(batch_size, strategy)
+        log.info("distribute=%s: %d replicas, global batch %d = %d per replica; this process: %s%s",
+                 dcfg["strategy"], strategy.num_replicas_in_sync, batch_size,
+                 batch_size // strategy.num_replicas_in_sync, ", ".join(strategy.extended.worker_devices),
+                 "" if chief else " (not the chief: writes nothing into the run dir)")
     keras.utils.set_random_seed(seed)  # Python, NumPy and TF seeds: the initial weights
     if custom_op:
-        check_op_library()
+        # Each replica runs the op on its own device.
+        check_op_library(strategy.extended.worker_devices if strategy is not None else None)
     # The model first: its config errors (model.num_classes=abc) come before the data is read,
     # and check_labels compares the data with the checked values.
-    model = build_capsnet(model_cfg, custom_op)
+    with scope():
+        model = build_capsnet(model_cfg, custom_op)
 
     # ---- data (uint8 in memory; make_dataset scales, shuffles and shifts per (seed, epoch))
     train_images, train_labels = load_split(data_cfg["name"], "train", data_dir=data_cfg.get("dir"),
@@ -498,7 +827,6 @@ def train(cfg):
                                           limit=data_cfg.get("limit_test"))
     check_labels(train_labels, train_images, model=model, split=f"{data_cfg['name']} train")
     check_labels(test_labels, test_images, model=model, split=f"{data_cfg['name']} test")
-    batch_size = int(tcfg["batch_size"])
     steps_per_epoch = math.ceil(len(train_labels) / batch_size)
     test_ds = make_dataset(test_images, test_labels, batch_size=batch_size, training=False)
     # A fixed set of test images for the reconstruction grid and the histograms, every epoch.
@@ -507,15 +835,27 @@ def train(cfg):
         test_images[:n_show], test_labels[:n_show], batch_size=n_show, training=False)))
 
     # ---- optimizer, checkpoints (new or resumed)
-    optimizer, schedule = build_optimizer(tcfg, steps_per_epoch, model)
+    learning_rate = scaled_learning_rate(tcfg["learning_rate"], batch_size, dcfg["scale_lr"],
+                                         dcfg["lr_base_batch_size"])
+    if dcfg["scale_lr"] != "none":
+        log.info("learning rate %g: train.learning_rate %g scaled (distribute.scale_lr=%s) from batch %d to %d",
+                 learning_rate, tcfg["learning_rate"], dcfg["scale_lr"], dcfg["lr_base_batch_size"], batch_size)
+    with scope():  # the Keras optimizer keeps the strategy it is made under
+        optimizer, schedule = build_optimizer({**tcfg, "learning_rate": learning_rate}, steps_per_epoch, model)
     epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")  # epochs done
     best_accuracy = tf.Variable(-1.0, dtype=tf.float64, trainable=False, name="best_accuracy")
     checkpoint = tf.train.Checkpoint(model=checkpoint_weights(model), optimizer=optimizer, epoch=epoch,
                                      best_accuracy=best_accuracy)
-    latest = tf.train.CheckpointManager(checkpoint, str(latest_dir), max_to_keep=tcfg["keep_checkpoints"])
-    best = _BestCheckpoint(checkpoint, run_dir / "checkpoints" / "best")
+    # Only the chief writes into the run dir. The other workers save too, into a scratch
+    # dir of their own (deleted at the end), as tf.distribute's multi-worker guide asks:
+    # saving may read variables through collectives that every worker must join.
+    scratch = None if chief else tempfile.TemporaryDirectory(prefix="capsnet-worker-")
+    checkpoints_dir = run_dir / "checkpoints" if chief else Path(scratch.name) / "checkpoints"
+    latest = tf.train.CheckpointManager(checkpoint, str(checkpoints_dir / "latest"),
+                                        max_to_keep=tcfg["keep_checkpoints"])
+    best = _BestCheckpoint(checkpoint, checkpoints_dir / "best")
     history_path = run_dir / "history.jsonl"
-    resumed_from = latest.latest_checkpoint
+    resumed_from = tf.train.latest_checkpoint(str(latest_dir))  # the chief's, on every worker
     if resumed_from:
         try:
             checkpoint.restore(resumed_from).assert_existing_objects_matched()
@@ -523,40 +863,56 @@ def train(cfg):
             raise CheckpointError(f"cannot resume from {resumed_from}: "
                                   f"{str(exc).strip().splitlines()[0]}") from exc
         log.info("resumed from %s: %d of %d epochs done, step %d", resumed_from, int(epoch),
-                 tcfg["epochs"], int(optimizer.iterations))
+                 tcfg["epochs"], _steps_done(optimizer))
+    if dcfg["strategy"] == "multi_worker":
+        _check_workers_agree(strategy, int(epoch), _steps_done(optimizer))
     best.recover(int(epoch))  # drops a best checkpoint of an epoch that is to be redone
     history = _read_history(history_path, int(epoch))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    saved_cfg = {**cfg, "run_dir": str(run_dir), "data": data_cfg}
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved_cfg, sort_keys=False))
+    if chief:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        saved_cfg = {**cfg, "run_dir": str(run_dir), "data": data_cfg}
+        # Replaced whole (os.replace): other workers may be reading it (_check_resumable).
+        temporary = run_dir / "config.yaml.tmp"
+        temporary.write_text(yaml.safe_dump(saved_cfg, sort_keys=False))
+        os.replace(temporary, run_dir / "config.yaml")
 
     # ---- TensorBoard: one writer per run dir, so `tensorboard --logdir outputs` lists runs side by side
-    writer = tf.summary.create_file_writer(str(run_dir))
-    if not resumed_from:
+    writer = tf.summary.create_file_writer(str(run_dir)) if chief else tf.summary.create_noop_writer()
+    if chief and not resumed_from:
         _write_hparams(writer, run_dir, cfg, data_cfg)
 
     # ---- compiled steps (xla=autocluster switches XLA on for the whole process)
     losses = loss_params(tcfg)
-    train_step = make_train_step(model, optimizer, input_shape=model.image_shape, losses=losses, xla=tcfg["xla"])
+    train_step = make_train_step(model, optimizer, input_shape=model.image_shape, losses=losses, xla=tcfg["xla"],
+                                 strategy=strategy)
     eval_step = make_eval_step(model, model.image_shape, jit_compile=tcfg["xla"] == "jit", **losses)
     num_classes = model.num_classes
 
     # ---- the loop
     test = None
     interactive = sys.stdout.isatty()
-    global_step = int(optimizer.iterations)  # counted on the host: reading the variable would wait for the device
+    global_step = _steps_done(optimizer)  # counted on the host: reading the variable would wait for the device
     for epoch_index in range(int(epoch), tcfg["epochs"]):
         print(f"epoch {epoch_index + 1}/{tcfg['epochs']}", flush=True)
         # Interactive: a live bar; in a log file: one line per epoch.
         bar = keras.utils.Progbar(steps_per_epoch, verbose=1 if interactive else 2,
                                   stateful_metrics=["loss", "accuracy", "images/s"]) if tcfg["progress_bar"] else None
         train_ds = make_dataset(train_images, train_labels, batch_size=batch_size, training=True,
-                                seed=seed, epoch=epoch_index, shift_pixels=data_cfg["shift_pixels"])
+                                seed=seed, epoch=epoch_index,
+                                **{k: data_cfg[k] for k in AUGMENTATION_KEYS})
+        if strategy is not None:
+            train_ds = distribute_dataset(strategy, train_ds)  # the same global batches, split over the replicas
         epoch_window, log_window = _Window(), _Window()
         pending = []  # (step outputs still on the device, batch size)
         tick = time.perf_counter()
         for step_in_epoch, (images, labels) in enumerate(train_ds):
-            pending.append((train_step(images, labels), int(labels.shape[0])))
+            # The global batch of this step: full but for an epoch's last (counted here: under a
+            # strategy, `labels` holds only this worker's slices of it).
+            step_batch = min(batch_size, len(train_labels) - step_in_epoch * batch_size)
+            if strategy is None:
+                pending.append((train_step(images, labels), step_batch))
+            else:
+                pending.append((train_step(images, labels, step_batch), step_batch))
             global_step += 1
             log_now = global_step % tcfg["log_every_steps"] == 0
             last = step_in_epoch + 1 == steps_per_epoch
@@ -589,8 +945,10 @@ def train(cfg):
         train_means = epoch_window.means()
 
         # Test pass, images and histograms; then the epoch's records, the checkpoint LAST.
+        # On every worker (the same weights and data): each decides is_best and saves as the chief does.
         test = evaluate_model(eval_step, test_ds, num_classes)
-        _write_epoch_summaries(writer, model, test, show_images, tcfg, global_step)
+        if chief:
+            _write_epoch_summaries(writer, model, test, show_images, tcfg, global_step)
         epoch.assign(epoch_index + 1)
         is_best = test["accuracy"] > float(best_accuracy)
         if is_best:
@@ -601,8 +959,9 @@ def train(cfg):
                  **{f"test_{k}": test[k] for k in ("loss", "margin_loss", "reconstruction_loss", "accuracy",
                                                    "images_per_sec")}}
         history.append(entry)
-        with history_path.open("a") as f:
-            f.write(json.dumps(entry) + "\n")  # a redone epoch's line supersedes this one (_read_history)
+        if chief:
+            with history_path.open("a") as f:
+                f.write(json.dumps(entry) + "\n")  # a redone epoch's line supersedes this one (_read_history)
         if is_best:
             best.save(epoch_index + 1)
         # The commit point: until this checkpoint exists, a restart redoes the epoch.
@@ -632,11 +991,16 @@ def train(cfg):
         "best_test_accuracy": float(best_accuracy),
         "best_epoch": best_epoch,
         "epochs": int(epoch),
-        "global_step": int(optimizer.iterations),
+        "global_step": _steps_done(optimizer),
         "resumed_from": resumed_from,
         "run_dir": str(run_dir),
+        "distribute": dcfg["strategy"],
+        "replicas": strategy.num_replicas_in_sync if strategy is not None else 1,
         "history": history,
     }
     writer.close()
-    (run_dir / "metrics.json").write_text(json.dumps(json_safe(metrics), indent=2) + "\n")
+    if chief:
+        (run_dir / "metrics.json").write_text(json.dumps(json_safe(metrics), indent=2) + "\n")
+    else:
+        scratch.cleanup()
     return metrics

@@ -14,7 +14,7 @@ importing anything heavy.
 import math
 import numbers
 
-__all__ = ["boolean", "finite_float", "integer", "positive_float", "positive_int", "positive_int_tuple"]
+__all__ = ["boolean", "finite_float", "float_in_range", "integer", "positive_float", "positive_int", "positive_int_tuple"]
 
 
 def _is_int(value):
@@ -61,6 +61,13 @@ def finite_float(name, value, *, expected="a finite number", error=ValueError):
     """`value` as a finite float (no NaN, no ±inf)."""
     if not _is_real(value) or not math.isfinite(value):
         raise error(f"{name} must be {expected}, got {value!r}")
+    return float(value)
+
+
+def float_in_range(name, value, low, high, *, error=ValueError):
+    """`value` as a float in [low, high] (ints pass; bools and NaN fail)."""
+    if not _is_real(value) or not low <= value <= high:
+        raise error(f"{name} must be a number in [{low:g}, {high:g}], got {value!r}")
     return float(value)
 
 

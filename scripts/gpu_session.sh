@@ -3,7 +3,7 @@
 # parts were received, verify the op on the GPU and measure. Everything lands in $OUT
 # (or ./gpu-out) as logs; the last lines printed are the summaries.
 #   carry: .gpukit/gpukit.sh .gpukit/MANIFEST capsnet/lib build .gpudata
-#   command: bash scripts/gpu_session.sh [verify|bench|train|all]
+#   command: bash scripts/gpu_session.sh [verify|bench|train|all|scale]   (scale: on nvidia-h200-x2, not in all)
 set -uo pipefail
 what="${1:-all}"
 out="${OUT:-gpu-out}"; mkdir -p "$out"
@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 
 if [[ $what == verify || $what == all ]]; then
   # The op tests on the GPU (gpu-marked ones run only here) and the model's op-vs-matmul test.
-  python3 -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_model.py 2>&1 | tee "$out/pytest_gpu.log" | tail -15
+  python3 -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_routing_op.py tests/test_layers.py tests/test_model.py 2>&1 | tee "$out/pytest_gpu.log" | tail -15
 fi
 if [[ $what == train || $what == all ]]; then
   # A short real run with the compiled op on /GPU:0.
@@ -30,6 +30,22 @@ if [[ $what == bench-jit-routing || $what == all ]]; then
   # The op variants with the routing iterations compiled by XLA on their own.
   python3 scripts/benchmark_train.py --variants op,op+autocluster --json "$out/benchmark_train_jit_routing.json" \
     model.jit_routing=true 2>&1 | tee "$out/benchmark_train_jit_routing.log" | tail -12
+fi
+if [[ $what == scale ]]; then
+  # Issue #6: training images/s on 1 GPU and on 2 (MirroredStrategy), custom_op=true and false,
+  # per-GPU batch 128 and 512; the 2-GPU rows with NCCL (auto) and without (one_device).
+  # NVLink multicast stays off, here and in every process started from here (KINDS.md: a
+  # program using it can take the host's shared GPUs out of service for a day or more).
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  # TensorFlow dlopens libnccl.so.2; the kit leaves NCCL out: use the one of the machine's PyTorch.
+  torch_nvidia="$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "nvidia"))' 2>/dev/null)"
+  nccl_so="$(find "$torch_nvidia" -name 'libnccl.so*' 2>/dev/null | head -1)"
+  if [[ -n $nccl_so ]]; then export LD_LIBRARY_PATH="$(dirname "$nccl_so")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
+  echo "NCCL: ${nccl_so:-not found (the auto rows will fail; one_device runs without it)}" | tee "$out/nccl.txt"
+  env | grep -E '^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS)=' | tee -a "$out/nccl.txt"
+  # one_device first and a per-variant timeout: should NCCL hang, the rows before it still come back.
+  python3 scripts/benchmark_scale.py --replicas 2 --all-reduce one_device,auto --timeout 240 \
+    --json "$out/benchmark_scale.json" 2>&1 | tee "$out/benchmark_scale.log" | tail -20
 fi
 if [[ $what == paper_mnist || $what == paper_fashion_mnist ]]; then
   # An [accuracy] run: the experiment preset on the real IDX files (.gpudata = a copy of

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from capsnet.data import load_split, make_dataset, read_idx, write_idx
+from capsnet.data import load_split, make_dataset, read_idx, rotate_zoom, write_idx
 from capsnet.errors import ConfigError, DataError
 
 REAL_MNIST = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mnist"
@@ -404,7 +404,121 @@ def test_shift_zero_is_identity(examples):
     np.testing.assert_array_equal(got_x, images[got_y].astype(np.float32) / np.float32(255))
 
 
+def numpy_rotate_zoom(image, angle, scale):
+    """Bilinear inverse mapping written out in NumPy: output pixel (x, y) samples the input
+    at R(−angle)·((x, y) − c)/scale + c, counter-clockwise as displayed (rows down); taps
+    outside the image count as 0."""
+    h, w = image.shape
+    cy, cx = (h - 1) / 2, (w - 1) / 2
+    y, x = np.mgrid[0:h, 0:w].astype(np.float64)
+    dx, dy = (x - cx) / scale, (y - cy) / scale
+    xs = np.cos(angle) * dx - np.sin(angle) * dy + cx
+    ys = np.sin(angle) * dx + np.cos(angle) * dy + cy
+    x0, y0 = np.floor(xs).astype(int), np.floor(ys).astype(int)
+    out = np.zeros((h, w))
+    for oy, ox in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        xi, yi = x0 + ox, y0 + oy
+        weight = (1 - np.abs(xs - xi)) * (1 - np.abs(ys - yi))
+        inside = (xi >= 0) & (xi < w) & (yi >= 0) & (yi < h)
+        out += np.where(inside, weight * image[np.clip(yi, 0, h - 1), np.clip(xi, 0, w - 1)], 0)
+    return out
+
+
+def test_rotate_zoom_quarter_turn_is_rot90():
+    image = tiny_images(1, seed=4)[0].astype(np.float32)
+    got = rotate_zoom(tf.constant(image[..., None]), tf.constant(np.pi / 2, tf.float32),
+                      tf.constant(1.0))
+    np.testing.assert_allclose(got[..., 0], np.rot90(image), atol=1e-3)  # counter-clockwise
+
+
+@pytest.mark.parametrize("degrees, scale", [(0.0, 1.0), (13.0, 1.0), (-27.0, 0.9), (8.0, 1.15)])
+def test_rotate_zoom_matches_numpy_bilinear(degrees, scale):
+    image = tiny_images(1, seed=5)[0].astype(np.float32)
+    angle = np.deg2rad(degrees)
+    got = rotate_zoom(tf.constant(image[..., None]), tf.constant(angle, tf.float32),
+                      tf.constant(scale, tf.float32))
+    np.testing.assert_allclose(got[..., 0], numpy_rotate_zoom(image, angle, scale), atol=0.05)
+
+
+def blob_images(n, offset=8.0, size=28):
+    """n copies of a Gaussian blob `offset` px right of the centre: its centroid's polar
+    angle and radius about the centre read off the rotation and the zoom."""
+    c = (size - 1) / 2
+    y, x = np.mgrid[0:size, 0:size]
+    blob = 255 * np.exp(-((x - c - offset) ** 2 + (y - c) ** 2) / (2 * 1.5 ** 2))
+    return np.repeat(np.rint(blob).astype(np.uint8)[None, ..., None], n, axis=0)
+
+
+def centroid_polar(image):
+    size = image.shape[0]
+    c = (size - 1) / 2
+    y, x = np.mgrid[0:size, 0:size]
+    m = image[..., 0]
+    dx, dy = (m * (x - c)).sum() / m.sum(), (m * (y - c)).sum() / m.sum()
+    return np.rad2deg(np.arctan2(-dy, dx)), np.hypot(dx, dy)  # rows down: −dy is up
+
+
+def test_rotation_and_zoom_augmentation_ranges():
+    n, degrees, zoom = 200, 20.0, 0.2
+    images = blob_images(n)
+    got_x, _ = collect(make_dataset(images, np.arange(n), batch_size=50, training=True, seed=2,
+                                    shift_pixels=0, rotate_degrees=degrees, zoom=zoom))
+    angles, radii = np.array([centroid_polar(x) for x in got_x]).T
+    scales = radii / centroid_polar(images[0].astype(np.float64))[1]
+    assert np.all(np.abs(angles) <= degrees + 0.5)
+    assert np.all((scales >= 1 - zoom - 0.02) & (scales <= 1 + zoom + 0.02))
+    # Uniform draws: both directions and both zoom sides, spread over the range.
+    assert angles.min() < -0.8 * degrees and angles.max() > 0.8 * degrees
+    assert scales.min() < 1 - 0.8 * zoom and scales.max() > 1 + 0.8 * zoom
+    # A rotation does not depend on the zoom draw: the angles and scales are uncorrelated.
+    assert abs(np.corrcoef(angles, scales)[0, 1]) < 0.3
+
+
+def test_flip_mirrors_about_half_the_examples(examples):
+    images, labels = examples
+    got_x, got_y = collect(make_dataset(images, labels, batch_size=32, training=True, seed=3,
+                                        shift_pixels=0, flip=True))
+    flipped = []
+    for augmented, index in zip(got_x, got_y):
+        pixels = np.rint(augmented * 255).astype(np.uint8)
+        if np.array_equal(pixels, images[index][:, ::-1]):
+            flipped.append(True)
+        else:
+            np.testing.assert_array_equal(pixels, images[index])
+            flipped.append(False)
+    assert 15 <= sum(flipped) <= 45  # 60 fair coins
+
+
+def test_augmentations_reproducible_and_independent_of_batching(examples):
+    images, labels = examples
+    kwargs = dict(training=True, seed=4, epoch=1, shift_pixels=2, flip=True, rotate_degrees=15,
+                  zoom=0.1)
+    x16, y16 = collect(make_dataset(images, labels, batch_size=16, **kwargs))
+    x7, y7 = collect(make_dataset(images, labels, batch_size=7, **kwargs))
+    np.testing.assert_array_equal(y7, y16)
+    np.testing.assert_array_equal(x7, x16)
+    x_next, _ = collect(make_dataset(images, labels, batch_size=16, **{**kwargs, "epoch": 2}))
+    assert not np.array_equal(x_next, x16)
+
+
+def test_default_augmentation_unchanged_by_the_new_options(examples):
+    """flip/rotate/zoom off must replay the shift-only pipeline bit for bit: runs made
+    before these options existed resume onto the same batches."""
+    images, labels = examples
+    x_default, y_default = collect(make_dataset(images, labels, batch_size=16, training=True, seed=9))
+    x_off, y_off = collect(make_dataset(images, labels, batch_size=16, training=True, seed=9,
+                                        flip=False, rotate_degrees=0, zoom=0.0))
+    np.testing.assert_array_equal(y_off, y_default)
+    np.testing.assert_array_equal(x_off, x_default)
+    for augmented, index in zip(x_default, y_default):
+        assert find_shift(np.rint(augmented * 255).astype(np.uint8), images[index], 2) is not None
+
+
 @pytest.mark.parametrize("kwargs, error, words", [
+    (dict(batch_size=8, flip="yes"), ConfigError, "flip must be true or false"),
+    (dict(batch_size=8, rotate_degrees=-5), ConfigError, "rotate_degrees must be a number in [0, 180]"),
+    (dict(batch_size=8, rotate_degrees="10"), ConfigError, "rotate_degrees"),
+    (dict(batch_size=8, zoom=0.7), ConfigError, "zoom must be a number in [0, 0.5], got 0.7"),
     (dict(batch_size=0), ConfigError, "batch_size must be ≥ 1, got 0"),
     (dict(batch_size=-4), ConfigError, "batch_size"),
     (dict(batch_size=2.0), ConfigError, "batch_size must be an integer"),

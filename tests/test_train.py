@@ -233,6 +233,7 @@ def test_resume_continues_where_the_checkpoint_left_off(trained_run, tiny_config
     (["data.limit_train=100", "train.m_plus=0.8"], ["data.limit_train: None -> 100", "train.m_plus: 0.9 -> 0.8"]),
     (["train.batch_size=32", "train.lr_staircase=true", "data.shift_pixels=0"],
      ["data.shift_pixels: 2 -> 0", "train.batch_size: 16 -> 32", "train.lr_staircase: False -> True"]),
+    (["data.rotate_degrees=5", "data.flip=true"], ["data.flip: False -> True", "data.rotate_degrees: 0 -> 5"]),
 ])
 def test_resume_with_a_config_that_changes_the_run_says_what_differs(trained_run, tiny_config, tmp_path,
                                                                      overrides, differences):
@@ -244,6 +245,21 @@ def test_resume_with_a_config_that_changes_the_run_says_what_differs(trained_run
     assert f"run dir {run_dir} was trained with a different config ({'; '.join(differences)})" in message
     assert "\n" not in message
     assert (run_dir / "history.jsonl").read_text() == (trained_run[0] / "history.jsonl").read_text()  # untouched
+
+
+def test_resume_of_a_run_saved_before_the_flip_rotate_zoom_options(trained_run, tiny_config, tmp_path):
+    """A config.yaml without data.flip / rotate_degrees / zoom was trained without them:
+    resuming with them off continues, turning one on is refused."""
+    run_dir = tmp_path / "old"
+    shutil.copytree(trained_run[0], run_dir)
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    for key in ("flip", "rotate_degrees", "zoom"):
+        del saved["data"][key]
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    with pytest.raises(CheckpointError, match=r"\(data.zoom: 0.0 -> 0.1\)"):
+        train(tiny_config("data.zoom=0.1", "train.epochs=5", run_dir=run_dir))
+    metrics = train(tiny_config("train.epochs=5", run_dir=run_dir))
+    assert metrics["resumed_from"].endswith("ckpt-4")
 
 
 def test_resume_with_a_corrupt_config_yaml_is_a_checkpoint_error(trained_run, tiny_config, tmp_path):
@@ -419,14 +435,17 @@ def test_jit_routing_inside_xla_jit_is_a_config_error(tiny_config):
 
 # --------------------------------------------------------------------------- the compiled op
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_routing", "prediction_op"])
 def test_custom_op_trains_like_the_matmul_path_and_evaluates_the_same_on_both(
-        trained_run, tiny_config, tmp_path, spy_on_op):
-    """Needs the op library (capsnet/lib/_capsnet_ops.so): `make test` builds it first."""
+        trained_run, tiny_config, tmp_path, spy_on_op, fused):
+    """custom_op=true (by default the fused routing op; with model.fused_routing=false the
+    prediction op + TF routing). Needs the op library: `make test` builds it first."""
     from capsnet.evaluation import evaluate
 
-    calls = spy_on_op()
-    metrics = train(tiny_config("custom_op=true", "train.epochs=1"))
-    assert (144, 10, 8, 8) in {W for _, W in calls}  # DigitCaps ran the op, not the matmul path
+    calls = spy_on_op(op="capsule_routing" if fused else "capsule_prediction")
+    metrics = train(tiny_config("custom_op=true", "train.epochs=1",
+                                *([] if fused else ["model.fused_routing=false"])))
+    assert (144, 10, 8, 8) in {W for _, W in calls}  # DigitCaps ran that op, not the matmul path
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["custom_op"] is True
     # Same seed, data and initial weights as the matmul-path run: the same first epoch.
     ours, theirs = metrics["history"][0], trained_run[1]["history"][0]

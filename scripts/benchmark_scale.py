@@ -1,0 +1,389 @@
+"""Multi-GPU scaling of CapsNet training: images/s on one GPU and on N GPUs (MirroredStrategy).
+
+    .venv/bin/python scripts/benchmark_scale.py                            # GPU: 1 and all GPUs, op and matmul
+    .venv/bin/python scripts/benchmark_scale.py --replicas 2 --batch-sizes 512 --all-reduce auto,one_device
+    .venv/bin/python scripts/benchmark_scale.py --device cpu --replicas 1,2 --batch-sizes 8 --steps 3 --repeats 1
+
+What it measures (issue #6): training images/s of the model in configs/ (Hydra overrides
+as in benchmark_train.py), per capsule-prediction path (--variants, benchmark_train's
+names: op = custom_op=true, matmul = custom_op=false, ...), for
+
+    1 device     the one-device step (distribute=none), timed by benchmark_train.time_training
+                 itself: the baseline of the scaling column
+    mirrored ×N  tf.distribute.MirroredStrategy over the first N devices with the step
+                 train() runs under distribute=mirrored (make_train_step(strategy=...)),
+                 for each N of --replicas and each gradient all-reduce of --all-reduce
+
+--batch-sizes are PER-GPU batches b: mirrored ×N trains on global batches of N·b (b on
+each replica), the way one adds GPUs to go faster at the same per-GPU work ("weak
+scaling"; train.batch_size in a config is the global batch, so this is
+`train.batch_size=N·b`). scaling = images/s of mirrored ×N ÷ images/s of 1 device at
+the same b; ideal = N. mirrored ×1 shows what the strategy itself costs.
+
+How (as benchmark_train, from which the timing protocol and helpers come):
+- One subprocess per variant, all its configurations in it, one after the other: XLA
+  flags are process-wide, and the logical CPU devices of --device cpu must be set up
+  before TensorFlow starts. The NVLink-multicast switches of the lent multi-GPU machines
+  (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1) are
+  set in its environment unless already set.
+- Synthetic MNIST-shaped data made once: the global batch is drawn as time_training
+  draws its batch (so mirrored ×1 starts from the very batch and weights of 1 device:
+  same first loss), and each replica's slice is copied to its device once, so no
+  input pipeline or host→device copy is timed: the steps, gradient all-reduce included.
+- `--warmup` untimed steps (tracing, compiling, autotuning, NCCL setup), then
+  `--repeats` × `--steps` steps with one device sync per repeat; the median counts.
+
+Prints a markdown table (stdout; progress on stderr) and with `--json PATH` writes JSON.
+Exit status 0; 2 if something could not run for a reason the user can fix (op library,
+too few GPUs: printed); 1 if a configuration crashed (an all-reduce that does not run:
+its error is in the table's notes and the JSON, the other rows are still measured).
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmark_train beside this file
+import benchmark_train as bt  # noqa: E402  (also puts the repository on sys.path)
+
+from capsnet.cli import fail  # noqa: E402
+
+DEFAULT_VARIANTS = ["op", "matmul"]
+# The multicast switches of the lent multi-GPU machines' KINDS.md: a program using NVLink
+# multicast can take the host's shared GPUs out of service. Set unless the caller set them.
+NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# Set by the benchmark per configuration, so an override would be silently ignored.
+RESERVED_KEYS = (*bt.RESERVED_KEYS, "distribute")
+
+
+# --------------------------------------------------------------------------- arguments
+
+def _all_reduce(text):
+    # Imported here: capsnet.training imports TensorFlow, which the parent process needs
+    # only when this option is given (its workers do the TensorFlow work).
+    from capsnet.training import ALL_REDUCE
+
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = [v for v in names if v not in ALL_REDUCE["mirrored"]]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown all-reduce {', '.join(unknown) or repr(text)}; choose from "
+                                         f"{', '.join(ALL_REDUCE['mirrored'])}")
+    return list(dict.fromkeys(names))
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        description="Training images/s of CapsNet on one device and on N devices (MirroredStrategy), per "
+                    "capsule-prediction path; synthetic data on the devices.",
+        epilog="Overrides are Hydra overrides of configs/train.yaml (model.*, train.* loss and LR values, seed).")
+    parser.add_argument("--replicas", type=bt._positive_ints, default=None,
+                        help="comma-separated replica counts for mirrored (default: 1 and every visible GPU)")
+    parser.add_argument("--batch-sizes", type=bt._positive_ints, default=[128, 512],
+                        help="comma-separated PER-GPU batch sizes; mirrored ×N trains on N× that (default 128,512)")
+    parser.add_argument("--all-reduce", type=_all_reduce, default=["auto"],
+                        help="comma-separated distribute.all_reduce values for mirrored: auto (NCCL across GPUs), "
+                             "nccl, one_device (default auto)")
+    parser.add_argument("--steps", type=bt._positive_int, default=50, help="timed steps per repeat (default 50)")
+    parser.add_argument("--warmup", type=bt._positive_int, default=10, help="untimed steps first (default 10)")
+    parser.add_argument("--repeats", type=bt._positive_int, default=5,
+                        help="timed repeats; the median counts (default 5)")
+    parser.add_argument("--variants", type=bt._variants, default=DEFAULT_VARIANTS,
+                        help=f"comma-separated, from: {', '.join(bt.VARIANTS)} (default {','.join(DEFAULT_VARIANTS)})")
+    parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
+                        help="gpu (default) or cpu: GPUs hidden, the CPU split into logical devices (smoke runs)")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results here as JSON")
+    parser.add_argument("--timeout", type=float, default=1800.0,
+                        help="seconds one variant (all its configurations) may take (default 1800)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="Hydra overrides of configs/train.yaml")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one variant, spec as JSON
+    args = parser.parse_args(argv)
+    for override in args.overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key.split(".")[0] in RESERVED_KEYS or key in RESERVED_KEYS:
+            parser.error(f"{key} is set by the benchmark (--variants, --batch-sizes, --replicas, --all-reduce), "
+                         "not by an override")
+    return args
+
+
+# --------------------------------------------------------------------------- worker (one variant)
+
+def _devices(kind, count):
+    """The first `count` devices of `kind` as MirroredStrategy names; on the CPU, logical
+    devices (set up before TensorFlow starts: _setup_cpu_devices)."""
+    return [f"/{kind}:{i}" for i in range(count)]
+
+
+def _setup_cpu_devices(count):
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+
+
+def time_mirrored_training(spec, batch_size, devices, all_reduce):
+    """images/s and ms/step of the distributed train step over `devices`, `batch_size` per replica."""
+    import keras
+    import tensorflow as tf
+
+    from capsnet.evaluation import loss_params
+    from capsnet.training import DISTRIBUTE_DEFAULTS, build_capsnet, build_optimizer, make_strategy, make_train_step
+
+    model_cfg, train_cfg = bt.variant_model_cfg(spec["variant"], spec["model"]), spec["train"]
+    input_shape = tuple(model_cfg["input_shape"])
+    strategy = make_strategy({**DISTRIBUTE_DEFAULTS, "strategy": "mirrored", "devices": devices,
+                              "all_reduce": all_reduce})
+    replicas = strategy.num_replicas_in_sync
+    global_batch = batch_size * replicas
+    keras.utils.set_random_seed(spec["seed"])  # the weights of time_training
+    with strategy.scope():
+        model = build_capsnet(model_cfg, spec["custom_op"])
+        optimizer, _ = build_optimizer(train_cfg, math.ceil(bt.MNIST_TRAIN_EXAMPLES / global_batch), model)
+    step = make_train_step(model, optimizer, input_shape=input_shape, losses=loss_params(train_cfg),
+                           xla=spec["xla"], strategy=strategy)
+    with tf.device(devices[0]):
+        # Drawn as time_training draws its batch: at one replica, the same data.
+        generator = tf.random.Generator.from_seed(spec["seed"])
+        images = generator.uniform((global_batch, *input_shape))                                   # (N·b, H, W, C)
+        labels = generator.uniform((global_batch,), maxval=int(model_cfg["num_classes"]), dtype=tf.int32)  # (N·b,)
+
+    def replica_slice(tensor):
+        # Runs under each replica's device: its slice is copied there once, here.
+        return strategy.experimental_distribute_values_from_function(
+            lambda ctx: tf.identity(tensor[ctx.replica_id_in_sync_group * batch_size:
+                                           (ctx.replica_id_in_sync_group + 1) * batch_size]))
+
+    images, labels = replica_slice(images), replica_slice(labels)  # per replica: (b, H, W, C), (b,)
+
+    out = step(images, labels, global_batch)  # traces and compiles: never timed
+    first_loss = float(out["loss"])
+    for _ in range(spec["warmup"] - 1):
+        out = step(images, labels, global_batch)
+    float(out["loss"])  # the warm-up has finished before the clock starts
+    seconds = []
+    for _ in range(spec["repeats"]):
+        start = time.perf_counter()
+        for _ in range(spec["steps"]):
+            out = step(images, labels, global_batch)
+        # The one sync: the loss is a sum over every replica, each of which read the weights
+        # the previous step's all-reduced update wrote, so it exists only after all steps.
+        last_loss = float(out["loss"])
+        seconds.append(time.perf_counter() - start)
+    median = statistics.median(seconds)
+    return {
+        "replicas": replicas,
+        "devices": list(strategy.extended.worker_devices),
+        "all_reduce": all_reduce,
+        "batch_size": batch_size,
+        "global_batch_size": global_batch,
+        "images_per_sec": spec["steps"] * global_batch / median,
+        "ms_per_step": 1000.0 * median / spec["steps"],
+        "repeat_seconds": seconds,
+        "first_loss": first_loss,
+        "last_loss": last_loss,
+    }
+
+
+def worker(spec):
+    """Every configuration of one variant. After each, the result so far goes to stdout as
+    one JSON line (the last is complete): a variant stopped by --timeout keeps its rows."""
+    from capsnet import cli
+
+    cli.import_tensorflow_quietly()
+    import tensorflow as tf
+
+    from capsnet.errors import CapsnetError
+    from capsnet.training import check_op_library, check_xla, set_autoclustering
+
+    result = {"variant": spec["variant"], "results": [], "error": None, "failures": [],
+              "tensorflow": tf.__version__}
+
+    def emit():
+        print(json.dumps(result), flush=True)
+
+    try:
+        check_xla(spec["xla"], spec["custom_op"])
+        set_autoclustering(spec["xla"] == "autocluster")  # before TensorFlow sets up its devices
+        most = max(spec["replicas"] or [1])
+        if spec["device"] == "cpu":
+            _setup_cpu_devices(most)
+            kind, available = "cpu", most
+        else:
+            kind, available = "gpu", len(tf.config.list_physical_devices("GPU"))
+            if not available:
+                raise CapsnetError("no GPU visible to TensorFlow: run on a GPU machine or pass --device cpu")
+        replicas = spec["replicas"] or sorted({1, available})
+        if max(replicas) > available:
+            raise CapsnetError(f"--replicas {max(replicas)} needs {max(replicas)} GPUs, TensorFlow sees {available}")
+        devices = _devices(kind, max(replicas))
+        result["device"] = bt._device_name(spec["device"])
+        result["devices_visible"] = available
+        if spec["custom_op"]:
+            check_op_library(devices)  # on every device a replica will use
+        for batch_size in spec["batch_sizes"]:
+            print(f"  {spec['variant']}: 1 device, batch {batch_size}", file=sys.stderr, flush=True)
+            try:
+                row = bt.time_training(spec, batch_size, devices[0])
+            except tf.errors.ResourceExhaustedError as exc:
+                raise CapsnetError(f"out of device memory at batch {batch_size}: "
+                                   f"{str(exc).strip().splitlines()[0]}") from exc
+            result["results"].append({"config": "1 device", "replicas": 1, "devices": devices[:1],
+                                      "all_reduce": None, "global_batch_size": batch_size,
+                                      **{k: row[k] for k in ("batch_size", "images_per_sec", "ms_per_step",
+                                                             "repeat_seconds", "first_loss", "last_loss")}})
+            result["parameters"] = row["parameters"]
+            emit()
+            for n in replicas:
+                for all_reduce in spec["all_reduce"]:
+                    config = f"mirrored ×{n}"
+                    print(f"  {spec['variant']}: {config} ({all_reduce}), {batch_size} per replica",
+                          file=sys.stderr, flush=True)
+                    try:
+                        row = time_mirrored_training(spec, batch_size, devices[:n], all_reduce)
+                    except (tf.errors.OpError, RuntimeError, ValueError) as exc:
+                        # E.g. an NCCL that does not load: the other configurations still count.
+                        result["failures"].append({"config": config, "all_reduce": all_reduce,
+                                                   "batch_size": batch_size,
+                                                   "error": " ".join(str(exc).split())[:500]})
+                        emit()
+                        continue
+                    result["results"].append({"config": config, **row})
+                    emit()
+    except CapsnetError as exc:
+        result["error"] = " ".join(str(exc).split())
+    emit()
+
+
+def run_variant(variant, args, cfg):
+    """One variant in a fresh Python process → its result dict (or one with an error)."""
+    custom_op, xla = bt.VARIANTS[variant]
+    spec = {"variant": variant, "custom_op": custom_op, "xla": xla, "device": args.device,
+            "batch_sizes": args.batch_sizes, "replicas": args.replicas, "all_reduce": args.all_reduce,
+            "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, **cfg}
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(bt.REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    for key, value in NVLS_OFF.items():
+        env.setdefault(key, value)
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = "-1"  # hide GPUs, so nothing runs or allocates there
+    print(f"{bt.label(variant)} ...", file=sys.stderr, flush=True)
+    try:
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              timeout=args.timeout)
+        stdout, stderr, stopped = proc.stdout, proc.stderr, None
+    except subprocess.TimeoutExpired as exc:
+        stdout, stderr = (text.decode(errors="replace") if isinstance(text, bytes) else text or ""
+                          for text in (exc.stdout, exc.stderr))
+        stopped = f"stopped after --timeout {args.timeout:g} s (a hung all-reduce?); the rows before are kept"
+    sys.stderr.write(stderr)
+    result = _last_json_line(stdout)
+    if stopped:
+        return {**(result or {"variant": variant, "results": [], "failures": []}), "error": stopped, "crashed": True}
+    if result is None or proc.returncode != 0:
+        # A crash (e.g. inside NCCL) after some rows: keep them, report the crash.
+        tail = stderr.strip().splitlines()[-1:] or ["no output"]
+        return {**(result or {"variant": variant, "results": [], "failures": []}), "crashed": True,
+                "error": f"worker exited with status {proc.returncode}: {tail[0]}"}
+    result["crashed"] = False
+    return result
+
+
+def _last_json_line(text):
+    """The last line of `text` that is a JSON object (the worker's latest result), or None."""
+    for line in reversed(text.strip().splitlines()):
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, dict):
+            return value
+    return None
+
+
+# --------------------------------------------------------------------------- report
+
+def with_scaling(runs):
+    """Flat rows, each with images/s ÷ the same variant's 1-device images/s at the same per-GPU batch."""
+    rows = []
+    for run in runs:
+        custom_op, xla = bt.VARIANTS[run["variant"]]
+        single = {r["batch_size"]: r["images_per_sec"] for r in run["results"] if r["config"] == "1 device"}
+        for r in run["results"]:
+            base = single.get(r["batch_size"])
+            rows.append({"variant": run["variant"], "label": bt.label(run["variant"]), "custom_op": custom_op,
+                         "xla": xla, **r, "scaling": r["images_per_sec"] / base if base else None})
+    order = list(bt.VARIANTS)
+    return sorted(rows, key=lambda row: (order.index(row["variant"]), row["batch_size"], row["replicas"],
+                                         row["config"] != "1 device", row["all_reduce"] or ""))
+
+
+def format_table(rows):
+    lines = ["| variant | configuration | all-reduce | batch per GPU | global batch | images/s | ms/step | "
+             "scaling vs 1 device |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        scaling = "-" if row["scaling"] is None else f"{row['scaling']:.2f}×"
+        lines.append(f"| {row['label']} | {row['config']} | {row['all_reduce'] or '-'} | {row['batch_size']} | "
+                     f"{row['global_batch_size']} | {row['images_per_sec']:,.0f} | {row['ms_per_step']:.2f} | "
+                     f"{scaling} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.worker:
+        worker(json.loads(args.worker))
+        return 0
+    cfg = bt.compose_config(args.overrides)
+    runs = [run_variant(variant, args, cfg) for variant in args.variants]
+    rows = with_scaling(runs)
+    first = next((run for run in runs if run.get("device")), runs[0])
+    failures = [{"variant": run["variant"], **f} for run in runs for f in run.get("failures", [])]
+    report = {
+        "benchmark": "capsnet multi-GPU training throughput (MirroredStrategy)",
+        "device": first.get("device"),
+        "device_kind": args.device,
+        "devices_visible": first.get("devices_visible"),
+        "tensorflow": first.get("tensorflow"),
+        "parameters": next((run["parameters"] for run in runs if run.get("parameters")), None),
+        "model": cfg["model"],
+        "overrides": args.overrides,
+        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "seed": cfg["seed"],
+        "environment": {key: os.environ.get(key, value) for key, value in NVLS_OFF.items()},
+        "results": rows,
+        "failures": failures,
+        "errors": [{"variant": run["variant"], "error": run["error"]} for run in runs if run["error"]],
+    }
+
+    model = "the paper model" if not args.overrides else f"configs + {' '.join(args.overrides)}"
+    size = f"{report['parameters']:,} parameters" if report["parameters"] else "parameters unknown"
+    print(f"## CapsNet multi-GPU training throughput\n\n"
+          f"{report['device'] or args.device} ×{report['devices_visible'] or '?'} · TensorFlow "
+          f"{report['tensorflow'] or '?'} · {model} ({size}) · synthetic data on the devices · batch per GPU fixed, "
+          f"global batch = replicas × it · median of {args.repeats} × {args.steps} steps after {args.warmup} "
+          f"warm-up steps\n")
+    if rows:
+        print(format_table(rows))
+    for failure in failures:
+        print(f"\n{bt.label(failure['variant'])} {failure['config']} ({failure['all_reduce']}, batch "
+              f"{failure['batch_size']}) failed: {failure['error']}")
+    for error in report["errors"]:
+        print(f"\n{bt.label(error['variant'])} failed: {error['error']}")
+    if args.json is not None:
+        try:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
+        except OSError as exc:
+            fail(f"cannot write {args.json}: {exc.strerror}")
+    if failures or any(run["error"] and run["crashed"] for run in runs):
+        return 1
+    return 2 if report["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,396 @@
+"""distribute=mirrored / multi_worker against a one-device run of the same data.
+
+The reference is train() on one device (distribute=none). MirroredStrategy runs over two
+logical CPU devices, which must be set up before TensorFlow starts, so in a subprocess;
+MultiWorkerMirroredStrategy runs as two train.py processes on localhost, each with its
+TF_CONFIG. Both must reproduce the reference step by step: the per-step training losses
+(TensorBoard, log_every_steps=1) and the final checkpoint, optimizer moments included.
+
+The data: 53 training images at batch 16, so an epoch is 3 full batches and a short one
+of 5, which the two replicas split 3 + 2: the loss must be the mean over the GLOBAL
+batch for the steps to match. The Adam moments are compared too: they scale with the
+gradient, which Adam's update divides out where gradients are large against its epsilon.
+"""
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import yaml
+
+from capsnet.errors import CheckpointError, ConfigError
+from capsnet.training import scaled_learning_rate, train
+from conftest import REPO, compose_config, entry_point_env, read_events, repo_env, tiny_overrides
+
+# 53 = 3 × 16 + 5: a short last batch, split unevenly over two replicas; every step logged.
+DATA = ["data.limit_train=53", "data.limit_test=48", "train.log_every_steps=1"]
+STEPS_PER_EPOCH = 4
+# float32 (eps 1.2e-7): a replicated step adds the same per-example terms in another order
+# (two partial sums, then the all-reduce; under xla=jit also XLA's fusions), so the weights
+# drift from the reference by about eps per step, carried on by Adam. Seen on CPU: per-step
+# losses within 2e-7 relative (6e-7 with jit) and every checkpoint tensor within 1.2e-5 of
+# its largest value after 12 steps; the bounds leave 90× room or more. A loss averaged per
+# replica instead of over the global batch, or a gradient twice too large, broke the loss
+# bound at 8 and at 11 of the 12 steps.
+LOSS_RTOL = 1e-4
+CHECKPOINT_TOL = 1e-3  # × the tensor's largest |value|
+SUBPROCESS_TIMEOUT = 300  # seconds: a hang (a collective waiting for a peer) fails instead of blocking CI
+
+
+def step_losses(run_dir):
+    """The per-step training losses of a run (all its event files): [(step, loss)]."""
+    return [(step, float(tf.make_ndarray(value.tensor))) for step, value in read_events(run_dir)["train/loss"]]
+
+
+def assert_steps_match(run_dir, reference, steps):
+    """The run logged steps 1..steps, with the reference's losses."""
+    ours, theirs = step_losses(run_dir), reference["losses"][:steps]
+    assert [s for s, _ in ours] == list(range(1, steps + 1))
+    np.testing.assert_allclose([v for _, v in ours], [v for _, v in theirs], rtol=LOSS_RTOL)
+
+
+def assert_checkpoints_match(prefix, reference_prefix):
+    """Every tensor of two training checkpoints (weights, Adam moments and step, epoch,
+    best accuracy) agrees, each within CHECKPOINT_TOL of its largest value."""
+    ours, theirs = tf.train.load_checkpoint(str(prefix)), tf.train.load_checkpoint(str(reference_prefix))
+    names = set(theirs.get_variable_to_shape_map()) - {"_CHECKPOINTABLE_OBJECT_GRAPH"}
+    assert set(ours.get_variable_to_shape_map()) - {"_CHECKPOINTABLE_OBJECT_GRAPH"} == names
+    assert any(name.startswith("optimizer/") for name in names)
+    for name in sorted(names):
+        mine, ref = ours.get_tensor(name), theirs.get_tensor(name)
+        np.testing.assert_allclose(mine, ref, rtol=0, atol=CHECKPOINT_TOL * float(np.abs(ref).max()), err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_idx_dir, tmp_path_factory):
+    """The one-device run the distributed ones must reproduce: 3 epochs of 4 steps."""
+    run_dir = tmp_path_factory.mktemp("one_device") / "run"
+    metrics = train(compose_config("train", tiny_overrides(tiny_idx_dir, run_dir, *DATA, "train.epochs=3")))
+    losses = step_losses(run_dir)
+    assert [s for s, _ in losses] == list(range(1, 3 * STEPS_PER_EPOCH + 1))
+    return {"run_dir": run_dir, "metrics": metrics, "losses": losses}
+
+
+# --------------------------------------------------------------------------- mirrored
+
+# In a fresh process: two logical CPU devices (before TensorFlow starts), a spy that notes
+# where each replica's compiled op runs, then train() on the configs of argv[1] in order.
+# Prints {name: metrics or the ConfigError, "op_devices": [...]} as JSON on its last line.
+MIRRORED_SCRIPT = r"""
+import json, sys
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+from capsnet import ops
+from capsnet.errors import ConfigError
+from capsnet.training import train
+
+real_op, op_devices = ops.capsule_prediction, []
+
+def spy(u, W):
+    u_hat = real_op(u, W)
+    op_devices.append(u_hat.device)  # traced once per replica, under its device
+    return u_hat
+
+ops.capsule_prediction = spy
+report = {}
+for name, cfg in json.loads(sys.argv[1]):
+    try:
+        metrics = train(cfg)
+        report[name] = {k: metrics[k] for k in ("test_accuracy", "test_loss", "global_step", "epochs", "replicas",
+                                                "distribute", "resumed_from")}
+    except ConfigError as exc:
+        report[name] = {"error": str(exc)}
+report["op_devices"] = sorted(set(op_devices))
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def mirrored(tiny_idx_dir, tmp_path_factory):
+    """The mirrored runs, over /cpu:0 and /cpu:1, in one subprocess:
+    indivisible: train.batch_size=15 (a ConfigError); run: 2 epochs, then resumed for a third
+    with custom_op=true; jit: 1 epoch with train.xla=jit."""
+    root = tmp_path_factory.mktemp("mirrored")
+    two_cpus = ["distribute=mirrored", "distribute.devices=[/cpu:0,/cpu:1]"]
+
+    def cfg(run_dir, *extra):
+        return compose_config("train", tiny_overrides(tiny_idx_dir, root / run_dir, *DATA, *two_cpus, *extra))
+
+    configs = [
+        ("indivisible", cfg("indivisible", "train.batch_size=15")),
+        ("first", cfg("run", "train.epochs=2")),
+        ("resumed", cfg("run", "train.epochs=3", "custom_op=true")),
+        ("jit", cfg("jit", "train.epochs=1", "train.xla=jit")),
+    ]
+    env = repo_env()
+    env.pop("TF_CONFIG", None)
+    env["CUDA_VISIBLE_DEVICES"] = "-1"  # CPU devices only, also on a machine with a GPU
+    result = subprocess.run([sys.executable, "-c", MIRRORED_SCRIPT, json.dumps(configs)], env=env,
+                            capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root, json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_mirrored_over_two_devices_steps_like_one_device(mirrored, reference):
+    root, report = mirrored
+    first, resumed = report["first"], report["resumed"]
+    assert (first["replicas"], first["distribute"], first["global_step"]) == (2, "mirrored", 2 * STEPS_PER_EPOCH)
+    # Resumed under the strategy, with the compiled op this time: the third epoch continues the run.
+    assert resumed["resumed_from"].endswith("checkpoints/latest/ckpt-2")
+    assert (resumed["epochs"], resumed["global_step"]) == (3, 3 * STEPS_PER_EPOCH)
+    assert_steps_match(root / "run", reference, 3 * STEPS_PER_EPOCH)  # across the two event files
+    assert_checkpoints_match(root / "run" / "checkpoints" / "latest" / "ckpt-3",
+                             reference["run_dir"] / "checkpoints" / "latest" / "ckpt-3")
+    assert resumed["test_loss"] == pytest.approx(reference["metrics"]["test_loss"], rel=LOSS_RTOL)
+
+
+@pytest.mark.slow
+def test_mirrored_runs_the_compiled_op_on_every_replica(mirrored):
+    _, report = mirrored
+    devices = report["op_devices"]
+    assert any(d.endswith("device:CPU:0") for d in devices) and any(d.endswith("device:CPU:1") for d in devices), \
+        devices
+
+
+@pytest.mark.slow
+def test_mirrored_with_xla_jit_compiles_each_replica_and_steps_like_one_device(mirrored, reference):
+    root, report = mirrored
+    assert report["jit"]["global_step"] == STEPS_PER_EPOCH
+    assert_steps_match(root / "jit", reference, STEPS_PER_EPOCH)
+
+
+@pytest.mark.slow
+def test_mirrored_global_batch_must_divide_over_the_replicas(mirrored):
+    root, report = mirrored
+    message = report["indivisible"]["error"]
+    assert message.startswith("train.batch_size=15 is the global batch and must divide evenly over the 2 replicas")
+    assert "use a multiple of 2" in message and "\n" not in message
+    assert not (root / "indivisible").exists()  # refused before the run dir was made
+
+
+@pytest.mark.slow
+def test_a_mirrored_checkpoint_evaluates_on_one_device(mirrored, tmp_path):
+    """evaluate.py is unchanged: the distributed run's checkpoint is an ordinary one."""
+    from capsnet.evaluation import evaluate
+
+    root, report = mirrored
+    result = evaluate(root / "run", which="latest", output=tmp_path / "eval.json")
+    assert result["epoch"] == 3
+    assert result["accuracy"] == report["resumed"]["test_accuracy"]
+    assert result["loss"] == pytest.approx(report["resumed"]["test_loss"], rel=1e-5)
+
+
+# --------------------------------------------------------------------------- multi_worker
+
+def free_ports(count):
+    """Ports free right now on localhost (the OS picks them; closed again for the workers to bind)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("localhost", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def run_workers(data_dir, run_dirs, *overrides):
+    """`python train.py distribute=multi_worker` as two workers on localhost, worker i writing
+    to (and resuming from) run_dirs[i]; returns [(pid, CompletedProcess-like)] per worker."""
+    cluster = {"worker": [f"localhost:{port}" for port in free_ports(len(run_dirs))]}
+    workers = []
+    for index, run_dir in enumerate(run_dirs):
+        env = entry_point_env()
+        env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+        env["CUDA_VISIBLE_DEVICES"] = "-1"  # one CPU replica per worker, also on a machine with a GPU
+        args = [*tiny_overrides(data_dir, run_dir, *DATA, *overrides), "distribute=multi_worker",
+                f"hydra.run.dir={run_dir}"]
+        workers.append(subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + SUBPROCESS_TIMEOUT
+    results = []
+    try:
+        for worker in workers:
+            stdout, stderr = worker.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append((worker.pid, subprocess.CompletedProcess(worker.args, worker.returncode, stdout, stderr)))
+    except subprocess.TimeoutExpired:
+        for worker in workers:
+            worker.kill()
+            worker.communicate()
+        pytest.fail(f"the workers did not finish in {SUBPROCESS_TIMEOUT} s (a collective waiting for a peer?)")
+    return results
+
+
+def event_file_pids(run_dir):
+    # events.out.tfevents.<time>.<host>.<pid>.<n>.v2 (the host may contain dots)
+    return {int(path.name.split(".")[-3]) for path in Path(run_dir).glob("events.out.tfevents.*")}
+
+
+@pytest.mark.slow
+def test_multi_worker_trains_like_one_device_writes_from_the_chief_only_and_resumes(
+        tiny_idx_dir, tmp_path, reference):
+    run_dir, worker_dir = tmp_path / "run", tmp_path / "worker1"
+
+    # Two epochs. Worker 1 gets a run dir of its own, so that what it writes shows: nothing.
+    (chief_pid, chief), (_, worker) = run_workers(tiny_idx_dir, [run_dir, worker_dir], "train.epochs=2")
+    assert chief.returncode == 0 and worker.returncode == 0, chief.stderr[-2000:] + worker.stderr[-2000:]
+    assert "not the chief" in worker.stdout and "not the chief" not in chief.stdout
+    assert not worker_dir.exists() or not any(worker_dir.iterdir())
+    assert {"config.yaml", "history.jsonl", "metrics.json", "checkpoints"} <= {p.name for p in run_dir.iterdir()}
+    assert event_file_pids(run_dir) == {chief_pid}
+    # Every worker evaluated the same weights: the same epoch lines.
+    epoch_lines = [[line for line in out.stdout.splitlines() if line.startswith("epoch ") and ":" in line]
+                   for out in (chief, worker)]
+    assert len(epoch_lines[0]) == 2 and epoch_lines[0] == epoch_lines[1]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert (metrics["replicas"], metrics["distribute"], metrics["global_step"]) == (2, "multi_worker", 8)
+
+    # A third epoch, both workers on the shared run dir, with the compiled op per replica.
+    (chief_pid_2, chief), (_, worker) = run_workers(tiny_idx_dir, [run_dir, run_dir], "train.epochs=3",
+                                                    "custom_op=true")
+    assert chief.returncode == 0 and worker.returncode == 0, chief.stderr[-2000:] + worker.stderr[-2000:]
+    assert "resumed from" in worker.stdout and "ckpt-2" in worker.stdout
+    assert event_file_pids(run_dir) == {chief_pid, chief_pid_2}  # worker 1 wrote no event file
+    assert_steps_match(run_dir, reference, 3 * STEPS_PER_EPOCH)
+    assert_checkpoints_match(run_dir / "checkpoints" / "latest" / "ckpt-3",
+                             reference["run_dir"] / "checkpoints" / "latest" / "ckpt-3")
+    assert len((run_dir / "history.jsonl").read_text().splitlines()) == 3
+    history = (run_dir / "history.jsonl").read_text()
+
+    # Worker 1 pointed at another (empty) run dir: it would start over while the chief goes on.
+    # Both stop with one line instead of pairing different epochs' batches, or hanging.
+    results = run_workers(tiny_idx_dir, [run_dir, worker_dir], "train.epochs=4")
+    for _, result in results:
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert "error: the workers restored different checkpoints" in result.stderr
+        assert "every worker needs the same run dir" in result.stderr
+    assert (run_dir / "history.jsonl").read_text() == history
+
+
+# --------------------------------------------------------------------------- config
+
+def test_distribute_config_group_composes():
+    for option, strategy in (("none", "none"), ("mirrored", "mirrored"), ("multi_worker", "multi_worker")):
+        cfg = compose_config("train", [f"distribute={option}", "run_dir=/unused"])
+        assert cfg["distribute"]["strategy"] == strategy
+        assert set(cfg["distribute"]) == {"strategy", "devices", "all_reduce", "scale_lr", "lr_base_batch_size"}
+    assert compose_config("train", ["run_dir=/unused"])["distribute"]["strategy"] == "none"  # the default
+
+
+TF_CONFIG_ONE_WORKER = json.dumps({"cluster": {"worker": ["localhost:12345"]}, "task": {"type": "worker", "index": 0}})
+
+
+@pytest.mark.parametrize("overrides, tf_config, message", [
+    (["distribute.strategy=horovod"], None,
+     "distribute.strategy must be one of none, mirrored, multi_worker, got 'horovod'"),
+    (["distribute.devices=[/cpu:0]"], None, "distribute.devices applies to distribute=mirrored only"),
+    (["distribute=mirrored", "distribute.devices=[]"], None, "distribute.devices must be null or a non-empty list"),
+    (["distribute=mirrored", "distribute.devices=[/gpu:7]"], None,
+     "distribute.devices: /gpu:7 is not a device TensorFlow sees here"),
+    (["distribute=mirrored", "distribute.all_reduce=ring"], None,
+     "distribute.all_reduce must be one of auto, nccl, one_device with distribute=mirrored, got 'ring'"),
+    (["distribute.scale_lr=cubic"], None, "distribute.scale_lr must be one of none, linear, sqrt, got 'cubic'"),
+    (["distribute.lr_base_batch_size=0"], None, "distribute.lr_base_batch_size must be a positive integer, got 0"),
+    (["distribute=multi_worker"], None, "distribute=multi_worker needs the cluster in the TF_CONFIG environment"),
+    (["distribute=multi_worker"], "{not json", "TF_CONFIG is not valid JSON"),
+    (["distribute=multi_worker"], json.dumps({"cluster": {"worker": ["h:1"]}, "task": {"type": "ps", "index": 0}}),
+     'TF_CONFIG needs a "task" with type "chief" or "worker"'),
+    (["distribute=multi_worker"], json.dumps({"cluster": {"worker": ["h:1"]}, "task": {"type": "worker", "index": 1}}),
+     "TF_CONFIG task index 1 is not one of the 1 worker address(es)"),
+    # TensorFlow has started in this process: too late for collective ops (a -m sweep's second job).
+    (["distribute=multi_worker"], TF_CONFIG_ONE_WORKER, "distribute=multi_worker must be set up before TensorFlow"),
+])
+def test_bad_distribute_values_are_one_line_config_errors_before_any_work(
+        tiny_config, tmp_path, monkeypatch, overrides, tf_config, message):
+    tf.constant(0.0)  # TensorFlow has started (as it has in a sweep's second job)
+    if tf_config is None:
+        monkeypatch.delenv("TF_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("TF_CONFIG", tf_config)
+    with pytest.raises(ConfigError) as err:
+        train(tiny_config(*overrides))
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("scale_lr, base, factor", [("none", 100, 1.0), ("linear", 8, 2.0), ("linear", 64, 0.25),
+                                                    ("sqrt", 4, 2.0), ("sqrt", 64, 0.5)])
+def test_scaled_learning_rate(scale_lr, base, factor):
+    assert scaled_learning_rate(0.01, 16, scale_lr, base) == pytest.approx(0.01 * factor)
+
+
+@pytest.mark.parametrize("scale_lr, base", [("linear", 8), ("sqrt", 4)])
+def test_scale_lr_sets_the_learning_rate_train_uses(tiny_config, scale_lr, base):
+    metrics = train(tiny_config(*DATA, "train.epochs=1", f"distribute.scale_lr={scale_lr}",
+                                f"distribute.lr_base_batch_size={base}"))
+    # 0.01 × 2 (batch 16 from 8 linearly, or from 4 by the square root), decayed over one epoch.
+    assert metrics["history"][0]["learning_rate"] == pytest.approx(0.02 * 0.9, rel=1e-6)
+
+
+def test_resume_refuses_another_lr_scaling_and_accepts_a_run_dir_from_before_distribute(
+        reference, tiny_config, tmp_path):
+    run_dir = tmp_path / "copy"
+    shutil.copytree(reference["run_dir"], run_dir)
+    with pytest.raises(CheckpointError, match=r"distribute\.scale_lr: 'none' -> 'linear'"):
+        train(tiny_config(*DATA, "train.epochs=3", "distribute.scale_lr=linear", run_dir=run_dir))
+    # The strategy may change (a run may move to more GPUs), and a config.yaml without a
+    # distribute section is one that trained on one device without LR scaling.
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    del saved["distribute"]
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+    metrics = train(tiny_config(*DATA, "train.epochs=3", "distribute=mirrored", run_dir=run_dir))
+    assert metrics["resumed_from"].endswith("ckpt-3") and metrics["epochs"] == 3
+
+
+# --------------------------------------------------------------------------- scripts/benchmark_scale.py
+
+@pytest.mark.slow
+def test_benchmark_scale_script_times_one_device_and_mirrored_on_the_same_data(tmp_path):
+    """A CPU smoke run over two logical devices (the op library must be built)."""
+    from conftest import TINY_MODEL
+
+    output = tmp_path / "scale.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "benchmark_scale.py"), "--device", "cpu", "--replicas", "1,2",
+         "--batch-sizes", "4,8", "--steps", "2", "--repeats", "2", "--warmup", "1", "--variants", "op",
+         "--json", str(output), *TINY_MODEL],
+        env=entry_point_env(), capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(output.read_text())
+    assert report["errors"] == [] and report["failures"] == []
+    assert report["environment"]["NCCL_NVLS_ENABLE"] is not None
+    rows = {(row["config"], row["batch_size"]): row for row in report["results"]}
+    assert sorted(rows) == sorted((config, b) for config in ("1 device", "mirrored ×1", "mirrored ×2")
+                                  for b in (4, 8))
+    for (config, batch), row in rows.items():
+        replicas = {"1 device": 1, "mirrored ×1": 1, "mirrored ×2": 2}[config]
+        assert row["replicas"] == replicas and row["global_batch_size"] == replicas * batch
+        median = float(np.median(row["repeat_seconds"]))
+        assert row["images_per_sec"] == pytest.approx(2 * replicas * batch / median)
+        assert row["scaling"] == pytest.approx(row["images_per_sec"] / rows[("1 device", batch)]["images_per_sec"])
+    # Same seed: one replica starts from the one-device batch and weights; two replicas of 4
+    # from the one-device batch of 8.
+    assert rows[("mirrored ×1", 4)]["first_loss"] == pytest.approx(rows[("1 device", 4)]["first_loss"], rel=1e-6)
+    assert rows[("mirrored ×2", 4)]["first_loss"] == pytest.approx(rows[("1 device", 8)]["first_loss"],
+                                                                   rel=LOSS_RTOL)
+    assert "| custom_op=true xla=none | mirrored ×2 | auto | 4 | 8 |" in result.stdout
+
+
+def test_benchmark_scale_script_rejects_bad_arguments(tmp_path):
+    script = str(REPO / "scripts" / "benchmark_scale.py")
+    for args, message in ((["--all-reduce", "ring"], "unknown all-reduce ring"),
+                          (["--replicas", "0"], "positive integers"),
+                          (["distribute=mirrored"], "distribute is set by the benchmark"),
+                          (["train.batch_size=64"], "train.batch_size is set by the benchmark")):
+        result = subprocess.run([sys.executable, script, *args], env=entry_point_env(), capture_output=True,
+                                text=True, timeout=120, cwd=tmp_path)
+        assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr
