@@ -282,10 +282,11 @@ def _check_split(name, spec, images, labels, images_src, labels_src):
 
 
 # --------------------------------------------------------------------------- tf.data
-# The `data.*` config keys that are make_dataset's augmentation arguments, with the values
-# that mean "off" (what a run saved before a key existed was trained with).
-AUGMENTATION_OFF = {"shift_pixels": 0, "flip": False, "rotate_degrees": 0.0, "zoom": 0.0}
-AUGMENTATION_KEYS = tuple(AUGMENTATION_OFF)
+# The `data.*` config keys that are make_dataset's augmentation arguments. The ones added
+# after the first release, with the values that mean "off": what a run saved before they
+# existed was trained with, and what a data config without them gets.
+AUGMENTATION_OFF = {"flip": False, "rotate_degrees": 0.0, "zoom": 0.0}
+AUGMENTATION_KEYS = ("shift_pixels", *AUGMENTATION_OFF)
 
 
 def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift_pixels=2,

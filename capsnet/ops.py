@@ -55,6 +55,11 @@ def build_stamp(path):
     return stamp if isinstance(stamp, dict) else {}
 
 
+# The op wrappers the library must export (snake_case of the REGISTER_OP names).
+_OP_NAMES = ("capsnet_capsule_prediction", "capsnet_capsule_prediction_grad",
+             "capsnet_capsule_routing", "capsnet_capsule_routing_grad")
+
+
 def _load(path):
     if not os.path.isfile(path):
         raise OpLibraryError(f"the capsnet op library is not built ({path} is missing): run {_REBUILD}")
@@ -76,6 +81,12 @@ def _load(path):
             f"TensorFlow {built_for or 'an unknown version'} and this is TensorFlow "
             f"{tf.__version__}: rebuild it with {_REBUILD}"
         ) from err
+    missing = [name for name in _OP_NAMES if not hasattr(lib, name)]
+    if missing:
+        # A library built from older sources (before the fused routing op) loads fine and
+        # fails only at the first call of the op it lacks, as an AttributeError.
+        raise OpLibraryError(f"the capsnet op library {path} lacks {', '.join(missing)}: it was built from "
+                             f"older sources; rebuild it with {_REBUILD}")
     if stamp.get("cuda") is False and tf.config.list_physical_devices("GPU"):
         warnings.warn(
             f"the capsnet op library {path} was built without CUDA (no nvcc was found), so "

@@ -380,6 +380,8 @@ def distribute_config(cfg):
                 or not all(isinstance(d, str) and d.strip() for d in devices)):
             raise ConfigError(f"distribute.devices must be null or a non-empty list of device names like "
                               f"[/gpu:0, /gpu:1], got {devices!r}")
+        if len(set(devices)) != len(devices):
+            raise ConfigError(f"distribute.devices lists a device more than once: {list(devices)}")
         dcfg["devices"] = list(devices)
     if dcfg["scale_lr"] not in SCALE_LR:
         raise ConfigError(f"distribute.scale_lr must be one of {', '.join(SCALE_LR)}, got {dcfg['scale_lr']!r}")
@@ -899,7 +901,8 @@ def train(cfg):
                                   stateful_metrics=["loss", "accuracy", "images/s"]) if tcfg["progress_bar"] else None
         train_ds = make_dataset(train_images, train_labels, batch_size=batch_size, training=True,
                                 seed=seed, epoch=epoch_index,
-                                **{k: data_cfg[k] for k in AUGMENTATION_KEYS})
+                                shift_pixels=data_cfg["shift_pixels"],
+                                **{k: data_cfg.get(k, off) for k, off in AUGMENTATION_OFF.items()})
         if strategy is not None:
             train_ds = distribute_dataset(strategy, train_ds)  # the same global batches, split over the replicas
         epoch_window, log_window = _Window(), _Window()

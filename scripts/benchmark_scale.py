@@ -53,7 +53,8 @@ import benchmark_train as bt  # noqa: E402  (also puts the repository on sys.pat
 
 from capsnet.cli import fail  # noqa: E402
 
-DEFAULT_VARIANTS = ["op", "matmul"]
+# What custom_op=true (the fused routing op, its default) and custom_op=false train with.
+DEFAULT_VARIANTS = ["op+fused", "matmul"]
 # The multicast switches of the lent multi-GPU machines' KINDS.md: a program using NVLink
 # multicast can take the host's shared GPUs out of service. Set unless the caller set them.
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

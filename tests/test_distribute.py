@@ -91,14 +91,21 @@ from capsnet import ops
 from capsnet.errors import ConfigError
 from capsnet.training import train
 
-real_op, op_devices = ops.capsule_prediction, []
+op_devices = []
 
-def spy(u, W):
-    u_hat = real_op(u, W)
-    op_devices.append(u_hat.device)  # traced once per replica, under its device
-    return u_hat
+def spy_on(name):
+    real_op = getattr(ops, name)
 
-ops.capsule_prediction = spy
+    def spy(u, W, *args):
+        out = real_op(u, W, *args)
+        if not tf.executing_eagerly():  # the train step, traced once per replica (not check_op_library's probe)
+            op_devices.append((out[0] if isinstance(out, tuple) else out).device)
+        return out
+
+    setattr(ops, name, spy)
+
+spy_on("capsule_prediction")  # model.fused_routing=false
+spy_on("capsule_routing")     # custom_op=true's default
 report = {}
 for name, cfg in json.loads(sys.argv[1]):
     try:
@@ -293,6 +300,8 @@ TF_CONFIG_ONE_WORKER = json.dumps({"cluster": {"worker": ["localhost:12345"]}, "
      "distribute.strategy must be one of none, mirrored, multi_worker, got 'horovod'"),
     (["distribute.devices=[/cpu:0]"], None, "distribute.devices applies to distribute=mirrored only"),
     (["distribute=mirrored", "distribute.devices=[]"], None, "distribute.devices must be null or a non-empty list"),
+    (["distribute=mirrored", "distribute.devices=[/cpu:0,/cpu:0]"], None,
+     "distribute.devices lists a device more than once: ['/cpu:0', '/cpu:0']"),
     (["distribute=mirrored", "distribute.devices=[/gpu:7]"], None,
      "distribute.devices: /gpu:7 is not a device TensorFlow sees here"),
     (["distribute=mirrored", "distribute.all_reduce=ring"], None,

@@ -338,6 +338,21 @@ def test_unloadable_library_raises(fresh_op_loader):
         ops.load_op_library()
 
 
+def test_library_from_older_sources_raises(fresh_op_loader, monkeypatch):
+    """A library built before the fused routing op (same TensorFlow) loads, but lacks it:
+    one line at load time, not an AttributeError at the first fused call."""
+    import types
+
+    fresh_op_loader.write_bytes(b"stands in for an old build")
+    fresh_op_loader.with_suffix(".json").write_text(json.dumps({"tensorflow": tf.__version__, "cuda": False}))
+    old = types.SimpleNamespace(capsnet_capsule_prediction=None, capsnet_capsule_prediction_grad=None)
+    monkeypatch.setattr(tf, "load_op_library", lambda path: old)
+    with pytest.raises(OpLibraryError, match=r"lacks capsnet_capsule_routing, capsnet_capsule_routing_grad: "
+                                             r"it was built from older sources; rebuild it with `make ops`") as err:
+        ops.capsule_routing(tf.zeros((1, 1, 1)), tf.zeros((1, 1, 1, 1)), 3)
+    assert "\n" not in str(err.value)
+
+
 # ----------------------------------------------------------------------------
 # GPU (skipped without one).
 
