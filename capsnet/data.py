@@ -8,6 +8,10 @@
   optionally flips, rotations and zoom) with stateless RNG keyed by (seed, epoch), so
   an epoch's batches depend on nothing else: a run resumed at epoch e sees exactly
   what an uninterrupted run saw, whatever the parallelism.
+- `make_multimnist_dataset(images, labels, ...)`: MultiMNIST (paper Sec. 6), pairs of
+  shifted digits of different classes overlaid on a 36×36 canvas, generated on the fly
+  from the MNIST arrays with the same stateless keying; `make_split_dataset(name, ...)`
+  picks one or the other by dataset name.
 """
 import contextlib
 import dataclasses
@@ -132,14 +136,18 @@ def write_idx(path, array):
 class DatasetSpec:
     """What a dataset name means: where tfds has it and what its examples look like."""
     tfds_name: str | None  # None: only readable from IDX files (data.dir)
-    image_shape: tuple     # (H, W, C)
+    image_shape: tuple     # (H, W, C) of the stored (source) images
     num_classes: int
+    overlay: bool = False  # True: examples are two overlaid source digits (make_multimnist_dataset)
 
 
-# Add a dataset here (e.g. multimnist) to make it loadable by name.
+# Add a dataset here to make it loadable by name.
 DATASETS = {
     "mnist": DatasetSpec(tfds_name="mnist", image_shape=(28, 28, 1), num_classes=10),
     "fashion_mnist": DatasetSpec(tfds_name="fashion_mnist", image_shape=(28, 28, 1), num_classes=10),
+    # MultiMNIST (paper Sec. 6): generated on the fly from the MNIST files (the same IDX
+    # files or tfds dataset as `mnist`) by make_multimnist_dataset.
+    "multimnist": DatasetSpec(tfds_name="mnist", image_shape=(28, 28, 1), num_classes=10, overlay=True),
 }
 
 # split → IDX file-name prefix (the MNIST distribution calls the test split "t10k").
@@ -368,6 +376,135 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
                               deterministic=True)
         dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
         # Prefetch the next batches while the model trains on this one.
+        return dataset.prefetch(tf.data.AUTOTUNE)
+
+
+# --------------------------------------------------------------------------- MultiMNIST
+# The key of the MultiMNIST test split: fixed (not the run's seed), so that every run and
+# every evaluation scores the same test pairs.
+MULTIMNIST_TEST_KEY = (2017, 6)
+
+
+def is_overlay(name):
+    """Whether dataset `name` yields two-digit examples (labels (B, 2), see make_multimnist_dataset)."""
+    return name in DATASETS and DATASETS[name].overlay
+
+
+def example_shape(name, source_shape, shift_pixels):
+    """The (H, W, C) of the images the model sees: the source's, or for an overlay dataset
+    the canvas the shifted digits are drawn on, (H + 2·shift_pixels, W + 2·shift_pixels, C)
+    (MultiMNIST, shift 4: 28 → 36)."""
+    h, w, c = source_shape
+    if is_overlay(name):
+        return (h + 2 * shift_pixels, w + 2 * shift_pixels, c)
+    return (h, w, c)
+
+
+def make_split_dataset(name, images, labels, *, batch_size, training, seed=0, epoch=0, shift_pixels=2,
+                       flip=False, rotate_degrees=0.0, zoom=0.0, drop_remainder=False):
+    """make_dataset, or make_multimnist_dataset for an overlay dataset (`name`), which
+    takes no flip/rotate/zoom augmentation (ConfigError if one is on)."""
+    if not is_overlay(name):
+        return make_dataset(images, labels, batch_size=batch_size, training=training, seed=seed, epoch=epoch,
+                            shift_pixels=shift_pixels, flip=flip, rotate_degrees=rotate_degrees, zoom=zoom,
+                            drop_remainder=drop_remainder)
+    on = [f"data.{k}={v}" for k, v in (("flip", flip), ("rotate_degrees", rotate_degrees), ("zoom", zoom))
+          if v != AUGMENTATION_OFF[k]]
+    if on:
+        raise ConfigError(f"{name} takes no flip/rotate/zoom augmentation (its digits are shifted by "
+                          f"data.shift_pixels): set {', '.join(on)} off")
+    return make_multimnist_dataset(images, labels, batch_size=batch_size, training=training, seed=seed,
+                                   epoch=epoch, shift_pixels=shift_pixels, drop_remainder=drop_remainder)
+
+
+def make_multimnist_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift_pixels=4,
+                            drop_remainder=False):
+    """One epoch of MultiMNIST batches (Sabour et al. 2017, Sec. 6), generated on the fly.
+
+    Each example of `images` (the base) is paired with a partner of a different class,
+    drawn uniformly from the examples of the other classes; both are zero-padded by
+    `shift_pixels` on every side (28 → 36 for the paper's 4), each is shifted by
+    (dy, dx), each uniform in [-shift_pixels, shift_pixels], and the image is their sum
+    clipped to 255 (then scaled to [0, 1]). One pair per base example per epoch.
+
+    The partner and the two shifts are stateless functions of (key, base index): key =
+    (seed, epoch) in training (a new pairing every epoch; the order is shuffled as in
+    make_dataset), MULTIMNIST_TEST_KEY otherwise (training=False: the same pairs in the
+    same order for every run and every evaluation). Independent of batching and of
+    tf.data's parallelism.
+
+    Args:
+      images: uint8 (N, H, W, C) source digits; labels: integer (N,), at least two classes.
+      batch_size, drop_remainder: as in make_dataset.
+      shift_pixels: the largest shift (paper: 4), also the canvas border (≥ 0).
+
+    Returns:
+      A `tf.data.Dataset` of (images float32 (B, H', W', C) in [0, 1], labels int32 (B, 2)
+      (base class, partner class), digits float32 (B, 2, H', W', C): each digit alone,
+      shifted as in the image (the reconstruction targets)), H' = H + 2·shift_pixels.
+    """
+    boolean("training", training, expected="True or False", error=ConfigError)
+    boolean("drop_remainder", drop_remainder, expected="True or False", error=ConfigError)
+    images, labels = _check_examples(images, labels)
+    n = len(labels)
+    batch_size = integer("batch_size", batch_size, minimum=1, error=ConfigError)
+    seed = integer("seed", seed, minimum=-(2**63), maximum=2**63 - 1, error=ConfigError)
+    epoch = integer("epoch", epoch, minimum=0, maximum=2**63 - 1, error=ConfigError)
+    shift_pixels = integer("shift_pixels", shift_pixels, minimum=0, maximum=64, error=ConfigError)
+    if len(np.unique(labels)) < 2:
+        raise DataError(f"MultiMNIST pairs digits of different classes: the {n} examples have only class "
+                        f"{labels[0]}")
+    if drop_remainder and n < batch_size:
+        raise ConfigError(f"batch_size {batch_size} with drop_remainder=True leaves no batch "
+                          f"from {n} examples")
+    s = shift_pixels
+    # Indices sorted by class: class k's examples are by_class[start[k]:start[k] + count[k]],
+    # so the examples of every other class are by_class without that block.
+    by_class = np.argsort(labels, kind="stable")                          # (N,)
+    classes = np.arange(int(labels.min()), int(labels.max()) + 1)
+    count = np.array([np.sum(labels == k) for k in classes])              # (K,)
+    start = np.concatenate([[0], np.cumsum(count)[:-1]])                  # (K,)
+    low = int(classes[0])
+
+    with tf.device("/CPU:0"):  # as in make_dataset
+        images_t = tf.constant(images)                                    # (N, H, W, C) uint8
+        labels_t = tf.constant(labels.astype(np.int32))                   # (N,)
+        by_class_t = tf.constant(by_class.astype(np.int64))
+        count_t, start_t = tf.constant(count.astype(np.int64)), tf.constant(start.astype(np.int64))
+        if training:
+            key = tf.constant([seed, epoch], tf.int64)
+            shuffle_key, pair_key = tf.unstack(tf.random.experimental.stateless_split(key, 2, alg="philox"))
+            order = tf.random.experimental.stateless_shuffle(
+                tf.range(n, dtype=tf.int64), seed=shuffle_key, alg="philox")
+        else:
+            pair_key = tf.constant(MULTIMNIST_TEST_KEY, tf.int64)
+            order = tf.range(n, dtype=tf.int64)
+
+        def load_pair(index):
+            # Keyed by the base example's index: the same pair however the map runs.
+            key = tf.random.experimental.stateless_fold_in(pair_key, index, alg="philox")
+            partner_key, shift_a_key, shift_b_key = tf.unstack(
+                tf.random.experimental.stateless_split(key, 3, alg="philox"))
+            label = tf.gather(labels_t, index)
+            k = tf.cast(label, tf.int64) - low
+            # Uniform over the N - count[k] examples of the other classes: the j-th of
+            # by_class with class k's block cut out.
+            j = tf.random.stateless_uniform([], seed=partner_key, minval=0, maxval=n - count_t[k],
+                                            dtype=tf.int64, alg="philox")
+            partner = tf.gather(by_class_t, j + tf.where(j >= start_t[k], count_t[k], 0))
+            digits = []
+            for source, shift_key in ((index, shift_a_key), (partner, shift_b_key)):
+                canvas = tf.pad(tf.gather(images_t, source), [[s, s], [s, s], [0, 0]])  # (H', W', C) uint8
+                digits.append(tf.cast(random_shift(canvas, s, shift_key), tf.int32) if s else
+                              tf.cast(canvas, tf.int32))
+            overlay = tf.minimum(digits[0] + digits[1], 255)                            # clipped sum
+            pair_labels = tf.stack([label, tf.gather(labels_t, partner)])               # (2,)
+            return (tf.cast(overlay, tf.float32) / 255.0, pair_labels,
+                    tf.cast(tf.stack(digits), tf.float32) / 255.0)                      # (2, H', W', C)
+
+        dataset = tf.data.Dataset.from_tensor_slices(order)
+        dataset = dataset.map(load_pair, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
         return dataset.prefetch(tf.data.AUTOTUNE)
 
 

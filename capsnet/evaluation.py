@@ -7,6 +7,8 @@
   evaluated checkpoint (`<checkpoint>.eval.json`).
 - `make_eval_step`, `evaluate_model`, `capsnet_losses`: the test pass the trainer runs
   after every epoch, so training and evaluation report the same numbers.
+- `predict`, `correct_predictions`: the scoring, one label per example (argmax) or two
+  (MultiMNIST, labels (batch, 2): right iff the two longest capsules are the two labels).
 - `confusion_report(confusion)`: accuracy and per-class accuracy from a confusion
   matrix (pure NumPy).
 """
@@ -29,15 +31,19 @@ WHICH = ("best", "latest")
 
 # --------------------------------------------------------------------------- losses
 
-def capsnet_losses(images, labels, outputs, *, m_plus, m_minus, lambda_, reconstruction_weight):
+def capsnet_losses(images, labels, outputs, *, m_plus, m_minus, lambda_, reconstruction_weight, targets=None):
     """The paper's total loss per example: margin + reconstruction_weight · reconstruction.
 
     Returns (total, margin, reconstruction), each (batch,). Without a decoder
-    (no "reconstructions" output) the reconstruction term is zero.
+    (no "reconstructions" output) the reconstruction term is zero. `targets`: what the
+    reconstructions are compared with; None = the images. Two-digit data passes labels
+    (batch, 2) and targets (batch, 2, H, W, C), each digit alone: the reconstruction
+    term is then the sum over the two digits.
     """
     margin = margin_loss(labels, outputs["lengths"], m_plus, m_minus, lambda_)          # (B,)
     if "reconstructions" in outputs:
-        reconstruction = reconstruction_loss(images, outputs["reconstructions"])          # (B,)
+        targets = images if targets is None else targets
+        reconstruction = reconstruction_loss(targets, outputs["reconstructions"])         # (B,)
     else:
         reconstruction = tf.zeros_like(margin)
     return margin + reconstruction_weight * reconstruction, margin, reconstruction
@@ -66,27 +72,64 @@ def loss_params(train_cfg):
     return params
 
 
+# --------------------------------------------------------------------------- scoring
+
+def predict(lengths, labels):
+    """The predicted classes, shaped like `labels`: (batch,) the longest capsule, or for
+    labels (batch, 2) the two longest capsules (batch, 2), longest first."""
+    if labels.shape.rank == 2:
+        return tf.math.top_k(lengths, k=labels.shape[1]).indices             # (B, 2) int32
+    return tf.argmax(lengths, axis=-1, output_type=tf.int32)                  # (B,)
+
+
+def correct_predictions(predictions, labels):
+    """(batch,) float32, 1 where the prediction is right: the class (one label), or, with
+    two labels, both (the paper's MultiMNIST scoring: the two longest capsules are exactly
+    the two labels, in either order; the two labels of an example differ)."""
+    if labels.shape.rank == 2:
+        found = tf.reduce_any(labels[:, :, None] == predictions[:, None, :], axis=-1)  # (B, 2): label among top 2
+        return tf.cast(tf.reduce_all(found, axis=-1), tf.float32)
+    return tf.cast(tf.equal(predictions, labels), tf.float32)
+
+
+def label_order(predictions, labels):
+    """Two predicted classes (batch, 2) in the labels' order where one of them is a label
+    of the other slot (swapped), so that each reconstruction from a rightly predicted
+    capsule is compared with that label's digit."""
+    swap = (predictions[:, 0] == labels[:, 1]) | (predictions[:, 1] == labels[:, 0])  # (B,)
+    return tf.where(swap[:, None], predictions[:, ::-1], predictions)                  # (B, 2)
+
+
 # --------------------------------------------------------------------------- test pass
 
-def make_eval_step(model, image_shape, *, m_plus, m_minus, lambda_, reconstruction_weight, jit_compile=False):
+def make_eval_step(model, image_shape, *, m_plus, m_minus, lambda_, reconstruction_weight, jit_compile=False,
+                   two_digits=False):
     """A compiled test step: sums of the losses, correct count, predictions.
 
     No labels go into the model, so the decoder reconstructs from the PREDICTED
     class, as at test time in the paper; the reconstruction loss is measured on that.
     jit_compile=True compiles the step with XLA (train.xla=jit; matmul path only: XLA
     cannot compile the custom op).
+    two_digits=True (MultiMNIST): the step takes (images, labels (B, 2), digits
+    (B, 2, H, W, C)); the two longest capsules are the prediction, each reconstructs one
+    digit (in the labels' order where it names one) and is compared with that digit.
     """
+    signature = [tf.TensorSpec([None, *image_shape], tf.float32), tf.TensorSpec([None], tf.int32)]
+    if two_digits:
+        signature = [signature[0], tf.TensorSpec([None, 2], tf.int32),
+                     tf.TensorSpec([None, 2, *image_shape], tf.float32)]
 
-    @tf.function(input_signature=[
-        tf.TensorSpec([None, *image_shape], tf.float32),
-        tf.TensorSpec([None], tf.int32),
-    ], jit_compile=jit_compile)
-    def eval_step(images, labels):
+    @tf.function(input_signature=signature, jit_compile=jit_compile)
+    def eval_step(images, labels, digits=None):
         outputs = model(images, training=False)
+        predictions = predict(outputs["lengths"], labels)  # (B,) or (B, 2)
+        if digits is not None and "reconstructions" in outputs:
+            # The model reconstructed from the longest capsule only; here from the two longest.
+            outputs = {**outputs, "reconstructions": model.reconstruct(outputs["v_j"],
+                                                                      label_order(predictions, labels))}
         total, margin, reconstruction = capsnet_losses(
             images, labels, outputs, m_plus=m_plus, m_minus=m_minus, lambda_=lambda_,
-            reconstruction_weight=reconstruction_weight)
-        predictions = tf.argmax(outputs["lengths"], axis=-1, output_type=tf.int32)  # (B,)
+            reconstruction_weight=reconstruction_weight, targets=digits)
         return {
             "loss": tf.reduce_sum(total),
             "margin_loss": tf.reduce_sum(margin),
@@ -100,29 +143,41 @@ def make_eval_step(model, image_shape, *, m_plus, m_minus, lambda_, reconstructi
 def evaluate_model(eval_step, dataset, num_classes):
     """One pass over `dataset` → mean losses, accuracy, confusion matrix, images/s.
 
+    `dataset` yields (images, labels) or, two-digit data, (images, labels (B, 2), digits):
+    accuracy is then the fraction with both digits right, per_class_accuracy the recall
+    of each class (how often it is among the two longest capsules when present;
+    pair_report), and there is no confusion matrix (None).
     images/s leaves out the first batch, which includes tracing/compiling the step.
     """
     sums = {"loss": 0.0, "margin_loss": 0.0, "reconstruction_loss": 0.0}
     confusion = np.zeros((num_classes, num_classes), np.int64)  # rows: true class, cols: predicted
+    all_labels, all_predictions = [], []  # two-digit data
     timed_images, timed_seconds = 0, 0.0
     start = time.perf_counter()
-    for batch, (images, labels) in enumerate(dataset):
-        out = eval_step(images, labels)
+    for batch, inputs in enumerate(dataset):
+        out = eval_step(*inputs)
         # .numpy() waits for the step, so the clock below measures finished work.
-        predictions = out["predictions"].numpy()
+        predictions, labels = out["predictions"].numpy(), inputs[1].numpy()
         for key in sums:
             sums[key] += float(out[key].numpy())
-        np.add.at(confusion, (labels.numpy(), predictions), 1)
+        if labels.ndim == 2:
+            all_labels.append(labels)
+            all_predictions.append(predictions)
+        else:
+            np.add.at(confusion, (labels, predictions), 1)
         now = time.perf_counter()
         if batch > 0:
             timed_images += len(predictions)
             timed_seconds += now - start
         start = now
-    n = int(confusion.sum())
+    n = int(confusion.sum()) + sum(len(labels) for labels in all_labels)
     if n == 0:
         raise DataError("the test split is empty: nothing to evaluate (check data.limit_test)")
     result = {key: value / n for key, value in sums.items()}
-    result.update(confusion_report(confusion))
+    if all_labels:
+        result.update(pair_report(np.concatenate(all_labels), np.concatenate(all_predictions), num_classes))
+    else:
+        result.update(confusion_report(confusion))
     result["images_per_sec"] = timed_images / timed_seconds if timed_seconds > 0 else float("nan")
     result["num_examples"] = n
     return result
@@ -141,8 +196,33 @@ def confusion_report(confusion):
     }
 
 
+def pair_report(labels, predictions, num_classes):
+    """Scores of two-digit examples (pure NumPy): labels and predictions int (N, 2).
+
+    accuracy: the fraction whose two predictions are exactly the two labels (either
+    order); per_class_accuracy[k]: the recall of class k, the fraction of the examples
+    containing k that have k among their two predictions (None: no example contains k);
+    per_class_examples[k]: how many examples contain k; confusion_matrix: None.
+    """
+    labels, predictions = np.asarray(labels), np.asarray(predictions)
+    found = (labels[:, :, None] == predictions[:, None, :]).any(axis=-1)  # (N, 2): each label among the predictions
+    present = np.zeros(num_classes, np.int64)
+    hits = np.zeros(num_classes, np.int64)
+    np.add.at(present, labels.ravel(), 1)
+    np.add.at(hits, labels.ravel(), found.ravel().astype(np.int64))
+    return {
+        "accuracy": float(found.all(axis=1).mean()),
+        "per_class_accuracy": [None if p == 0 else float(h / p) for h, p in zip(hits, present)],
+        "per_class_examples": present.tolist(),
+        "confusion_matrix": None,
+    }
+
+
 def format_report(report):
-    """A human-readable table: summary, per-class accuracy, confusion matrix."""
+    """A human-readable table: summary, per-class accuracy, confusion matrix (two-digit
+    data: per-class recall among the top two, no confusion matrix)."""
+    if report.get("confusion_matrix") is None:
+        return _format_pair_report(report)
     confusion = np.asarray(report["confusion_matrix"])
     k = len(confusion)
     width = max(5, len(str(confusion.max())) + 1)
@@ -163,6 +243,23 @@ def format_report(report):
               " " * 6 + "".join(f"{c:>{width}}" for c in range(k))]
     for c in range(k):
         lines.append(f"{c:>5} " + "".join(f"{n:>{width}}" for n in confusion[c]))
+    return "\n".join(lines)
+
+
+def _format_pair_report(report):
+    lines = [
+        f"checkpoint: {report['checkpoint']} (epoch {report['epoch']})",
+        f"dataset: {report['dataset']} test, {report['num_examples']} two-digit examples, "
+        f"custom_op={report['custom_op']}",
+        f"accuracy (both digits right) {report['accuracy']:.4%}  loss {report['loss']:.5f}  "
+        f"(margin {report['margin_loss']:.5f}, reconstruction {report['reconstruction_loss']:.3f})  "
+        f"{report['images_per_sec']:.1f} images/s",
+        "",
+        "class  examples  recall (among the two longest capsules when present)",
+    ]
+    for c, (present, recall) in enumerate(zip(report["per_class_examples"], report["per_class_accuracy"])):
+        shown = "-" if recall is None else f"{recall:.2%}"
+        lines.append(f"{c:>5}  {present:>8}  {shown:>8}")
     return "\n".join(lines)
 
 
@@ -281,10 +378,12 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     Returns:
         dict with accuracy, loss, margin_loss, reconstruction_loss, images_per_sec,
         per_class_accuracy, confusion_matrix, num_examples, checkpoint, epoch,
-        dataset, custom_op.
+        dataset, custom_op. MultiMNIST (two digits per example): accuracy = both
+        digits right, per_class_accuracy = per-class recall among the top two,
+        per_class_examples, confusion_matrix None (pair_report).
     """
     # Imported here: capsnet.training imports this module.
-    from capsnet.data import load_split, make_dataset
+    from capsnet.data import example_shape, is_overlay, load_split, make_split_dataset
     from capsnet.training import build_capsnet, check_labels, check_op_library
 
     prefix, run_dir, cfg = resolve_checkpoint(checkpoint, which)
@@ -326,11 +425,15 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     model = build_capsnet(model_cfg, custom_op)  # its config errors before the data is read
     images, labels = load_split(data_cfg["name"], "test", data_dir=data_cfg.get("dir"),
                                 limit=data_cfg.get("limit_test"))
-    check_labels(labels, images, model=model, split=f"{data_cfg['name']} test")
+    # MultiMNIST: the test pairs on the canvas of the run's shift (the paper's 4 px).
+    shift_pixels = data_cfg.get("shift_pixels", 2)
+    check_labels(labels, images, model=model, split=f"{data_cfg['name']} test",
+                 image_shape=example_shape(data_cfg["name"], images.shape[1:], shift_pixels))
     epoch = restore_model(model, prefix)
 
-    dataset = make_dataset(images, labels, batch_size=batch_size, training=False)
-    eval_step = make_eval_step(model, model.image_shape, **losses)
+    dataset = make_split_dataset(data_cfg["name"], images, labels, batch_size=batch_size, training=False,
+                                 shift_pixels=shift_pixels)
+    eval_step = make_eval_step(model, model.image_shape, **losses, two_digits=is_overlay(data_cfg["name"]))
     result = evaluate_model(eval_step, dataset, model.num_classes)
 
     report = {
@@ -341,6 +444,7 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
         "images_per_sec": result["images_per_sec"],
         "per_class_accuracy": result["per_class_accuracy"],
         "confusion_matrix": result["confusion_matrix"],
+        **({"per_class_examples": result["per_class_examples"]} if "per_class_examples" in result else {}),
         "num_examples": result["num_examples"],
         "checkpoint": str(prefix),
         "run_dir": str(run_dir),

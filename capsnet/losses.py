@@ -29,10 +29,12 @@ def margin_loss(labels, lengths, m_plus=0.9, m_minus=0.1, lambda_=0.5):
 
     L = Σ_k T_k max(0, m+ − |v_k|)² + λ (1 − T_k) max(0, |v_k| − m−)², T_k = [k == label].
     λ < 1 down-weights the absent classes so that early in training the lengths of
-    all digit capsules are not all pushed to zero.
+    all digit capsules are not all pushed to zero. With two labels per example
+    (MultiMNIST, Sec. 6) T_k = 1 for both classes.
 
     Args:
-        labels: int class ids (batch,), each in [0, num_classes).
+        labels: int class ids (batch,), or (batch, 2) for two-digit images, each in
+            [0, num_classes).
         lengths: capsule lengths |v_k| (batch, num_classes).
 
     Returns:
@@ -43,10 +45,11 @@ def margin_loss(labels, lengths, m_plus=0.9, m_minus=0.1, lambda_=0.5):
     lengths = tf.convert_to_tensor(lengths)
     if not labels.dtype.is_integer:
         raise ValueError(f"margin_loss: labels must be integer class ids, got dtype {labels.dtype.name}")
-    if labels.shape.rank != 1 or lengths.shape.rank != 2 or not labels.shape[:1].is_compatible_with(
-            lengths.shape[:1]):
+    two_labels = labels.shape.rank == 2 and labels.shape[1] == 2
+    if ((labels.shape.rank != 1 and not two_labels) or lengths.shape.rank != 2
+            or not labels.shape[:1].is_compatible_with(lengths.shape[:1])):
         raise ValueError(
-            "margin_loss: expected labels (batch,) and lengths (batch, num_classes), "
+            "margin_loss: expected labels (batch,) or (batch, 2) and lengths (batch, num_classes), "
             f"got labels {tuple(labels.shape)} and lengths {tuple(lengths.shape)}")
     num_classes = lengths.shape[-1]
     if num_classes is None:
@@ -59,14 +62,19 @@ def margin_loss(labels, lengths, m_plus=0.9, m_minus=0.1, lambda_=0.5):
         if low < 0 or high >= num_classes:
             raise ValueError(
                 f"margin_loss: labels must lie in [0, {num_classes}), got values in [{low}, {high}]")
-    T = tf.one_hot(labels, num_classes, dtype=lengths.dtype)            # (B, num_classes)
+    T = tf.one_hot(labels, num_classes, dtype=lengths.dtype)            # (B, num_classes) or (B, 2, num_classes)
+    if two_labels:
+        T = tf.reduce_max(T, axis=1)                                    # (B, num_classes): both present
     present = T * tf.square(tf.nn.relu(m_plus - lengths))               # (B, num_classes)
     absent = lambda_ * (1.0 - T) * tf.square(tf.nn.relu(lengths - m_minus))
     return tf.reduce_sum(present + absent, axis=-1)                     # (B,)
 
 
 def reconstruction_loss(images, reconstructions):
-    """Sum of squared pixel errors per example, (batch,) (the paper's reconstruction loss)."""
+    """Sum of squared pixel errors per example, (batch,) (the paper's reconstruction loss).
+
+    Sums over every axis but the batch: for two-digit data, images and reconstructions
+    (batch, 2, H, W, C) give the sum over both digits, each against its own image."""
     images = tf.convert_to_tensor(images)
     reconstructions = tf.convert_to_tensor(reconstructions)
     if images.shape.rank is None or images.shape.rank < 2 or not images.shape.is_compatible_with(

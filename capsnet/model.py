@@ -24,9 +24,11 @@ class CapsNet(keras.Model):
         "c_ij":            (batch, in_caps, num_classes) final coupling coefficients;
         "reconstructions": (batch, H, W, C) decoder output, only when decoder=True.
     The decoder sees only the capsule named by `labels` when they are given (training)
-    and else the longest capsule, i.e. the prediction (evaluation).
+    and else the longest capsule, i.e. the prediction (evaluation). Two labels per
+    example (batch, 2) (MultiMNIST) give two reconstructions, one from each labelled
+    capsule: (batch, 2, H, W, C) (see `reconstruct`).
 
-    images: float in [0, 1], shape (batch, *input_shape). labels: int (batch,).
+    images: float in [0, 1], shape (batch, *input_shape). labels: int (batch,) or (batch, 2).
     stop_gradient_routing (default True) stops the gradient through u_hat in the inner
     routing iterations; the reasons for that default are in
     `capsnet.routing.dynamic_routing`.
@@ -126,13 +128,22 @@ class CapsNet(keras.Model):
                 mask_labels = tf.argmax(lengths, axis=-1, output_type=tf.int32)
             else:
                 labels = tf.convert_to_tensor(labels)
-                if labels.shape.rank != 1 or not labels.dtype.is_integer:
+                if labels.shape.rank not in (1, 2) or not labels.dtype.is_integer:
                     raise ValueError(
                         f"{self.name}: labels must be integer class ids of shape (batch,), "
-                        f"got {labels.dtype.name} of shape {tuple(labels.shape)}")
+                        f"got {labels.dtype.name} of shape {tuple(labels.shape)} (two-digit images: (batch, 2))")
                 mask_labels = labels
-            outputs["reconstructions"] = self.decoder(v_j, mask_labels)  # (B, H, W, C)
+            outputs["reconstructions"] = self.reconstruct(v_j, mask_labels)  # (B, H, W, C) or (B, 2, H, W, C)
         return outputs
+
+    def reconstruct(self, v_j, mask_labels):
+        """The decoder's image(s) from the capsules named by `mask_labels`: (batch,) ids →
+        (batch, H, W, C); (batch, 2) → (batch, 2, H, W, C), each digit from its own capsule
+        alone (the other capsules, the other label's included, masked out)."""
+        if mask_labels.shape.rank == 2:
+            return tf.stack([self.decoder(v_j, mask_labels[:, d]) for d in range(mask_labels.shape[1])],
+                            axis=1)                                  # (B, 2, H, W, C)
+        return self.decoder(v_j, mask_labels)                        # (B, H, W, C)
 
     def compute_output_shape(self, input_shape, labels_shape=None):
         batch = input_shape[0]

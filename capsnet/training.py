@@ -69,10 +69,11 @@ import yaml
 from tensorflow.python.framework import config as tf_config
 
 from capsnet import ops
-from capsnet.data import AUGMENTATION_KEYS, AUGMENTATION_OFF, load_split, make_dataset
+from capsnet.data import AUGMENTATION_KEYS, AUGMENTATION_OFF, example_shape, is_overlay, load_split, make_split_dataset
 from capsnet.errors import CheckpointError, ConfigError, OpLibraryError
 from capsnet.evaluation import (
-    capsnet_losses, checkpoint_weights, evaluate_model, json_safe, loss_params, make_eval_step, read_run_config,
+    capsnet_losses, checkpoint_weights, correct_predictions, evaluate_model, json_safe, loss_params, make_eval_step,
+    predict, read_run_config,
 )
 from capsnet.model import build_model
 from capsnet.validation import boolean, integer, positive_float, positive_int
@@ -107,15 +108,18 @@ def image_grid(images, reconstructions):
     return np.clip(grid, 0.0, 1.0)[None]                              # (1, 2H, N·W, C)
 
 
-def check_labels(labels, images, *, model, split):
+def check_labels(labels, images, *, model, split, image_shape=None):
     """The data must fit the model: image shape = input_shape, labels in [0, num_classes).
 
     `model` is a built CapsNet: its input_shape and num_classes have been checked
-    (build_capsnet), unlike the raw config values.
+    (build_capsnet), unlike the raw config values. image_shape: the shape of the
+    examples the model will see, when the pipeline makes them from `images`
+    (MultiMNIST: capsnet.data.example_shape); None = the images' own.
     """
     input_shape = tuple(model.image_shape)
-    if tuple(images.shape[1:]) != input_shape:
-        raise ConfigError(f"{split} images have shape {tuple(images.shape[1:])} but model.input_shape is "
+    image_shape = tuple(images.shape[1:]) if image_shape is None else tuple(image_shape)
+    if image_shape != input_shape:
+        raise ConfigError(f"{split} images have shape {image_shape} but model.input_shape is "
                           f"{list(input_shape)}")
     num_classes = int(model.num_classes)
     if len(labels) and (labels.min() < 0 or labels.max() >= num_classes):
@@ -232,7 +236,7 @@ def set_autoclustering(enabled):
     tf.config.optimizer.set_jit("autoclustering" if enabled else False)
 
 
-def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strategy=None):
+def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strategy=None, two_digits=False):
     """The compiled training step: (images, labels) → {loss, margin_loss, reconstruction_loss, accuracy}.
 
     One Adam step on the mean total loss of the batch; the returned values are batch
@@ -251,28 +255,40 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strate
             `optimizer` were built under: the step is then
             (per-replica images, per-replica labels, global batch size) → the same dict,
             means over the global batch (_make_distributed_train_step).
+        two_digits: MultiMNIST (one device only): the step takes (images, labels (B, 2),
+            digits (B, 2, H, W, C)); the margin loss counts both classes present, the
+            decoder reconstructs each digit from its own capsule against its own image
+            (the reconstruction loss sums the two), and accuracy counts an example right
+            iff the two longest capsules are its two labels.
     """
     check_xla(xla, getattr(model, "custom_op", False), getattr(model, "jit_routing", False))
     set_autoclustering(xla == "autocluster")
     if strategy is not None:
+        if two_digits:
+            raise ConfigError("two-digit data (MultiMNIST) trains on one device only: set distribute=none")
         return _make_distributed_train_step(model, optimizer, losses=losses, xla=xla, strategy=strategy)
     image_spec = tf.TensorSpec([None, *input_shape], tf.float32)
+    signature = [image_spec, tf.TensorSpec([None], tf.int32)]
+    if two_digits:
+        signature = [image_spec, tf.TensorSpec([None, 2], tf.int32), tf.TensorSpec([None, 2, *input_shape], tf.float32)]
 
-    @tf.function(input_signature=[image_spec, tf.TensorSpec([None], tf.int32)], jit_compile=xla == "jit")
-    def train_step(images, labels):
+    @tf.function(input_signature=signature, jit_compile=xla == "jit")
+    def train_step(images, labels, digits=None):
         with tf.GradientTape() as tape:
-            # Labels mask the decoder input: reconstruct the TRUE class in training.
+            # Labels mask the decoder input: reconstruct the TRUE class(es) in training;
+            # two labels: each digit from its own capsule, against its own image (digits).
             outputs = model(images, labels=labels, training=True)
-            total, margin, reconstruction = capsnet_losses(images, labels, outputs, **losses)  # (B,) each
+            total, margin, reconstruction = capsnet_losses(images, labels, outputs, **losses,
+                                                           targets=digits)  # (B,) each
             loss = tf.reduce_mean(total)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        predictions = tf.argmax(outputs["lengths"], axis=-1, output_type=tf.int32)  # (B,)
+        predictions = predict(outputs["lengths"], labels)  # (B,), two labels: (B, 2)
         return {
             "loss": loss,
             "margin_loss": tf.reduce_mean(margin),
             "reconstruction_loss": tf.reduce_mean(reconstruction),
-            "accuracy": tf.reduce_mean(tf.cast(tf.equal(predictions, labels), tf.float32)),
+            "accuracy": tf.reduce_mean(correct_predictions(predictions, labels)),
         }
 
     return train_step
@@ -821,20 +837,29 @@ def train(cfg):
     # and check_labels compares the data with the checked values.
     with scope():
         model = build_capsnet(model_cfg, custom_op)
+    two_digits = is_overlay(data_cfg["name"])  # MultiMNIST: labels (B, 2) and the digits (B, 2, H, W, C)
+    if two_digits and strategy is not None:
+        raise ConfigError(f"data.name={data_cfg['name']} trains on one device only: set distribute=none")
 
-    # ---- data (uint8 in memory; make_dataset scales, shuffles and shifts per (seed, epoch))
+    # ---- data (uint8 in memory; make_dataset scales, shuffles and shifts per (seed, epoch);
+    # for MultiMNIST make_multimnist_dataset also pairs and overlays the digits)
     train_images, train_labels = load_split(data_cfg["name"], "train", data_dir=data_cfg.get("dir"),
                                             limit=data_cfg.get("limit_train"))
     test_images, test_labels = load_split(data_cfg["name"], "test", data_dir=data_cfg.get("dir"),
                                           limit=data_cfg.get("limit_test"))
-    check_labels(train_labels, train_images, model=model, split=f"{data_cfg['name']} train")
-    check_labels(test_labels, test_images, model=model, split=f"{data_cfg['name']} test")
+    image_shape = example_shape(data_cfg["name"], train_images.shape[1:], data_cfg["shift_pixels"])
+    check_labels(train_labels, train_images, model=model, split=f"{data_cfg['name']} train", image_shape=image_shape)
+    check_labels(test_labels, test_images, model=model, split=f"{data_cfg['name']} test", image_shape=image_shape)
     steps_per_epoch = math.ceil(len(train_labels) / batch_size)
-    test_ds = make_dataset(test_images, test_labels, batch_size=batch_size, training=False)
-    # A fixed set of test images for the reconstruction grid and the histograms, every epoch.
+    augmentation = {"shift_pixels": data_cfg["shift_pixels"],
+                    **{k: data_cfg.get(k, off) for k, off in AUGMENTATION_OFF.items()}}
+    # The test split: no augmentation (MultiMNIST: shift_pixels sets its fixed pairs' shifts).
+    test_ds = make_split_dataset(data_cfg["name"], test_images, test_labels, batch_size=batch_size,
+                                 training=False, shift_pixels=data_cfg["shift_pixels"])
+    # A fixed set of test images for the reconstruction grid and the histograms, every epoch
+    # (MultiMNIST: the first test pairs, made from the whole test split as in test_ds).
     n_show = min(len(test_labels), max(tcfg["num_images"], tcfg["histogram_examples"]))
-    show_images, _ = next(iter(make_dataset(
-        test_images[:n_show], test_labels[:n_show], batch_size=n_show, training=False)))
+    show_images = next(iter(test_ds.unbatch().batch(n_show)))[0]
 
     # ---- optimizer, checkpoints (new or resumed)
     learning_rate = scaled_learning_rate(tcfg["learning_rate"], batch_size, dcfg["scale_lr"],
@@ -886,8 +911,9 @@ def train(cfg):
     # ---- compiled steps (xla=autocluster switches XLA on for the whole process)
     losses = loss_params(tcfg)
     train_step = make_train_step(model, optimizer, input_shape=model.image_shape, losses=losses, xla=tcfg["xla"],
-                                 strategy=strategy)
-    eval_step = make_eval_step(model, model.image_shape, jit_compile=tcfg["xla"] == "jit", **losses)
+                                 strategy=strategy, two_digits=two_digits)
+    eval_step = make_eval_step(model, model.image_shape, jit_compile=tcfg["xla"] == "jit", two_digits=two_digits,
+                               **losses)
     num_classes = model.num_classes
 
     # ---- the loop
@@ -899,23 +925,21 @@ def train(cfg):
         # Interactive: a live bar; in a log file: one line per epoch.
         bar = keras.utils.Progbar(steps_per_epoch, verbose=1 if interactive else 2,
                                   stateful_metrics=["loss", "accuracy", "images/s"]) if tcfg["progress_bar"] else None
-        train_ds = make_dataset(train_images, train_labels, batch_size=batch_size, training=True,
-                                seed=seed, epoch=epoch_index,
-                                shift_pixels=data_cfg["shift_pixels"],
-                                **{k: data_cfg.get(k, off) for k, off in AUGMENTATION_OFF.items()})
+        train_ds = make_split_dataset(data_cfg["name"], train_images, train_labels, batch_size=batch_size,
+                                      training=True, seed=seed, epoch=epoch_index, **augmentation)
         if strategy is not None:
             train_ds = distribute_dataset(strategy, train_ds)  # the same global batches, split over the replicas
         epoch_window, log_window = _Window(), _Window()
         pending = []  # (step outputs still on the device, batch size)
         tick = time.perf_counter()
-        for step_in_epoch, (images, labels) in enumerate(train_ds):
+        for step_in_epoch, batch in enumerate(train_ds):  # (images, labels) or (images, labels, digits)
             # The global batch of this step: full but for an epoch's last (counted here: under a
             # strategy, `labels` holds only this worker's slices of it).
             step_batch = min(batch_size, len(train_labels) - step_in_epoch * batch_size)
             if strategy is None:
-                pending.append((train_step(images, labels), step_batch))
+                pending.append((train_step(*batch), step_batch))
             else:
-                pending.append((train_step(images, labels, step_batch), step_batch))
+                pending.append((train_step(*batch, step_batch), step_batch))
             global_step += 1
             log_now = global_step % tcfg["log_every_steps"] == 0
             last = step_in_epoch + 1 == steps_per_epoch

@@ -1,0 +1,225 @@
+"""MultiMNIST (paper Sec. 6): the pair generator's geometry against NumPy, the two-label
+losses and scoring against NumPy, the two-mask reconstruction, a tiny training run
+that evaluates through evaluate()."""
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from capsnet.data import MULTIMNIST_TEST_KEY, example_shape, make_multimnist_dataset, make_split_dataset
+from capsnet.errors import ConfigError, DataError
+from capsnet.evaluation import correct_predictions, evaluate, format_report, pair_report, predict
+from capsnet.losses import margin_loss, reconstruction_loss
+from conftest import TINY_MODEL, compose_config, tiny_overrides
+
+SHIFT = 3
+SIZE = 10  # source digits 10x10 -> canvas 16x16
+
+
+@pytest.fixture(scope="module")
+def sources():
+    """60 noise 'digits' with no zero pixel (so every shift is identifiable), classes index % 10."""
+    rng = np.random.default_rng(5)
+    images = rng.integers(1, 256, size=(60, SIZE, SIZE, 1), dtype=np.uint8)
+    return images, np.arange(60) % 10
+
+
+def collect(dataset):
+    images, labels, digits = zip(*[(x.numpy(), y.numpy(), d.numpy()) for x, y, d in dataset])
+    return np.concatenate(images), np.concatenate(labels), np.concatenate(digits)
+
+
+def np_shifted(image, s, dy, dx):
+    """`image` (H, W, C) zero-padded by s on each side, then shifted down dy and right dx (zero fill)."""
+    canvas = np.pad(image, ((s, s), (s, s), (0, 0)))
+    out = np.zeros_like(canvas)
+    h, w = canvas.shape[:2]
+    out[max(dy, 0):h + min(dy, 0), max(dx, 0):w + min(dx, 0)] = \
+        canvas[max(-dy, 0):h + min(-dy, 0), max(-dx, 0):w + min(-dx, 0)]
+    return out
+
+
+def find_source(digit, images, s):
+    """(index, dy, dx) of the source image and ±s shift that `digit` (uint8 canvas) is, or None."""
+    for index, image in enumerate(images):
+        for dy in range(-s, s + 1):
+            for dx in range(-s, s + 1):
+                if np.array_equal(np_shifted(image, s, dy, dx), digit):
+                    return index, dy, dx
+    return None
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_pairs_are_shifted_digits_of_different_classes_overlaid_with_a_clipped_sum(sources, training):
+    images, labels = sources
+    x, y, d = collect(make_multimnist_dataset(images, labels, batch_size=16, training=training, seed=4,
+                                              epoch=1, shift_pixels=SHIFT))
+    canvas = SIZE + 2 * SHIFT
+    assert x.shape == (60, canvas, canvas, 1) and x.dtype == np.float32
+    assert y.shape == (60, 2) and y.dtype == np.int32
+    assert d.shape == (60, 2, canvas, canvas, 1) and d.dtype == np.float32
+    assert example_shape("multimnist", (SIZE, SIZE, 1), SHIFT) == (canvas, canvas, 1)
+    digits = np.rint(d * 255).astype(np.int64)
+    np.testing.assert_allclose(d * 255, digits, atol=1e-4)  # multiples of 1/255
+    # The overlay is the clipped sum of the two digits (and it does clip: noise digits saturate).
+    overlay = np.minimum(digits[:, 0] + digits[:, 1], 255)
+    np.testing.assert_array_equal(x, (overlay.astype(np.float32) / np.float32(255.0)))
+    assert (digits[:, 0] + digits[:, 1] > 255).any()
+    bases, shifts = [], set()
+    for n in range(60):
+        assert y[n, 0] != y[n, 1]
+        found = [find_source(digits[n, k].astype(np.uint8), images, SHIFT) for k in range(2)]
+        assert None not in found, f"example {n}: a digit is not a ±{SHIFT} px shift of a source"
+        (a, *shift_a), (b, *shift_b) = found
+        assert (labels[a], labels[b]) == tuple(y[n])
+        bases.append(a)
+        shifts.update({tuple(shift_a), tuple(shift_b)})
+    # One pair per base example: a permutation in training, in order for the test split.
+    if training:
+        assert sorted(bases) == list(range(60)) and bases != list(range(60))
+    else:
+        assert bases == list(range(60))
+    assert len(shifts) > 20  # the shifts spread over the (2s + 1)^2 = 49 offsets
+
+
+def test_pairs_reproducible_independent_of_batching_and_new_every_epoch(sources):
+    images, labels = sources
+    make = lambda **kw: collect(make_multimnist_dataset(images, labels, shift_pixels=SHIFT, **kw))  # noqa: E731
+    first = make(batch_size=7, training=True, seed=2, epoch=3)
+    for a, b in zip(first, make(batch_size=60, training=True, seed=2, epoch=3)):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(first[0], make(batch_size=7, training=True, seed=2, epoch=4)[0])
+    # The test split ignores seed and epoch: every run scores the same pairs.
+    test = make(batch_size=16, training=False, seed=0, epoch=0)
+    for a, b in zip(test, make(batch_size=5, training=False, seed=99, epoch=7)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(test[1][:, 0], labels)
+    assert MULTIMNIST_TEST_KEY == (2017, 6)
+
+
+def test_partners_cover_the_other_classes_and_data_errors(sources):
+    images, labels = sources
+    _, y, _ = collect(make_multimnist_dataset(np.repeat(images, 20, axis=0), np.repeat(labels, 20),
+                                              batch_size=256, training=True, shift_pixels=0))
+    assert (y[:, 0] != y[:, 1]).all()
+    for k in range(10):
+        partners = set(y[y[:, 0] == k, 1])
+        assert partners == set(range(10)) - {k}
+    with pytest.raises(DataError, match="different classes"):
+        make_multimnist_dataset(images[:3], np.zeros(3, int), batch_size=2, training=True)
+    with pytest.raises(ConfigError, match="data.flip=True"):
+        make_split_dataset("multimnist", images, labels, batch_size=2, training=True, flip=True)
+
+
+# --------------------------------------------------------------------------- losses and scoring
+
+def np_margin_loss(labels, lengths, m_plus=0.9, m_minus=0.1, lambda_=0.5):
+    T = np.zeros_like(lengths)
+    for b, pair in enumerate(labels):
+        T[b, pair] = 1.0
+    return (T * np.maximum(0, m_plus - lengths) ** 2
+            + lambda_ * (1 - T) * np.maximum(0, lengths - m_minus) ** 2).sum(axis=1)
+
+
+def test_two_label_margin_loss_and_reconstruction_loss_against_numpy():
+    rng = np.random.default_rng(0)
+    lengths = rng.random((8, 10))
+    labels = np.stack([rng.permutation(10)[:2] for _ in range(8)]).astype(np.int32)
+    np.testing.assert_allclose(margin_loss(labels, lengths, 0.9, 0.1, 0.5).numpy(),
+                               np_margin_loss(labels, lengths), rtol=1e-6)
+    # One label per example: unchanged.
+    np.testing.assert_allclose(margin_loss(labels[:, 0], lengths).numpy(), np_margin_loss(labels[:, :1], lengths),
+                               rtol=1e-6)
+    digits, recons = rng.random((8, 2, 6, 6, 1)), rng.random((8, 2, 6, 6, 1))
+    np.testing.assert_allclose(reconstruction_loss(digits, recons).numpy(),
+                               ((digits - recons) ** 2).sum(axis=(1, 2, 3, 4)), rtol=1e-6)
+    with pytest.raises(ValueError, match="expected labels"):
+        margin_loss(tf.zeros((2, 3), tf.int32), tf.zeros((2, 10)))
+
+
+def test_both_right_scoring_and_per_class_recall_against_numpy():
+    rng = np.random.default_rng(1)
+    lengths = rng.random((200, 10)).astype(np.float32)
+    labels = np.stack([rng.permutation(10)[:2] for _ in range(200)]).astype(np.int32)
+    labels[:50] = np.argsort(-lengths[:50], axis=1)[:, [1, 0]]  # some right, in the other order
+    predictions = predict(tf.constant(lengths), tf.constant(labels)).numpy()
+    top2 = np.argsort(-lengths, axis=1)[:, :2]
+    np.testing.assert_array_equal(predictions, top2)
+    right = np.array([set(p) == set(t) for p, t in zip(top2, labels)])
+    assert right[:50].all() and not right.all()
+    np.testing.assert_array_equal(correct_predictions(tf.constant(predictions), tf.constant(labels)).numpy(), right)
+    report = pair_report(labels, predictions, 10)
+    assert report["accuracy"] == pytest.approx(right.mean())
+    for k in range(10):
+        present = (labels == k).any(axis=1)
+        assert report["per_class_examples"][k] == present.sum()
+        assert report["per_class_accuracy"][k] == pytest.approx((top2[present] == k).any(axis=1).mean())
+    # One label per example: unchanged (argmax).
+    single = labels[:, 0]
+    np.testing.assert_array_equal(predict(tf.constant(lengths), tf.constant(single)).numpy(), top2[:, 0])
+
+
+def test_model_reconstructs_each_digit_from_its_own_capsule():
+    from capsnet.model import build_model
+
+    tf.keras.utils.set_random_seed(0)
+    model = build_model(input_shape=(36, 36, 1), conv1_filters=8, primary_caps_types=2, digit_caps_dim=4,
+                        decoder_units=(16,))
+    assert model.in_caps == 10 * 10 * 2
+    images = tf.random.uniform((3, 36, 36, 1))
+    labels = tf.constant([[1, 2], [0, 9], [4, 3]], tf.int32)
+    outputs = model(images, labels=labels)
+    assert tuple(outputs["reconstructions"].shape) == (3, 2, 36, 36, 1)
+    for k in range(2):
+        np.testing.assert_allclose(outputs["reconstructions"][:, k], model.decoder(outputs["v_j"], labels[:, k]),
+                                   rtol=1e-6, atol=1e-7)
+
+
+def test_paper_multimnist_preset_has_3200_primary_capsules():
+    from capsnet.training import build_capsnet
+
+    cfg = compose_config("train", ["experiment=paper_multimnist", "run_dir=/unused"])
+    assert cfg["data"]["name"] == "multimnist" and cfg["data"]["shift_pixels"] == 4
+    assert cfg["model"]["input_shape"] == [36, 36, 1]
+    assert build_capsnet(cfg["model"], custom_op=False).in_caps == 3200
+
+
+# --------------------------------------------------------------------------- training
+
+def multimnist_overrides(tiny_idx_dir, run_dir, *extra):
+    return tiny_overrides(tiny_idx_dir, run_dir, "data=multimnist", "model.input_shape=[36,36,1]",
+                          "train.epochs=2", "data.limit_train=64", "data.limit_test=40", *extra)
+
+
+def test_tiny_multimnist_run_trains_and_evaluates(tiny_idx_dir, tmp_path):
+    from capsnet.training import train
+
+    assert "model.conv1_filters=16" in TINY_MODEL
+    run_dir = tmp_path / "run"
+    metrics = train(compose_config("train", multimnist_overrides(tiny_idx_dir, run_dir)))
+    assert metrics["epochs"] == 2 and metrics["global_step"] == 2 * 4
+    assert 0.0 <= metrics["test_accuracy"] <= 1.0 and 0.0 <= metrics["train_accuracy"] <= 1.0
+    assert np.isfinite(metrics["test_loss"]) and metrics["test_reconstruction_loss"] > 0
+    history = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
+    assert [h["epoch"] for h in history] == [1, 2]
+    assert json.loads((run_dir / "metrics.json").read_text())["test_accuracy"] == metrics["test_accuracy"]
+
+    report = evaluate(run_dir)
+    best = metrics["history"][metrics["best_epoch"] - 1]
+    assert report["accuracy"] == best["test_accuracy"]
+    assert report["loss"] == pytest.approx(best["test_loss"], rel=1e-5)
+    assert report["num_examples"] == 40 and report["confusion_matrix"] is None
+    assert sum(report["per_class_examples"]) == 2 * 40
+    assert "both digits right" in format_report(report)
+
+
+def test_multimnist_config_errors(tiny_idx_dir, tmp_path):
+    from capsnet.training import train
+
+    with pytest.raises(ConfigError, match=r"images have shape \(36, 36, 1\) but model.input_shape is \[28, 28, 1\]"):
+        train(compose_config("train", multimnist_overrides(tiny_idx_dir, tmp_path / "a", "model.input_shape=[28,28,1]")))
+    with pytest.raises(ConfigError, match="rotate_degrees"):
+        train(compose_config("train", multimnist_overrides(tiny_idx_dir, tmp_path / "b", "data.rotate_degrees=5")))
+    with pytest.raises(ConfigError, match="one device only: set distribute=none"):
+        train(compose_config("train", multimnist_overrides(tiny_idx_dir, tmp_path / "c", "distribute=mirrored")))
