@@ -145,6 +145,16 @@ def _capsule_prediction_grad(op, grad):
     return grad_u, grad_W
 
 
+def _prediction_tangent(u, W, d_u, d_W):
+    """P(d_u, W) + P(u, d_W) (P = capsule prediction, bilinear in u and W): what the
+    second-order gradients of both gradient ops need. A missing (None) incoming gradient
+    counts as zeros; returns (d_u, d_W, the sum) with those zeros filled in."""
+    d_u = tf.zeros_like(u) if d_u is None else d_u
+    d_W = tf.zeros_like(W) if d_W is None else d_W
+    lib = load_op_library()
+    return d_u, d_W, lib.capsnet_capsule_prediction(u=d_u, weights=W) + lib.capsnet_capsule_prediction(u=u, weights=d_W)
+
+
 @tf.RegisterGradient("Capsnet>CapsulePredictionGrad")
 def _capsule_prediction_grad_grad(op, d_grad_u, d_grad_W):
     """Second-order gradient: the Grad op is bilinear, so its gradients are the
@@ -155,13 +165,7 @@ def _capsule_prediction_grad_grad(op, d_grad_u, d_grad_W):
     """
     g, u, W = op.inputs
     lib = load_op_library()
-    if d_grad_u is None:
-        d_grad_u = tf.zeros_like(u)
-    if d_grad_W is None:
-        d_grad_W = tf.zeros_like(W)
-    d_g = lib.capsnet_capsule_prediction(u=d_grad_u, weights=W) + lib.capsnet_capsule_prediction(
-        u=u, weights=d_grad_W
-    )
+    d_grad_u, d_grad_W, d_g = _prediction_tangent(u, W, d_grad_u, d_grad_W)
     d_u = lib.capsnet_capsule_prediction_grad(grad=g, u=u, weights=d_grad_W)[0]
     d_W = lib.capsnet_capsule_prediction_grad(grad=g, u=d_grad_u, weights=W)[1]
     return d_g, d_u, d_W
@@ -221,12 +225,7 @@ def _capsule_routing_grad_grad(op, d_grad_u, d_grad_W):
     (P = capsule prediction) and nothing for c (a constant)."""
     u, W, c_ij, g = op.inputs
     lib = load_op_library()
-    if d_grad_u is None:
-        d_grad_u = tf.zeros_like(u)
-    if d_grad_W is None:
-        d_grad_W = tf.zeros_like(W)
-    d_u_hat = lib.capsnet_capsule_prediction(u=d_grad_u, weights=W) + lib.capsnet_capsule_prediction(
-        u=u, weights=d_grad_W)                                         # (B, in_caps, out_caps, out_dim)
+    d_grad_u, d_grad_W, d_u_hat = _prediction_tangent(u, W, d_grad_u, d_grad_W)  # d_u_hat: (B, I, J, D)
     d_g = tf.einsum("bij,bijd->bjd", c_ij, d_u_hat)                    # (B, out_caps, out_dim)
     d_u = lib.capsnet_capsule_routing_grad(u=u, weights=d_grad_W, c_ij=c_ij, grad_s=g)[0]
     d_W = lib.capsnet_capsule_routing_grad(u=d_grad_u, weights=W, c_ij=c_ij, grad_s=g)[1]

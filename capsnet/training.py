@@ -319,8 +319,7 @@ def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy):
             # examples of a short last batch's unequal slices unequally.
             loss = tf.nn.compute_average_loss(total, global_batch_size=global_batch_size)
         grads = tape.gradient(loss, model.trainable_variables)
-        predictions = tf.argmax(outputs["lengths"], axis=-1, output_type=tf.int32)  # (b,)
-        correct = tf.reduce_sum(tf.cast(tf.equal(predictions, labels), tf.float32))
+        correct = tf.reduce_sum(correct_predictions(predict(outputs["lengths"], labels), labels))
         sums = tf.stack([tf.reduce_sum(total), tf.reduce_sum(margin), tf.reduce_sum(reconstruction), correct])  # (4,)
         return grads, sums
 

@@ -89,25 +89,12 @@ def parse_args(argv):
     parser.add_argument("--all-reduce", type=_all_reduce, default=["auto"],
                         help="comma-separated distribute.all_reduce values for mirrored: auto (NCCL across GPUs), "
                              "nccl, one_device (default auto)")
-    parser.add_argument("--steps", type=bt._positive_int, default=50, help="timed steps per repeat (default 50)")
-    parser.add_argument("--warmup", type=bt._positive_int, default=10, help="untimed steps first (default 10)")
-    parser.add_argument("--repeats", type=bt._positive_int, default=5,
-                        help="timed repeats; the median counts (default 5)")
-    parser.add_argument("--variants", type=bt._variants, default=DEFAULT_VARIANTS,
-                        help=f"comma-separated, from: {', '.join(bt.VARIANTS)} (default {','.join(DEFAULT_VARIANTS)})")
+    bt.add_run_arguments(parser, default_variants=DEFAULT_VARIANTS)
     parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
                         help="gpu (default) or cpu: GPUs hidden, the CPU split into logical devices (smoke runs)")
-    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results here as JSON")
-    parser.add_argument("--timeout", type=float, default=1800.0,
-                        help="seconds one variant (all its configurations) may take (default 1800)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="Hydra overrides of configs/train.yaml")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one variant, spec as JSON
     args = parser.parse_args(argv)
-    for override in args.overrides:
-        key = override.split("=", 1)[0].lstrip("+~")
-        if key.split(".")[0] in RESERVED_KEYS or key in RESERVED_KEYS:
-            parser.error(f"{key} is set by the benchmark (--variants, --batch-sizes, --replicas, --all-reduce), "
-                         "not by an override")
+    bt.reject_reserved_overrides(parser, args.overrides, RESERVED_KEYS,
+                                 "the benchmark (--variants, --batch-sizes, --replicas, --all-reduce)")
     return args
 
 

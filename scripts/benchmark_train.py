@@ -127,25 +127,38 @@ def parse_args(argv):
         epilog="Overrides are Hydra overrides of configs/train.yaml (model.*, train.* loss and LR values, seed).")
     parser.add_argument("--batch-sizes", type=_positive_ints, default=[128, 512],
                         help="comma-separated batch sizes (default 128,512)")
-    parser.add_argument("--steps", type=_positive_int, default=50, help="timed steps per repeat (default 50)")
-    parser.add_argument("--warmup", type=_positive_int, default=10,
-                        help="untimed steps first: tracing, XLA compilation, autotuning (default 10)")
-    parser.add_argument("--repeats", type=_positive_int, default=5, help="timed repeats; the median counts (default 5)")
-    parser.add_argument("--variants", type=_variants, default=list(VARIANTS),
-                        help=f"comma-separated, from: {', '.join(VARIANTS)} (default all)")
+    add_run_arguments(parser, default_variants=list(VARIANTS))
     parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
                         help="gpu (default; fails without one) or cpu (GPUs hidden; for smoke runs)")
+    args = parser.parse_args(argv)
+    reject_reserved_overrides(parser, args.overrides, RESERVED_KEYS, "each variant (--variants) or --batch-sizes")
+    return args
+
+
+def add_run_arguments(parser, *, default_variants):
+    """The arguments this benchmark shares with benchmark_scale.py: timing protocol,
+    variants, output, per-variant timeout, Hydra overrides and the internal --worker."""
+    parser.add_argument("--steps", type=_positive_int, default=50, help="timed steps per repeat (default 50)")
+    parser.add_argument("--warmup", type=_positive_int, default=10,
+                        help="untimed steps first: tracing, XLA compilation, autotuning, NCCL setup (default 10)")
+    parser.add_argument("--repeats", type=_positive_int, default=5, help="timed repeats; the median counts (default 5)")
+    parser.add_argument("--variants", type=_variants, default=default_variants,
+                        help=f"comma-separated, from: {', '.join(VARIANTS)} (default {','.join(default_variants)})")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results here as JSON")
     parser.add_argument("--timeout", type=float, default=1800.0,
-                        help="seconds one variant may take before it is stopped (default 1800)")
+                        help="seconds one variant (all its configurations) may take before it is stopped "
+                             "(default 1800)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="Hydra overrides of configs/train.yaml")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one variant, spec as JSON
-    args = parser.parse_args(argv)
-    for override in args.overrides:
+
+
+def reject_reserved_overrides(parser, overrides, reserved, set_by):
+    """An override of a key the benchmark sets itself (a section name covers its keys)
+    would be silently replaced: refuse it, naming what sets it."""
+    for override in overrides:
         key = override.split("=", 1)[0].lstrip("+~")
-        if key in RESERVED_KEYS:
-            parser.error(f"{key} is set by each variant (--variants) or --batch-sizes, not by an override")
-    return args
+        if key in reserved or key.split(".")[0] in reserved:
+            parser.error(f"{key} is set by {set_by}, not by an override")
 
 
 def compose_config(overrides):

@@ -79,6 +79,37 @@ def tiny_idx_dir(tmp_path_factory):
     return write_idx_dataset(tmp_path_factory.mktemp("tiny_idx"), n_train=320, n_test=100)
 
 
+def numpy_shift(image, dy, dx):
+    """The NumPy reference of a shift: out[y, x] = image[y - dy, x - dx] where that is
+    inside, else 0."""
+    h, w = image.shape[:2]
+    out = np.zeros_like(image)
+    out[max(dy, 0):h + min(dy, 0), max(dx, 0):w + min(dx, 0)] = \
+        image[max(-dy, 0):h + min(-dy, 0), max(-dx, 0):w + min(-dx, 0)]
+    return out
+
+
+def collect(dataset):
+    """A finite tf.data dataset of tuples as one NumPy array per tuple element, the
+    batches concatenated."""
+    parts = zip(*[tuple(t.numpy() for t in element) for element in dataset])
+    return tuple(np.concatenate(part) for part in parts)
+
+
+def np_margin_loss(labels, lengths, m_plus=0.9, m_minus=0.1, lambda_=0.5):
+    """Eq. 4, class by class: labels (B,) one class per example, or (B, n) the classes
+    present (MultiMNIST: two)."""
+    loss = np.zeros(len(labels))
+    for b, label in enumerate(labels):
+        present = set(np.atleast_1d(label).tolist())
+        for k, length in enumerate(lengths[b]):
+            if k in present:
+                loss[b] += max(0.0, m_plus - length) ** 2
+            else:
+                loss[b] += lambda_ * max(0.0, length - m_minus) ** 2
+    return loss
+
+
 # --------------------------------------------------------------------------- config
 
 def compose_config(config_name="train", overrides=()):

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from capsnet.data import load_split, make_dataset, read_idx, rotate_zoom, write_idx
 from capsnet.errors import ConfigError, DataError
+from conftest import collect, numpy_shift
 
 REAL_MNIST = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mnist"
 
@@ -275,20 +276,6 @@ def test_tfds_path_converts_and_validates(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- make_dataset
-def numpy_shift(image, dy, dx):
-    """out[y, x] = image[y - dy, x - dx] where that is inside, else 0."""
-    h, w = image.shape[:2]
-    out = np.zeros_like(image)
-    out[max(dy, 0):h + min(dy, 0), max(dx, 0):w + min(dx, 0)] = \
-        image[max(-dy, 0):h + min(-dy, 0), max(-dx, 0):w + min(-dx, 0)]
-    return out
-
-
-def collect(dataset):
-    images, labels = zip(*[(x.numpy(), y.numpy()) for x, y in dataset])
-    return np.concatenate(images), np.concatenate(labels)
-
-
 @pytest.fixture(scope="module")
 def examples():
     """60 noise images with unique labels (= index), so outputs map back to sources."""

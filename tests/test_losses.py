@@ -5,18 +5,7 @@ import pytest
 import tensorflow as tf
 
 from capsnet.losses import MarginLoss, ReconstructionLoss, margin_loss, reconstruction_loss
-
-
-def np_margin_loss(labels, lengths, m_plus, m_minus, lambda_):
-    """Eq. 4, class by class."""
-    loss = np.zeros(len(labels))
-    for b, label in enumerate(labels):
-        for k, length in enumerate(lengths[b]):
-            if k == label:
-                loss[b] += max(0.0, m_plus - length) ** 2
-            else:
-                loss[b] += lambda_ * max(0.0, length - m_minus) ** 2
-    return loss
+from conftest import np_margin_loss
 
 
 def test_margin_loss_hand_computed():

@@ -11,7 +11,7 @@ from capsnet.data import MULTIMNIST_TEST_KEY, example_shape, make_multimnist_dat
 from capsnet.errors import ConfigError, DataError
 from capsnet.evaluation import correct_predictions, evaluate, format_report, pair_report, predict
 from capsnet.losses import margin_loss, reconstruction_loss
-from conftest import TINY_MODEL, compose_config, tiny_overrides
+from conftest import TINY_MODEL, collect, compose_config, np_margin_loss, numpy_shift, tiny_overrides
 
 SHIFT = 3
 SIZE = 10  # source digits 10x10 -> canvas 16x16
@@ -25,19 +25,9 @@ def sources():
     return images, np.arange(60) % 10
 
 
-def collect(dataset):
-    images, labels, digits = zip(*[(x.numpy(), y.numpy(), d.numpy()) for x, y, d in dataset])
-    return np.concatenate(images), np.concatenate(labels), np.concatenate(digits)
-
-
 def np_shifted(image, s, dy, dx):
     """`image` (H, W, C) zero-padded by s on each side, then shifted down dy and right dx (zero fill)."""
-    canvas = np.pad(image, ((s, s), (s, s), (0, 0)))
-    out = np.zeros_like(canvas)
-    h, w = canvas.shape[:2]
-    out[max(dy, 0):h + min(dy, 0), max(dx, 0):w + min(dx, 0)] = \
-        canvas[max(-dy, 0):h + min(-dy, 0), max(-dx, 0):w + min(-dx, 0)]
-    return out
+    return numpy_shift(np.pad(image, ((s, s), (s, s), (0, 0))), dy, dx)
 
 
 def find_source(digit, images, s):
@@ -113,14 +103,6 @@ def test_partners_cover_the_other_classes_and_data_errors(sources):
 
 
 # --------------------------------------------------------------------------- losses and scoring
-
-def np_margin_loss(labels, lengths, m_plus=0.9, m_minus=0.1, lambda_=0.5):
-    T = np.zeros_like(lengths)
-    for b, pair in enumerate(labels):
-        T[b, pair] = 1.0
-    return (T * np.maximum(0, m_plus - lengths) ** 2
-            + lambda_ * (1 - T) * np.maximum(0, lengths - m_minus) ** 2).sum(axis=1)
-
 
 def test_two_label_margin_loss_and_reconstruction_loss_against_numpy():
     rng = np.random.default_rng(0)
