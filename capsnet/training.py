@@ -346,9 +346,60 @@ def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy):
 
     def train_step(images, labels, global_batch_size):
         # A tensor, not a Python int: an int would trace the step once per distinct value.
-        return distributed_step(images, labels, tf.constant(global_batch_size, tf.int32))
+        return distributed_step(images, labels, tf.convert_to_tensor(global_batch_size, tf.int32))
 
     return train_step
+
+
+def make_train_loop(train_step, *, strategy=None):
+    """Several training steps in one call: (iterator, batch_sizes) → {name: (K,) per-step values}.
+
+    Step i takes the next batch of `iterator` (a dataset's, or under `strategy` a
+    distributed dataset's: distribute_dataset) and runs `train_step` (make_train_step's,
+    made with the same strategy) on it. `batch_sizes` is an int32 vector of fixed length,
+    the global batch size of each step to run followed by zeros (K = the number of
+    non-zero entries): a fixed length traces the loop once, and the distributed step
+    needs each step's global batch (the epoch's last one may be short).
+
+    Why (train.steps_per_execution, after Keras's option of that name): a Python call per
+    step makes the devices wait between steps while the host returns to Python and
+    dispatches the next one; the wait grows with the devices (their ops and the
+    all-reduce's completion go through the host). In a loop inside one function the next
+    step's ops are dispatched as soon as their inputs are ready. The steps are the same
+    steps: per-step values equal those of K single calls.
+    """
+    names = _STEP_SUMS  # the keys of both step kinds' outputs
+
+    @tf.function
+    def train_steps(iterator, batch_sizes):
+        count = tf.math.count_nonzero(batch_sizes, dtype=tf.int32)
+        values = {name: tf.TensorArray(tf.float32, size=count) for name in names}
+        for i in tf.range(count):
+            batch = next(iterator)  # (images, labels) or (images, labels, digits)
+            out = train_step(*batch) if strategy is None else train_step(*batch, batch_sizes[i])
+            values = {name: values[name].write(i, out[name]) for name in names}
+        return {name: values[name].stack() for name in names}
+
+    return train_steps
+
+
+def execution_lengths(steps_per_epoch, start_step, steps_per_execution, log_every_steps):
+    """How many steps each train_steps call of an epoch runs; start_step = the global step
+    before the epoch.
+
+    A call never crosses the epoch's end or a log step (global step % log_every_steps ==
+    0), so TensorBoard's train scalars fall on the same steps whatever
+    steps_per_execution is; the epoch's first call is a single step, so the one-off costs
+    it carries (tracing, refilling the shuffle buffer) stay out of the images/s of the
+    calls after it.
+    """
+    lengths, done = [], 0
+    while done < steps_per_epoch:
+        to_log = log_every_steps - (start_step + done) % log_every_steps
+        length = 1 if done == 0 else min(steps_per_execution, steps_per_epoch - done, to_log)
+        lengths.append(length)
+        done += length
+    return lengths
 
 
 # --------------------------------------------------------------------------- tf.distribute
@@ -527,6 +578,26 @@ def distribute_dataset(strategy, dataset):
     return strategy.experimental_distribute_dataset(dataset.with_options(options))
 
 
+def input_iterator(dataset, strategy=None, device=None):
+    """The iterator make_train_loop's steps read their batches from, the batches already
+    on the devices that train on them.
+
+    Under a strategy: split over its replicas (distribute_dataset; tf.distribute prefetches
+    each slice to its replica's device). On one device: prefetched to `device` (default:
+    the first GPU, if there is one); otherwise each step's first op waits for its batch's
+    host-to-device copy (measured on an H200: docs/benchmarks.md).
+    """
+    if strategy is not None:
+        return iter(distribute_dataset(strategy, dataset))
+    if device is None:
+        gpus = tf.config.list_logical_devices("GPU")
+        device = gpus[0].name if gpus else None
+    if device is None or tf.DeviceSpec.from_string(device).device_type != "GPU":
+        return iter(dataset)  # the CPU trains where tf.data runs: nothing to copy
+    with tf.device(device):  # the iterator of a copy_to_device dataset lives on the target device
+        return iter(dataset.apply(tf.data.experimental.prefetch_to_device(device, buffer_size=2)))
+
+
 def _check_workers_agree(strategy, epochs_done, step):
     """Every worker must continue from the same checkpoint: one that found none (another
     run dir, not on a shared filesystem) would start its epochs over while the others go
@@ -574,6 +645,7 @@ def _check_config(cfg):
     for key in ("epochs", "batch_size", "keep_checkpoints", "log_every_steps", "num_images",
                 "histogram_examples"):
         positive_int(f"train.{key}", train_cfg[key], error=ConfigError)
+    positive_int("train.steps_per_execution", train_cfg.get("steps_per_execution", 1), error=ConfigError)
     positive_int("train.lr_decay_steps", train_cfg["lr_decay_steps"], allow_none=True, error=ConfigError)
     for key in ("learning_rate", "lr_decay_rate"):
         positive_float(f"train.{key}", train_cfg[key], error=ConfigError)
@@ -694,6 +766,11 @@ class _BestCheckpoint:
                 # The checkpoint's own files only (an evaluation's ckpt-N.eval.json stays).
                 for path in [self.directory / f"ckpt-{n}.index", *self.directory.glob(f"ckpt-{n}.data-*")]:
                     path.unlink(missing_ok=True)
+
+
+def _numpy(values):
+    """{name: tensor} → {name: NumPy array}: one device-to-host copy per tensor."""
+    return {name: value.numpy() for name, value in values.items()}
 
 
 def _steps_done(optimizer):
@@ -911,6 +988,8 @@ def train(cfg):
     losses = loss_params(tcfg)
     train_step = make_train_step(model, optimizer, input_shape=model.image_shape, losses=losses, xla=tcfg["xla"],
                                  strategy=strategy, two_digits=two_digits)
+    train_steps = make_train_loop(train_step, strategy=strategy)
+    steps_per_execution = tcfg.get("steps_per_execution", 1)  # absent from configs saved before it existed
     eval_step = make_eval_step(model, model.image_shape, jit_compile=tcfg["xla"] == "jit", two_digits=two_digits,
                                **losses)
     num_classes = model.num_classes
@@ -926,36 +1005,40 @@ def train(cfg):
                                   stateful_metrics=["loss", "accuracy", "images/s"]) if tcfg["progress_bar"] else None
         train_ds = make_split_dataset(data_cfg["name"], train_images, train_labels, batch_size=batch_size,
                                       training=True, seed=seed, epoch=epoch_index, **augmentation)
-        if strategy is not None:
-            train_ds = distribute_dataset(strategy, train_ds)  # the same global batches, split over the replicas
+        # On the training devices ahead of the steps (under a strategy: the same global
+        # batches, split over the replicas).
+        iterator = input_iterator(train_ds, strategy)
         epoch_window, log_window = _Window(), _Window()
-        pending = []  # (step outputs still on the device, batch size)
+        pending = []  # (per-step outputs still on the device, their batch sizes)
         tick = time.perf_counter()
-        for step_in_epoch, batch in enumerate(train_ds):  # (images, labels) or (images, labels, digits)
-            # The global batch of this step: full but for an epoch's last (counted here: under a
-            # strategy, `labels` holds only this worker's slices of it).
-            step_batch = min(batch_size, len(train_labels) - step_in_epoch * batch_size)
-            if strategy is None:
-                pending.append((train_step(*batch), step_batch))
-            else:
-                pending.append((train_step(*batch, step_batch), step_batch))
-            global_step += 1
+        step_in_epoch = 0
+        for length in execution_lengths(steps_per_epoch, global_step, steps_per_execution, tcfg["log_every_steps"]):
+            # The global batch of each step: full but for an epoch's last (counted here: under
+            # a strategy, a replica's batch holds only its slice of it).
+            sizes = [min(batch_size, len(train_labels) - (step_in_epoch + i) * batch_size) for i in range(length)]
+            batch_sizes = tf.constant(sizes + [0] * (steps_per_execution - length), tf.int32)
+            pending.append((train_steps(iterator, batch_sizes), sizes))
+            first = step_in_epoch == 0
+            step_in_epoch += length
+            global_step += length
             log_now = global_step % tcfg["log_every_steps"] == 0
-            last = step_in_epoch + 1 == steps_per_epoch
-            if not (step_in_epoch == 0 or log_now or last or time.perf_counter() - tick > 1.0):
-                continue  # no fetch: the host queues the next step while the device runs this one
+            last = step_in_epoch == steps_per_epoch
+            if not (first or log_now or last or time.perf_counter() - tick > 1.0):
+                continue  # no fetch: the host queues the next call while the device runs this one
             # Fetching the values waits for the device, so the clock now measures finished
-            # steps. That happens after the epoch's first step (it traces/compiles the step or
+            # steps. That happens after the epoch's first step (it traces/compiles the steps or
             # refills the shuffle buffer: left out of images/s and step time), at log steps,
-            # at the epoch's end and about once a second; not every step, which would make
+            # at the epoch's end and about once a second; not every call, which would make
             # the device idle while the host dispatches the next one.
-            fetched = [({k: float(v) for k, v in out.items()}, batch) for out, batch in pending]
+            fetched = [({k: float(v[i]) for k, v in values.items()}, size)
+                       for values, sizes in ((_numpy(out), sizes) for out, sizes in pending)
+                       for i, size in enumerate(sizes)]
             now = time.perf_counter()
             for window in (epoch_window, log_window):
-                for values, batch in fetched:
-                    window.add(values, batch)
-                if step_in_epoch > 0:
-                    window.add_time(len(fetched), sum(batch for _, batch in fetched), now - tick)
+                for values, size in fetched:
+                    window.add(values, size)
+                if not first:
+                    window.add_time(len(fetched), sum(size for _, size in fetched), now - tick)
             pending, tick = [], now
             if log_now:
                 # The LR of the next update: the schedule at the step counter.
@@ -963,8 +1046,8 @@ def train(cfg):
                 log_window = _Window()
             if bar is not None:
                 means = epoch_window.means()
-                bar.update(step_in_epoch + 1, [("loss", means["loss"]), ("accuracy", means["accuracy"]),
-                                               ("images/s", means.get("images_per_sec", float("nan")))])
+                bar.update(step_in_epoch, [("loss", means["loss"]), ("accuracy", means["accuracy"]),
+                                           ("images/s", means.get("images_per_sec", float("nan")))])
         assert not pending, "the last step of an epoch is always fetched"
         if log_window.examples:
             _write_train_scalars(writer, log_window, schedule(global_step), global_step)

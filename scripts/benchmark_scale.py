@@ -26,12 +26,14 @@ How (as benchmark_train, from which the timing protocol and helpers come):
   before TensorFlow starts. The NVLink-multicast switches of the lent multi-GPU machines
   (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1) are
   set in its environment unless already set.
-- Synthetic MNIST-shaped data made once: the global batch is drawn as time_training
-  draws its batch (so mirrored ×1 starts from the very batch and weights of 1 device:
-  same first loss), and each replica's slice is copied to its device once, so no
-  input pipeline or host→device copy is timed: the steps, gradient all-reduce included.
-- `--warmup` untimed steps (tracing, compiling, autotuning, NCCL setup), then
-  `--repeats` × `--steps` steps with one device sync per repeat; the median counts.
+- The data and the timing are benchmark_train's (synthetic_batches, time_steps): one
+  synthetic global batch repeated by tf.data, split over the replicas as train() splits
+  its batches (input_iterator), so mirrored ×1 starts from the very batch and
+  weights of 1 device (same first loss); the steps run in train()'s loop,
+  `--steps-per-execution` steps per compiled call (each value of the list measured;
+  scaling compares the same value). `--warmup` untimed steps (tracing, compiling,
+  autotuning, NCCL setup), then `--repeats` × `--steps` steps with one device sync per
+  repeat; the median counts.
 
 Prints a markdown table (stdout; progress on stderr) and with `--json PATH` writes JSON.
 Exit status 0; 2 if something could not run for a reason the user can fix (op library,
@@ -80,7 +82,7 @@ def _all_reduce(text):
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         description="Training images/s of CapsNet on one device and on N devices (MirroredStrategy), per "
-                    "capsule-prediction path; synthetic data on the devices.",
+                    "capsule-prediction path; one synthetic batch, repeated.",
         epilog="Overrides are Hydra overrides of configs/train.yaml (model.*, train.* loss and LR values, seed).")
     parser.add_argument("--replicas", type=bt._positive_ints, default=None,
                         help="comma-separated replica counts for mirrored (default: 1 and every visible GPU)")
@@ -113,13 +115,16 @@ def _setup_cpu_devices(count):
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
 
 
-def time_mirrored_training(spec, batch_size, devices, all_reduce):
-    """images/s and ms/step of the distributed train step over `devices`, `batch_size` per replica."""
+def time_mirrored_training(spec, batch_size, devices, all_reduce, per_call=1):
+    """images/s and ms/step of the distributed training steps over `devices`, `batch_size`
+    per replica, `per_call` steps per compiled call."""
     import keras
-    import tensorflow as tf
 
     from capsnet.evaluation import loss_params
-    from capsnet.training import DISTRIBUTE_DEFAULTS, build_capsnet, build_optimizer, make_strategy, make_train_step
+    from capsnet.training import (
+        DISTRIBUTE_DEFAULTS, build_capsnet, build_optimizer, input_iterator, make_strategy, make_train_loop,
+        make_train_step,
+    )
 
     model_cfg, train_cfg = bt.variant_model_cfg(spec["variant"], spec["model"]), spec["train"]
     input_shape = tuple(model_cfg["input_shape"])
@@ -133,34 +138,12 @@ def time_mirrored_training(spec, batch_size, devices, all_reduce):
         optimizer, _ = build_optimizer(train_cfg, math.ceil(bt.MNIST_TRAIN_EXAMPLES / global_batch), model)
     step = make_train_step(model, optimizer, input_shape=input_shape, losses=loss_params(train_cfg),
                            xla=spec["xla"], strategy=strategy)
-    with tf.device(devices[0]):
-        # Drawn as time_training draws its batch: at one replica, the same data.
-        generator = tf.random.Generator.from_seed(spec["seed"])
-        images = generator.uniform((global_batch, *input_shape))                                   # (N·b, H, W, C)
-        labels = generator.uniform((global_batch,), maxval=int(model_cfg["num_classes"]), dtype=tf.int32)  # (N·b,)
-
-    def replica_slice(tensor):
-        # Runs under each replica's device: its slice is copied there once, here.
-        return strategy.experimental_distribute_values_from_function(
-            lambda ctx: tf.identity(tensor[ctx.replica_id_in_sync_group * batch_size:
-                                           (ctx.replica_id_in_sync_group + 1) * batch_size]))
-
-    images, labels = replica_slice(images), replica_slice(labels)  # per replica: (b, H, W, C), (b,)
-
-    out = step(images, labels, global_batch)  # traces and compiles: never timed
-    first_loss = float(out["loss"])
-    for _ in range(spec["warmup"] - 1):
-        out = step(images, labels, global_batch)
-    float(out["loss"])  # the warm-up has finished before the clock starts
-    seconds = []
-    for _ in range(spec["repeats"]):
-        start = time.perf_counter()
-        for _ in range(spec["steps"]):
-            out = step(images, labels, global_batch)
-        # The one sync: the loss is a sum over every replica, each of which read the weights
-        # the previous step's all-reduced update wrote, so it exists only after all steps.
-        last_loss = float(out["loss"])
-        seconds.append(time.perf_counter() - start)
+    # Drawn as time_training draws its batch (at one replica, the same data), each global
+    # batch split over the replicas as train() splits it.
+    batches = bt.synthetic_batches(spec, global_batch, input_shape, int(model_cfg["num_classes"]))
+    iterator = input_iterator(batches, strategy)
+    first_loss, last_loss, seconds = bt.time_steps(make_train_loop(step, strategy=strategy), iterator,
+                                                   global_batch, spec, per_call)
     median = statistics.median(seconds)
     return {
         "replicas": replicas,
@@ -168,6 +151,7 @@ def time_mirrored_training(spec, batch_size, devices, all_reduce):
         "all_reduce": all_reduce,
         "batch_size": batch_size,
         "global_batch_size": global_batch,
+        "steps_per_execution": per_call,
         "images_per_sec": spec["steps"] * global_batch / median,
         "ms_per_step": 1000.0 * median / spec["steps"],
         "repeat_seconds": seconds,
@@ -213,34 +197,37 @@ def worker(spec):
         if spec["custom_op"]:
             check_op_library(devices)  # on every device a replica will use
         for batch_size in spec["batch_sizes"]:
-            print(f"  {spec['variant']}: 1 device, batch {batch_size}", file=sys.stderr, flush=True)
-            try:
-                row = bt.time_training(spec, batch_size, devices[0])
-            except tf.errors.ResourceExhaustedError as exc:
-                raise CapsnetError(f"out of device memory at batch {batch_size}: "
-                                   f"{str(exc).strip().splitlines()[0]}") from exc
-            result["results"].append({"config": "1 device", "replicas": 1, "devices": devices[:1],
-                                      "all_reduce": None, "global_batch_size": batch_size,
-                                      **{k: row[k] for k in ("batch_size", "images_per_sec", "ms_per_step",
-                                                             "repeat_seconds", "first_loss", "last_loss")}})
-            result["parameters"] = row["parameters"]
-            emit()
-            for n in replicas:
-                for all_reduce in spec["all_reduce"]:
-                    config = f"mirrored ×{n}"
-                    print(f"  {spec['variant']}: {config} ({all_reduce}), {batch_size} per replica",
-                          file=sys.stderr, flush=True)
-                    try:
-                        row = time_mirrored_training(spec, batch_size, devices[:n], all_reduce)
-                    except (tf.errors.OpError, RuntimeError, ValueError) as exc:
-                        # E.g. an NCCL that does not load: the other configurations still count.
-                        result["failures"].append({"config": config, "all_reduce": all_reduce,
-                                                   "batch_size": batch_size,
-                                                   "error": " ".join(str(exc).split())[:500]})
+            for per_call in spec["steps_per_execution"]:
+                print(f"  {spec['variant']}: 1 device, batch {batch_size}, {per_call} steps per call",
+                      file=sys.stderr, flush=True)
+                try:
+                    row = bt.time_training(spec, batch_size, devices[0], per_call)
+                except tf.errors.ResourceExhaustedError as exc:
+                    raise CapsnetError(f"out of device memory at batch {batch_size}: "
+                                       f"{str(exc).strip().splitlines()[0]}") from exc
+                result["results"].append({"config": "1 device", "replicas": 1, "devices": devices[:1],
+                                          "all_reduce": None, "global_batch_size": batch_size,
+                                          **{k: row[k] for k in ("batch_size", "steps_per_execution",
+                                                                 "images_per_sec", "ms_per_step", "repeat_seconds",
+                                                                 "first_loss", "last_loss")}})
+                result["parameters"] = row["parameters"]
+                emit()
+                for n in replicas:
+                    for all_reduce in spec["all_reduce"]:
+                        config = f"mirrored ×{n}"
+                        print(f"  {spec['variant']}: {config} ({all_reduce}), {batch_size} per replica, "
+                              f"{per_call} steps per call", file=sys.stderr, flush=True)
+                        try:
+                            row = time_mirrored_training(spec, batch_size, devices[:n], all_reduce, per_call)
+                        except (tf.errors.OpError, RuntimeError, ValueError) as exc:
+                            # E.g. an NCCL that does not load: the other configurations still count.
+                            result["failures"].append({"config": config, "all_reduce": all_reduce,
+                                                       "batch_size": batch_size, "steps_per_execution": per_call,
+                                                       "error": " ".join(str(exc).split())[:500]})
+                            emit()
+                            continue
+                        result["results"].append({"config": config, **row})
                         emit()
-                        continue
-                    result["results"].append({"config": config, **row})
-                    emit()
     except CapsnetError as exc:
         result["error"] = " ".join(str(exc).split())
     emit()
@@ -251,7 +238,8 @@ def run_variant(variant, args, cfg):
     custom_op, xla = bt.VARIANTS[variant]
     spec = {"variant": variant, "custom_op": custom_op, "xla": xla, "device": args.device,
             "batch_sizes": args.batch_sizes, "replicas": args.replicas, "all_reduce": args.all_reduce,
-            "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, **cfg}
+            "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
+            "steps_per_execution": args.steps_per_execution, **cfg}
     env = dict(os.environ)
     env["PYTHONPATH"] = str(bt.REPO) + os.pathsep + env.get("PYTHONPATH", "")
     for key, value in NVLS_OFF.items():
@@ -296,29 +284,31 @@ def _last_json_line(text):
 # --------------------------------------------------------------------------- report
 
 def with_scaling(runs):
-    """Flat rows, each with images/s ÷ the same variant's 1-device images/s at the same per-GPU batch."""
+    """Flat rows, each with images/s ÷ the same variant's 1-device images/s at the same
+    per-GPU batch and steps per call."""
     rows = []
     for run in runs:
         custom_op, xla = bt.VARIANTS[run["variant"]]
-        single = {r["batch_size"]: r["images_per_sec"] for r in run["results"] if r["config"] == "1 device"}
+        single = {(r["batch_size"], r["steps_per_execution"]): r["images_per_sec"]
+                  for r in run["results"] if r["config"] == "1 device"}
         for r in run["results"]:
-            base = single.get(r["batch_size"])
+            base = single.get((r["batch_size"], r["steps_per_execution"]))
             rows.append({"variant": run["variant"], "label": bt.label(run["variant"]), "custom_op": custom_op,
                          "xla": xla, **r, "scaling": r["images_per_sec"] / base if base else None})
     order = list(bt.VARIANTS)
-    return sorted(rows, key=lambda row: (order.index(row["variant"]), row["batch_size"], row["replicas"],
-                                         row["config"] != "1 device", row["all_reduce"] or ""))
+    return sorted(rows, key=lambda row: (order.index(row["variant"]), row["batch_size"], row["steps_per_execution"],
+                                         row["replicas"], row["config"] != "1 device", row["all_reduce"] or ""))
 
 
 def format_table(rows):
-    lines = ["| variant | configuration | all-reduce | batch per GPU | global batch | images/s | ms/step | "
-             "scaling vs 1 device |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| variant | configuration | all-reduce | batch per GPU | global batch | steps per call | images/s | "
+             "ms/step | scaling vs 1 device |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         scaling = "-" if row["scaling"] is None else f"{row['scaling']:.2f}×"
         lines.append(f"| {row['label']} | {row['config']} | {row['all_reduce'] or '-'} | {row['batch_size']} | "
-                     f"{row['global_batch_size']} | {row['images_per_sec']:,.0f} | {row['ms_per_step']:.2f} | "
-                     f"{scaling} |")
+                     f"{row['global_batch_size']} | {row['steps_per_execution']} | {row['images_per_sec']:,.0f} | "
+                     f"{row['ms_per_step']:.2f} | {scaling} |")
     return "\n".join(lines)
 
 
@@ -352,14 +342,14 @@ def main(argv=None):
     size = f"{report['parameters']:,} parameters" if report["parameters"] else "parameters unknown"
     print(f"## CapsNet multi-GPU training throughput\n\n"
           f"{report['device'] or args.device} ×{report['devices_visible'] or '?'} · TensorFlow "
-          f"{report['tensorflow'] or '?'} · {model} ({size}) · synthetic data on the devices · batch per GPU fixed, "
+          f"{report['tensorflow'] or '?'} · {model} ({size}) · one synthetic batch repeated by tf.data · batch per GPU fixed, "
           f"global batch = replicas × it · median of {args.repeats} × {args.steps} steps after {args.warmup} "
           f"warm-up steps\n")
     if rows:
         print(format_table(rows))
     for failure in failures:
         print(f"\n{bt.label(failure['variant'])} {failure['config']} ({failure['all_reduce']}, batch "
-              f"{failure['batch_size']}) failed: {failure['error']}")
+              f"{failure['batch_size']}, {failure['steps_per_execution']} steps per call) failed: {failure['error']}")
     for error in report["errors"]:
         print(f"\n{bt.label(error['variant'])} failed: {error['error']}")
     if args.json is not None:

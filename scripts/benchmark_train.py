@@ -26,13 +26,17 @@ How:
   XLA autoclustering, its flags and op determinism are process-wide settings, and a
   fresh process also starts with a clean GPU memory pool. Determinism stays off.
 - The data is one synthetic MNIST-shaped batch (uniform [0, 1] images, uniform labels)
-  made once on the device and fed to every step, so no input pipeline or host→device
-  copy is measured: only the training step.
-- A fresh model per batch size; `--warmup` steps first (tracing, XLA compilation,
-  cuDNN/XLA autotuning), not timed. Then `--repeats` times: `--steps` steps dispatched
-  back to back and ONE device sync at the end (reading the last loss waits for every
-  step, since each reads the weights the previous one wrote). The median repeat gives
-  images/s and ms/step.
+  repeated by tf.data from host memory: the step's input path is train()'s (a dataset
+  iterator read inside the compiled call, its batches prefetched to the device:
+  capsnet.training.input_iterator), the data itself costs nothing.
+- The steps run as train() runs them (capsnet.training.make_train_loop), K =
+  `--steps-per-execution` steps per compiled call (train.steps_per_execution; a list
+  measures each). A fresh model per (batch size, K); `--warmup` steps first (tracing,
+  XLA compilation, cuDNN/XLA autotuning), not timed. Then `--repeats` times: `--steps`
+  steps dispatched back to back and ONE device sync at the end (reading the last loss
+  waits for every step, since each reads the weights the previous one wrote). The
+  median repeat gives images/s and ms/step; the ratio column compares variants at the
+  same batch size and K.
 
 Prints a markdown table (stdout; progress goes to stderr) and with `--json PATH` also
 writes the results as JSON. Exit status 0; 2 if a variant could not run for a reason the
@@ -70,7 +74,8 @@ BASELINE = "matmul"
 # The LR schedule decays once per epoch of the full MNIST training set, as in train().
 MNIST_TRAIN_EXAMPLES = 60_000
 # Set by the variant, not by an override: an override would be silently ignored.
-RESERVED_KEYS = ("custom_op", "train.xla", "train.batch_size", "deterministic", "model.fused_routing")
+RESERVED_KEYS = ("custom_op", "train.xla", "train.batch_size", "train.steps_per_execution", "deterministic",
+                 "model.fused_routing")
 
 
 def label(variant):
@@ -123,7 +128,7 @@ def _variants(text):
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         description="Training images/s of CapsNet per capsule-prediction path and XLA mode "
-                    "(one subprocess per variant; synthetic data on the device).",
+                    "(one subprocess per variant; one synthetic batch, repeated).",
         epilog="Overrides are Hydra overrides of configs/train.yaml (model.*, train.* loss and LR values, seed).")
     parser.add_argument("--batch-sizes", type=_positive_ints, default=[128, 512],
                         help="comma-separated batch sizes (default 128,512)")
@@ -139,6 +144,9 @@ def add_run_arguments(parser, *, default_variants):
     """The arguments this benchmark shares with benchmark_scale.py: timing protocol,
     variants, output, per-variant timeout, Hydra overrides and the internal --worker."""
     parser.add_argument("--steps", type=_positive_int, default=50, help="timed steps per repeat (default 50)")
+    parser.add_argument("--steps-per-execution", type=_positive_ints, default=[1],
+                        help="comma-separated train.steps_per_execution values: steps per compiled call "
+                             "(default 1)")
     parser.add_argument("--warmup", type=_positive_int, default=10,
                         help="untimed steps first: tracing, XLA compilation, autotuning, NCCL setup (default 10)")
     parser.add_argument("--repeats", type=_positive_int, default=5, help="timed repeats; the median counts (default 5)")
@@ -197,13 +205,51 @@ def _device_name(kind):
     return f"{model} ({os.cpu_count()} cores visible)"
 
 
-def time_training(spec, batch_size, tf_device):
-    """images/s and ms/step of one (variant, batch size): a fresh model, optimizer and step."""
+def synthetic_batches(spec, batch_size, input_shape, num_classes):
+    """One synthetic MNIST-shaped batch (uniform [0, 1] images, uniform labels) drawn from
+    spec's seed, repeated by tf.data from host memory, as train() feeds its steps."""
+    import tensorflow as tf
+
+    with tf.device("/CPU:0"):
+        generator = tf.random.Generator.from_seed(spec["seed"])
+        images = generator.uniform((batch_size, *input_shape))                       # (B, H, W, C) in [0, 1)
+        labels = generator.uniform((batch_size,), maxval=num_classes, dtype=tf.int32)  # (B,)
+    # Batched (not from_tensors), so a strategy can split it; cached, so it is batched once.
+    return tf.data.Dataset.from_tensor_slices((images, labels)).batch(batch_size).cache().repeat()
+
+
+def time_steps(train_steps, iterator, global_batch, spec, per_call):
+    """Time make_train_loop's `train_steps` as train() calls it, `per_call` steps a call:
+    the first step alone (it traces: never timed), `--warmup` - 1 more, then `--repeats`
+    × `--steps` steps with ONE device sync each (reading the last loss waits for every
+    step, since each reads the weights the previous one wrote).
+    Returns (first loss, last loss, seconds of each repeat)."""
+    import tensorflow as tf
+
+    def run(steps):
+        lengths = [per_call] * (steps // per_call) + ([steps % per_call] if steps % per_call else [])
+        for length in lengths:
+            out = train_steps(iterator, tf.constant([global_batch] * length + [0] * (per_call - length), tf.int32))
+        return float(out["loss"][-1])
+
+    first_loss = run(1)
+    if spec["warmup"] > 1:
+        run(spec["warmup"] - 1)  # finished before the clock starts
+    seconds = []
+    for _ in range(spec["repeats"]):
+        start = time.perf_counter()
+        last_loss = run(spec["steps"])
+        seconds.append(time.perf_counter() - start)
+    return first_loss, last_loss, seconds
+
+
+def time_training(spec, batch_size, tf_device, per_call=1):
+    """images/s and ms/step of one (variant, batch size, steps per call): a fresh model, optimizer and step."""
     import keras
     import tensorflow as tf
 
     from capsnet.evaluation import loss_params
-    from capsnet.training import build_capsnet, build_optimizer, make_train_step
+    from capsnet.training import build_capsnet, build_optimizer, input_iterator, make_train_loop, make_train_step
 
     model_cfg, train_cfg = variant_model_cfg(spec["variant"], spec["model"]), spec["train"]
     input_shape = tuple(model_cfg["input_shape"])
@@ -213,28 +259,13 @@ def time_training(spec, batch_size, tf_device):
         optimizer, _ = build_optimizer(train_cfg, math.ceil(MNIST_TRAIN_EXAMPLES / batch_size), model)
         step = make_train_step(model, optimizer, input_shape=input_shape, losses=loss_params(train_cfg),
                                xla=spec["xla"])
-        # One batch, made on the device and reused: the step alone is measured.
-        generator = tf.random.Generator.from_seed(spec["seed"])
-        images = generator.uniform((batch_size, *input_shape))                       # (B, H, W, C) in [0, 1)
-        labels = generator.uniform((batch_size,), maxval=int(model_cfg["num_classes"]), dtype=tf.int32)  # (B,)
-
-        out = step(images, labels)  # traces and compiles: never timed
-        first_loss = float(out["loss"])
-        for _ in range(spec["warmup"] - 1):
-            out = step(images, labels)
-        float(out["loss"])  # wait for the warm-up to finish before the clock starts
-        seconds = []
-        for _ in range(spec["repeats"]):
-            start = time.perf_counter()
-            for _ in range(spec["steps"]):
-                out = step(images, labels)
-            # The one device sync: each step reads the weights the previous one wrote, so
-            # the last loss exists only after all `steps` steps have run.
-            last_loss = float(out["loss"])
-            seconds.append(time.perf_counter() - start)
+        iterator = input_iterator(synthetic_batches(spec, batch_size, input_shape, int(model_cfg["num_classes"])),
+                                  device=tf_device)
+        first_loss, last_loss, seconds = time_steps(make_train_loop(step), iterator, batch_size, spec, per_call)
     median = statistics.median(seconds)
     return {
         "batch_size": batch_size,
+        "steps_per_execution": per_call,
         "images_per_sec": spec["steps"] * batch_size / median,
         "ms_per_step": 1000.0 * median / spec["steps"],
         "repeat_seconds": seconds,
@@ -267,12 +298,14 @@ def worker(spec):
         if spec["custom_op"]:
             check_op_library()  # also refuses a CPU-only library while a GPU is visible
         for batch_size in spec["batch_sizes"]:
-            print(f"  {spec['variant']}: batch {batch_size}", file=sys.stderr, flush=True)
-            try:
-                result["results"].append(time_training(spec, batch_size, tf_device))
-            except tf.errors.ResourceExhaustedError as exc:
-                raise CapsnetError(f"out of device memory at batch {batch_size}: "
-                                   f"{str(exc).strip().splitlines()[0]}") from exc
+            for per_call in spec["steps_per_execution"]:
+                print(f"  {spec['variant']}: batch {batch_size}, {per_call} steps per call", file=sys.stderr,
+                      flush=True)
+                try:
+                    result["results"].append(time_training(spec, batch_size, tf_device, per_call))
+                except tf.errors.ResourceExhaustedError as exc:
+                    raise CapsnetError(f"out of device memory at batch {batch_size}: "
+                                       f"{str(exc).strip().splitlines()[0]}") from exc
     except CapsnetError as exc:
         result["error"] = " ".join(str(exc).split())
     print(json.dumps(result))
@@ -283,7 +316,7 @@ def run_variant(variant, args, cfg):
     custom_op, xla = VARIANTS[variant]
     spec = {"variant": variant, "custom_op": custom_op, "xla": xla, "device": args.device,
             "batch_sizes": args.batch_sizes, "steps": args.steps, "warmup": args.warmup,
-            "repeats": args.repeats, **cfg}
+            "repeats": args.repeats, "steps_per_execution": args.steps_per_execution, **cfg}
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     if args.device == "cpu":
@@ -311,26 +344,29 @@ def run_variant(variant, args, cfg):
 # --------------------------------------------------------------------------- report
 
 def with_ratios(runs):
-    """Flat result rows, each with images/s ÷ the baseline's at the same batch size (None without one)."""
-    baseline = {r["batch_size"]: r["images_per_sec"] for run in runs if run["variant"] == BASELINE
-                for r in run["results"]}
+    """Flat result rows, each with images/s ÷ the baseline's at the same batch size and steps
+    per call (None without one)."""
+    baseline = {(r["batch_size"], r["steps_per_execution"]): r["images_per_sec"]
+                for run in runs if run["variant"] == BASELINE for r in run["results"]}
     rows = []
     for run in runs:
         custom_op, xla = VARIANTS[run["variant"]]
         for r in run["results"]:
-            base = baseline.get(r["batch_size"])
+            base = baseline.get((r["batch_size"], r["steps_per_execution"]))
             rows.append({"variant": run["variant"], "label": label(run["variant"]), "custom_op": custom_op,
                          "xla": xla, "fused_routing": run["variant"] in FUSED_VARIANTS, **r,
                          "ratio": r["images_per_sec"] / base if base else None})
-    return sorted(rows, key=lambda row: (row["batch_size"], list(VARIANTS).index(row["variant"])))
+    return sorted(rows, key=lambda row: (row["batch_size"], row["steps_per_execution"],
+                                         list(VARIANTS).index(row["variant"])))
 
 
 def format_table(rows):
-    lines = [f"| variant | batch | images/s | ms/step | vs {label(BASELINE)} |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [f"| variant | batch | steps per call | images/s | ms/step | vs {label(BASELINE)} |",
+             "|---|---:|---:|---:|---:|---:|"]
     for row in rows:
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}×"
-        lines.append(f"| {row['label']} | {row['batch_size']} | {row['images_per_sec']:,.0f} | "
+        lines.append(f"| {row['label']} | {row['batch_size']} | {row['steps_per_execution']} | "
+                     f"{row['images_per_sec']:,.0f} | "
                      f"{row['ms_per_step']:.2f} | {ratio} |")
     return "\n".join(lines)
 
@@ -362,7 +398,7 @@ def main(argv=None):
     size = f"{parameters:,} parameters" if parameters else "parameters unknown"
     print(f"## CapsNet training throughput\n\n"
           f"{report['device'] or args.device} · TensorFlow {report['tensorflow'] or '?'} · {model} ({size}) · "
-          f"synthetic data on the device · median of {args.repeats} × {args.steps} steps after "
+          f"one synthetic batch repeated by tf.data · median of {args.repeats} × {args.steps} steps after "
           f"{args.warmup} warm-up steps\n")
     if rows:
         print(format_table(rows))

@@ -123,7 +123,8 @@ print(json.dumps(report))
 def mirrored(tiny_idx_dir, tmp_path_factory):
     """The mirrored runs, over /cpu:0 and /cpu:1, in one subprocess:
     indivisible: train.batch_size=15 (a ConfigError); run: 2 epochs, then resumed for a third
-    with custom_op=true; jit: 1 epoch with train.xla=jit."""
+    with custom_op=true; jit: 1 epoch with train.xla=jit; loop: 3 epochs with
+    train.steps_per_execution=3."""
     root = tmp_path_factory.mktemp("mirrored")
     two_cpus = ["distribute=mirrored", "distribute.devices=[/cpu:0,/cpu:1]"]
 
@@ -135,6 +136,9 @@ def mirrored(tiny_idx_dir, tmp_path_factory):
         ("first", cfg("run", "train.epochs=2")),
         ("resumed", cfg("run", "train.epochs=3", "custom_op=true")),
         ("jit", cfg("jit", "train.epochs=1", "train.xla=jit")),
+        # Several steps per call (a loop over the distributed iterator): calls of 1 + 3 steps
+        # an epoch, the 3 ending at the log step.
+        ("loop", cfg("loop", "train.epochs=3", "train.steps_per_execution=3", "train.log_every_steps=4")),
     ]
     env = repo_env()
     env.pop("TF_CONFIG", None)
@@ -172,6 +176,21 @@ def test_mirrored_with_xla_jit_compiles_each_replica_and_steps_like_one_device(m
     root, report = mirrored
     assert report["jit"]["global_step"] == STEPS_PER_EPOCH
     assert_steps_match(root / "jit", reference, STEPS_PER_EPOCH)
+
+
+@pytest.mark.slow
+def test_mirrored_with_several_steps_per_call_steps_like_one_device(mirrored, reference):
+    root, report = mirrored
+    assert report["loop"]["global_step"] == 3 * STEPS_PER_EPOCH
+    # Logged every 4 steps: each value is the example-weighted mean of an epoch's 4 steps
+    # (16, 16, 16 and 5 examples), which the reference logged one by one.
+    losses = np.array([v for _, v in reference["losses"]]).reshape(3, STEPS_PER_EPOCH)
+    examples = np.array([16, 16, 16, 5])
+    ours = step_losses(root / "loop")
+    assert [s for s, _ in ours] == [4, 8, 12]
+    np.testing.assert_allclose([v for _, v in ours], losses @ examples / examples.sum(), rtol=LOSS_RTOL)
+    assert_checkpoints_match(root / "loop" / "checkpoints" / "latest" / "ckpt-3",
+                             reference["run_dir"] / "checkpoints" / "latest" / "ckpt-3")
 
 
 @pytest.mark.slow

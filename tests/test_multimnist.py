@@ -179,7 +179,9 @@ def test_tiny_multimnist_run_trains_and_evaluates(tiny_idx_dir, tmp_path):
 
     assert "model.conv1_filters=16" in TINY_MODEL
     run_dir = tmp_path / "run"
-    metrics = train(compose_config("train", multimnist_overrides(tiny_idx_dir, run_dir)))
+    # Three steps per call from the second on: the loop passes the digits on too.
+    metrics = train(compose_config("train", multimnist_overrides(tiny_idx_dir, run_dir,
+                                                                 "train.steps_per_execution=3")))
     assert metrics["epochs"] == 2 and metrics["global_step"] == 2 * 4
     assert 0.0 <= metrics["test_accuracy"] <= 1.0 and 0.0 <= metrics["train_accuracy"] <= 1.0
     assert np.isfinite(metrics["test_loss"]) and metrics["test_reconstruction_loss"] > 0

@@ -79,6 +79,7 @@ def test_config_groups_compose():
     ("train.lr_decay_steps=1.5", "train.lr_decay_steps"),
     ("seed=abc", "seed"),
     ("train.xla=fast", "train.xla"),
+    ("train.steps_per_execution=0", "train.steps_per_execution"),
 ])
 def test_bad_train_values_raise_config_error(tiny_config, override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -402,6 +403,45 @@ def test_xla_train_step_compiles_and_trains_like_none(tiny_idx_dir, tmp_path, mo
     assert losses[mode][0] == pytest.approx(losses["none"][0], rel=1e-5)
     assert losses[mode][-1] < 0.9 * losses[mode][0]
     np.testing.assert_allclose(losses[mode], losses["none"], rtol=1e-3)
+
+
+@pytest.mark.parametrize("steps_per_epoch, start, per_call, log_every, lengths", [
+    (10, 0, 1, 50, [1] * 10),        # one step a call: as before the option
+    (10, 0, 4, 50, [1, 4, 4, 1]),    # the first call of an epoch is one step; the epoch's end
+    (10, 0, 4, 3, [1, 2, 3, 3, 1]),  # calls end at log steps 3, 6, 9
+    (10, 7, 4, 3, [1, 1, 3, 3, 2]),  # the global step goes on from 7: log steps 9, 12, 15
+    (3, 0, 50, 50, [1, 2]),
+])
+def test_execution_lengths_end_at_log_steps_and_at_the_epoch_end(steps_per_epoch, start, per_call, log_every,
+                                                                  lengths):
+    from capsnet.training import execution_lengths
+
+    assert execution_lengths(steps_per_epoch, start, per_call, log_every) == lengths
+
+
+@pytest.mark.parametrize("extra", [[], ["custom_op=true"], ["train.xla=jit"]], ids=["matmul", "op", "jit"])
+def test_several_steps_per_call_run_the_same_steps(tiny_config, tmp_path, extra):
+    """steps_per_execution=3 loops over the dataset inside one call: the same steps as one
+    call each, so the same per-step losses (logged every 2 steps; the epoch's last batch is
+    short: 53 = 3 × 16 + 5) and the same final weights and Adam moments."""
+    common = ["data.limit_train=53", "train.epochs=2", "train.log_every_steps=2", *extra]
+    runs = {}
+    for per_call in (1, 3):
+        run_dir = tmp_path / f"per_call_{per_call}"
+        metrics = train(tiny_config(*common, f"train.steps_per_execution={per_call}", run_dir=run_dir))
+        assert metrics["global_step"] == 8
+        runs[per_call] = (run_dir, [(step, float(tf.make_ndarray(v.tensor)))
+                                    for step, v in read_events(run_dir)["train/loss"]])
+    (one_dir, one), (loop_dir, loop) = runs[1], runs[3]
+    assert [s for s, _ in loop] == [s for s, _ in one] == [2, 4, 6, 8]
+    np.testing.assert_allclose([v for _, v in loop], [v for _, v in one], rtol=1e-5)
+    ours = tf.train.load_checkpoint(str(loop_dir / "checkpoints" / "latest" / "ckpt-2"))
+    theirs = tf.train.load_checkpoint(str(one_dir / "checkpoints" / "latest" / "ckpt-2"))
+    names = set(theirs.get_variable_to_shape_map()) - {"_CHECKPOINTABLE_OBJECT_GRAPH"}
+    assert any(name.startswith("optimizer/") for name in names)
+    for name in sorted(names):
+        np.testing.assert_allclose(ours.get_tensor(name), theirs.get_tensor(name), rtol=1e-4, atol=1e-6,
+                                   err_msg=name)
 
 
 def test_train_with_xla_jit_matches_the_plain_run(trained_run, tiny_config):
