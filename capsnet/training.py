@@ -7,8 +7,10 @@ Hydra's config at the boundary); nothing here sees a Hydra object.
 
 The pieces train() is made of, shared with scripts/benchmark_train.py:
 `build_capsnet(model_cfg, custom_op)`, `build_optimizer(train_cfg, steps_per_epoch,
-model)` and `make_train_step(model, optimizer, input_shape=..., losses=..., xla=...)`
-with xla none | jit | autocluster (train.xla; see set_autoclustering).
+model)`, `make_train_step(model, optimizer, input_shape=..., losses=..., xla=...)`
+with xla none | jit | autocluster (train.xla; see set_autoclustering), and
+`make_train_loop(train_step)`, which runs train.steps_per_execution steps per compiled
+call over `input_iterator(dataset)` (the batches prefetched to the device).
 
 A run dir holds:
     config.yaml                the resolved config (evaluate.py rebuilds the model from it)

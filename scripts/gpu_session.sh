@@ -24,7 +24,9 @@ if [[ $what == train || $what == all ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 scripts/benchmark_ops.py --device gpu 2>&1 | tee "$out/benchmark_ops.log" | tail -40
-  python3 scripts/benchmark_train.py --json "$out/benchmark_train.json" 2>&1 | tee "$out/benchmark_train.log" | tail -20
+  # One call per step and train()'s default of 50 steps per call.
+  python3 scripts/benchmark_train.py --steps-per-execution 1,50 --json "$out/benchmark_train.json" 2>&1 \
+    | tee "$out/benchmark_train.log" | tail -30
 fi
 if [[ $what == bench-jit-routing || $what == all ]]; then
   # The op variants with the routing iterations compiled by XLA on their own.
@@ -33,7 +35,8 @@ if [[ $what == bench-jit-routing || $what == all ]]; then
 fi
 if [[ $what == scale ]]; then
   # Issue #6: training images/s on 1 GPU and on 2 (MirroredStrategy), custom_op=true and false,
-  # per-GPU batch 128 and 512; the 2-GPU rows with NCCL (auto) and without (one_device).
+  # per-GPU batch 128 and 512, 1 and 50 steps per call; the 2-GPU rows with NCCL (auto) and
+  # without (one_device).
   # NVLink multicast stays off, here and in every process started from here (KINDS.md: a
   # program using it can take the host's shared GPUs out of service for a day or more).
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -44,8 +47,8 @@ if [[ $what == scale ]]; then
   echo "NCCL: ${nccl_so:-not found (the auto rows will fail; one_device runs without it)}" | tee "$out/nccl.txt"
   env | grep -E '^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS)=' | tee -a "$out/nccl.txt"
   # one_device first and a per-variant timeout: should NCCL hang, the rows before it still come back.
-  python3 scripts/benchmark_scale.py --replicas 2 --all-reduce one_device,auto --timeout 240 \
-    --json "$out/benchmark_scale.json" 2>&1 | tee "$out/benchmark_scale.log" | tail -20
+  python3 scripts/benchmark_scale.py --replicas 2 --all-reduce one_device,auto --steps-per-execution 1,50 \
+    --timeout 300 --json "$out/benchmark_scale.json" 2>&1 | tee "$out/benchmark_scale.log" | tail -30
 fi
 if [[ $what == paper_mnist || $what == paper_fashion_mnist ]]; then
   # An [accuracy] run: the experiment preset on the real IDX files (.gpudata = a copy of
