@@ -363,12 +363,12 @@ def make_train_loop(train_step, *, strategy=None):
     non-zero entries): a fixed length traces the loop once, and the distributed step
     needs each step's global batch (the epoch's last one may be short).
 
-    Why (train.steps_per_execution, after Keras's option of that name): a Python call per
-    step makes the devices wait between steps while the host returns to Python and
-    dispatches the next one; the wait grows with the devices (their ops and the
-    all-reduce's completion go through the host). In a loop inside one function the next
-    step's ops are dispatched as soon as their inputs are ready. The steps are the same
-    steps: per-step values equal those of K single calls.
+    Why (train.steps_per_execution, after Keras's option of that name): every call of a
+    compiled function costs the host a round trip (Python, the multi-device function
+    call, the iterator) while the GPU waits: ~2.6 ms a step on an H200, a third of the
+    paper model's step at batch 128 (docs/benchmarks.md). In a loop inside one call the
+    next step's ops are dispatched as soon as their inputs are ready. The steps are the
+    same steps: per-step values equal those of K single calls.
     """
     names = _STEP_SUMS  # the keys of both step kinds' outputs
 
@@ -644,10 +644,9 @@ def _check_config(cfg):
     Returns the checked distribute section (distribute_config)."""
     _check_bools(cfg)
     train_cfg = cfg["train"]
-    for key in ("epochs", "batch_size", "keep_checkpoints", "log_every_steps", "num_images",
+    for key in ("epochs", "batch_size", "keep_checkpoints", "log_every_steps", "steps_per_execution", "num_images",
                 "histogram_examples"):
         positive_int(f"train.{key}", train_cfg[key], error=ConfigError)
-    positive_int("train.steps_per_execution", train_cfg.get("steps_per_execution", 1), error=ConfigError)
     positive_int("train.lr_decay_steps", train_cfg["lr_decay_steps"], allow_none=True, error=ConfigError)
     for key in ("learning_rate", "lr_decay_rate"):
         positive_float(f"train.{key}", train_cfg[key], error=ConfigError)
@@ -768,11 +767,6 @@ class _BestCheckpoint:
                 # The checkpoint's own files only (an evaluation's ckpt-N.eval.json stays).
                 for path in [self.directory / f"ckpt-{n}.index", *self.directory.glob(f"ckpt-{n}.data-*")]:
                     path.unlink(missing_ok=True)
-
-
-def _numpy(values):
-    """{name: tensor} → {name: NumPy array}: one device-to-host copy per tensor."""
-    return {name: value.numpy() for name, value in values.items()}
 
 
 def _steps_done(optimizer):
@@ -991,7 +985,7 @@ def train(cfg):
     train_step = make_train_step(model, optimizer, input_shape=model.image_shape, losses=losses, xla=tcfg["xla"],
                                  strategy=strategy, two_digits=two_digits)
     train_steps = make_train_loop(train_step, strategy=strategy)
-    steps_per_execution = tcfg.get("steps_per_execution", 1)  # absent from configs saved before it existed
+    steps_per_execution = tcfg["steps_per_execution"]
     eval_step = make_eval_step(model, model.image_shape, jit_compile=tcfg["xla"] == "jit", two_digits=two_digits,
                                **losses)
     num_classes = model.num_classes
@@ -1032,9 +1026,10 @@ def train(cfg):
             # refills the shuffle buffer: left out of images/s and step time), at log steps,
             # at the epoch's end and about once a second; not every call, which would make
             # the device idle while the host dispatches the next one.
-            fetched = [({k: float(v[i]) for k, v in values.items()}, size)
-                       for values, sizes in ((_numpy(out), sizes) for out, sizes in pending)
-                       for i, size in enumerate(sizes)]
+            fetched = []  # (one step's values, its batch size)
+            for out, sizes in pending:
+                values = {k: v.numpy() for k, v in out.items()}  # (K,) each: one copy per tensor
+                fetched += [({k: float(v[i]) for k, v in values.items()}, size) for i, size in enumerate(sizes)]
             now = time.perf_counter()
             for window in (epoch_window, log_window):
                 for values, size in fetched:
