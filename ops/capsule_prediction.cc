@@ -582,13 +582,19 @@ absl::Status PrepareForward(OpKernelContext* ctx, capsnet::CapsuleDims* d, Tenso
                               u_hat);
 }
 
+// Both gradient ops' outputs: dL/du and dL/dW, shaped like u and W.
+absl::Status AllocateGradOutputs(OpKernelContext* ctx, const TensorShape& u, const TensorShape& w,
+                                 Tensor** grad_u, Tensor** grad_w) {
+  TF_RETURN_IF_ERROR(ctx->allocate_output(0, u, grad_u));
+  return ctx->allocate_output(1, w, grad_w);
+}
+
 absl::Status PrepareGrad(OpKernelContext* ctx, capsnet::CapsuleDims* d, Tensor** grad_u,
                          Tensor** grad_w) {
   const TensorShape& u = ctx->input(1).shape();
   const TensorShape& w = ctx->input(2).shape();
   TF_RETURN_IF_ERROR(CheckGradShapes(ctx->input(0).shape(), u, w, d));
-  TF_RETURN_IF_ERROR(ctx->allocate_output(0, u, grad_u));
-  return ctx->allocate_output(1, w, grad_w);
+  return AllocateGradOutputs(ctx, u, w, grad_u, grad_w);
 }
 
 template <typename T>
@@ -725,21 +731,29 @@ absl::Status GetGpuStream(OpKernelContext* ctx, capsnet::GpuStream* stream) {
   return absl::OkStatus();
 }
 
-absl::Status LaunchStatus(int status, const char* what, const char* op = kPredictionOp) {
+absl::Status LaunchStatus(int status, const char* what, const char* op) {
   if (status == 0) return absl::OkStatus();
   return errors::Internal(op, ": CUDA launch of the ", what,
                           " kernels failed: ", capsnet::GpuErrorString(status));
 }
 
-// A device scratch buffer of `bytes` (none for 0) that lives as long as `tensor`.
-absl::Status AllocateWorkspace(OpKernelContext* ctx, std::size_t bytes, Tensor* tensor,
-                               void** ptr) {
-  *ptr = nullptr;
-  if (bytes == 0) return absl::OkStatus();
-  TF_RETURN_IF_ERROR(
-      ctx->allocate_temp(DT_UINT8, TensorShape({static_cast<int64_t>(bytes)}), tensor));
-  *ptr = tensor->flat<uint8_t>().data();
-  return absl::OkStatus();
+// The GPU ops' shared epilogue: `launch(ws, stream)` with a device scratch buffer of
+// `ws_bytes` (nullptr for 0) on the CUDA stream TensorFlow runs this op on. The buffer's
+// Tensor may go before the kernels finish: TensorFlow reuses the memory only for work
+// queued later on the same stream.
+template <typename Launch>
+absl::Status LaunchOnOpStream(OpKernelContext* ctx, std::size_t ws_bytes, const char* what,
+                              const char* op, Launch launch) {
+  Tensor workspace;
+  void* ws = nullptr;
+  if (ws_bytes > 0) {
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(
+        DT_UINT8, TensorShape({static_cast<int64_t>(ws_bytes)}), &workspace));
+    ws = workspace.flat<uint8_t>().data();
+  }
+  capsnet::GpuStream stream;
+  TF_RETURN_IF_ERROR(GetGpuStream(ctx, &stream));
+  return LaunchStatus(launch(ws, stream), what, op);
 }
 
 template <typename T>
@@ -754,12 +768,12 @@ class CapsulePredictionGpuOp : public OpKernel {
     Tensor* u_hat = nullptr;
     OP_REQUIRES_OK(ctx, PrepareForward(ctx, &d, &u_hat));
     if (u_hat->NumElements() == 0) return;
-    capsnet::GpuStream stream;
-    OP_REQUIRES_OK(ctx, GetGpuStream(ctx, &stream));
-    OP_REQUIRES_OK(ctx, LaunchStatus(capsnet::LaunchCapsulePredictionForward(
-                                         DevPtr<T>(u), DevPtr<T>(w), DevPtr<T>(u_hat),
-                                         d, stream),
-                                     "forward"));
+    OP_REQUIRES_OK(ctx, LaunchOnOpStream(ctx, 0, "forward", kPredictionOp,
+                                         [&](void*, capsnet::GpuStream stream) {
+                                           return capsnet::LaunchCapsulePredictionForward(
+                                               DevPtr<T>(u), DevPtr<T>(w), DevPtr<T>(u_hat), d,
+                                               stream);
+                                         }));
   }
 };
 
@@ -779,16 +793,13 @@ class CapsulePredictionGradGpuOp : public OpKernel {
     if (grad_u->NumElements() == 0 && grad_w->NumElements() == 0) return;
     using G = typename GpuType<T>::type;
     const std::size_t ws_bytes = capsnet::CapsulePredictionGradWorkspaceBytes<G>(d);
-    Tensor workspace;
-    void* ws = nullptr;
-    OP_REQUIRES_OK(ctx, AllocateWorkspace(ctx, ws_bytes, &workspace, &ws));
-    capsnet::GpuStream stream;
-    OP_REQUIRES_OK(ctx, GetGpuStream(ctx, &stream));
-    OP_REQUIRES_OK(ctx, LaunchStatus(capsnet::LaunchCapsulePredictionGrad(
-                                         DevPtr<T>(g), DevPtr<T>(u), DevPtr<T>(w),
-                                         DevPtr<T>(grad_u), DevPtr<T>(grad_w), ws,
-                                         ws_bytes, d, stream),
-                                     "gradient"));
+    OP_REQUIRES_OK(ctx, LaunchOnOpStream(ctx, ws_bytes, "gradient", kPredictionOp,
+                                         [&](void* ws, capsnet::GpuStream stream) {
+                                           return capsnet::LaunchCapsulePredictionGrad(
+                                               DevPtr<T>(g), DevPtr<T>(u), DevPtr<T>(w),
+                                               DevPtr<T>(grad_u), DevPtr<T>(grad_w), ws,
+                                               ws_bytes, d, stream);
+                                         }));
   }
 };
 
@@ -913,8 +924,7 @@ absl::Status PrepareRoutingGrad(OpKernelContext* ctx, capsnet::CapsuleDims* d, T
   const TensorShape& w = ctx->input(1).shape();
   TF_RETURN_IF_ERROR(
       CheckRoutingGradShapes(u, w, ctx->input(2).shape(), ctx->input(3).shape(), d));
-  TF_RETURN_IF_ERROR(ctx->allocate_output(0, u, grad_u));
-  return ctx->allocate_output(1, w, grad_w);
+  return AllocateGradOutputs(ctx, u, w, grad_u, grad_w);
 }
 
 template <typename T>
@@ -1020,16 +1030,14 @@ class CapsuleRoutingGpuOp : public OpKernel {
     if (s_j->NumElements() == 0 && c_ij->NumElements() == 0) return;
     using G = typename GpuType<T>::type;
     const std::size_t ws_bytes = capsnet::CapsuleRoutingWorkspaceBytes<G>(d, iterations_);
-    Tensor workspace;
-    void* ws = nullptr;
-    OP_REQUIRES_OK(ctx, AllocateWorkspace(ctx, ws_bytes, &workspace, &ws));
-    capsnet::GpuStream stream;
-    OP_REQUIRES_OK(ctx, GetGpuStream(ctx, &stream));
-    OP_REQUIRES_OK(ctx, LaunchStatus(capsnet::LaunchCapsuleRoutingForward(
-                                         DevPtr<T>(ctx->input(0)), DevPtr<T>(ctx->input(1)),
-                                         DevPtr<T>(s_j), DevPtr<T>(c_ij), ws, ws_bytes, d,
-                                         iterations_, stream),
-                                     "routing", kRoutingOp));
+    OP_REQUIRES_OK(ctx, LaunchOnOpStream(ctx, ws_bytes, "routing", kRoutingOp,
+                                         [&](void* ws, capsnet::GpuStream stream) {
+                                           return capsnet::LaunchCapsuleRoutingForward(
+                                               DevPtr<T>(ctx->input(0)),
+                                               DevPtr<T>(ctx->input(1)), DevPtr<T>(s_j),
+                                               DevPtr<T>(c_ij), ws, ws_bytes, d, iterations_,
+                                               stream);
+                                         }));
   }
 
  private:
@@ -1049,17 +1057,15 @@ class CapsuleRoutingGradGpuOp : public OpKernel {
     if (grad_u->NumElements() == 0 && grad_w->NumElements() == 0) return;
     using G = typename GpuType<T>::type;
     const std::size_t ws_bytes = capsnet::CapsuleRoutingGradWorkspaceBytes<G>(d);
-    Tensor workspace;
-    void* ws = nullptr;
-    OP_REQUIRES_OK(ctx, AllocateWorkspace(ctx, ws_bytes, &workspace, &ws));
-    capsnet::GpuStream stream;
-    OP_REQUIRES_OK(ctx, GetGpuStream(ctx, &stream));
-    OP_REQUIRES_OK(ctx, LaunchStatus(capsnet::LaunchCapsuleRoutingGrad(
-                                         DevPtr<T>(ctx->input(2)), DevPtr<T>(ctx->input(3)),
-                                         DevPtr<T>(ctx->input(0)), DevPtr<T>(ctx->input(1)),
-                                         DevPtr<T>(grad_u), DevPtr<T>(grad_w), ws, ws_bytes, d,
-                                         stream),
-                                     "routing gradient", kRoutingOp));
+    OP_REQUIRES_OK(ctx, LaunchOnOpStream(ctx, ws_bytes, "routing gradient", kRoutingOp,
+                                         [&](void* ws, capsnet::GpuStream stream) {
+                                           return capsnet::LaunchCapsuleRoutingGrad(
+                                               DevPtr<T>(ctx->input(2)),
+                                               DevPtr<T>(ctx->input(3)),
+                                               DevPtr<T>(ctx->input(0)),
+                                               DevPtr<T>(ctx->input(1)), DevPtr<T>(grad_u),
+                                               DevPtr<T>(grad_w), ws, ws_bytes, d, stream);
+                                         }));
   }
 };
 

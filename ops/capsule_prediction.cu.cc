@@ -692,6 +692,15 @@ __global__ void ReducePartialsKernel(const Acc<T>* __restrict__ partials,
 // ---------------------------------------------------------------------------
 // Generic kernels: one thread per output element, grid-stride, 64-bit indices.
 
+// One element of u_hat: sum_k W[row, k] u[k] in k order, accumulated in Acc<T>.
+template <typename T>
+__device__ __forceinline__ Acc<T> RowDot(const T* __restrict__ w_row, const T* __restrict__ u_row,
+                                         int64 in_dim) {
+  Acc<T> s = Acc<T>(0);
+  for (int64 k = 0; k < in_dim; ++k) s = fma(ToAcc(w_row[k]), ToAcc(u_row[k]), s);
+  return s;
+}
+
 template <typename T>
 __global__ void ForwardGenericKernel(const T* __restrict__ u,
                                      const T* __restrict__ W,
@@ -703,11 +712,7 @@ __global__ void ForwardGenericKernel(const T* __restrict__ u,
        x < total; x += static_cast<int64>(blockDim.x) * gridDim.x) {
     const int64 b = x / rows;
     const int64 r = x - b * rows;
-    const T* wr = W + r * in_dim;
-    const T* ub = u + (b * in_caps + r / jd) * in_dim;
-    Acc<T> s = Acc<T>(0);
-    for (int64 k = 0; k < in_dim; ++k) s = fma(ToAcc(wr[k]), ToAcc(ub[k]), s);
-    u_hat[x] = FromAcc<T>(s);
+    u_hat[x] = FromAcc<T>(RowDot(W + r * in_dim, u + (b * in_caps + r / jd) * in_dim, in_dim));
   }
 }
 
@@ -1339,9 +1344,7 @@ __global__ void RoutingSoftmaxGenericKernel(const T* __restrict__ u, const T* __
       if (v != nullptr) {
         A agreement = A(0);
         for (int64 d = 0; d < out_dim; ++d) {
-          const T* wr = W + ((i * out_caps + j) * out_dim + d) * in_dim;
-          A uh = A(0);
-          for (int64 k = 0; k < in_dim; ++k) uh = fma(ToAcc(wr[k]), ToAcc(ub[k]), uh);
+          const A uh = RowDot(W + ((i * out_caps + j) * out_dim + d) * in_dim, ub, in_dim);
           agreement = fma(uh, v[b * jd + j * out_dim + d], agreement);
         }
         logit += agreement;
@@ -1378,10 +1381,7 @@ __global__ void RoutingSumGenericKernel(const T* __restrict__ u, const T* __rest
     const int64 j = r / out_dim;
     A acc = A(0);
     for (int64 i = 0; i < in_caps; ++i) {
-      const T* wr = W + (i * jd + r) * in_dim;
-      const T* ub = u + (b * in_caps + i) * in_dim;
-      A uh = A(0);
-      for (int64 k = 0; k < in_dim; ++k) uh = fma(ToAcc(wr[k]), ToAcc(ub[k]), uh);
+      const A uh = RowDot(W + (i * jd + r) * in_dim, u + (b * in_caps + i) * in_dim, in_dim);
       acc = fma(c[(b * in_caps + i) * out_caps + j], uh, acc);
     }
     s[x] = acc;
