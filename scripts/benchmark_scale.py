@@ -45,15 +45,12 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmark_train beside this file
 import benchmark_train as bt  # noqa: E402  (also puts the repository on sys.path)
 
-from capsnet.cli import fail  # noqa: E402
 
 # What custom_op=true (the fused routing op, its default) and custom_op=false train with.
 DEFAULT_VARIANTS = ["op+fused", "matmul"]
@@ -234,51 +231,15 @@ def worker(spec):
 
 
 def run_variant(variant, args, cfg):
-    """One variant in a fresh Python process → its result dict (or one with an error)."""
+    """One variant in a fresh Python process (bt.run_worker) → its result dict, the rows
+    before a crash or a timeout (a hung all-reduce?) kept. NVLink multicast off unless
+    the caller's environment says otherwise."""
     custom_op, xla = bt.VARIANTS[variant]
     spec = {"variant": variant, "custom_op": custom_op, "xla": xla, "device": args.device,
             "batch_sizes": args.batch_sizes, "replicas": args.replicas, "all_reduce": args.all_reduce,
             "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
             "steps_per_execution": args.steps_per_execution, **cfg}
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(bt.REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    for key, value in NVLS_OFF.items():
-        env.setdefault(key, value)
-    if args.device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = "-1"  # hide GPUs, so nothing runs or allocates there
-    print(f"{bt.label(variant)} ...", file=sys.stderr, flush=True)
-    try:
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              timeout=args.timeout)
-        stdout, stderr, stopped = proc.stdout, proc.stderr, None
-    except subprocess.TimeoutExpired as exc:
-        stdout, stderr = (text.decode(errors="replace") if isinstance(text, bytes) else text or ""
-                          for text in (exc.stdout, exc.stderr))
-        stopped = f"stopped after --timeout {args.timeout:g} s (a hung all-reduce?); the rows before are kept"
-    sys.stderr.write(stderr)
-    result = _last_json_line(stdout)
-    if stopped:
-        return {**(result or {"variant": variant, "results": [], "failures": []}), "error": stopped, "crashed": True}
-    if result is None or proc.returncode != 0:
-        # A crash (e.g. inside NCCL) after some rows: keep them, report the crash.
-        tail = stderr.strip().splitlines()[-1:] or ["no output"]
-        return {**(result or {"variant": variant, "results": [], "failures": []}), "crashed": True,
-                "error": f"worker exited with status {proc.returncode}: {tail[0]}"}
-    result["crashed"] = False
-    return result
-
-
-def _last_json_line(text):
-    """The last line of `text` that is a JSON object (the worker's latest result), or None."""
-    for line in reversed(text.strip().splitlines()):
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(value, dict):
-            return value
-    return None
+    return bt.run_worker(Path(__file__), spec, device=args.device, timeout=args.timeout, env_defaults=NVLS_OFF)
 
 
 # --------------------------------------------------------------------------- report
@@ -353,11 +314,7 @@ def main(argv=None):
     for error in report["errors"]:
         print(f"\n{bt.label(error['variant'])} failed: {error['error']}")
     if args.json is not None:
-        try:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(report, indent=2) + "\n")
-        except OSError as exc:
-            fail(f"cannot write {args.json}: {exc.strerror}")
+        bt.write_json(args.json, report)
     if failures or any(run["error"] and run["crashed"] for run in runs):
         return 1
     return 2 if report["errors"] else 0

@@ -317,28 +317,63 @@ def run_variant(variant, args, cfg):
     spec = {"variant": variant, "custom_op": custom_op, "xla": xla, "device": args.device,
             "batch_sizes": args.batch_sizes, "steps": args.steps, "warmup": args.warmup,
             "repeats": args.repeats, "steps_per_execution": args.steps_per_execution, **cfg}
+    return run_worker(Path(__file__), spec, device=args.device, timeout=args.timeout)
+
+
+def run_worker(script, spec, *, device, timeout, env_defaults=None):
+    """Run `script --worker spec` in a fresh Python process → the last JSON object it
+    printed (a worker may print its result so far after each configuration), with
+    "crashed"; on a crash or after `timeout` seconds, the rows printed before are kept
+    and "error" says what stopped it. Shared with benchmark_scale.py.
+
+    env_defaults: environment variables set unless the caller's environment has them.
+    """
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    if args.device == "cpu":
+    for key, value in (env_defaults or {}).items():
+        env.setdefault(key, value)
+    if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = "-1"  # hide GPUs, so nothing runs or allocates there
-    print(f"{label(variant)} ...", file=sys.stderr, flush=True)
+    print(f"{label(spec['variant'])} ...", file=sys.stderr, flush=True)
     try:
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"variant": variant, "results": [], "error": f"stopped after --timeout {args.timeout:g} s",
-                "crashed": True}
-    sys.stderr.write(proc.stderr)  # progress lines, warnings, and a crash's traceback
-    lines = proc.stdout.strip().splitlines()
+        proc = subprocess.run([sys.executable, str(Path(script).resolve()), "--worker", json.dumps(spec)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
+        stdout, stderr, stopped = proc.stdout, proc.stderr, None
+    except subprocess.TimeoutExpired as exc:
+        stdout, stderr = (text.decode(errors="replace") if isinstance(text, bytes) else text or ""
+                          for text in (exc.stdout, exc.stderr))
+        stopped = f"stopped after --timeout {timeout:g} s; the rows before are kept"
+    sys.stderr.write(stderr)  # progress lines, warnings, and a crash's traceback
+    printed = _last_json_line(stdout)
+    result = printed or {"variant": spec["variant"], "results": [], "failures": []}
+    if stopped:
+        return {**result, "error": stopped, "crashed": True}
+    if printed is None or proc.returncode != 0:
+        # A crash (e.g. inside NCCL) after some rows: keep them, report the crash.
+        tail = stderr.strip().splitlines()[-1:] or ["no output"]
+        return {**result, "crashed": True, "error": f"worker exited with status {proc.returncode}: {tail[0]}"}
+    return {**result, "crashed": False}
+
+
+def _last_json_line(text):
+    """The last line of `text` that is a JSON object (the worker's latest result), or None."""
+    for line in reversed(text.strip().splitlines()):
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, dict):
+            return value
+    return None
+
+
+def write_json(path, report):
+    """The report as JSON at `path` (its folder made if missing); a one-line error if it cannot be."""
     try:
-        result = json.loads(lines[-1])
-    except (IndexError, json.JSONDecodeError):
-        tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
-        return {"variant": variant, "results": [], "crashed": True,
-                "error": f"worker exited with status {proc.returncode}: {tail[0]}"}
-    result["crashed"] = False
-    return result
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+    except OSError as exc:
+        fail(f"cannot write {path}: {exc.strerror}")
 
 
 # --------------------------------------------------------------------------- report
@@ -405,11 +440,7 @@ def main(argv=None):
     for error in report["errors"]:
         print(f"\n{label(error['variant'])} failed: {error['error']}")
     if args.json is not None:
-        try:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(report, indent=2) + "\n")
-        except OSError as exc:
-            fail(f"cannot write {args.json}: {exc.strerror}")
+        write_json(args.json, report)
     if any(run["error"] and run["crashed"] for run in runs):
         return 1
     return 2 if report["errors"] else 0
