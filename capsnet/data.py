@@ -5,7 +5,7 @@
   directory (offline) or from tensorflow-datasets (the online default).
 - `make_dataset(images, labels, ...)`: batches of (float32 images in [0, 1], int32
   labels). Training batches are shuffled and augmented (the paper's random shifts;
-  optionally flips, rotations and zoom) with stateless RNG keyed by (seed, epoch), so
+  optionally flips, rotations and zoom, elastic distortions) with stateless RNG keyed by (seed, epoch), so
   an epoch's batches depend on nothing else: a run resumed at epoch e sees exactly
   what an uninterrupted run saw, whatever the parallelism.
 - `make_multimnist_dataset(images, labels, ...)`: MultiMNIST (paper Sec. 6), pairs of
@@ -291,14 +291,40 @@ def _check_split(name, spec, images, labels, images_src, labels_src):
 
 # --------------------------------------------------------------------------- tf.data
 # The `data.*` config keys that are make_dataset's augmentation arguments. The ones added
-# after the first release, with the values that mean "off": what a run saved before they
-# existed was trained with, and what a data config without them gets.
-AUGMENTATION_OFF = {"flip": False, "rotate_degrees": 0.0, "zoom": 0.0}
+# after the first release, with their defaults, which leave the first release's pipeline
+# unchanged: what a run saved before they existed was trained with, and what a data config
+# without them gets. (elastic_sigma only matters once elastic_alpha > 0.)
+AUGMENTATION_OFF = {"flip": False, "rotate_degrees": 0.0, "zoom": 0.0, "elastic_alpha": 0.0,
+                    "elastic_sigma": 4.0, "shift_fill": "zero"}
+SHIFT_FILLS = ("zero", "edge")
+# The elastic draws' stream: folded into the (seed, epoch) key, so the streams before it
+# (order, shifts, flips, rotation/zoom) are what they were, and old runs replay unchanged.
+_ELASTIC_STREAM = 3
 AUGMENTATION_KEYS = ("shift_pixels", *AUGMENTATION_OFF)
 
 
+def check_augmentation(prefix="", **options):
+    """The augmentation `options` (the keys of AUGMENTATION_OFF, all of them) checked and
+    in their plain types, in AUGMENTATION_OFF's order; a bad one → ConfigError naming
+    `prefix` + its key. (shift_pixels is checked by make_dataset: its range is the image's.)"""
+    if set(options) != set(AUGMENTATION_OFF):
+        raise TypeError(f"check_augmentation needs exactly {', '.join(AUGMENTATION_OFF)}, got {', '.join(options)}")
+    checked = {
+        "flip": boolean(prefix + "flip", options["flip"], expected="true or false", error=ConfigError),
+        "rotate_degrees": float_in_range(prefix + "rotate_degrees", options["rotate_degrees"], 0, 180, error=ConfigError),
+        "zoom": float_in_range(prefix + "zoom", options["zoom"], 0, 0.5, error=ConfigError),
+        "elastic_alpha": float_in_range(prefix + "elastic_alpha", options["elastic_alpha"], 0, 100, error=ConfigError),
+        "elastic_sigma": float_in_range(prefix + "elastic_sigma", options["elastic_sigma"], 0.5, 10, error=ConfigError),
+        "shift_fill": options["shift_fill"],
+    }
+    if checked["shift_fill"] not in SHIFT_FILLS:
+        raise ConfigError(f"{prefix}shift_fill must be one of {', '.join(SHIFT_FILLS)}, got {checked['shift_fill']!r}")
+    return {k: checked[k] for k in AUGMENTATION_OFF}
+
+
 def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift_pixels=2,
-                 flip=False, rotate_degrees=0.0, zoom=0.0, drop_remainder=False):
+                 flip=False, rotate_degrees=0.0, zoom=0.0, elastic_alpha=0.0, elastic_sigma=4.0,
+                 shift_fill="zero", drop_remainder=False):
     """Builds one epoch of batches.
 
     Args:
@@ -309,15 +335,22 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
       training: True: shuffle and augment; False: keep order, no augmentation.
       seed, epoch: key the shuffle order and the augmentation. The same (seed, epoch)
         gives the same batches every time, independent of tf.data's parallelism.
-      shift_pixels: the largest shift in each direction (paper: 2); the uncovered
-        border is zero. 0: no shift.
+      shift_pixels: the largest shift in each direction (paper: 2). 0: no shift.
+      shift_fill: what the shift uncovers: "zero" (the paper's; default) or "edge" (the
+        nearest border pixel repeated, as Keras' ImageDataGenerator fills: no dark band
+        where an object touches the border, as clothes in Fashion-MNIST do).
       flip: mirror each image left-right with probability 1/2 (label-preserving for
         clothing, not for digits).
       rotate_degrees, zoom: a random rotation by an angle uniform in
         ±rotate_degrees and a scaling by a factor uniform in [1 − zoom, 1 + zoom], about
         the image centre, bilinear, zero outside. 0 and 0 (default): none, and then
         every pixel stays an exact multiple of 1/255.
-      Augmentations apply in the order flip, rotate/zoom, shift.
+      elastic_alpha, elastic_sigma: Simard et al.'s (2003) elastic distortion
+        (`elastic_distort`): a random displacement field, uniform in [-1, 1] per pixel,
+        smoothed by a Gaussian of elastic_sigma pixels and scaled by elastic_alpha
+        (Simard: 34 and 4), bilinear, zero outside. elastic_alpha 0 (default): none.
+      Augmentations apply in the order flip, rotate/zoom, shift, elastic (the last on
+        whole batches: its noise is drawn per example, so batching does not change it).
 
     Returns:
       A `tf.data.Dataset` of (images float32 (B, H, W, C) in [0, 1], labels int32 (B,)).
@@ -330,9 +363,9 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
     seed = integer("seed", seed, minimum=-(2**63), maximum=2**63 - 1, error=ConfigError)
     epoch = integer("epoch", epoch, minimum=0, maximum=2**63 - 1, error=ConfigError)
     shift_pixels = integer("shift_pixels", shift_pixels, minimum=0, maximum=min(h, w) - 1, error=ConfigError)
-    flip = boolean("flip", flip, expected="true or false", error=ConfigError)
-    rotate_degrees = float_in_range("rotate_degrees", rotate_degrees, 0, 180, error=ConfigError)
-    zoom = float_in_range("zoom", zoom, 0, 0.5, error=ConfigError)
+    flip, rotate_degrees, zoom, elastic_alpha, elastic_sigma, shift_fill = check_augmentation(
+        flip=flip, rotate_degrees=rotate_degrees, zoom=zoom, elastic_alpha=elastic_alpha,
+        elastic_sigma=elastic_sigma, shift_fill=shift_fill).values()
     if drop_remainder and n < batch_size:
         raise ConfigError(f"batch_size {batch_size} with drop_remainder=True leaves no batch "
                           f"from {n} examples")
@@ -351,6 +384,7 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
                 tf.random.experimental.stateless_split(key, 2, alg="philox"))
             flip_key, affine_key = tf.unstack(
                 tf.random.experimental.stateless_split(shift_key, 2, alg="philox"))
+            elastic_key = tf.random.experimental.stateless_fold_in(key, _ELASTIC_STREAM, alg="philox")
             order = tf.random.experimental.stateless_shuffle(
                 tf.range(n, dtype=tf.int64), seed=shuffle_key, alg="philox")
         else:
@@ -368,13 +402,24 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
                 image = random_rotate_zoom(tf.cast(image, tf.float32), rotate_degrees, zoom,
                                            example_key(affine_key, index))
             if training and shift_pixels > 0:
-                image = random_shift(image, shift_pixels, example_key(shift_key, index))
-            return tf.cast(image, tf.float32) / 255.0, tf.gather(labels_t, index)
+                image = random_shift(image, shift_pixels, example_key(shift_key, index), fill=shift_fill)
+            example = (tf.cast(image, tf.float32) / 255.0, tf.gather(labels_t, index))
+            if training and elastic_alpha > 0:
+                # The example's displacement noise (keyed by its index, like the other
+                # draws), applied below to whole batches: one chain of ops per batch
+                # instead of one per image.
+                example += (tf.random.stateless_uniform([h, w, 2], seed=example_key(elastic_key, index),
+                                                        minval=-1.0, maxval=1.0, alg="philox"),)
+            return example
 
         dataset = tf.data.Dataset.from_tensor_slices(order)
         dataset = dataset.map(load_example, num_parallel_calls=tf.data.AUTOTUNE,
                               deterministic=True)
         dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
+        if training and elastic_alpha > 0:
+            dataset = dataset.map(
+                lambda x, y, noise: (elastic_distort(x, noise, elastic_alpha, elastic_sigma), y),
+                num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         # Prefetch the next batches while the model trains on this one.
         return dataset.prefetch(tf.data.AUTOTUNE)
 
@@ -401,18 +446,20 @@ def example_shape(name, source_shape, shift_pixels):
 
 
 def make_split_dataset(name, images, labels, *, batch_size, training, seed=0, epoch=0, shift_pixels=2,
-                       flip=False, rotate_degrees=0.0, zoom=0.0, drop_remainder=False):
-    """make_dataset, or make_multimnist_dataset for an overlay dataset (`name`), which
-    takes no flip/rotate/zoom augmentation (ConfigError if one is on)."""
+                       drop_remainder=False, **augmentation):
+    """make_dataset (with the `augmentation` keywords of AUGMENTATION_OFF), or
+    make_multimnist_dataset for an overlay dataset (`name`), which takes none of them but
+    their defaults (ConfigError naming the ones set)."""
+    unknown = sorted(set(augmentation) - set(AUGMENTATION_OFF))
+    if unknown:
+        raise TypeError(f"make_split_dataset: unknown augmentation argument(s) {', '.join(unknown)}")
     if not is_overlay(name):
         return make_dataset(images, labels, batch_size=batch_size, training=training, seed=seed, epoch=epoch,
-                            shift_pixels=shift_pixels, flip=flip, rotate_degrees=rotate_degrees, zoom=zoom,
-                            drop_remainder=drop_remainder)
-    on = [f"data.{k}={v}" for k, v in (("flip", flip), ("rotate_degrees", rotate_degrees), ("zoom", zoom))
-          if v != AUGMENTATION_OFF[k]]
+                            shift_pixels=shift_pixels, drop_remainder=drop_remainder, **augmentation)
+    on = [f"data.{k}={v}" for k, v in augmentation.items() if v != AUGMENTATION_OFF[k]]
     if on:
-        raise ConfigError(f"{name} takes no flip/rotate/zoom augmentation (its digits are shifted by "
-                          f"data.shift_pixels): set {', '.join(on)} off")
+        raise ConfigError(f"{name} takes no flip/rotate/zoom/elastic/shift_fill augmentation (its digits are "
+                          f"shifted by data.shift_pixels on a zero canvas): set {', '.join(on)} to the default")
     return make_multimnist_dataset(images, labels, batch_size=batch_size, training=training, seed=seed,
                                    epoch=epoch, shift_pixels=shift_pixels, drop_remainder=drop_remainder)
 
@@ -508,15 +555,22 @@ def make_multimnist_dataset(images, labels, *, batch_size, training, seed=0, epo
         return dataset.prefetch(tf.data.AUTOTUNE)
 
 
-def random_shift(image, shift_pixels, key):
+def random_shift(image, shift_pixels, key, fill="zero"):
     """Shifts one (H, W, C) image by (dy, dx), each uniform in [-shift_pixels, shift_pixels],
-    drawn from the stateless RNG `key` (int64 (2,)); the uncovered border is zero."""
+    drawn from the stateless RNG `key` (int64 (2,)); the uncovered border is zero
+    (fill="zero") or repeats the nearest border pixel (fill="edge"). Both fills draw the
+    same shift from the same key."""
     h, w, c = image.shape
     s = shift_pixels
-    padded = tf.pad(image, [[s, s], [s, s], [0, 0]])  # (H + 2s, W + 2s, C), zero border
-    # A crop at corner (oy, ox) of the padded image is the image shifted by (s - oy, s - ox).
+    # A crop at corner (oy, ox) of the image padded by s is the image shifted by (s - oy, s - ox).
     corner = tf.random.stateless_uniform([2], seed=key, minval=0, maxval=2 * s + 1,
                                          dtype=tf.int32, alg="philox")
+    if fill == "edge":
+        # out[y, x] = image[clip(y - dy), clip(x - dx)] with (dy, dx) = s - corner.
+        rows = tf.clip_by_value(tf.range(h) + corner[0] - s, 0, h - 1)
+        cols = tf.clip_by_value(tf.range(w) + corner[1] - s, 0, w - 1)
+        return tf.gather(tf.gather(image, rows, axis=0), cols, axis=1)  # (H, W, C)
+    padded = tf.pad(image, [[s, s], [s, s], [0, 0]])  # (H + 2s, W + 2s, C), zero border
     return tf.slice(padded, [corner[0], corner[1], 0], [h, w, c])  # (H, W, C)
 
 
@@ -560,6 +614,44 @@ def rotate_zoom(image, angle, scale):
         output_shape=tf.constant([h, w], tf.int32), fill_value=0.0,
         interpolation="BILINEAR", fill_mode="CONSTANT")
     return out[0]
+
+
+def gaussian_kernel(sigma):
+    """The normalised 1-D Gaussian of standard deviation `sigma` pixels, cut at 3σ."""
+    radius = max(1, math.ceil(3 * sigma))
+    taps = np.exp(-0.5 * (np.arange(-radius, radius + 1) / sigma) ** 2)
+    return (taps / taps.sum()).astype(np.float32)
+
+
+def elastic_distort(images, noise, alpha, sigma):
+    """Simard, Steinkraus & Platt (2003), sec. 2, on a batch: output pixel (y, x) of image b
+    samples `images` (B, H, W, C) at (y + dy, x + dx), bilinear, zero outside, where
+    (dy, dx) = alpha × (`noise` (B, H, W, 2) smoothed by a Gaussian of `sigma` pixels, zero
+    beyond the border). The smoothing makes neighbouring pixels move together: strokes bend
+    and thicken locally, as handwriting varies, instead of being scattered. Returns
+    float32 on the input's scale."""
+    images = tf.cast(images, tf.float32)
+    h, w = int(images.shape[1]), int(images.shape[2])
+    kernel = tf.constant(gaussian_kernel(sigma))
+    k = int(kernel.shape[0])
+    # Separable blur of every component as a (2B, H, W, 1) batch: 'SAME' pads with zeros.
+    field = tf.reshape(tf.transpose(tf.cast(noise, tf.float32), [0, 3, 1, 2]), [-1, h, w, 1])
+    field = tf.nn.conv2d(field, tf.reshape(kernel, [k, 1, 1, 1]), 1, "SAME")
+    field = tf.nn.conv2d(field, tf.reshape(kernel, [1, k, 1, 1]), 1, "SAME")
+    field = alpha * tf.reshape(field, [-1, 2, h, w])                     # (B, 2, H, W)
+    ys = tf.range(h, dtype=tf.float32)[:, None] + field[:, 0]            # (B, H, W)
+    xs = tf.range(w, dtype=tf.float32)[None, :] + field[:, 1]            # (B, H, W)
+    y0, x0 = tf.floor(ys), tf.floor(xs)
+    out = tf.zeros_like(images)
+    for oy in (0.0, 1.0):
+        for ox in (0.0, 1.0):
+            yi, xi = y0 + oy, x0 + ox
+            weight = (1.0 - tf.abs(ys - yi)) * (1.0 - tf.abs(xs - xi))
+            inside = (yi >= 0) & (yi <= h - 1) & (xi >= 0) & (xi <= w - 1)
+            index = tf.stack([tf.clip_by_value(yi, 0, h - 1), tf.clip_by_value(xi, 0, w - 1)], -1)
+            taps = tf.gather_nd(images, tf.cast(index, tf.int32), batch_dims=1)  # (B, H, W, C)
+            out += tf.where(inside, weight, 0.0)[..., None] * taps
+    return out
 
 
 def _check_examples(images, labels):

@@ -9,7 +9,7 @@ import keras
 import tensorflow as tf
 
 from capsnet.layers import Decoder, DigitCaps, PrimaryCaps, capsule_lengths
-from capsnet.validation import boolean, positive_int, positive_int_tuple
+from capsnet.validation import boolean, positive_float, positive_int, positive_int_tuple
 
 __all__ = ["CapsNet", "build_model"]
 
@@ -35,6 +35,8 @@ class CapsNet(keras.Model):
     `custom_op` only picks how DigitCaps computes u_hat, and `fused_routing` (with
     custom_op) whether one compiled op also does the routing; the weights are
     identical, so a model built with any setting loads the others' weights.
+    `w_init_stddev`: DigitCaps' W starts as N(0, w_init_stddev²) per entry (see
+    `capsnet.layers.DigitCaps`).
     """
 
     def __init__(self, input_shape=(28, 28, 1), num_classes=10, conv1_filters=256,
@@ -42,7 +44,7 @@ class CapsNet(keras.Model):
                  primary_caps_kernel_size=9, primary_caps_strides=2, digit_caps_dim=16,
                  routing_iterations=3, stop_gradient_routing=True, decoder=True,
                  decoder_units=(512, 1024), custom_op=False, jit_routing=False, fused_routing=False,
-                 **kwargs):
+                 w_init_stddev=0.1, **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
         self.image_shape = positive_int_tuple(f"{owner}: input_shape", input_shape, length=3)
@@ -61,6 +63,7 @@ class CapsNet(keras.Model):
         self.custom_op = boolean(f"{owner}: custom_op", custom_op)
         self.jit_routing = boolean(f"{owner}: jit_routing", jit_routing)
         self.fused_routing = boolean(f"{owner}: fused_routing", fused_routing)
+        self.w_init_stddev = positive_float(f"{owner}: w_init_stddev", w_init_stddev)
 
         # Both convolutions are 'valid': check now that the image survives them, so a
         # bad config fails here with the numbers rather than inside a conv op.
@@ -84,7 +87,8 @@ class CapsNet(keras.Model):
             num_caps=self.num_classes, dim=self.digit_caps_dim,
             routing_iterations=self.routing_iterations,
             stop_gradient_routing=self.stop_gradient_routing, custom_op=self.custom_op,
-            jit_routing=self.jit_routing, fused_routing=self.fused_routing, name="digit_caps")
+            jit_routing=self.jit_routing, fused_routing=self.fused_routing,
+            kernel_initializer=keras.initializers.RandomNormal(stddev=self.w_init_stddev), name="digit_caps")
         self.decoder = (
             Decoder(units=self.decoder_units, output_shape=self.image_shape, name="decoder")
             if self.use_decoder else None)
@@ -178,6 +182,7 @@ class CapsNet(keras.Model):
             "custom_op": self.custom_op,
             "jit_routing": self.jit_routing,
             "fused_routing": self.fused_routing,
+            "w_init_stddev": self.w_init_stddev,
         }
 
     @classmethod

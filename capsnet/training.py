@@ -71,7 +71,8 @@ import yaml
 from tensorflow.python.framework import config as tf_config
 
 from capsnet import ops
-from capsnet.data import AUGMENTATION_KEYS, AUGMENTATION_OFF, example_shape, is_overlay, load_split, make_split_dataset
+from capsnet.data import (AUGMENTATION_KEYS, AUGMENTATION_OFF, check_augmentation, example_shape, is_overlay, load_split,
+                          make_split_dataset)
 from capsnet.errors import CheckpointError, ConfigError, OpLibraryError
 from capsnet.evaluation import (
     capsnet_losses, checkpoint_weights, correct_predictions, evaluate_model, json_safe, loss_params, make_eval_step,
@@ -652,6 +653,7 @@ def _check_config(cfg):
         positive_float(f"train.{key}", train_cfg[key], error=ConfigError)
     loss_params(cfg["train"])  # m_plus, m_minus, lambda_, reconstruction_weight
     check_xla(cfg["train"]["xla"], cfg["custom_op"], cfg["model"].get("jit_routing", False))
+    check_augmentation("data.", **{k: cfg["data"].get(k, off) for k, off in AUGMENTATION_OFF.items()})
     integer("seed", cfg["seed"], error=ConfigError)
     if not cfg.get("run_dir"):
         raise ConfigError("run_dir is not set (train.py sets it to Hydra's run dir; tests pass one)")
@@ -667,6 +669,8 @@ RESUME_KEYS = {
               "m_plus", "m_minus", "lambda_", "reconstruction_weight"),
 }
 RESUME_FREE_MODEL_KEYS = ("jit_routing", "fused_routing")
+# Model keys added after the first release, with the value a run saved before them was built with.
+MODEL_ADDED_DEFAULTS = {"w_init_stddev": 0.1}
 
 
 def _resume_values(cfg):
@@ -678,7 +682,8 @@ def _resume_values(cfg):
         return values if isinstance(values, dict) else {}
 
     values = {"seed": cfg.get("seed")}
-    values.update({f"model.{k}": v for k, v in section("model").items() if k not in RESUME_FREE_MODEL_KEYS})
+    model = {**MODEL_ADDED_DEFAULTS, **section("model")} if section("model") else {}
+    values.update({f"model.{k}": v for k, v in model.items() if k not in RESUME_FREE_MODEL_KEYS})
     for name, keys in RESUME_KEYS.items():
         values.update({f"{name}.{k}": section(name).get(k) for k in keys})
     # Augmentations added after a run was saved were off in it.

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from capsnet.data import load_split, make_dataset, read_idx, rotate_zoom, write_idx
+from capsnet.data import elastic_distort, load_split, make_dataset, read_idx, rotate_zoom, write_idx
 from capsnet.errors import ConfigError, DataError
 from conftest import collect, numpy_shift
 
@@ -367,6 +367,23 @@ def test_augmented_images_are_zero_filled_shifts(examples, shift_pixels):
     assert set(dys) == set(dxs) == set(range(-shift_pixels, shift_pixels + 1))
 
 
+def test_edge_fill_repeats_the_border_and_draws_the_zero_fills_shifts(examples):
+    images, labels = examples
+    kwargs = dict(batch_size=32, training=True, seed=1, epoch=3, shift_pixels=2)
+    zero_x, zero_y = collect(make_dataset(images, labels, **kwargs))
+    edge_x, edge_y = collect(make_dataset(images, labels, shift_fill="edge", **kwargs))
+    np.testing.assert_array_equal(edge_y, zero_y)
+    s, moved = 2, 0
+    for zero, edge, index in zip(zero_x, edge_x, edge_y):
+        dy, dx = find_shift(np.rint(zero * 255).astype(np.uint8), images[index], s)
+        # NumPy's edge padding, cropped where the zero fill's shift puts the image.
+        padded = np.pad(images[index], [(s, s), (s, s), (0, 0)], mode="edge")
+        expected = padded[s - dy:s - dy + 28, s - dx:s - dx + 28]
+        np.testing.assert_array_equal(np.rint(edge * 255).astype(np.uint8), expected)
+        moved += (dy, dx) != (0, 0)
+    assert moved > 40
+
+
 def test_shifts_change_with_epoch(examples):
     images, labels = examples
     def shifts(epoch):
@@ -391,24 +408,30 @@ def test_shift_zero_is_identity(examples):
     np.testing.assert_array_equal(got_x, images[got_y].astype(np.float32) / np.float32(255))
 
 
-def numpy_rotate_zoom(image, angle, scale):
-    """Bilinear inverse mapping written out in NumPy: output pixel (x, y) samples the input
-    at R(−angle)·((x, y) − c)/scale + c, counter-clockwise as displayed (rows down); taps
-    outside the image count as 0."""
+def numpy_bilinear(image, ys, xs):
+    """`image` (H, W) sampled at the points (ys, xs) (float arrays), bilinear, written out
+    in NumPy; taps outside the image count as 0."""
     h, w = image.shape
-    cy, cx = (h - 1) / 2, (w - 1) / 2
-    y, x = np.mgrid[0:h, 0:w].astype(np.float64)
-    dx, dy = (x - cx) / scale, (y - cy) / scale
-    xs = np.cos(angle) * dx - np.sin(angle) * dy + cx
-    ys = np.sin(angle) * dx + np.cos(angle) * dy + cy
     x0, y0 = np.floor(xs).astype(int), np.floor(ys).astype(int)
-    out = np.zeros((h, w))
+    out = np.zeros(np.shape(xs))
     for oy, ox in ((0, 0), (0, 1), (1, 0), (1, 1)):
         xi, yi = x0 + ox, y0 + oy
         weight = (1 - np.abs(xs - xi)) * (1 - np.abs(ys - yi))
         inside = (xi >= 0) & (xi < w) & (yi >= 0) & (yi < h)
         out += np.where(inside, weight * image[np.clip(yi, 0, h - 1), np.clip(xi, 0, w - 1)], 0)
     return out
+
+
+def numpy_rotate_zoom(image, angle, scale):
+    """Inverse mapping: output pixel (x, y) samples the input at R(−angle)·((x, y) − c)/scale
+    + c, counter-clockwise as displayed (rows down)."""
+    h, w = image.shape
+    cy, cx = (h - 1) / 2, (w - 1) / 2
+    y, x = np.mgrid[0:h, 0:w].astype(np.float64)
+    dx, dy = (x - cx) / scale, (y - cy) / scale
+    xs = np.cos(angle) * dx - np.sin(angle) * dy + cx
+    ys = np.sin(angle) * dx + np.cos(angle) * dy + cy
+    return numpy_bilinear(image, ys, xs)
 
 
 def test_rotate_zoom_quarter_turn_is_rot90():
@@ -425,6 +448,52 @@ def test_rotate_zoom_matches_numpy_bilinear(degrees, scale):
     got = rotate_zoom(tf.constant(image[..., None]), tf.constant(angle, tf.float32),
                       tf.constant(scale, tf.float32))
     np.testing.assert_allclose(got[..., 0], numpy_rotate_zoom(image, angle, scale), atol=0.05)
+
+
+def numpy_elastic(image, noise, alpha, sigma):
+    """Simard et al.'s elastic distortion written out: the noise (H, W, 2) smoothed by a 2-D
+    Gaussian (cut at a radius of ceil(3σ), normalised, zero beyond the border) tap by tap,
+    times alpha, is the (dy, dx) at which each output pixel samples the image."""
+    h, w = image.shape
+    r = int(np.ceil(3 * sigma))
+    oy, ox = np.mgrid[-r:r + 1, -r:r + 1]
+    kernel = np.exp(-(oy ** 2 + ox ** 2) / (2 * sigma ** 2))
+    kernel /= kernel.sum()
+    padded = np.pad(noise.astype(np.float64), [(r, r), (r, r), (0, 0)])
+    field = np.zeros((h, w, 2))
+    for i in range(2 * r + 1):
+        for j in range(2 * r + 1):
+            field += kernel[i, j] * padded[i:i + h, j:j + w]
+    y, x = np.mgrid[0:h, 0:w].astype(np.float64)
+    return numpy_bilinear(image, y + alpha * field[..., 0], x + alpha * field[..., 1])
+
+
+@pytest.mark.parametrize("alpha, sigma", [(0.0, 4.0), (8.0, 3.0), (34.0, 4.0), (60.0, 1.5)])
+def test_elastic_distort_matches_numpy(alpha, sigma):
+    images = tiny_images(3, seed=6).astype(np.float32)
+    noise = np.random.default_rng(7).uniform(-1, 1, size=(3, 28, 28, 2)).astype(np.float32)
+    got = elastic_distort(tf.constant(images[..., None]), tf.constant(noise), alpha, sigma)
+    assert got.shape == (3, 28, 28, 1) and got.dtype == tf.float32
+    for b in range(3):  # each image with its own noise
+        np.testing.assert_allclose(got[b, ..., 0], numpy_elastic(images[b], noise[b], alpha, sigma), atol=0.05)
+    if alpha == 0:
+        np.testing.assert_array_equal(got[..., 0], images)  # no displacement: the images themselves
+
+
+def test_elastic_augmentation_moves_strokes_locally():
+    """Simard's setting on a centred blob: every image is distorted (differently), and the
+    blob stays where it was to within a few pixels (the field is smooth and zero-mean:
+    not a shift)."""
+    n = 60
+    images = blob_images(n, offset=0.0)
+    got_x, got_y = collect(make_dataset(images, np.arange(n), batch_size=32, training=True, seed=2,
+                                        shift_pixels=0, elastic_alpha=34, elastic_sigma=4))
+    source = images[0, ..., 0].astype(np.float32) / 255
+    moved = [np.abs(x[..., 0] - source).max() for x in got_x]
+    assert min(moved) > 0.05  # each one distorted
+    assert len({x.tobytes() for x in got_x}) == n  # each its own way
+    shifts = np.array([centroid_polar(x)[1] for x in got_x])  # centroid distance from the centre
+    assert shifts.max() < 4.0 and np.median(shifts) < 2.0
 
 
 def blob_images(n, offset=8.0, size=28):
@@ -479,7 +548,7 @@ def test_flip_mirrors_about_half_the_examples(examples):
 def test_augmentations_reproducible_and_independent_of_batching(examples):
     images, labels = examples
     kwargs = dict(training=True, seed=4, epoch=1, shift_pixels=2, flip=True, rotate_degrees=15,
-                  zoom=0.1)
+                  zoom=0.1, elastic_alpha=20, elastic_sigma=3, shift_fill="edge")
     x16, y16 = collect(make_dataset(images, labels, batch_size=16, **kwargs))
     x7, y7 = collect(make_dataset(images, labels, batch_size=7, **kwargs))
     np.testing.assert_array_equal(y7, y16)
@@ -489,12 +558,13 @@ def test_augmentations_reproducible_and_independent_of_batching(examples):
 
 
 def test_default_augmentation_unchanged_by_the_new_options(examples):
-    """flip/rotate/zoom off must replay the shift-only pipeline bit for bit: runs made
-    before these options existed resume onto the same batches."""
+    """flip/rotate/zoom/elastic off and zero fill must replay the shift-only pipeline bit
+    for bit: runs made before these options existed resume onto the same batches."""
     images, labels = examples
     x_default, y_default = collect(make_dataset(images, labels, batch_size=16, training=True, seed=9))
     x_off, y_off = collect(make_dataset(images, labels, batch_size=16, training=True, seed=9,
-                                        flip=False, rotate_degrees=0, zoom=0.0))
+                                        flip=False, rotate_degrees=0, zoom=0.0, elastic_alpha=0,
+                                        elastic_sigma=2.5, shift_fill="zero"))
     np.testing.assert_array_equal(y_off, y_default)
     np.testing.assert_array_equal(x_off, x_default)
     for augmented, index in zip(x_default, y_default):
@@ -506,6 +576,9 @@ def test_default_augmentation_unchanged_by_the_new_options(examples):
     (dict(batch_size=8, rotate_degrees=-5), ConfigError, "rotate_degrees must be a number in [0, 180]"),
     (dict(batch_size=8, rotate_degrees="10"), ConfigError, "rotate_degrees"),
     (dict(batch_size=8, zoom=0.7), ConfigError, "zoom must be a number in [0, 0.5], got 0.7"),
+    (dict(batch_size=8, elastic_alpha=-1), ConfigError, "elastic_alpha must be a number in [0, 100], got -1"),
+    (dict(batch_size=8, elastic_sigma=0), ConfigError, "elastic_sigma must be a number in [0.5, 10], got 0"),
+    (dict(batch_size=8, shift_fill="reflect"), ConfigError, "shift_fill must be one of zero, edge, got 'reflect'"),
     (dict(batch_size=0), ConfigError, "batch_size must be ≥ 1, got 0"),
     (dict(batch_size=-4), ConfigError, "batch_size"),
     (dict(batch_size=2.0), ConfigError, "batch_size must be an integer"),

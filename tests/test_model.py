@@ -120,9 +120,11 @@ def test_every_weight_gets_a_gradient_and_a_step_lowers_the_loss():
 # ----------------------------------------------------------------- config and weights
 
 def test_config_round_trip():
-    model = build_model(routing_iterations=2, stop_gradient_routing=False, num_classes=7, **SMALL)
+    model = build_model(routing_iterations=2, stop_gradient_routing=False, num_classes=7, w_init_stddev=0.02,
+                        **SMALL)
     config = model.get_config()
     assert config["routing_iterations"] == 2 and config["stop_gradient_routing"] is False
+    assert config["w_init_stddev"] == 0.02
     clone = CapsNet.from_config(config)
     assert clone.get_config() == config
     clone.build((None, 28, 28, 1))
@@ -130,6 +132,15 @@ def test_config_round_trip():
     x = images()
     for key, value in model(x).items():
         np.testing.assert_array_equal(clone(x)[key].numpy(), value.numpy())
+
+
+@pytest.mark.parametrize("stddev", [0.1, 0.01])
+def test_w_init_stddev_sets_the_spread_of_W(stddev):
+    """model.w_init_stddev reaches DigitCaps: W's 144·10·8·8 = 92,160 entries have that
+    standard deviation (sampling error ~0.23%) and mean ~0 (~0.33% of it)."""
+    W = build_model(w_init_stddev=stddev, **SMALL).digit_caps.W.numpy()
+    assert abs(W.std() / stddev - 1) < 0.01 and abs(W.mean()) < 0.01 * stddev
+    assert config(f"model.w_init_stddev={stddev}")["model"]["w_init_stddev"] == stddev
 
 
 def test_weights_load_across_custom_op(tmp_path):
@@ -204,6 +215,7 @@ def test_custom_op_matches_matmul_path(no_tf32):
     (dict(input_shape=(28, 28)), r"input_shape must be 3 positive integers, got \(28, 28\)"),
     (dict(input_shape=(16, 16, 1)), r"input_shape \(16, 16, 1\) is too small .* need at least 17 pixels"),
     (dict(decoder_units=[]), "decoder_units must be a non-empty sequence"),
+    (dict(w_init_stddev=0), "w_init_stddev must be a positive number, got 0"),
 ])
 def test_rejects_bad_args(kwargs, match):
     with pytest.raises(ValueError, match=match):

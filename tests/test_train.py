@@ -109,6 +109,11 @@ def test_bad_train_values_raise_config_error(tiny_config, override, key):
     ("model.input_shape=5", r"input_shape \(5, 5, 5\) is too small"),
     ("model.input_shape=[28,28]", "input_shape must be 3 positive integers"),
     ("model.decoder_units=[32,abc]", "decoder_units must be a non-empty sequence of positive integers"),
+    ("model.w_init_stddev=-0.1", "w_init_stddev must be a positive number, got -0.1"),
+    # The augmentation options, named as config keys.
+    ("data.shift_fill=reflect", "data.shift_fill must be one of zero, edge, got 'reflect'"),
+    ("data.elastic_alpha=-3", r"data\.elastic_alpha must be a number in \[0, 100\], got -3"),
+    ("data.rotate_degrees=200", r"data\.rotate_degrees must be a number in \[0, 180\]"),
 ])
 def test_bad_values_raise_one_line_config_errors_before_any_work(tiny_config, tmp_path, override, message):
     with pytest.raises(ConfigError, match=message) as err:
@@ -248,17 +253,22 @@ def test_resume_with_a_config_that_changes_the_run_says_what_differs(trained_run
     assert (run_dir / "history.jsonl").read_text() == (trained_run[0] / "history.jsonl").read_text()  # untouched
 
 
-def test_resume_of_a_run_saved_before_the_flip_rotate_zoom_options(trained_run, tiny_config, tmp_path):
-    """A config.yaml without data.flip / rotate_degrees / zoom was trained without them:
-    resuming with them off continues, turning one on is refused."""
+@pytest.mark.parametrize("changed", ["data.zoom=0.1", "data.elastic_alpha=30", "data.shift_fill=edge",
+                                     "model.w_init_stddev=0.01"])
+def test_resume_of_a_run_saved_before_the_later_options(trained_run, tiny_config, tmp_path, changed):
+    """A config.yaml without the options added later (data.flip / rotate_degrees / zoom /
+    elastic_* / shift_fill, model.w_init_stddev) was trained with their defaults: resuming
+    with the defaults continues, changing one is refused."""
     run_dir = tmp_path / "old"
     shutil.copytree(trained_run[0], run_dir)
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    for key in ("flip", "rotate_degrees", "zoom"):
+    for key in ("flip", "rotate_degrees", "zoom", "elastic_alpha", "elastic_sigma", "shift_fill"):
         del saved["data"][key]
+    del saved["model"]["w_init_stddev"]
     (run_dir / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
-    with pytest.raises(CheckpointError, match=r"\(data.zoom: 0.0 -> 0.1\)"):
-        train(tiny_config("data.zoom=0.1", "train.epochs=5", run_dir=run_dir))
+    key, value = changed.split("=")
+    with pytest.raises(CheckpointError, match=rf"\({key}: \S+ -> '?{value}'?\)"):
+        train(tiny_config(changed, "train.epochs=5", run_dir=run_dir))
     metrics = train(tiny_config("train.epochs=5", run_dir=run_dir))
     assert metrics["resumed_from"].endswith("ckpt-4")
 
