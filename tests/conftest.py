@@ -167,7 +167,8 @@ def entry_point_env(*paths):
 
 
 def run_entry_point(script, *args, cwd, timeout=300):
-    """Run train.py / evaluate.py as a user would; returns the CompletedProcess (text)."""
+    """Run a script of the repository (train.py, evaluate.py, scripts/...; path relative to
+    the repository) as a user would; returns the CompletedProcess (text)."""
     return subprocess.run([sys.executable, str(REPO / script), *map(str, args)], cwd=cwd,
                           env=entry_point_env(), capture_output=True, text=True, timeout=timeout)
 

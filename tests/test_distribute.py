@@ -26,7 +26,7 @@ import yaml
 
 from capsnet.errors import CheckpointError, ConfigError
 from capsnet.training import scaled_learning_rate, train
-from conftest import REPO, compose_config, entry_point_env, read_events, repo_env, tiny_overrides
+from conftest import REPO, compose_config, entry_point_env, read_events, repo_env, run_entry_point, tiny_overrides
 
 # 53 = 3 × 16 + 5: a short last batch, split unevenly over two replicas; every step logged.
 DATA = ["data.limit_train=53", "data.limit_test=48", "train.log_every_steps=1"]
@@ -413,12 +413,10 @@ def test_benchmark_scale_script_times_one_device_and_mirrored_on_the_same_data(t
 
 
 def test_benchmark_scale_script_rejects_bad_arguments(tmp_path):
-    script = str(REPO / "scripts" / "benchmark_scale.py")
     for args, message in ((["--all-reduce", "ring"], "unknown all-reduce ring"),
                           (["--replicas", "0"], "positive integers"),
                           (["distribute=mirrored"], "distribute is set by the benchmark"),
                           (["train.batch_size=64"], "train.batch_size is set by the benchmark")):
-        result = subprocess.run([sys.executable, script, *args], env=entry_point_env(), capture_output=True,
-                                text=True, timeout=120, cwd=tmp_path)
+        result = run_entry_point("scripts/benchmark_scale.py", *args, cwd=tmp_path, timeout=120)
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
         assert "Traceback" not in result.stderr

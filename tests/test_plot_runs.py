@@ -3,13 +3,11 @@ the run's history.jsonl, resumed and cut-short event files, and one-line errors.
 import importlib.util
 import json
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import REPO, entry_point_env
+from conftest import REPO, run_entry_point
 
 SCRIPT = REPO / "scripts" / "plot_runs.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -129,7 +127,7 @@ def test_bad_inputs_exit_2_with_one_line(plot_runs, trained_run, tmp_path, capsy
     assert not (tmp_path / "o").exists()
 
     # As a user runs it: the same one line from the command line, and nothing on stdout.
-    result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "missing"), "--out", str(tmp_path / "o")],
-                            env=entry_point_env(), capture_output=True, text=True, timeout=60)
+    result = run_entry_point("scripts/plot_runs.py", tmp_path / "missing", "--out", tmp_path / "o", cwd=tmp_path,
+                             timeout=60)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == f"error: run dir {tmp_path / 'missing'} does not exist or is not a directory\n"

@@ -14,7 +14,7 @@ import yaml
 
 from capsnet.errors import CheckpointError, ConfigError, DataError, OpLibraryError
 from capsnet.training import image_grid, learning_rate_schedule, train
-from conftest import REPO, compose_config, entry_point_env, read_events, tiny_overrides
+from conftest import REPO, compose_config, entry_point_env, read_events, run_entry_point, tiny_overrides
 
 STEPS_PER_EPOCH = 20  # 320 tiny training images / batch 16
 
@@ -585,12 +585,10 @@ def test_benchmark_train_script_times_both_paths_on_the_same_model(tmp_path):
 
 
 def test_benchmark_train_script_rejects_bad_arguments(tmp_path):
-    script = str(REPO / "scripts" / "benchmark_train.py")
     for args, message in ((["--variants", "op,fast"], "unknown variant(s) fast"),
                           (["--batch-sizes", "128,0"], "positive integers"),
                           (["custom_op=true"], "custom_op is set by each variant"),
                           (["model.no_such_key=1"], "error: bad override")):
-        result = subprocess.run([sys.executable, script, *args], env=entry_point_env(), capture_output=True,
-                                text=True, timeout=120, cwd=tmp_path)
+        result = run_entry_point("scripts/benchmark_train.py", *args, cwd=tmp_path, timeout=120)
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
         assert "Traceback" not in result.stderr
