@@ -227,7 +227,7 @@ def format_report(report):
     k = len(confusion)
     width = max(5, len(str(confusion.max())) + 1)
     lines = [
-        f"checkpoint: {report['checkpoint']} (epoch {report['epoch']})",
+        _checkpoint_line(report),
         f"dataset: {report['dataset']} test, {report['num_examples']} examples, custom_op={report['custom_op']}",
         f"accuracy {report['accuracy']:.4%}  loss {report['loss']:.5f}  "
         f"(margin {report['margin_loss']:.5f}, reconstruction {report['reconstruction_loss']:.3f})  "
@@ -246,9 +246,14 @@ def format_report(report):
     return "\n".join(lines)
 
 
+def _checkpoint_line(report):
+    weights = "moving average of the weights" if report["weights"] == "ema" else "trained weights"
+    return f"checkpoint: {report['checkpoint']} (epoch {report['epoch']}, {weights})"
+
+
 def _format_pair_report(report):
     lines = [
-        f"checkpoint: {report['checkpoint']} (epoch {report['epoch']})",
+        _checkpoint_line(report),
         f"dataset: {report['dataset']} test, {report['num_examples']} two-digit examples, "
         f"custom_op={report['custom_op']}",
         f"accuracy (both digits right) {report['accuracy']:.4%}  loss {report['loss']:.5f}  "
@@ -341,10 +346,16 @@ def checkpoint_weights(model):
     return weights
 
 
-def restore_model(model, prefix):
-    """Load the model weights (only) from a training checkpoint; returns the epoch it was saved at."""
+# evaluate(weights=...): the trained weights (checkpoint node "model") or their moving
+# average (node "ema", kept by runs with train.ema_decay > 0; the same names below it).
+WEIGHTS = {"raw": "model", "ema": "ema"}
+
+
+def restore_model(model, prefix, weights="raw"):
+    """Load the model weights (only) from a training checkpoint: the trained ones (weights="raw")
+    or their moving average ("ema"); returns the epoch it was saved at."""
     epoch = tf.Variable(0, dtype=tf.int64, trainable=False)
-    checkpoint = tf.train.Checkpoint(model=checkpoint_weights(model), epoch=epoch)
+    checkpoint = tf.train.Checkpoint(**{WEIGHTS[weights]: checkpoint_weights(model)}, epoch=epoch)
     try:
         status = checkpoint.read(prefix)
         # The optimizer state in the file is not needed here (expect_partial), but every
@@ -362,7 +373,7 @@ def restore_model(model, prefix):
 # --------------------------------------------------------------------------- evaluate
 
 def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_test=None,
-             custom_op=None, batch_size=None, output=None):
+             custom_op=None, batch_size=None, weights=None, output=None):
     """Evaluate `checkpoint` on the test split; returns the report and writes it as JSON.
 
     Args:
@@ -373,18 +384,20 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
             holds the other dataset's files).
         custom_op: None = as trained; True/False picks the capsule-prediction path.
         batch_size: None = the run's train.batch_size.
+        weights: None = the run's moving average of the weights if it kept one
+            (train.ema_decay > 0), else the trained weights; "ema" or "raw" to choose.
         output: JSON path; None = `<checkpoint>.eval.json`.
 
     Returns:
         dict with accuracy, loss, margin_loss, reconstruction_loss, images_per_sec,
         per_class_accuracy, confusion_matrix, num_examples, checkpoint, epoch,
-        dataset, custom_op. MultiMNIST (two digits per example): accuracy = both
+        dataset, custom_op, weights. MultiMNIST (two digits per example): accuracy = both
         digits right, per_class_accuracy = per-class recall among the top two,
         per_class_examples, confusion_matrix None (pair_report).
     """
     # Imported here: capsnet.training imports this module.
     from capsnet.data import example_shape, is_overlay, load_split, make_split_dataset
-    from capsnet.training import build_capsnet, check_labels, check_op_library
+    from capsnet.training import build_capsnet, check_labels, check_op_library, ema_decay
 
     prefix, run_dir, cfg = resolve_checkpoint(checkpoint, which)
     prefix, run_dir = str(Path(prefix).resolve()), Path(run_dir).resolve()
@@ -413,8 +426,17 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
                               error=ConfigError)
     try:
         losses = loss_params(train_cfg)
+        kept_average = ema_decay(train_cfg) > 0
     except ConfigError as exc:
         raise ConfigError(f"the run config of {run_dir}: {exc}") from exc
+    if weights is None:
+        weights = "ema" if kept_average else "raw"
+    if weights not in WEIGHTS:
+        raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)} (or null: the run's average if it kept one), "
+                          f"got {weights!r}")
+    if weights == "ema" and not kept_average:
+        raise ConfigError(f"weights=ema: the run {run_dir} kept no average of its weights (train.ema_decay was 0); "
+                          "use weights=raw")
 
     if custom_op:
         check_op_library()
@@ -429,7 +451,7 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     shift_pixels = data_cfg.get("shift_pixels", 2)
     check_labels(labels, images, model=model, split=f"{data_cfg['name']} test",
                  image_shape=example_shape(data_cfg["name"], images.shape[1:], shift_pixels))
-    epoch = restore_model(model, prefix)
+    epoch = restore_model(model, prefix, weights)
 
     dataset = make_split_dataset(data_cfg["name"], images, labels, batch_size=batch_size, training=False,
                                  shift_pixels=shift_pixels)
@@ -452,6 +474,7 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
         "dataset": data_cfg["name"],
         "custom_op": custom_op,
         "batch_size": batch_size,
+        "weights": weights,
     }
     output = Path(output) if output is not None else Path(str(prefix) + ".eval.json")
     try:

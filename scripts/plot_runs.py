@@ -7,6 +7,8 @@
 Writes into --out (created if missing), and prints each path written:
 - `curves.png`: test accuracy per epoch (left) and train (solid) / test (dashed) total
   loss (right, log scale), every run overlaid, one colour per run, legend = run name.
+  A run that kept a moving average of its weights (train.ema_decay) tests the average;
+  its trained weights' test accuracy (test/raw_accuracy) is the dotted line of its colour.
 - `<name>_reconstructions.png` per run: the last epoch's
   `reconstructions/inputs_over_reconstructions` image (test inputs over their
   reconstructions), as TensorBoard shows it. Skipped, with a note on stderr, for a run
@@ -33,6 +35,7 @@ sys.path.insert(0, str(REPO))  # run from a clone without `pip install -e .` too
 from capsnet.cli import fail, import_tensorflow_quietly  # noqa: E402  (as train.py does)
 
 ACCURACY_TAG = "test/accuracy"
+RAW_ACCURACY_TAG = "test/raw_accuracy"  # the trained weights' of a run with train.ema_decay > 0
 LOSS_TAGS = {"train": "train/loss", "test": "test/loss"}
 IMAGE_TAG = "reconstructions/inputs_over_reconstructions"
 EVENT_GLOB = "events.out.tfevents.*"
@@ -158,6 +161,7 @@ def load_run(run_dir):
     return {
         "epochs": list(range(1, len(accuracy) + 1)),
         "accuracy": accuracy,
+        "raw_accuracy": scalar_series(events, RAW_ACCURACY_TAG)[1],  # [] without a weight average
         "losses": losses,
         "image": image,  # (step, array) or None
         "image_epoch": None if image is None else round(image[0] / steps_per_epoch),
@@ -184,6 +188,10 @@ def plot_curves(runs, path):
         accuracy = [100 * a for a in run["accuracy"]]
         ax_acc.plot(run["epochs"], accuracy, color=color, lw=1.2,
                     label=f"{name} (last {accuracy[-1]:.2f}%, best {max(accuracy):.2f}%)")
+        if run["raw_accuracy"]:
+            raw = [100 * a for a in run["raw_accuracy"]]
+            ax_acc.plot(run["epochs"][:len(raw)], raw, ":", color=color, lw=1.0,
+                        label=f"{name}, trained weights (last {raw[-1]:.2f}%)")
         for split, style in (("train", "-"), ("test", "--")):
             x, y = run["losses"][split]
             if x:

@@ -124,7 +124,7 @@ def mirrored(tiny_idx_dir, tmp_path_factory):
     """The mirrored runs, over /cpu:0 and /cpu:1, in one subprocess:
     indivisible: train.batch_size=15 (a ConfigError); run: 2 epochs, then resumed for a third
     with custom_op=true; jit: 1 epoch with train.xla=jit; loop: 3 epochs with
-    train.steps_per_execution=3."""
+    train.steps_per_execution=3; ema: 1 epoch with train.ema_decay=0.5."""
     root = tmp_path_factory.mktemp("mirrored")
     two_cpus = ["distribute=mirrored", "distribute.devices=[/cpu:0,/cpu:1]"]
 
@@ -139,6 +139,8 @@ def mirrored(tiny_idx_dir, tmp_path_factory):
         # Several steps per call (a loop over the distributed iterator): calls of 1 + 3 steps
         # an epoch, the 3 ending at the log step.
         ("loop", cfg("loop", "train.epochs=3", "train.steps_per_execution=3", "train.log_every_steps=4")),
+        # A moving average of the weights, updated in each replica's step.
+        ("ema", cfg("ema", "train.epochs=1", "train.ema_decay=0.5")),
     ]
     env = repo_env()
     env.pop("TF_CONFIG", None)
@@ -191,6 +193,22 @@ def test_mirrored_with_several_steps_per_call_steps_like_one_device(mirrored, re
     np.testing.assert_allclose([v for _, v in ours], losses @ examples / examples.sum(), rtol=LOSS_RTOL)
     assert_checkpoints_match(root / "loop" / "checkpoints" / "latest" / "ckpt-3",
                              reference["run_dir"] / "checkpoints" / "latest" / "ckpt-3")
+
+
+@pytest.mark.slow
+def test_mirrored_keeps_the_weight_average_like_one_device(mirrored, tiny_idx_dir, tmp_path):
+    """train.ema_decay under the strategy: the averages (checkpoint node ema/, decay 0.5 so
+    that 4 steps move them well away from the start) match a one-device run's, as do the
+    weights and the test pass made with the averages."""
+    root, report = mirrored
+    one_device = tmp_path / "one_device"
+    metrics = train(compose_config("train", tiny_overrides(tiny_idx_dir, one_device, *DATA, "train.epochs=1",
+                                                           "train.ema_decay=0.5")))
+    assert report["ema"]["global_step"] == STEPS_PER_EPOCH
+    assert report["ema"]["test_loss"] == pytest.approx(metrics["test_loss"], rel=LOSS_RTOL)
+    prefix = root / "ema" / "checkpoints" / "latest" / "ckpt-1"
+    assert any(name.startswith("ema/") for name in tf.train.load_checkpoint(str(prefix)).get_variable_to_shape_map())
+    assert_checkpoints_match(prefix, one_device / "checkpoints" / "latest" / "ckpt-1")
 
 
 @pytest.mark.slow

@@ -72,6 +72,24 @@ def test_reads_what_training_wrote(plot_runs, trained_run):
     assert run["image_epoch"] == 4
 
 
+def test_reads_the_trained_weights_accuracy_of_a_weight_average_run(plot_runs, tiny_config, tmp_path):
+    """train.ema_decay > 0: test/accuracy is the average's, test/raw_accuracy (the dotted
+    curve) the trained weights', each as history.jsonl has it; a run without one has none."""
+    from capsnet.training import train
+
+    run_dir = tmp_path / "ema"
+    train(tiny_config("train.ema_decay=0.9", "train.epochs=2", run_dir=run_dir))
+    epochs = history(run_dir)
+    run = plot_runs.load_run(run_dir)
+    np.testing.assert_allclose(run["accuracy"], [h["test_accuracy"] for h in epochs], rtol=1e-6)
+    np.testing.assert_allclose(run["raw_accuracy"], [h["test_raw_accuracy"] for h in epochs], rtol=1e-6)
+    assert_png(plot_runs.main([str(run_dir), "--out", str(tmp_path / "img")])[0])
+
+
+def test_a_run_without_a_weight_average_has_no_raw_curve(plot_runs, trained_run):
+    assert plot_runs.load_run(trained_run[0])["raw_accuracy"] == []
+
+
 def test_purge_keeps_the_latest_value_of_rewritten_steps(plot_runs):
     # A run killed in epoch 3 (steps 50, 60 written), resumed from the epoch-2 checkpoint.
     written = [(20, "a"), (40, "b"), (50, "killed"), (60, "killed"), (50, "c"), (60, "d"), (80, "e")]

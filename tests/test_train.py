@@ -80,6 +80,9 @@ def test_config_groups_compose():
     ("seed=abc", "seed"),
     ("train.xla=fast", "train.xla"),
     ("train.steps_per_execution=0", "train.steps_per_execution"),
+    ("train.ema_decay=1.0", "train.ema_decay must be below 1"),
+    ("train.ema_decay=-0.1", r"train.ema_decay must be a number in \[0, 1\], got -0.1"),
+    ("train.ema_decay=abc", "train.ema_decay must be a number"),
 ])
 def test_bad_train_values_raise_config_error(tiny_config, override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -240,6 +243,7 @@ def test_resume_continues_where_the_checkpoint_left_off(trained_run, tiny_config
     (["train.batch_size=32", "train.lr_staircase=true", "data.shift_pixels=0"],
      ["data.shift_pixels: 2 -> 0", "train.batch_size: 16 -> 32", "train.lr_staircase: False -> True"]),
     (["data.rotate_degrees=5", "data.flip=true"], ["data.flip: False -> True", "data.rotate_degrees: 0 -> 5"]),
+    (["train.ema_decay=0.99"], ["train.ema_decay: 0.0 -> 0.99"]),  # the run kept no average to continue
 ])
 def test_resume_with_a_config_that_changes_the_run_says_what_differs(trained_run, tiny_config, tmp_path,
                                                                      overrides, differences):
@@ -254,17 +258,18 @@ def test_resume_with_a_config_that_changes_the_run_says_what_differs(trained_run
 
 
 @pytest.mark.parametrize("changed", ["data.zoom=0.1", "data.elastic_alpha=30", "data.shift_fill=edge",
-                                     "model.w_init_stddev=0.01"])
+                                     "model.w_init_stddev=0.01", "train.ema_decay=0.9"])
 def test_resume_of_a_run_saved_before_the_later_options(trained_run, tiny_config, tmp_path, changed):
     """A config.yaml without the options added later (data.flip / rotate_degrees / zoom /
-    elastic_* / shift_fill, model.w_init_stddev) was trained with their defaults: resuming
-    with the defaults continues, changing one is refused."""
+    elastic_* / shift_fill, model.w_init_stddev, train.ema_decay) was trained with their
+    defaults: resuming with the defaults continues, changing one is refused."""
     run_dir = tmp_path / "old"
     shutil.copytree(trained_run[0], run_dir)
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     for key in ("flip", "rotate_degrees", "zoom", "elastic_alpha", "elastic_sigma", "shift_fill"):
         del saved["data"][key]
     del saved["model"]["w_init_stddev"]
+    del saved["train"]["ema_decay"]
     (run_dir / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
     key, value = changed.split("=")
     with pytest.raises(CheckpointError, match=rf"\({key}: \S+ -> '?{value}'?\)"):
@@ -592,3 +597,113 @@ def test_benchmark_train_script_rejects_bad_arguments(tmp_path):
         result = run_entry_point("scripts/benchmark_train.py", *args, cwd=tmp_path, timeout=120)
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
         assert "Traceback" not in result.stderr
+
+
+# --------------------------------------------------------------------------- weight average (train.ema_decay)
+
+def test_weight_average_follows_the_formula_and_swaps_in_and_out(tiny_config):
+    """WeightAverage inside the train step against NumPy: from the initial weights, after
+    step t, shadow = d_t * shadow + (1 - d_t) * w_t with d_t = min(decay, (1 + t) / (10 + t)).
+    decay 0.3 is reached at t = 3, so both the ramp and the cap are exercised. in_model()
+    shows the averages and puts the trained weights back."""
+    from capsnet.evaluation import checkpoint_weights, loss_params
+    from capsnet.training import WeightAverage, build_capsnet, build_optimizer, make_train_step
+    from conftest import synthetic_digits
+
+    cfg = tiny_config()
+    tf.keras.utils.set_random_seed(0)
+    model = build_capsnet(cfg["model"], custom_op=False)
+    optimizer, _ = build_optimizer(cfg["train"], 20, model)
+    average = WeightAverage(model, 0.3, optimizer.iterations)
+    step = make_train_step(model, optimizer, input_shape=model.image_shape, losses=loss_params(cfg["train"]),
+                           weight_average=average)
+    names = [name for name, v in checkpoint_weights(model).items() if v.trainable]
+    assert len(names) == len(model.trainable_variables) > 0
+    shadow = {name: checkpoint_weights(model)[name].numpy().astype(np.float64) for name in names}
+    images, labels = synthetic_digits(16 * 6, seed=1)
+    images = tf.constant(images[..., None] / 255.0, tf.float32)
+    for t in range(1, 7):
+        step(images[16 * (t - 1):16 * t], tf.constant(labels[16 * (t - 1):16 * t], tf.int32))
+        d = min(0.3, (1 + t) / (10 + t))
+        for name in names:
+            shadow[name] = d * shadow[name] + (1 - d) * checkpoint_weights(model)[name].numpy()
+    averaged = average.weights()
+    trained = {name: checkpoint_weights(model)[name].numpy() for name in names}
+    for name in names:
+        np.testing.assert_allclose(averaged[name].numpy(), shadow[name], rtol=1e-5, atol=1e-7, err_msg=name)
+        assert not np.allclose(averaged[name].numpy(), trained[name]), name  # an average, not a copy
+    with average.in_model():
+        for name in names:
+            np.testing.assert_allclose(checkpoint_weights(model)[name].numpy(), shadow[name], rtol=1e-5, atol=1e-7)
+    for name in names:
+        np.testing.assert_array_equal(checkpoint_weights(model)[name].numpy(), trained[name])
+        np.testing.assert_allclose(averaged[name].numpy(), shadow[name], rtol=1e-5, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def ema_runs(tiny_idx_dir, tmp_path_factory):
+    """Two deterministic runs with train.ema_decay=0.9: 3 epochs straight, and 2 epochs
+    resumed for a third; (straight run dir, its metrics, resumed run dir)."""
+    root = tmp_path_factory.mktemp("ema")
+
+    def run(run_dir, epochs):
+        return train(compose_config("train", tiny_overrides(tiny_idx_dir, root / run_dir, "train.ema_decay=0.9",
+                                                            "deterministic=true", f"train.epochs={epochs}")))
+
+    metrics = run("straight", 3)
+    run("resumed", 2)
+    assert run("resumed", 3)["resumed_from"].endswith("ckpt-2")
+    return root / "straight", metrics, root / "resumed"
+
+
+def test_an_ema_run_tests_and_evaluates_its_average_and_logs_its_trained_weights(ema_runs, tmp_path):
+    from capsnet.evaluation import evaluate, format_report
+
+    run_dir, metrics, _ = ema_runs
+    last = metrics["history"][-1]
+    assert metrics["test_accuracy"] == last["test_accuracy"] and metrics["test_raw_accuracy"] == last["test_raw_accuracy"]
+    assert last["test_loss"] != last["test_raw_loss"]  # two sets of weights
+    # evaluate.py restores the average by default, the trained weights on request: each
+    # gives the loss the run measured for it at that epoch.
+    averaged = evaluate(run_dir, which="latest", output=tmp_path / "ema.json")
+    trained = evaluate(run_dir, which="latest", weights="raw", output=tmp_path / "raw.json")
+    assert (averaged["weights"], trained["weights"]) == ("ema", "raw")
+    assert "(epoch 3, moving average of the weights)" in format_report(averaged).splitlines()[0]
+    assert averaged["loss"] == pytest.approx(last["test_loss"], rel=1e-5)
+    assert trained["loss"] == pytest.approx(last["test_raw_loss"], rel=1e-5)
+    assert trained["accuracy"] == pytest.approx(last["test_raw_accuracy"])
+    # TensorBoard: test/ is the average's, test/raw_* the trained weights', every epoch.
+    events = read_events(run_dir)
+    for tag, key in (("test/loss", "test_loss"), ("test/raw_loss", "test_raw_loss"),
+                     ("test/raw_accuracy", "test_raw_accuracy")):
+        np.testing.assert_allclose([tf.make_ndarray(v.tensor) for _, v in events[tag]],
+                                   [h[key] for h in metrics["history"]], rtol=1e-6, err_msg=tag)
+
+
+def test_an_ema_run_resumes_its_average(ema_runs):
+    """A run resumed after epoch 2 ends with the same weights, Adam state AND averages as the
+    uninterrupted run (deterministic=true): the checkpoint carries the average across."""
+    straight, _, resumed = ema_runs
+    ours = tf.train.load_checkpoint(str(resumed / "checkpoints" / "latest" / "ckpt-3"))
+    theirs = tf.train.load_checkpoint(str(straight / "checkpoints" / "latest" / "ckpt-3"))
+    names = set(theirs.get_variable_to_shape_map()) - {"_CHECKPOINTABLE_OBJECT_GRAPH"}
+    assert set(ours.get_variable_to_shape_map()) - {"_CHECKPOINTABLE_OBJECT_GRAPH"} == names
+    averages = sorted(name for name in names if name.startswith("ema/"))
+    weights = sorted(name for name in names if name.startswith("model/"))
+    assert [n[len("ema/"):] for n in averages] == [n[len("model/"):] for n in weights]  # the same keys
+    for name in sorted(names):
+        np.testing.assert_array_equal(ours.get_tensor(name), theirs.get_tensor(name), err_msg=name)
+
+
+@pytest.mark.parametrize("weights, message", [
+    ("ema", r"weights=ema: the run .* kept no average of its weights \(train.ema_decay was 0\)"),
+    ("best", "weights must be one of raw, ema"),
+])
+def test_evaluate_weights_that_the_run_does_not_have_are_one_line_config_errors(trained_run, tmp_path,
+                                                                                weights, message):
+    from capsnet.evaluation import evaluate
+
+    with pytest.raises(ConfigError, match=message) as err:
+        evaluate(trained_run[0], weights=weights, output=tmp_path / "never.json")
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "never.json").exists()
