@@ -249,22 +249,26 @@ class WeightAverage:
         return {name: self._ema.average(variable.value) if variable.trainable else variable
                 for name, variable in checkpoint_weights(self._model).items()}
 
-    def _swap(self):
-        for variable in self._variables:
-            shadow = self._ema.average(variable)
-            trained = tf.identity(variable)
-            variable.assign(shadow)
-            shadow.assign(trained)
+    def _exchange(self, variable):
+        shadow = self._ema.average(variable)
+        trained = tf.identity(variable)
+        variable.assign(shadow)
+        shadow.assign(trained)
 
     @contextlib.contextmanager
     def in_model(self):
         """The averaged weights in the model inside the block; the trained ones back after
-        it (the averages are exchanged with them, so nothing is copied twice)."""
-        self._swap()
+        it (the averages are exchanged with them, so nothing is copied twice). Whatever
+        ends the block, every exchanged weight is exchanged back."""
+        exchanged = []
         try:
+            for variable in self._variables:
+                self._exchange(variable)
+                exchanged.append(variable)
             yield
         finally:
-            self._swap()
+            for variable in exchanged:
+                self._exchange(variable)
 
 
 def _averaged(average):
@@ -721,11 +725,16 @@ def _check_bools(cfg):
 
 
 def ema_decay(train_cfg):
-    """train.ema_decay checked: a float in [0, 1) (0 = no weight average kept)."""
-    decay = float_in_range("train.ema_decay", train_cfg.get("ema_decay", 0.0), 0, 1, error=ConfigError)
-    if decay == 1:
-        raise ConfigError("train.ema_decay must be below 1 (an average with decay 1 never moves from the "
-                          "initial weights); 0 keeps none, 0.999 averages over ~1000 steps")
+    """train.ema_decay checked: a float in [0, 1) (0 = no weight average kept; 1 would
+    never move the average from the initial weights)."""
+    value = train_cfg.get("ema_decay", 0.0)
+    try:
+        decay = float_in_range("train.ema_decay", value, 0, 1)
+    except ValueError:
+        decay = None
+    if decay is None or decay == 1:
+        raise ConfigError(f"train.ema_decay must be a number in [0, 1) (0: no average; 0.999 averages over "
+                          f"~1000 steps), got {value!r}")
     return decay
 
 
@@ -760,7 +769,8 @@ RESUME_KEYS = {
 }
 RESUME_FREE_MODEL_KEYS = ("jit_routing", "fused_routing")
 # Keys added after the first release, with the value a run saved before them was trained with.
-ADDED_DEFAULTS = {"model": {"w_init_stddev": 0.1}, "train": {"ema_decay": 0.0}}
+# (Augmentations added after a run was saved were off in it.)
+ADDED_DEFAULTS = {"model": {"w_init_stddev": 0.1}, "data": AUGMENTATION_OFF, "train": {"ema_decay": 0.0}}
 
 
 def _resume_values(cfg):
@@ -775,11 +785,8 @@ def _resume_values(cfg):
     model = {**ADDED_DEFAULTS["model"], **section("model")} if section("model") else {}
     values.update({f"model.{k}": v for k, v in model.items() if k not in RESUME_FREE_MODEL_KEYS})
     for name, keys in RESUME_KEYS.items():
-        known = {**ADDED_DEFAULTS.get(name, {}), **section(name)}
+        known = {**ADDED_DEFAULTS.get(name, {}), **section(name)} if section(name) else {}
         values.update({f"{name}.{k}": known.get(k) for k in keys})
-    # Augmentations added after a run was saved were off in it.
-    values.update({f"data.{k}": off for k, off in AUGMENTATION_OFF.items()
-                   if k not in section("data") and section("data")})
     # Of distribute, only what sets the learning rate: the strategy, devices and all-reduce
     # do not change the trajectory (a run may move from one GPU to several and back). A run
     # dir from before distribute existed trained as its defaults do.

@@ -65,7 +65,7 @@ def test_missing_checkpoint(tmp_path):
 
 def test_evaluate_prints_a_table_and_ends_with_json(trained_run, tmp_path):
     run_dir, metrics = trained_run
-    result = run_entry_point("evaluate.py", f"checkpoint={run_dir}", "which=latest", "weights=raw", cwd=tmp_path)
+    result = run_entry_point("evaluate.py", f"checkpoint={run_dir}", "which=latest", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     lines = result.stdout.strip().splitlines()
@@ -73,6 +73,7 @@ def test_evaluate_prints_a_table_and_ends_with_json(trained_run, tmp_path):
     report = json.loads(lines[-1])
     assert {"accuracy", "loss", "images_per_sec", "per_class_accuracy", "confusion_matrix"} <= set(report)
     assert report["accuracy"] == metrics["test_accuracy"]
+    # weights: null → the trained weights of a run that kept no average.
     assert report["weights"] == "raw" and "trained weights" in lines[0]
     written = json.loads((run_dir / "checkpoints" / "latest" / "ckpt-4.eval.json").read_text())
     assert written["accuracy"] == report["accuracy"]
