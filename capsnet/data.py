@@ -322,6 +322,34 @@ def check_augmentation(prefix="", **options):
     return {k: checked[k] for k in AUGMENTATION_OFF}
 
 
+def _check_epoch_arguments(images, labels, *, batch_size, training, seed, epoch, drop_remainder):
+    """What make_dataset and make_multimnist_dataset both take, checked (ConfigError /
+    DataError naming it): (images uint8 (N, H, W, C), labels (N,), batch_size, seed, epoch)."""
+    boolean("training", training, expected="True or False", error=ConfigError)
+    boolean("drop_remainder", drop_remainder, expected="True or False", error=ConfigError)
+    images, labels = _check_examples(images, labels)
+    batch_size = integer("batch_size", batch_size, minimum=1, error=ConfigError)
+    seed = integer("seed", seed, minimum=-(2**63), maximum=2**63 - 1, error=ConfigError)
+    epoch = integer("epoch", epoch, minimum=0, maximum=2**63 - 1, error=ConfigError)
+    if drop_remainder and len(labels) < batch_size:
+        raise ConfigError(f"batch_size {batch_size} with drop_remainder=True leaves no batch "
+                          f"from {len(labels)} examples")
+    return images, labels, batch_size, seed, epoch
+
+
+def _epoch_order(n, training, seed, epoch):
+    """(order, key, stream): the example order of an epoch, int64 (n,), and in training
+    the epoch's key [seed, epoch] and the stream split from it beside the shuffle's (the
+    shifts' in make_dataset, the pairs' in make_multimnist_dataset: both as in their first
+    versions, so earlier runs replay unchanged). Not training: range(n), None, None."""
+    if not training:
+        return tf.range(n, dtype=tf.int64), None, None
+    key = tf.constant([seed, epoch], tf.int64)
+    shuffle_key, stream = tf.unstack(tf.random.experimental.stateless_split(key, 2, alg="philox"))
+    order = tf.random.experimental.stateless_shuffle(tf.range(n, dtype=tf.int64), seed=shuffle_key, alg="philox")
+    return order, key, stream
+
+
 def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift_pixels=2,
                  flip=False, rotate_degrees=0.0, zoom=0.0, elastic_alpha=0.0, elastic_sigma=4.0,
                  shift_fill="zero", drop_remainder=False):
@@ -355,40 +383,27 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
     Returns:
       A `tf.data.Dataset` of (images float32 (B, H, W, C) in [0, 1], labels int32 (B,)).
     """
-    boolean("training", training, expected="True or False", error=ConfigError)
-    boolean("drop_remainder", drop_remainder, expected="True or False", error=ConfigError)
-    images, labels = _check_examples(images, labels)
+    images, labels, batch_size, seed, epoch = _check_epoch_arguments(
+        images, labels, batch_size=batch_size, training=training, seed=seed, epoch=epoch,
+        drop_remainder=drop_remainder)
     n, h, w, c = images.shape
-    batch_size = integer("batch_size", batch_size, minimum=1, error=ConfigError)
-    seed = integer("seed", seed, minimum=-(2**63), maximum=2**63 - 1, error=ConfigError)
-    epoch = integer("epoch", epoch, minimum=0, maximum=2**63 - 1, error=ConfigError)
     shift_pixels = integer("shift_pixels", shift_pixels, minimum=0, maximum=min(h, w) - 1, error=ConfigError)
     flip, rotate_degrees, zoom, elastic_alpha, elastic_sigma, shift_fill = check_augmentation(
         flip=flip, rotate_degrees=rotate_degrees, zoom=zoom, elastic_alpha=elastic_alpha,
         elastic_sigma=elastic_sigma, shift_fill=shift_fill).values()
-    if drop_remainder and n < batch_size:
-        raise ConfigError(f"batch_size {batch_size} with drop_remainder=True leaves no batch "
-                          f"from {n} examples")
 
     # Pinned to the CPU: the arrays stay in host memory (tf.data runs there anyway) and
     # the shuffle is computed by the same kernel whether or not a GPU is visible.
     with tf.device("/CPU:0"):
         images_t = tf.constant(images)                    # (N, H, W, C) uint8
         labels_t = tf.constant(labels.astype(np.int32))   # (N,)
+        order, key, shift_key = _epoch_order(n, training, seed, epoch)
         if training:
-            # Independent streams from one (seed, epoch) key: the order and the shifts
-            # (these two as in the first version, so its runs replay unchanged), then
-            # the flips and the rotation/zoom.
-            key = tf.constant([seed, epoch], tf.int64)
-            shuffle_key, shift_key = tf.unstack(
-                tf.random.experimental.stateless_split(key, 2, alg="philox"))
+            # More independent streams from the (seed, epoch) key: the flips and the
+            # rotation/zoom split from the shifts' key, the elastic noise folded into it.
             flip_key, affine_key = tf.unstack(
                 tf.random.experimental.stateless_split(shift_key, 2, alg="philox"))
             elastic_key = tf.random.experimental.stateless_fold_in(key, _ELASTIC_STREAM, alg="philox")
-            order = tf.random.experimental.stateless_shuffle(
-                tf.range(n, dtype=tf.int64), seed=shuffle_key, alg="philox")
-        else:
-            order = tf.range(n, dtype=tf.int64)
         def example_key(stream_key, index):
             # Keyed by the example's index in `images`, not by its position in a batch
             # or thread, so its augmentation is the same however the map runs.
@@ -490,20 +505,14 @@ def make_multimnist_dataset(images, labels, *, batch_size, training, seed=0, epo
       (base class, partner class), digits float32 (B, 2, H', W', C): each digit alone,
       shifted as in the image (the reconstruction targets)), H' = H + 2·shift_pixels.
     """
-    boolean("training", training, expected="True or False", error=ConfigError)
-    boolean("drop_remainder", drop_remainder, expected="True or False", error=ConfigError)
-    images, labels = _check_examples(images, labels)
+    images, labels, batch_size, seed, epoch = _check_epoch_arguments(
+        images, labels, batch_size=batch_size, training=training, seed=seed, epoch=epoch,
+        drop_remainder=drop_remainder)
     n = len(labels)
-    batch_size = integer("batch_size", batch_size, minimum=1, error=ConfigError)
-    seed = integer("seed", seed, minimum=-(2**63), maximum=2**63 - 1, error=ConfigError)
-    epoch = integer("epoch", epoch, minimum=0, maximum=2**63 - 1, error=ConfigError)
     shift_pixels = integer("shift_pixels", shift_pixels, minimum=0, maximum=64, error=ConfigError)
     if len(np.unique(labels)) < 2:
         raise DataError(f"MultiMNIST pairs digits of different classes: the {n} examples have only class "
                         f"{labels[0]}")
-    if drop_remainder and n < batch_size:
-        raise ConfigError(f"batch_size {batch_size} with drop_remainder=True leaves no batch "
-                          f"from {n} examples")
     s = shift_pixels
     # Indices sorted by class: class k's examples are by_class[start[k]:start[k] + count[k]],
     # so the examples of every other class are by_class without that block.
@@ -518,14 +527,9 @@ def make_multimnist_dataset(images, labels, *, batch_size, training, seed=0, epo
         labels_t = tf.constant(labels.astype(np.int32))                   # (N,)
         by_class_t = tf.constant(by_class.astype(np.int64))
         count_t, start_t = tf.constant(count.astype(np.int64)), tf.constant(start.astype(np.int64))
-        if training:
-            key = tf.constant([seed, epoch], tf.int64)
-            shuffle_key, pair_key = tf.unstack(tf.random.experimental.stateless_split(key, 2, alg="philox"))
-            order = tf.random.experimental.stateless_shuffle(
-                tf.range(n, dtype=tf.int64), seed=shuffle_key, alg="philox")
-        else:
+        order, _, pair_key = _epoch_order(n, training, seed, epoch)
+        if not training:
             pair_key = tf.constant(MULTIMNIST_TEST_KEY, tf.int64)
-            order = tf.range(n, dtype=tf.int64)
 
         def load_pair(index):
             # Keyed by the base example's index: the same pair however the map runs.

@@ -220,51 +220,34 @@ def pair_report(labels, predictions, num_classes):
 
 def format_report(report):
     """A human-readable table: summary, per-class accuracy, confusion matrix (two-digit
-    data: per-class recall among the top two, no confusion matrix)."""
-    if report.get("confusion_matrix") is None:
-        return _format_pair_report(report)
-    confusion = np.asarray(report["confusion_matrix"])
-    k = len(confusion)
-    width = max(5, len(str(confusion.max())) + 1)
-    lines = [
-        _checkpoint_line(report),
-        f"dataset: {report['dataset']} test, {report['num_examples']} examples, custom_op={report['custom_op']}",
-        f"accuracy {report['accuracy']:.4%}  loss {report['loss']:.5f}  "
-        f"(margin {report['margin_loss']:.5f}, reconstruction {report['reconstruction_loss']:.3f})  "
-        f"{report['images_per_sec']:.1f} images/s",
-        "",
-        "class  examples  accuracy",
-    ]
-    for c in range(k):
-        accuracy = report["per_class_accuracy"][c]
-        shown = "-" if accuracy is None else f"{accuracy:.2%}"
-        lines.append(f"{c:>5}  {int(confusion[c].sum()):>8}  {shown:>8}")
-    lines += ["", "confusion matrix (rows: true class, columns: predicted)",
-              " " * 6 + "".join(f"{c:>{width}}" for c in range(k))]
-    for c in range(k):
-        lines.append(f"{c:>5} " + "".join(f"{n:>{width}}" for n in confusion[c]))
-    return "\n".join(lines)
-
-
-def _checkpoint_line(report):
+    data, pair_report: per-class recall among the top two, no confusion matrix)."""
+    pairs = report.get("confusion_matrix") is None
+    if pairs:
+        examples, kind = report["per_class_examples"], "two-digit examples"
+        scored, column = "accuracy (both digits right)", "recall (among the two longest capsules when present)"
+    else:
+        confusion = np.asarray(report["confusion_matrix"])
+        examples, kind, scored, column = confusion.sum(axis=1), "examples", "accuracy", "accuracy"
     weights = "moving average of the weights" if report["weights"] == "ema" else "trained weights"
-    return f"checkpoint: {report['checkpoint']} (epoch {report['epoch']}, {weights})"
-
-
-def _format_pair_report(report):
     lines = [
-        _checkpoint_line(report),
-        f"dataset: {report['dataset']} test, {report['num_examples']} two-digit examples, "
-        f"custom_op={report['custom_op']}",
-        f"accuracy (both digits right) {report['accuracy']:.4%}  loss {report['loss']:.5f}  "
+        f"checkpoint: {report['checkpoint']} (epoch {report['epoch']}, {weights})",
+        f"dataset: {report['dataset']} test, {report['num_examples']} {kind}, custom_op={report['custom_op']}",
+        f"{scored} {report['accuracy']:.4%}  loss {report['loss']:.5f}  "
         f"(margin {report['margin_loss']:.5f}, reconstruction {report['reconstruction_loss']:.3f})  "
         f"{report['images_per_sec']:.1f} images/s",
         "",
-        "class  examples  recall (among the two longest capsules when present)",
+        f"class  examples  {column}",
     ]
-    for c, (present, recall) in enumerate(zip(report["per_class_examples"], report["per_class_accuracy"])):
-        shown = "-" if recall is None else f"{recall:.2%}"
-        lines.append(f"{c:>5}  {present:>8}  {shown:>8}")
+    for c, (present, accuracy) in enumerate(zip(examples, report["per_class_accuracy"])):
+        shown = "-" if accuracy is None else f"{accuracy:.2%}"
+        lines.append(f"{c:>5}  {int(present):>8}  {shown:>8}")
+    if not pairs:
+        k = len(confusion)
+        width = max(5, len(str(confusion.max())) + 1)
+        lines += ["", "confusion matrix (rows: true class, columns: predicted)",
+                  " " * 6 + "".join(f"{c:>{width}}" for c in range(k))]
+        for c in range(k):
+            lines.append(f"{c:>5} " + "".join(f"{n:>{width}}" for n in confusion[c]))
     return "\n".join(lines)
 
 

@@ -271,11 +271,6 @@ class WeightAverage:
                 self._exchange(variable)
 
 
-def _averaged(average):
-    """average.in_model(), or no change without an average (train.ema_decay = 0)."""
-    return average.in_model() if average is not None else contextlib.nullcontext()
-
-
 # --------------------------------------------------------------------------- compiled steps
 
 XLA_MODES = ("none", "autocluster", "jit")
@@ -781,12 +776,13 @@ def _resume_values(cfg):
         values = cfg.get(name)
         return values if isinstance(values, dict) else {}
 
+    def known(name):  # a saved section with the keys added after it at their old values
+        return {**ADDED_DEFAULTS.get(name, {}), **section(name)} if section(name) else {}
+
     values = {"seed": cfg.get("seed")}
-    model = {**ADDED_DEFAULTS["model"], **section("model")} if section("model") else {}
-    values.update({f"model.{k}": v for k, v in model.items() if k not in RESUME_FREE_MODEL_KEYS})
+    values.update({f"model.{k}": v for k, v in known("model").items() if k not in RESUME_FREE_MODEL_KEYS})
     for name, keys in RESUME_KEYS.items():
-        known = {**ADDED_DEFAULTS.get(name, {}), **section(name)} if section(name) else {}
-        values.update({f"{name}.{k}": known.get(k) for k in keys})
+        values.update({f"{name}.{k}": known(name).get(k) for k in keys})
     # Of distribute, only what sets the learning rate: the strategy, devices and all-reduce
     # do not change the trajectory (a run may move from one GPU to several and back). A run
     # dir from before distribute existed trained as its defaults do.
@@ -1100,6 +1096,17 @@ def train(cfg):
                                **losses)
     num_classes = model.num_classes
 
+    def test_pass(summaries_step=None):
+        """(test, raw_test): the test split through eval_step with the run's weights (with a
+        weight average, the average's; raw_test then the trained weights', else None);
+        with summaries_step, the chief also writes the epoch's test summaries."""
+        raw_test = evaluate_model(eval_step, test_ds, num_classes) if average is not None else None
+        with average.in_model() if average is not None else contextlib.nullcontext():
+            test = evaluate_model(eval_step, test_ds, num_classes)
+            if chief and summaries_step is not None:
+                _write_epoch_summaries(writer, model, test, show_images, tcfg, summaries_step, raw_test)
+        return test, raw_test
+
     # ---- the loop
     test = None
     interactive = sys.stdout.isatty()
@@ -1163,11 +1170,7 @@ def train(cfg):
         # Test pass, images and histograms; then the epoch's records, the checkpoint LAST.
         # On every worker (the same weights and data): each decides is_best and saves as the chief does.
         # With a weight average, the test is the average's, and the trained weights' is logged beside it.
-        raw_test = evaluate_model(eval_step, test_ds, num_classes) if average is not None else None
-        with _averaged(average):
-            test = evaluate_model(eval_step, test_ds, num_classes)
-            if chief:
-                _write_epoch_summaries(writer, model, test, show_images, tcfg, global_step, raw_test)
+        test, raw_test = test_pass(summaries_step=global_step)
         epoch.assign(epoch_index + 1)
         is_best = test["accuracy"] > float(best_accuracy)
         if is_best:
@@ -1196,9 +1199,7 @@ def train(cfg):
     # ---- final metrics
     if test is None:
         # Nothing left to train (a finished run rerun): measure the checkpoint as it is.
-        raw_test = evaluate_model(eval_step, test_ds, num_classes) if average is not None else None
-        with _averaged(average):
-            test = evaluate_model(eval_step, test_ds, num_classes)
+        test, raw_test = test_pass()
     train_speeds = [h["train_images_per_sec"] for h in history if "train_images_per_sec" in h]
     best_epoch = max(history, key=lambda h: h["test_accuracy"])["epoch"] if history else None
     metrics = {
