@@ -9,6 +9,7 @@ Examples:
     python evaluate.py checkpoint=outputs/2025-01-01/12-00-00              # the run's best checkpoint
     python evaluate.py checkpoint=outputs/2025-01-01/12-00-00 which=latest custom_op=true
     python evaluate.py checkpoint=outputs/.../checkpoints/latest/ckpt-3 data.dir=../shared/data/mnist
+    python evaluate.py 'checkpoint=[outputs/run_a,outputs/run_b,outputs/run_c]' which=latest   # an ensemble
 """
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -21,7 +22,8 @@ from capsnet.errors import ConfigError
 @cli.reports_user_errors
 def main(cfg: DictConfig):
     if OmegaConf.is_missing(cfg, "checkpoint"):
-        raise ConfigError("checkpoint=... is required: a run dir (outputs/<date>/<time>) or a checkpoint path")
+        raise ConfigError("checkpoint=... is required: a run dir (outputs/<date>/<time>) or a checkpoint path "
+                          "(or a list of them: an ensemble)")
     cfg = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     cli.import_tensorflow_quietly()
     from capsnet.evaluation import evaluate, format_report, to_json_line

@@ -10,8 +10,11 @@
 - `predict`, `correct_predictions`: the scoring, one label per example (argmax) or two
   (MultiMNIST, labels (batch, 2): right iff the two longest capsules are the two labels).
 - `confusion_report(confusion)`: accuracy and per-class accuracy from a confusion
-  matrix (pure NumPy).
+  matrix (pure NumPy); `score(labels, predictions)` picks it or `pair_report`.
+- `evaluate([checkpoint, ...])`: an ensemble, each example scored by its capsule
+  lengths averaged over the members (`ensemble_report`).
 """
+import hashlib
 import json
 import math
 import os
@@ -104,7 +107,7 @@ def label_order(predictions, labels):
 
 def make_eval_step(model, image_shape, *, m_plus, m_minus, lambda_, reconstruction_weight, jit_compile=False,
                    two_digits=False):
-    """A compiled test step: sums of the losses, correct count, predictions.
+    """A compiled test step: sums of the losses, predictions, capsule lengths.
 
     No labels go into the model, so the decoder reconstructs from the PREDICTED
     class, as at test time in the paper; the reconstruction loss is measured on that.
@@ -135,12 +138,13 @@ def make_eval_step(model, image_shape, *, m_plus, m_minus, lambda_, reconstructi
             "margin_loss": tf.reduce_sum(margin),
             "reconstruction_loss": tf.reduce_sum(reconstruction),
             "predictions": predictions,
+            "lengths": outputs["lengths"],
         }
 
     return eval_step
 
 
-def evaluate_model(eval_step, dataset, num_classes):
+def evaluate_model(eval_step, dataset, num_classes, keep_lengths=False):
     """One pass over `dataset` → mean losses, accuracy, confusion matrix, images/s.
 
     `dataset` yields (images, labels) or, two-digit data, (images, labels (B, 2), digits):
@@ -148,39 +152,49 @@ def evaluate_model(eval_step, dataset, num_classes):
     of each class (how often it is among the two longest capsules when present;
     pair_report), and there is no confusion matrix (None).
     images/s leaves out the first batch, which includes tracing/compiling the step.
+    keep_lengths=True adds "lengths" (N, classes) and "labels", every example's capsule
+    lengths and labels in the dataset's order (an ensemble averages the lengths).
     """
     sums = {"loss": 0.0, "margin_loss": 0.0, "reconstruction_loss": 0.0}
-    confusion = np.zeros((num_classes, num_classes), np.int64)  # rows: true class, cols: predicted
-    all_labels, all_predictions = [], []  # two-digit data
+    all_labels, all_predictions, all_lengths = [], [], []
     timed_images, timed_seconds = 0, 0.0
     start = time.perf_counter()
     for batch, inputs in enumerate(dataset):
         out = eval_step(*inputs)
         # .numpy() waits for the step, so the clock below measures finished work.
-        predictions, labels = out["predictions"].numpy(), inputs[1].numpy()
+        all_predictions.append(out["predictions"].numpy())
+        all_labels.append(inputs[1].numpy())
+        if keep_lengths:
+            all_lengths.append(out["lengths"].numpy())
         for key in sums:
             sums[key] += float(out[key].numpy())
-        if labels.ndim == 2:
-            all_labels.append(labels)
-            all_predictions.append(predictions)
-        else:
-            np.add.at(confusion, (labels, predictions), 1)
         now = time.perf_counter()
         if batch > 0:
-            timed_images += len(predictions)
+            timed_images += len(all_predictions[-1])
             timed_seconds += now - start
         start = now
-    n = int(confusion.sum()) + sum(len(labels) for labels in all_labels)
-    if n == 0:
+    if not all_labels:
         raise DataError("the test split is empty: nothing to evaluate (check data.limit_test)")
+    labels = np.concatenate(all_labels)
+    n = len(labels)
     result = {key: value / n for key, value in sums.items()}
-    if all_labels:
-        result.update(pair_report(np.concatenate(all_labels), np.concatenate(all_predictions), num_classes))
-    else:
-        result.update(confusion_report(confusion))
+    result.update(score(labels, np.concatenate(all_predictions), num_classes))
     result["images_per_sec"] = timed_images / timed_seconds if timed_seconds > 0 else float("nan")
     result["num_examples"] = n
+    if keep_lengths:
+        result["lengths"], result["labels"] = np.concatenate(all_lengths), labels
     return result
+
+
+def score(labels, predictions, num_classes):
+    """The report's scores (pure NumPy) of predictions shaped like `labels`: one label per
+    example → confusion_report; two (N, 2) → pair_report."""
+    labels, predictions = np.asarray(labels), np.asarray(predictions)
+    if labels.ndim == 2:
+        return pair_report(labels, predictions, num_classes)
+    confusion = np.zeros((num_classes, num_classes), np.int64)  # rows: true class, cols: predicted
+    np.add.at(confusion, (labels, predictions), 1)
+    return confusion_report(confusion)
 
 
 def confusion_report(confusion):
@@ -228,13 +242,21 @@ def format_report(report):
     else:
         confusion = np.asarray(report["confusion_matrix"])
         examples, kind, scored, column = confusion.sum(axis=1), "examples", "accuracy", "accuracy"
-    weights = "moving average of the weights" if report["weights"] == "ema" else "trained weights"
-    lines = [
-        f"checkpoint: {report['checkpoint']} (epoch {report['epoch']}, {weights})",
-        f"dataset: {report['dataset']} test, {report['num_examples']} {kind}, custom_op={report['custom_op']}",
-        f"{scored} {report['accuracy']:.4%}  loss {report['loss']:.5f}  "
-        f"(margin {report['margin_loss']:.5f}, reconstruction {report['reconstruction_loss']:.3f})  "
-        f"{report['images_per_sec']:.1f} images/s",
+    if "members" in report:
+        lines = [f"ensemble of {len(report['members'])} checkpoints (class scores: their capsule lengths averaged)"]
+        lines += [f"  {m['checkpoint']} (epoch {m['epoch']}, {WEIGHT_NAMES[m['weights']]}, custom_op={m['custom_op']}): "
+                  f"{scored} {m['accuracy']:.4%}, loss {m['loss']:.5f}" for m in report["members"]]
+        lines += [f"dataset: {report['dataset']} test, {report['num_examples']} {kind}",
+                  f"ensemble {scored} {report['accuracy']:.4%}  {report['images_per_sec']:.1f} images/s"]
+    else:
+        lines = [
+            f"checkpoint: {report['checkpoint']} (epoch {report['epoch']}, {WEIGHT_NAMES[report['weights']]})",
+            f"dataset: {report['dataset']} test, {report['num_examples']} {kind}, custom_op={report['custom_op']}",
+            f"{scored} {report['accuracy']:.4%}  loss {report['loss']:.5f}  "
+            f"(margin {report['margin_loss']:.5f}, reconstruction {report['reconstruction_loss']:.3f})  "
+            f"{report['images_per_sec']:.1f} images/s",
+        ]
+    lines += [
         "",
         f"class  examples  {column}",
     ]
@@ -332,6 +354,7 @@ def checkpoint_weights(model):
 # evaluate(weights=...): the trained weights (checkpoint node "model") or their moving
 # average (node "ema", kept by runs with train.ema_decay > 0; the same names below it).
 WEIGHTS = {"raw": "model", "ema": "ema"}
+WEIGHT_NAMES = {"raw": "trained weights", "ema": "moving average of the weights"}
 
 
 def restore_model(model, prefix, weights="raw"):
@@ -360,31 +383,40 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     """Evaluate `checkpoint` on the test split; returns the report and writes it as JSON.
 
     Args:
-        checkpoint: run dir or checkpoint path (see resolve_checkpoint).
+        checkpoint: run dir or checkpoint path (see resolve_checkpoint), or a list of
+            them: an ensemble, each example scored by its capsule lengths averaged over
+            the members (trained for the same dataset and number of classes).
         which: "best" (highest test accuracy) or "latest" checkpoint of a run dir.
-        data_name, data_dir, limit_test: None = as in the run's config. A different
+        data_name, data_dir, limit_test: None = as in the (first) run's config. A different
             data_name without data_dir reads tensorflow-datasets (the run's data.dir
             holds the other dataset's files).
         custom_op: None = as trained; True/False picks the capsule-prediction path.
-        batch_size: None = the run's train.batch_size.
+        batch_size: None = the (first) run's train.batch_size.
         weights: None = the run's moving average of the weights if it kept one
             (train.ema_decay > 0), else the trained weights; "ema" or "raw" to choose.
-        output: JSON path; None = `<checkpoint>.eval.json`.
+        output: JSON path; None = `<checkpoint>.eval.json` (an ensemble:
+            `<first checkpoint>.ensemble-<hash of the members>.eval.json`).
 
     Returns:
         dict with accuracy, loss, margin_loss, reconstruction_loss, images_per_sec,
         per_class_accuracy, confusion_matrix, num_examples, checkpoint, epoch,
         dataset, custom_op, weights. MultiMNIST (two digits per example): accuracy = both
         digits right, per_class_accuracy = per-class recall among the top two,
-        per_class_examples, confusion_matrix None (pair_report).
+        per_class_examples, confusion_matrix None (pair_report). An ensemble's report
+        has the ensemble's scores and images/s, and `members`: each member's own report
+        (checkpoint, epoch, weights, custom_op, accuracy, losses, images/s).
     """
     # Imported here: capsnet.training imports this module.
     from capsnet.data import example_shape, is_overlay, load_split, make_split_dataset
-    from capsnet.training import build_capsnet, check_labels, check_op_library, ema_decay
+    from capsnet.training import build_capsnet, check_labels, check_op_library
 
-    prefix, run_dir, cfg = resolve_checkpoint(checkpoint, which)
-    prefix, run_dir = str(Path(prefix).resolve()), Path(run_dir).resolve()
-    data_cfg = dict(cfg.get("data") or {})
+    checkpoints = list(checkpoint) if isinstance(checkpoint, (list, tuple)) else [checkpoint]
+    if not checkpoints:
+        raise ConfigError("checkpoint=[] names no checkpoint: give a run dir or checkpoint path "
+                          "(a list of several evaluates their ensemble)")
+    members = [_member(c, which=which, custom_op=custom_op, weights=weights) for c in checkpoints]
+    first = members[0]
+    data_cfg = dict(first["cfg"].get("data") or {})
     if data_name is not None and data_name != data_cfg.get("name") and data_dir is None:
         data_cfg["dir"] = None
     if data_name is not None:
@@ -393,6 +425,96 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
         data_cfg["dir"] = str(data_dir)
     if limit_test is not None:
         data_cfg["limit_test"] = limit_test
+    if batch_size is None:
+        batch_size, where = first["cfg"]["train"].get("batch_size"), \
+            f"the run config's train.batch_size ({first['run_dir']})"
+    else:
+        where = "batch_size"
+    batch_size = positive_int(where, batch_size, expected="a positive integer (or null: the run's train.batch_size)",
+                              error=ConfigError)
+    if data_name is None:
+        # One test split for all: members trained for another dataset would be scored on it.
+        for member in members[1:]:
+            trained_on = (member["cfg"].get("data") or {}).get("name")
+            if trained_on != data_cfg.get("name"):
+                raise ConfigError(f"ensemble members trained on different datasets: {data_cfg.get('name')} "
+                                  f"({first['run_dir']}) and {trained_on} ({member['run_dir']})")
+
+    if any(member["custom_op"] for member in members):
+        check_op_library()
+    for member in members:
+        model_cfg = dict(member["cfg"]["model"])
+        if not member["custom_op"]:
+            # The fused routing op is the compiled op too; without it the same W routes in TF.
+            model_cfg["fused_routing"] = False
+        member["model"] = build_capsnet(model_cfg, member["custom_op"])  # its config errors before the data is read
+    model = first["model"]
+    for member in members[1:]:
+        shapes = [(m["model"].image_shape, m["model"].num_classes) for m in (first, member)]
+        if shapes[0] != shapes[1]:
+            raise ConfigError(
+                f"ensemble members differ in (image shape, classes): {shapes[0]} ({first['run_dir']}) and "
+                f"{shapes[1]} ({member['run_dir']}): their capsule lengths cannot be averaged")
+    images, labels = load_split(data_cfg["name"], "test", data_dir=data_cfg.get("dir"),
+                                limit=data_cfg.get("limit_test"))
+    # MultiMNIST: the test pairs on the canvas of the run's shift (the paper's 4 px).
+    shift_pixels = data_cfg.get("shift_pixels", 2)
+    check_labels(labels, images, model=model, split=f"{data_cfg['name']} test",
+                 image_shape=example_shape(data_cfg["name"], images.shape[1:], shift_pixels))
+    for member in members:
+        member["epoch"] = restore_model(member["model"], member["prefix"], member["weights"])
+
+    dataset = make_split_dataset(data_cfg["name"], images, labels, batch_size=batch_size, training=False,
+                                 shift_pixels=shift_pixels)
+    ensemble = len(members) > 1
+    reports, results = [], []
+    for member in members:
+        eval_step = make_eval_step(member["model"], model.image_shape, **member["losses"],
+                                   two_digits=is_overlay(data_cfg["name"]))
+        result = evaluate_model(eval_step, dataset, model.num_classes, keep_lengths=ensemble)
+        results.append(result)
+        reports.append({
+            "accuracy": result["accuracy"],
+            "loss": result["loss"],
+            "margin_loss": result["margin_loss"],
+            "reconstruction_loss": result["reconstruction_loss"],
+            "images_per_sec": result["images_per_sec"],
+            "per_class_accuracy": result["per_class_accuracy"],
+            "confusion_matrix": result["confusion_matrix"],
+            **({"per_class_examples": result["per_class_examples"]} if "per_class_examples" in result else {}),
+            "num_examples": result["num_examples"],
+            "checkpoint": member["prefix"],
+            "run_dir": str(member["run_dir"]),
+            "epoch": member["epoch"],
+            "dataset": data_cfg["name"],
+            "custom_op": member["custom_op"],
+            "batch_size": batch_size,
+            "weights": member["weights"],
+        })
+    if ensemble:
+        report = ensemble_report(reports, results, model.num_classes)
+        digest = hashlib.sha1(json.dumps([[m["checkpoint"], m["weights"], m["custom_op"]] for m in reports])
+                              .encode()).hexdigest()[:8]
+        default_output = f"{first['prefix']}.ensemble-{digest}.eval.json"
+    else:
+        report, default_output = reports[0], first["prefix"] + ".eval.json"
+    output = Path(output) if output is not None else Path(default_output)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(json_safe(report), indent=2) + "\n")
+    except OSError as exc:
+        raise CheckpointError(f"cannot write the evaluation report {output}: {exc.strerror}") from exc
+    report["output"] = str(output)
+    return report
+
+
+def _member(checkpoint, *, which, custom_op, weights):
+    """One checkpoint to evaluate, resolved and its run config checked (no model yet):
+    prefix, run_dir, cfg, custom_op, losses, weights."""
+    from capsnet.training import ema_decay
+
+    prefix, run_dir, cfg = resolve_checkpoint(checkpoint, which)
+    prefix, run_dir = str(Path(prefix).resolve()), Path(run_dir).resolve()
     # Only real booleans and integers: bool('no') is True, int(2.7) is 2, and 0 would mean "unset".
     if custom_op is None:
         custom_op = cfg.get("custom_op", False)
@@ -400,16 +522,11 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     else:
         where = "custom_op"
     boolean(where, custom_op, expected="true or false (or null: as trained)", error=ConfigError)
-    train_cfg = cfg.get("train") if isinstance(cfg.get("train"), dict) else {}
-    if batch_size is None:
-        batch_size, where = train_cfg.get("batch_size"), f"the run config's train.batch_size ({run_dir})"
-    else:
-        where = "batch_size"
-    batch_size = positive_int(where, batch_size, expected="a positive integer (or null: the run's train.batch_size)",
-                              error=ConfigError)
+    if not isinstance(cfg.get("train"), dict):
+        cfg["train"] = {}
     try:
-        losses = loss_params(train_cfg)
-        kept_average = ema_decay(train_cfg) > 0
+        losses = loss_params(cfg["train"])
+        kept_average = ema_decay(cfg["train"]) > 0
     except ConfigError as exc:
         raise ConfigError(f"the run config of {run_dir}: {exc}") from exc
     if weights is None:
@@ -420,53 +537,32 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     if weights == "ema" and not kept_average:
         raise ConfigError(f"weights=ema: the run {run_dir} kept no average of its weights (train.ema_decay was 0); "
                           "use weights=raw")
+    return {"prefix": prefix, "run_dir": run_dir, "cfg": cfg, "custom_op": custom_op, "losses": losses,
+            "weights": weights}
 
-    if custom_op:
-        check_op_library()
-    model_cfg = dict(cfg["model"])
-    if not custom_op:
-        # The fused routing op is the compiled op too; without it the same W routes in TF.
-        model_cfg["fused_routing"] = False
-    model = build_capsnet(model_cfg, custom_op)  # its config errors before the data is read
-    images, labels = load_split(data_cfg["name"], "test", data_dir=data_cfg.get("dir"),
-                                limit=data_cfg.get("limit_test"))
-    # MultiMNIST: the test pairs on the canvas of the run's shift (the paper's 4 px).
-    shift_pixels = data_cfg.get("shift_pixels", 2)
-    check_labels(labels, images, model=model, split=f"{data_cfg['name']} test",
-                 image_shape=example_shape(data_cfg["name"], images.shape[1:], shift_pixels))
-    epoch = restore_model(model, prefix, weights)
 
-    dataset = make_split_dataset(data_cfg["name"], images, labels, batch_size=batch_size, training=False,
-                                 shift_pixels=shift_pixels)
-    eval_step = make_eval_step(model, model.image_shape, **losses, two_digits=is_overlay(data_cfg["name"]))
-    result = evaluate_model(eval_step, dataset, model.num_classes)
-
-    report = {
-        "accuracy": result["accuracy"],
-        "loss": result["loss"],
-        "margin_loss": result["margin_loss"],
-        "reconstruction_loss": result["reconstruction_loss"],
-        "images_per_sec": result["images_per_sec"],
-        "per_class_accuracy": result["per_class_accuracy"],
-        "confusion_matrix": result["confusion_matrix"],
-        **({"per_class_examples": result["per_class_examples"]} if "per_class_examples" in result else {}),
-        "num_examples": result["num_examples"],
-        "checkpoint": str(prefix),
-        "run_dir": str(run_dir),
-        "epoch": epoch,
-        "dataset": data_cfg["name"],
-        "custom_op": custom_op,
-        "batch_size": batch_size,
-        "weights": weights,
+def ensemble_report(reports, results, num_classes):
+    """The ensemble's report from its members' reports and passes (keep_lengths): every
+    example scored by the members' capsule lengths averaged, as one model's would be."""
+    labels = results[0]["labels"]
+    for result in results[1:]:
+        if not np.array_equal(result["labels"], labels):  # the test split is not shuffled: never expected
+            raise RuntimeError("the ensemble members' test passes saw the examples in different orders")
+    lengths = np.mean([result["lengths"] for result in results], axis=0)   # (N, classes)
+    predictions = predict(tf.constant(lengths), tf.constant(labels)).numpy()
+    scores = score(labels, predictions, num_classes)
+    member_keys = ("checkpoint", "run_dir", "epoch", "weights", "custom_op", "accuracy", "loss", "margin_loss",
+                   "reconstruction_loss", "images_per_sec")
+    return {
+        **scores,
+        "num_examples": len(labels),
+        # Members run one after another: the ensemble's rate is the harmonic sum of theirs.
+        "images_per_sec": 1.0 / sum(1.0 / r["images_per_sec"] for r in reports),
+        "dataset": reports[0]["dataset"],
+        "batch_size": reports[0]["batch_size"],
+        "ensemble": f"mean capsule lengths of {len(reports)} members",
+        "members": [{key: r[key] for key in member_keys} for r in reports],
     }
-    output = Path(output) if output is not None else Path(str(prefix) + ".eval.json")
-    try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(json_safe(report), indent=2) + "\n")
-    except OSError as exc:
-        raise CheckpointError(f"cannot write the evaluation report {output}: {exc.strerror}") from exc
-    report["output"] = str(output)
-    return report
 
 
 def json_safe(value):

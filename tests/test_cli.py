@@ -81,6 +81,21 @@ def test_evaluate_prints_a_table_and_ends_with_json(trained_run, tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing written in the working directory
 
 
+def test_evaluate_a_list_of_checkpoints_prints_the_ensemble(trained_run, tmp_path):
+    run_dir, metrics = trained_run
+    latest = run_dir / "checkpoints" / "latest"
+    output = tmp_path / "ensemble.json"
+    result = run_entry_point("evaluate.py", f"checkpoint=[{latest / 'ckpt-3'},{latest / 'ckpt-4'}]",
+                             f"output={output}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == "ensemble of 2 checkpoints (class scores: their capsule lengths averaged)"
+    report = json.loads(lines[-1])
+    assert [m["epoch"] for m in report["members"]] == [3, 4]
+    assert report["members"][1]["accuracy"] == metrics["test_accuracy"]
+    assert json.loads(output.read_text())["accuracy"] == report["accuracy"]
+
+
 def test_custom_op_true_trains_through_the_cli(tiny_idx_dir, tmp_path):
     # `make test` builds the op library first, so custom_op=true must train here; the
     # missing-library one-liner is tested in test_train.py / test_evaluate.py.

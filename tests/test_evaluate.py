@@ -8,7 +8,7 @@ import yaml
 
 from capsnet.data import read_idx
 from capsnet.errors import CheckpointError, ConfigError, OpLibraryError
-from capsnet.evaluation import confusion_report, evaluate, format_report
+from capsnet.evaluation import confusion_report, ensemble_report, evaluate, format_report, read_run_config, restore_model
 
 REPORT_KEYS = {"accuracy", "loss", "images_per_sec", "per_class_accuracy", "confusion_matrix"}
 
@@ -125,6 +125,117 @@ def test_bad_values_in_the_run_config_are_config_errors(trained_run, tmp_path):
         (run_dir / "config.yaml").write_text(yaml.safe_dump(edited))
         with pytest.raises(ConfigError, match=message):
             evaluate(run_dir, output=tmp_path / "never.json")
+
+
+# --------------------------------------------------------------------------- ensembles
+
+def _member_pass(lengths, labels, accuracy=0.5):
+    """What evaluate_model(keep_lengths=True) gives ensemble_report, from given lengths."""
+    return {"lengths": np.asarray(lengths, np.float32), "labels": np.asarray(labels)}, \
+        {"checkpoint": "c", "run_dir": "r", "epoch": 1, "weights": "raw", "custom_op": False, "accuracy": accuracy,
+         "loss": 0.1, "margin_loss": 0.1, "reconstruction_loss": 0.0, "images_per_sec": 100.0,
+         "dataset": "mnist", "batch_size": 8}
+
+
+def test_ensemble_report_scores_the_members_mean_lengths():
+    rng = np.random.default_rng(5)
+    labels = rng.integers(0, 4, 300)
+    lengths = rng.uniform(0, 1, (3, 300, 4))
+    # Example 0: the members disagree and only the mean decides (0.6+0.1+0.2 < 0.1+0.5+0.5).
+    lengths[:, 0] = [[0.6, 0.1, 0, 0], [0.1, 0.5, 0, 0], [0.2, 0.5, 0, 0]]
+    passes = [_member_pass(l, labels) for l in lengths]
+    report = ensemble_report([r for _, r in passes], [p for p, _ in passes], num_classes=4)
+    expected = lengths.mean(axis=0).argmax(axis=1)
+    assert expected[0] == 1 and lengths[0, 0].argmax() == 0
+    confusion = np.zeros((4, 4), int)
+    np.add.at(confusion, (labels, expected), 1)
+    assert report["confusion_matrix"] == confusion.tolist()
+    assert report["accuracy"] == pytest.approx(np.mean(expected == labels))
+    assert report["num_examples"] == 300 and len(report["members"]) == 3
+    # One after another: 3 members at 100 images/s each are an ensemble at 33.3.
+    assert report["images_per_sec"] == pytest.approx(100 / 3)
+    assert "ensemble accuracy" in format_report(report)
+
+    # Two digits per example: the two longest mean lengths, either order.
+    pair_labels = np.array([[0, 1], [2, 3]])
+    pair_lengths = [[[0.9, 0.1, 0.8, 0.0], [0.0, 0.9, 0.1, 0.8]],
+                    [[0.1, 0.9, 0.0, 0.0], [0.0, 0.0, 0.7, 0.9]]]  # means: [.5 .5 .4 0], [0 .45 .4 .85]
+    passes = [_member_pass(l, pair_labels) for l in pair_lengths]
+    pairs = ensemble_report([r for _, r in passes], [p for p, _ in passes], num_classes=4)
+    assert pairs["accuracy"] == 0.5 and pairs["confusion_matrix"] is None
+    assert pairs["per_class_accuracy"] == [1.0, 1.0, 0.0, 1.0]
+    assert "both digits right" in format_report(pairs)
+
+    shuffled = [_member_pass(lengths[0], labels), _member_pass(lengths[1], labels[::-1])]
+    with pytest.raises(RuntimeError, match="different orders"):
+        ensemble_report([r for _, r in shuffled], [p for p, _ in shuffled], num_classes=4)
+
+
+def _model_lengths(prefix, run_dir, data_dir):
+    """A checkpoint's test-set capsule lengths, computed here without evaluate()."""
+    from capsnet.data import load_split, make_split_dataset
+    from capsnet.training import build_capsnet
+
+    cfg = read_run_config(run_dir)
+    model = build_capsnet(cfg["model"], False)
+    restore_model(model, str(prefix))
+    images, labels = load_split("mnist", "test", data_dir=data_dir)
+    dataset = make_split_dataset("mnist", images, labels, batch_size=50, training=False)
+    return np.concatenate([model(x, training=False)["lengths"].numpy() for x, _ in dataset]), labels
+
+
+def test_evaluate_a_list_of_checkpoints_as_an_ensemble(trained_run, tiny_idx_dir, tmp_path):
+    run_dir, metrics = trained_run
+    latest = run_dir / "checkpoints" / "latest"
+    prefixes = [latest / "ckpt-2", latest / "ckpt-3", latest / "ckpt-4"]
+    report = evaluate([str(p) for p in prefixes], batch_size=7)
+
+    members = [_model_lengths(p, run_dir, tiny_idx_dir) for p in prefixes]
+    labels = members[0][1]
+    expected = np.mean([lengths for lengths, _ in members], axis=0).argmax(axis=1)
+    confusion = np.zeros((10, 10), int)
+    np.add.at(confusion, (labels, expected), 1)
+    assert report["confusion_matrix"] == confusion.tolist()
+    assert report["accuracy"] == pytest.approx(np.mean(expected == labels))
+    # Each member's own numbers are those of evaluating it alone (and of training at its epoch).
+    for member, prefix, (lengths, _) in zip(report["members"], prefixes, members):
+        alone = evaluate(prefix, output=tmp_path / "alone.json")
+        assert member["checkpoint"] == alone["checkpoint"] == str(prefix)
+        assert member["epoch"] == alone["epoch"]
+        assert member["accuracy"] == alone["accuracy"] == pytest.approx(np.mean(lengths.argmax(axis=1) == labels))
+        assert member["loss"] == pytest.approx(alone["loss"], rel=1e-5)
+        assert member["accuracy"] == metrics["history"][member["epoch"] - 1]["test_accuracy"]
+    # Written next to the first member, under a name that says which members.
+    assert report["output"].startswith(str(prefixes[0]) + ".ensemble-")
+    written = json.loads(open(report["output"]).read())
+    assert written == {k: v for k, v in report.items() if k != "output"}
+    table = format_report(report)
+    assert table.startswith("ensemble of 3 checkpoints") and str(prefixes[2]) in table
+    assert f"ensemble accuracy {report['accuracy']:.4%}" in table
+
+    # An ensemble of one is the checkpoint's plain evaluation.
+    one = evaluate([run_dir], output=tmp_path / "one.json")
+    assert "members" not in one and one["accuracy"] == evaluate(run_dir)["accuracy"]
+
+
+def test_ensembles_of_unlike_runs_are_one_line_config_errors(trained_run, tmp_path):
+    run_dir = trained_run[0]
+    with pytest.raises(ConfigError, match=r"checkpoint=\[\] names no checkpoint"):
+        evaluate([])
+    for key, value, message in (
+            (("data", "name"), "fashion_mnist", "ensemble members trained on different datasets: mnist .* fashion_mnist"),
+            (("model", "num_classes"), 11, r"ensemble members differ in \(image shape, classes\): .*10\).*11\)")):
+        other = tmp_path / key[1]
+        shutil.copytree(run_dir, other)
+        config = yaml.safe_load((other / "config.yaml").read_text())
+        config[key[0]][key[1]] = value
+        (other / "config.yaml").write_text(yaml.safe_dump(config))
+        with pytest.raises(ConfigError, match=message) as err:
+            evaluate([run_dir, other], output=tmp_path / "never.json")
+        assert "\n" not in str(err.value) and str(other) in str(err.value)
+    with pytest.raises(CheckpointError, match=f"checkpoint not found: {tmp_path}/nope"):
+        evaluate([run_dir, tmp_path / "nope"])
+    assert not (tmp_path / "never.json").exists()
 
 
 # --------------------------------------------------------------------------- the compiled op
