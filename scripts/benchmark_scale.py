@@ -197,11 +197,7 @@ def worker(spec):
             for per_call in spec["steps_per_execution"]:
                 print(f"  {spec['variant']}: 1 device, batch {batch_size}, {per_call} steps per call",
                       file=sys.stderr, flush=True)
-                try:
-                    row = bt.time_training(spec, batch_size, devices[0], per_call)
-                except tf.errors.ResourceExhaustedError as exc:
-                    raise CapsnetError(f"out of device memory at batch {batch_size}: "
-                                       f"{str(exc).strip().splitlines()[0]}") from exc
+                row = bt.time_training(spec, batch_size, devices[0], per_call)
                 result["results"].append({"config": "1 device", "replicas": 1, "devices": devices[:1],
                                           "all_reduce": None, "global_batch_size": batch_size,
                                           **{k: row[k] for k in ("batch_size", "steps_per_execution",

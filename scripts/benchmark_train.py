@@ -244,24 +244,31 @@ def time_steps(train_steps, iterator, global_batch, spec, per_call):
 
 
 def time_training(spec, batch_size, tf_device, per_call=1):
-    """images/s and ms/step of one (variant, batch size, steps per call): a fresh model, optimizer and step."""
+    """images/s and ms/step of one (variant, batch size, steps per call): a fresh model, optimizer and step.
+    Running out of device memory is a CapsnetError naming the batch size (the first line of
+    TensorFlow's message, not its allocator dump)."""
     import keras
     import tensorflow as tf
 
+    from capsnet.errors import CapsnetError
     from capsnet.evaluation import loss_params
     from capsnet.training import build_capsnet, build_optimizer, input_iterator, make_train_loop, make_train_step
 
     model_cfg, train_cfg = variant_model_cfg(spec["variant"], spec["model"]), spec["train"]
     input_shape = tuple(model_cfg["input_shape"])
     keras.utils.set_random_seed(spec["seed"])  # the same initial weights for every variant
-    with tf.device(tf_device):
-        model = build_capsnet(model_cfg, spec["custom_op"])
-        optimizer, _ = build_optimizer(train_cfg, math.ceil(MNIST_TRAIN_EXAMPLES / batch_size), model)
-        step = make_train_step(model, optimizer, input_shape=input_shape, losses=loss_params(train_cfg),
-                               xla=spec["xla"])
-        iterator = input_iterator(synthetic_batches(spec, batch_size, input_shape, int(model_cfg["num_classes"])),
-                                  device=tf_device)
-        first_loss, last_loss, seconds = time_steps(make_train_loop(step), iterator, batch_size, spec, per_call)
+    try:
+        with tf.device(tf_device):
+            model = build_capsnet(model_cfg, spec["custom_op"])
+            optimizer, _ = build_optimizer(train_cfg, math.ceil(MNIST_TRAIN_EXAMPLES / batch_size), model)
+            step = make_train_step(model, optimizer, input_shape=input_shape, losses=loss_params(train_cfg),
+                                   xla=spec["xla"])
+            iterator = input_iterator(synthetic_batches(spec, batch_size, input_shape,
+                                                        int(model_cfg["num_classes"])), device=tf_device)
+            first_loss, last_loss, seconds = time_steps(make_train_loop(step), iterator, batch_size, spec, per_call)
+    except tf.errors.ResourceExhaustedError as exc:
+        raise CapsnetError(f"out of device memory at batch {batch_size}: "
+                           f"{str(exc).strip().splitlines()[0]}") from exc
     median = statistics.median(seconds)
     return {
         "batch_size": batch_size,
@@ -301,11 +308,7 @@ def worker(spec):
             for per_call in spec["steps_per_execution"]:
                 print(f"  {spec['variant']}: batch {batch_size}, {per_call} steps per call", file=sys.stderr,
                       flush=True)
-                try:
-                    result["results"].append(time_training(spec, batch_size, tf_device, per_call))
-                except tf.errors.ResourceExhaustedError as exc:
-                    raise CapsnetError(f"out of device memory at batch {batch_size}: "
-                                       f"{str(exc).strip().splitlines()[0]}") from exc
+                result["results"].append(time_training(spec, batch_size, tf_device, per_call))
     except CapsnetError as exc:
         result["error"] = " ".join(str(exc).split())
     print(json.dumps(result))

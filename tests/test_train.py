@@ -589,6 +589,31 @@ def test_benchmark_train_script_times_both_paths_on_the_same_model(tmp_path):
     assert "| custom_op=true xla=none | 6 |" in table and "| custom_op=false xla=none | 4 |" in table
 
 
+def test_benchmark_out_of_device_memory_is_one_line_naming_the_batch(monkeypatch):
+    """time_training (benchmark_train and benchmark_scale) turns an OOM into a CapsnetError
+    with the batch size and the first line of TensorFlow's message, not its allocator dump."""
+    import importlib.util
+
+    from conftest import TINY_MODEL
+
+    from capsnet.errors import CapsnetError
+
+    spec = importlib.util.spec_from_file_location("benchmark_train", REPO / "scripts" / "benchmark_train.py")
+    bt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bt)
+
+    def out_of_memory(*args, **kwargs):
+        raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor with shape[4,1152]\n"
+                                                           "allocator dump ...")
+
+    monkeypatch.setattr(bt, "time_steps", out_of_memory)
+    run_spec = {"variant": "matmul", "custom_op": False, "xla": "none", "steps": 1, "warmup": 0, "repeats": 1,
+                **bt.compose_config(list(TINY_MODEL))}
+    with pytest.raises(CapsnetError, match=r"^out of device memory at batch 4: OOM when allocating tensor "
+                                           r"with shape\[4,1152\]$"):
+        bt.time_training(run_spec, 4, "/CPU:0")
+
+
 def test_benchmark_train_script_rejects_bad_arguments(tmp_path):
     for args, message in ((["--variants", "op,fast"], "unknown variant(s) fast"),
                           (["--batch-sizes", "128,0"], "positive integers"),
