@@ -134,33 +134,36 @@ def assert_close(got, want, rtol, atol_scale, what):
 # Forward against the NumPy reference.
 
 
+def cases(float64_shapes, float32_shapes, float64_iterations):
+    """(dtype, shape, iterations, seed) cases: float64 checks the math closely on every
+    shape (only the summation order differs); float32, with looser tolerances, the sizes
+    and sums the model runs at, with r = 3."""
+    return ([pytest.param(np.float64, shape, r, 0, id=f"float64-{'x'.join(map(str, shape))}-r{r}")
+             for shape in float64_shapes for r in float64_iterations]
+            + [pytest.param(np.float32, shape, 3, 1, id=f"float32-{'x'.join(map(str, shape))}-r3")
+               for shape in float32_shapes])
+
+
+# (rtol, atol scale) of the op against NumPy: float32 sums over up to 2000 capsules.
+FORWARD_TOLERANCE = {np.float64: (1e-10, 1e-12), np.float32: (2e-5, 2e-6)}
+
+
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
-@pytest.mark.parametrize("iterations", ITERATIONS)
-@pytest.mark.parametrize("shape", SHAPES)
-def test_forward_matches_numpy_float64(device, shape, iterations):
-    u, W = inputs(shape)
+@pytest.mark.parametrize("dtype, shape, iterations, seed", cases(
+    SHAPES, [(5, 9, 10, 16, 8), (33, 37, 10, 16, 8), (3, 2000, 10, 16, 8), (2, 3, 3, 40, 2), (2, 3, 2, 4, 17)],
+    ITERATIONS))
+def test_forward_matches_numpy(device, dtype, shape, iterations, seed):
+    u, W = inputs(shape, dtype, seed)
     s_j, c_ij = ops.capsule_routing(tf.constant(u), tf.constant(W), iterations)
     on_device(device, s_j, c_ij)
     B, I, J, D, _ = shape
     assert s_j.shape == (B, J, D) and c_ij.shape == (B, I, J)
-    assert s_j.dtype == tf.float64 and c_ij.dtype == tf.float64
+    assert s_j.dtype == c_ij.dtype == tf.as_dtype(dtype)
     s_ref, c_ref, v_ref = np_routing(u, W, iterations)
-    assert_close(s_j, s_ref, 1e-10, 1e-12, "s_j")
-    assert_close(c_ij, c_ref, 1e-10, 1e-12, "c_ij")
-    assert_close(squash(s_j), v_ref, 1e-10, 1e-12, "squash(s_j)")
-
-
-@pytest.mark.parametrize("device", DEVICES, indirect=True)
-@pytest.mark.parametrize("shape", [(5, 9, 10, 16, 8), (33, 37, 10, 16, 8), (3, 2000, 10, 16, 8), (2, 3, 3, 40, 2),
-                                   (2, 3, 2, 4, 17)])
-def test_forward_matches_numpy_float32(device, shape):
-    u, W = inputs(shape, np.float32, seed=1)
-    s_j, c_ij = ops.capsule_routing(u, W, 3)
-    on_device(device, s_j, c_ij)
-    assert s_j.dtype == tf.float32
-    s_ref, c_ref, _ = np_routing(u, W, 3)
-    assert_close(s_j, s_ref, 2e-5, 2e-6, "s_j")
-    assert_close(c_ij, c_ref, 2e-5, 2e-6, "c_ij")
+    rtol, atol = FORWARD_TOLERANCE[dtype]
+    assert_close(s_j, s_ref, rtol, atol, "s_j")
+    assert_close(c_ij, c_ref, rtol, atol, "c_ij")
+    assert_close(squash(s_j), v_ref, rtol, atol, "squash(s_j)")
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
@@ -203,28 +206,23 @@ def test_squash_epsilon_is_the_routing_default():
 # Against the unfused TensorFlow path: values and gradients.
 
 
+# (rtol, atol scale) of the op against the unfused path, values and gradients.
+UNFUSED_TOLERANCE = {np.float64: (1e-10, 1e-12), np.float32: (1e-4, 1e-5)}
+
+
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
-@pytest.mark.parametrize("iterations", ITERATIONS)
-@pytest.mark.parametrize("shape", [(3, 5, 2, 16, 8), (4, 7, 3, 6, 3), (70, 2, 10, 16, 8), (2, 3, 2, 4, 17)])
-def test_values_and_gradients_match_unfused_path_float64(device, shape, iterations):
-    u, W = inputs(shape, seed=5)
-    weights_v, weights_c = loss_weights(shape, np.float64)
+@pytest.mark.parametrize("dtype, shape, iterations, seed", cases(
+    [(3, 5, 2, 16, 8), (4, 7, 3, 6, 3), (70, 2, 10, 16, 8), (2, 3, 2, 4, 17)],
+    [(8, 32, 10, 16, 8), (33, 37, 10, 16, 8), (3, 5, 3, 5, 3)], ITERATIONS))
+def test_values_and_gradients_match_unfused_path(device, dtype, shape, iterations, seed):
+    u, W = inputs(shape, dtype, seed + 5)  # other draws than the forward test's
+    weights_v, weights_c = loss_weights(shape, dtype)
     got = value_and_grads(fused, u, W, iterations, weights_v, weights_c)
     want = value_and_grads(unfused, u, W, iterations, weights_v, weights_c)
     on_device(device, *got)
+    rtol, atol = UNFUSED_TOLERANCE[dtype]
     for name, a, b in zip(("v_j", "c_ij", "grad_u", "grad_W"), got, want):
-        assert_close(a, b, 1e-10, 1e-12, name)
-
-
-@pytest.mark.parametrize("device", DEVICES, indirect=True)
-@pytest.mark.parametrize("shape", [(8, 32, 10, 16, 8), (33, 37, 10, 16, 8), (3, 5, 3, 5, 3)])
-def test_values_and_gradients_match_unfused_path_float32(device, shape):
-    u, W = inputs(shape, np.float32, seed=6)
-    weights_v, weights_c = loss_weights(shape, np.float32)
-    got = value_and_grads(fused, u, W, 3, weights_v, weights_c)
-    want = value_and_grads(unfused, u, W, 3, weights_v, weights_c)
-    for name, a, b in zip(("v_j", "c_ij", "grad_u", "grad_W"), got, want):
-        assert_close(a, b, 1e-4, 1e-5, name)
+        assert_close(a, b, rtol, atol, name)
 
 
 @pytest.mark.gpu
