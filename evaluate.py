@@ -3,7 +3,9 @@
 Prints a table (accuracy, per-class accuracy, confusion matrix) and, as the LAST line
 of stdout, one JSON object with accuracy, loss, images_per_sec, per_class_accuracy,
 confusion_matrix, ...; the same JSON is written next to the checkpoint
-(`<checkpoint>.eval.json`). Keys: configs/eval.yaml.
+(`<checkpoint>.eval.json`). A list of checkpoints is an ensemble: its JSON has the
+ensemble's scores and each member's own (accuracy, loss, epoch, ...) under `members`
+(capsnet.evaluation.evaluate). Keys: configs/eval.yaml.
 
 Examples:
     python evaluate.py checkpoint=outputs/2025-01-01/12-00-00              # the run's best checkpoint

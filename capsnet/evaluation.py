@@ -403,8 +403,10 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
         dataset, custom_op, weights. MultiMNIST (two digits per example): accuracy = both
         digits right, per_class_accuracy = per-class recall among the top two,
         per_class_examples, confusion_matrix None (pair_report). An ensemble's report
-        has the ensemble's scores and images/s, and `members`: each member's own report
-        (checkpoint, epoch, weights, custom_op, accuracy, losses, images/s).
+        has the ensemble's accuracy, per-class scores, num_examples, images/s, dataset,
+        batch_size, and `members`: each member's checkpoint, run_dir, epoch, weights,
+        custom_op, accuracy, losses and images/s (the losses, checkpoint and epoch are
+        only there: the average of lengths has no reconstruction).
     """
     # Imported here: capsnet.training imports this module.
     from capsnet.data import example_shape, is_overlay, load_split, make_split_dataset
@@ -416,6 +418,11 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
                           "(a list of several evaluates their ensemble)")
     members = [_member(c, which=which, custom_op=custom_op, weights=weights) for c in checkpoints]
     first = members[0]
+    prefixes = [member["prefix"] for member in members]
+    repeated = sorted({prefix for prefix in prefixes if prefixes.count(prefix) > 1})
+    if repeated:
+        # A member twice would weigh it double without saying so.
+        raise ConfigError(f"the ensemble names a checkpoint more than once: {', '.join(repeated)}")
     data_cfg = dict(first["cfg"].get("data") or {})
     if data_name is not None and data_name != data_cfg.get("name") and data_dir is None:
         data_cfg["dir"] = None
@@ -432,13 +439,13 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
         where = "batch_size"
     batch_size = positive_int(where, batch_size, expected="a positive integer (or null: the run's train.batch_size)",
                               error=ConfigError)
-    if data_name is None:
-        # One test split for all: members trained for another dataset would be scored on it.
-        for member in members[1:]:
-            trained_on = (member["cfg"].get("data") or {}).get("name")
-            if trained_on != data_cfg.get("name"):
-                raise ConfigError(f"ensemble members trained on different datasets: {data_cfg.get('name')} "
-                                  f"({first['run_dir']}) and {trained_on} ({member['run_dir']})")
+    # One test split for all (data.name may pick another): members trained for different
+    # datasets have capsules that mean different things, whatever split they are scored on.
+    trained_on = [(member["cfg"].get("data") or {}).get("name") for member in members]
+    for member, name in zip(members[1:], trained_on[1:]):
+        if name != trained_on[0]:
+            raise ConfigError(f"ensemble members trained on different datasets: {trained_on[0]} "
+                              f"({first['run_dir']}) and {name} ({member['run_dir']})")
 
     if any(member["custom_op"] for member in members):
         check_op_library()
@@ -536,7 +543,7 @@ def _member(checkpoint, *, which, custom_op, weights):
                           f"got {weights!r}")
     if weights == "ema" and not kept_average:
         raise ConfigError(f"weights=ema: the run {run_dir} kept no average of its weights (train.ema_decay was 0); "
-                          "use weights=raw")
+                          "use weights=raw (an ensemble: weights=null, each member's own)")
     return {"prefix": prefix, "run_dir": run_dir, "cfg": cfg, "custom_op": custom_op, "losses": losses,
             "weights": weights}
 
@@ -556,7 +563,7 @@ def ensemble_report(reports, results, num_classes):
     return {
         **scores,
         "num_examples": len(labels),
-        # Members run one after another: the ensemble's rate is the harmonic sum of theirs.
+        # Members run one after another: their seconds per image add up.
         "images_per_sec": 1.0 / sum(1.0 / r["images_per_sec"] for r in reports),
         "dataset": reports[0]["dataset"],
         "batch_size": reports[0]["batch_size"],

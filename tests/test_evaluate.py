@@ -141,12 +141,13 @@ def test_ensemble_report_scores_the_members_mean_lengths():
     rng = np.random.default_rng(5)
     labels = rng.integers(0, 4, 300)
     lengths = rng.uniform(0, 1, (3, 300, 4))
-    # Example 0: the members disagree and only the mean decides (0.6+0.1+0.2 < 0.1+0.5+0.5).
-    lengths[:, 0] = [[0.6, 0.1, 0, 0], [0.1, 0.5, 0, 0], [0.2, 0.5, 0, 0]]
+    # Example 0: two members of three say class 1, but the mean says 0 (0.9+0.4+0.4 > 0+0.5+0.5):
+    # lengths are averaged, not votes counted.
+    lengths[:, 0] = [[0.9, 0.0, 0, 0], [0.4, 0.5, 0, 0], [0.4, 0.5, 0, 0]]
     passes = [_member_pass(l, labels) for l in lengths]
     report = ensemble_report([r for _, r in passes], [p for p, _ in passes], num_classes=4)
     expected = lengths.mean(axis=0).argmax(axis=1)
-    assert expected[0] == 1 and lengths[0, 0].argmax() == 0
+    assert expected[0] == 0 and [lengths[m, 0].argmax() for m in range(3)] == [0, 1, 1]
     confusion = np.zeros((4, 4), int)
     np.add.at(confusion, (labels, expected), 1)
     assert report["confusion_matrix"] == confusion.tolist()
@@ -233,9 +234,16 @@ def test_ensembles_of_unlike_runs_are_one_line_config_errors(trained_run, tmp_pa
         with pytest.raises(ConfigError, match=message) as err:
             evaluate([run_dir, other], output=tmp_path / "never.json")
         assert "\n" not in str(err.value) and str(other) in str(err.value)
+    latest = run_dir / "checkpoints" / "latest"
+    with pytest.raises(ConfigError, match=r"names a checkpoint more than once: .*ckpt-4$"):
+        evaluate([latest / "ckpt-4", latest / "ckpt-3", latest / "ckpt-4"])
+    # The dataset a member was trained on counts even where data.name picks the test split.
+    with pytest.raises(ConfigError, match="ensemble members trained on different datasets"):
+        evaluate([run_dir, tmp_path / "name"], data_name="mnist")
     with pytest.raises(CheckpointError, match=f"checkpoint not found: {tmp_path}/nope"):
         evaluate([run_dir, tmp_path / "nope"])
     assert not (tmp_path / "never.json").exists()
+    assert not list(run_dir.glob("checkpoints/best/*.ensemble-*"))  # nor where the first member's report would go
 
 
 # --------------------------------------------------------------------------- the compiled op

@@ -197,6 +197,28 @@ def test_tiny_multimnist_run_trains_and_evaluates(tiny_idx_dir, tmp_path):
     assert sum(report["per_class_examples"]) == 2 * 40
     assert "both digits right" in format_report(report)
 
+    # The epochs' checkpoints as an ensemble: both digits right iff the two longest
+    # averaged lengths are the labels, against the members' lengths computed here.
+    from capsnet.data import load_split, make_split_dataset
+    from capsnet.evaluation import read_run_config, restore_model
+    from capsnet.training import build_capsnet
+
+    prefixes = [run_dir / "checkpoints" / "latest" / f"ckpt-{epoch}" for epoch in (1, 2)]
+    ensemble = evaluate(prefixes, output=tmp_path / "ensemble.json")
+    images, labels = load_split("multimnist", "test", data_dir=tiny_idx_dir, limit=40)
+    dataset = make_split_dataset("multimnist", images, labels, batch_size=16, training=False, shift_pixels=4)
+    member_lengths = []
+    for prefix in prefixes:
+        model = build_capsnet(read_run_config(run_dir)["model"], False)
+        restore_model(model, str(prefix))
+        member_lengths.append(np.concatenate([model(x, training=False)["lengths"].numpy() for x, *_ in dataset]))
+    pair_labels = np.concatenate([y.numpy() for _, y, *_ in dataset])
+    top_two = np.argsort(-np.mean(member_lengths, axis=0), axis=1)[:, :2]
+    both_right = (np.sort(top_two, axis=1) == np.sort(pair_labels, axis=1)).all(axis=1)
+    assert ensemble["accuracy"] == pytest.approx(both_right.mean())
+    assert ensemble["confusion_matrix"] is None and sum(ensemble["per_class_examples"]) == 2 * 40
+    assert [m["accuracy"] for m in ensemble["members"]] == [h["test_accuracy"] for h in metrics["history"]]
+
 
 def test_multimnist_config_errors(tiny_idx_dir, tmp_path):
     from capsnet.training import train
