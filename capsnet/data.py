@@ -303,6 +303,12 @@ _ELASTIC_STREAM = 3
 AUGMENTATION_KEYS = ("shift_pixels", *AUGMENTATION_OFF)
 
 
+def augmentation_options(data_cfg):
+    """The AUGMENTATION_OFF keys of a `data` config section, each at its default where the
+    section lacks it (a run saved before the key existed trained without it)."""
+    return {key: data_cfg.get(key, off) for key, off in AUGMENTATION_OFF.items()}
+
+
 def check_augmentation(prefix="", **options):
     """The augmentation `options` (the keys of AUGMENTATION_OFF, all of them) checked and
     in their plain types, in AUGMENTATION_OFF's order; a bad one → ConfigError naming

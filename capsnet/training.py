@@ -77,8 +77,8 @@ import yaml
 from tensorflow.python.framework import config as tf_config
 
 from capsnet import ops
-from capsnet.data import (AUGMENTATION_KEYS, AUGMENTATION_OFF, check_augmentation, example_shape, is_overlay, load_split,
-                          make_split_dataset)
+from capsnet.data import (AUGMENTATION_KEYS, AUGMENTATION_OFF, augmentation_options, check_augmentation, example_shape,
+                          is_overlay, load_split, make_split_dataset)
 from capsnet.errors import CheckpointError, ConfigError, OpLibraryError
 from capsnet.evaluation import (
     capsnet_losses, checkpoint_weights, correct_predictions, evaluate_model, json_safe, loss_params, make_eval_step,
@@ -747,7 +747,7 @@ def _check_config(cfg):
     loss_params(cfg["train"])  # m_plus, m_minus, lambda_, reconstruction_weight
     ema_decay(train_cfg)
     check_xla(cfg["train"]["xla"], cfg["custom_op"], cfg["model"].get("jit_routing", False))
-    check_augmentation("data.", **{k: cfg["data"].get(k, off) for k, off in AUGMENTATION_OFF.items()})
+    check_augmentation("data.", **augmentation_options(cfg["data"]))
     integer("seed", cfg["seed"], error=ConfigError)
     if not cfg.get("run_dir"):
         raise ConfigError("run_dir is not set (train.py sets it to Hydra's run dir; tests pass one)")
@@ -1025,8 +1025,7 @@ def train(cfg):
     check_labels(train_labels, train_images, model=model, split=f"{data_cfg['name']} train", image_shape=image_shape)
     check_labels(test_labels, test_images, model=model, split=f"{data_cfg['name']} test", image_shape=image_shape)
     steps_per_epoch = math.ceil(len(train_labels) / batch_size)
-    augmentation = {"shift_pixels": data_cfg["shift_pixels"],
-                    **{k: data_cfg.get(k, off) for k, off in AUGMENTATION_OFF.items()}}
+    augmentation = {"shift_pixels": data_cfg["shift_pixels"], **augmentation_options(data_cfg)}
     # The test split: no augmentation (MultiMNIST: shift_pixels sets its fixed pairs' shifts).
     test_ds = make_split_dataset(data_cfg["name"], test_images, test_labels, batch_size=batch_size,
                                  training=False, shift_pixels=data_cfg["shift_pixels"])

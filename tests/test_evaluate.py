@@ -5,10 +5,11 @@ import shutil
 import numpy as np
 import pytest
 import yaml
+from conftest import checkpoint_lengths
 
 from capsnet.data import read_idx
 from capsnet.errors import CheckpointError, ConfigError, OpLibraryError
-from capsnet.evaluation import confusion_report, ensemble_report, evaluate, format_report, read_run_config, restore_model
+from capsnet.evaluation import confusion_report, ensemble_report, evaluate, format_report
 
 REPORT_KEYS = {"accuracy", "loss", "images_per_sec", "per_class_accuracy", "confusion_matrix"}
 
@@ -172,34 +173,24 @@ def test_ensemble_report_scores_the_members_mean_lengths():
         ensemble_report([r for _, r in shuffled], [p for p, _ in shuffled], num_classes=4)
 
 
-def _model_lengths(prefix, run_dir, data_dir):
-    """A checkpoint's test-set capsule lengths, computed here without evaluate()."""
-    from capsnet.data import load_split, make_split_dataset
-    from capsnet.training import build_capsnet
-
-    cfg = read_run_config(run_dir)
-    model = build_capsnet(cfg["model"], False)
-    restore_model(model, str(prefix))
-    images, labels = load_split("mnist", "test", data_dir=data_dir)
-    dataset = make_split_dataset("mnist", images, labels, batch_size=50, training=False)
-    return np.concatenate([model(x, training=False)["lengths"].numpy() for x, _ in dataset]), labels
-
-
 def test_evaluate_a_list_of_checkpoints_as_an_ensemble(trained_run, tiny_idx_dir, tmp_path):
     run_dir, metrics = trained_run
     latest = run_dir / "checkpoints" / "latest"
     prefixes = [latest / "ckpt-2", latest / "ckpt-3", latest / "ckpt-4"]
     report = evaluate([str(p) for p in prefixes], batch_size=7)
 
-    members = [_model_lengths(p, run_dir, tiny_idx_dir) for p in prefixes]
-    labels = members[0][1]
-    expected = np.mean([lengths for lengths, _ in members], axis=0).argmax(axis=1)
+    from capsnet.data import load_split, make_split_dataset
+
+    images, labels = load_split("mnist", "test", data_dir=tiny_idx_dir)
+    dataset = make_split_dataset("mnist", images, labels, batch_size=50, training=False)
+    members = [checkpoint_lengths(p, run_dir, dataset) for p in prefixes]
+    expected = np.mean(members, axis=0).argmax(axis=1)
     confusion = np.zeros((10, 10), int)
     np.add.at(confusion, (labels, expected), 1)
     assert report["confusion_matrix"] == confusion.tolist()
     assert report["accuracy"] == pytest.approx(np.mean(expected == labels))
     # Each member's own numbers are those of evaluating it alone (and of training at its epoch).
-    for member, prefix, (lengths, _) in zip(report["members"], prefixes, members):
+    for member, prefix, lengths in zip(report["members"], prefixes, members):
         alone = evaluate(prefix, output=tmp_path / "alone.json")
         assert member["checkpoint"] == alone["checkpoint"] == str(prefix)
         assert member["epoch"] == alone["epoch"]

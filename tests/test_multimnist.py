@@ -11,7 +11,8 @@ from capsnet.data import MULTIMNIST_TEST_KEY, example_shape, make_multimnist_dat
 from capsnet.errors import ConfigError, DataError
 from capsnet.evaluation import correct_predictions, evaluate, format_report, pair_report, predict
 from capsnet.losses import margin_loss, reconstruction_loss
-from conftest import TINY_MODEL, collect, compose_config, np_margin_loss, numpy_shift, tiny_overrides
+from conftest import (TINY_MODEL, checkpoint_lengths, collect, compose_config, np_margin_loss, numpy_shift,
+                      tiny_overrides)
 
 SHIFT = 3
 SIZE = 10  # source digits 10x10 -> canvas 16x16
@@ -200,18 +201,12 @@ def test_tiny_multimnist_run_trains_and_evaluates(tiny_idx_dir, tmp_path):
     # The epochs' checkpoints as an ensemble: both digits right iff the two longest
     # averaged lengths are the labels, against the members' lengths computed here.
     from capsnet.data import load_split, make_split_dataset
-    from capsnet.evaluation import read_run_config, restore_model
-    from capsnet.training import build_capsnet
 
     prefixes = [run_dir / "checkpoints" / "latest" / f"ckpt-{epoch}" for epoch in (1, 2)]
     ensemble = evaluate(prefixes, output=tmp_path / "ensemble.json")
     images, labels = load_split("multimnist", "test", data_dir=tiny_idx_dir, limit=40)
     dataset = make_split_dataset("multimnist", images, labels, batch_size=16, training=False, shift_pixels=4)
-    member_lengths = []
-    for prefix in prefixes:
-        model = build_capsnet(read_run_config(run_dir)["model"], False)
-        restore_model(model, str(prefix))
-        member_lengths.append(np.concatenate([model(x, training=False)["lengths"].numpy() for x, *_ in dataset]))
+    member_lengths = [checkpoint_lengths(prefix, run_dir, dataset) for prefix in prefixes]
     pair_labels = np.concatenate([y.numpy() for _, y, *_ in dataset])
     top_two = np.argsort(-np.mean(member_lengths, axis=0), axis=1)[:, :2]
     both_right = (np.sort(top_two, axis=1) == np.sort(pair_labels, axis=1)).all(axis=1)
