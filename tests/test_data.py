@@ -223,7 +223,10 @@ def test_load_split_corrupt_file_names_it(tmp_path):
 def test_real_mnist_files():
     train_x, train_y = load_split("mnist", "train", REAL_MNIST)
     test_x, test_y = load_split("mnist", "test", REAL_MNIST)
-    assert train_x.shape == (24345, 28, 28, 1) and train_y.shape == (24345,)
+    # The full official training set (shared/data/README: sha256 equal to tfds' records).
+    assert train_x.shape == (60000, 28, 28, 1) and train_y.shape == (60000,)
+    # Its published per-class counts (LeCun et al.'s distribution: 5,421 fives ... 6,742 ones).
+    assert np.bincount(train_y).tolist() == [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
     assert test_x.shape == (10000, 28, 28, 1) and test_y.shape == (10000,)
     for labels in (train_y, test_y):
         assert set(np.unique(labels)) == set(range(10))
