@@ -1,15 +1,20 @@
 """CapsNet losses: margin loss (Eq. 4) and the reconstruction sum of squared errors.
 
-Both return one value per example, shape (batch,). The trainer combines them as
-margin + reconstruction_weight · reconstruction (paper: 0.0005, a config value);
-the weight is deliberately not applied here.
+Both return one value per example, shape (batch,); the weight that combines them is
+deliberately not applied in either. `capsnet_losses` is the paper's total loss the
+compiled train and test steps use, margin + reconstruction_weight · reconstruction
+(paper: 0.0005, a config value), and `loss_params(train_cfg)` its checked arguments.
 """
 import numbers
 
 import keras
 import tensorflow as tf
 
-__all__ = ["margin_loss", "reconstruction_loss", "MarginLoss", "ReconstructionLoss"]
+from capsnet.errors import ConfigError
+from capsnet.validation import finite_float
+
+__all__ = ["margin_loss", "reconstruction_loss", "MarginLoss", "ReconstructionLoss", "capsnet_losses",
+           "loss_params"]
 
 
 def _check_margins(m_plus, m_minus, lambda_):
@@ -84,6 +89,48 @@ def reconstruction_loss(images, reconstructions):
             f"(batch, ...), got {tuple(images.shape)} and {tuple(reconstructions.shape)}")
     images = tf.cast(images, reconstructions.dtype)
     return tf.reduce_sum(tf.square(reconstructions - images), axis=list(range(1, images.shape.rank)))
+
+
+def capsnet_losses(images, labels, outputs, *, m_plus, m_minus, lambda_, reconstruction_weight, targets=None):
+    """The paper's total loss per example: margin + reconstruction_weight · reconstruction.
+
+    Returns (total, margin, reconstruction), each (batch,). Without a decoder
+    (no "reconstructions" output) the reconstruction term is zero. `targets`: what the
+    reconstructions are compared with; None = the images. Two-digit data passes labels
+    (batch, 2) and targets (batch, 2, H, W, C), each digit alone: the reconstruction
+    term is then the sum over the two digits.
+    """
+    margin = margin_loss(labels, outputs["lengths"], m_plus, m_minus, lambda_)          # (B,)
+    if "reconstructions" in outputs:
+        targets = images if targets is None else targets
+        reconstruction = reconstruction_loss(targets, outputs["reconstructions"])         # (B,)
+    else:
+        reconstruction = tf.zeros_like(margin)
+    return margin + reconstruction_weight * reconstruction, margin, reconstruction
+
+
+LOSS_KEYS = ("m_plus", "m_minus", "lambda_", "reconstruction_weight")
+
+
+def loss_params(train_cfg):
+    """The loss arguments of capsnet_losses from a config's `train` section, checked:
+    finite numbers, 0 <= m_minus < m_plus <= 1, lambda_ >= 0, reconstruction_weight >= 0
+    (else ConfigError naming the keys)."""
+    params = {}
+    for key in LOSS_KEYS:
+        if key not in train_cfg:
+            raise ConfigError(f"train.{key} is missing")
+        params[key] = finite_float(f"train.{key}", train_cfg[key], error=ConfigError)
+    try:
+        # The margin loss's own rule, checked now rather than when the first step is traced.
+        _check_margins(params["m_plus"], params["m_minus"], params["lambda_"])
+    except ValueError as exc:
+        reason = str(exc).removeprefix("margin_loss: ")
+        raise ConfigError(f"train.m_plus, train.m_minus, train.lambda_: {reason}") from exc
+    if params["reconstruction_weight"] < 0:
+        raise ConfigError(f"train.reconstruction_weight must be >= 0, got {params['reconstruction_weight']!r}")
+    return params
+
 
 
 @keras.saving.register_keras_serializable(package="capsnet")

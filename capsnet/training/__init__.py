@@ -1,0 +1,19 @@
+"""Training CapsNet: `train(cfg)` (capsnet.training.loop), the body of `python train.py`.
+
+One module per concern; import each piece from its module:
+    loop            train(cfg): config → setup → data → model/optimizer (new or resumed)
+                    → compiled steps → epochs → final metrics; the run dir's layout
+    config_checks   check_train_config(cfg): every training config value, checked up front
+    model_setup     build_capsnet, check_op_library, check_labels (shared with evaluate())
+    optimizer       build_optimizer (Adam on a decaying LR), scaled_learning_rate
+    weight_average  WeightAverage (train.ema_decay)
+    steps           make_train_step, make_train_loop, make_eval_step, evaluate_model; XLA modes
+    distribute      tf.distribute strategies, TF_CONFIG, input_iterator
+    checkpoints     checkpoint contents, resume rules, the best checkpoint, resolve_checkpoint
+    summaries       TensorBoard scalars, images, histograms and HParams
+
+scripts/benchmark_train.py times the same pieces train() is made of.
+"""
+from capsnet.training.loop import train
+
+__all__ = ["train"]

@@ -1,0 +1,185 @@
+"""Several devices (`distribute`, configs/distribute/; `make_strategy`).
+
+`mirrored` runs one replica per local GPU (tf.distribute.MirroredStrategy),
+`multi_worker` one per GPU of every machine of a TF_CONFIG cluster
+(MultiWorkerMirroredStrategy; `read_tf_config`); `none` (default) is the one-device code
+path, untouched. train.batch_size is the GLOBAL batch (`check_global_batch`): the
+(seed, epoch)-ordered batches of capsnet.data are split evenly over the replicas
+(`distribute_dataset`), each replica's loss is its share of the global-batch mean, the
+optimizer sums the replicas' gradients, so a step is the one-device step on the same
+batch up to float rounding (capsnet.training.steps). distribute.scale_lr scales the
+learning rate with the global batch (capsnet.training.optimizer.scaled_learning_rate).
+
+Only the chief (`is_chief`: worker 0, or the task "chief") writes into the run dir; the
+other workers save their checkpoints into a scratch directory of their own and write
+nothing else. Every worker must resume from the same checkpoint
+(`check_workers_agree`). Evaluation runs on one device of every worker, as without a
+strategy, and a distributed run's checkpoints are ordinary ones (a mirrored variable is
+saved once).
+"""
+import json
+import os
+
+import numpy as np
+import tensorflow as tf
+
+from capsnet.errors import CheckpointError, ConfigError
+
+STRATEGIES = ("none", "mirrored", "multi_worker")
+# distribute.all_reduce: how the replicas sum their gradients, per strategy.
+ALL_REDUCE = {
+    "none": ("auto",),
+    "mirrored": ("auto", "nccl", "one_device"),
+    "multi_worker": ("auto", "nccl", "ring"),
+}
+SCALE_LR = ("none", "linear", "sqrt")
+# The distribute section of a config that has none (written before it existed).
+DISTRIBUTE_DEFAULTS = {"strategy": "none", "devices": None, "all_reduce": "auto", "scale_lr": "none",
+                       "lr_base_batch_size": 100}
+TF_CONFIG_EXAMPLE = ('{"cluster": {"worker": ["host1:12345", "host2:12345"]}, '
+                     '"task": {"type": "worker", "index": 0}}')
+
+
+def read_tf_config():
+    """The cluster and task of TF_CONFIG (MultiWorkerMirroredStrategy's source): a dict,
+    checked enough that a mistake is a one-line ConfigError rather than a hang."""
+    text = os.environ.get("TF_CONFIG")
+    if not text:
+        raise ConfigError(f"distribute=multi_worker needs the cluster in the TF_CONFIG environment variable, which "
+                          f"is not set; on each worker e.g. TF_CONFIG='{TF_CONFIG_EXAMPLE}' (index: this worker's)")
+    try:
+        tf_config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"TF_CONFIG is not valid JSON ({exc}): {text!r}") from exc
+    cluster = tf_config.get("cluster") if isinstance(tf_config, dict) else None
+    task = tf_config.get("task") if isinstance(tf_config, dict) else None
+    if (not isinstance(cluster, dict) or not cluster
+            or not all(isinstance(v, list) and v and all(isinstance(a, str) for a in v) for v in cluster.values())):
+        raise ConfigError(f"TF_CONFIG needs a \"cluster\" of task types to lists of host:port, got {text!r} "
+                          f"(e.g. {TF_CONFIG_EXAMPLE})")
+    if not isinstance(task, dict) or task.get("type") not in ("chief", "worker"):
+        raise ConfigError(f"TF_CONFIG needs a \"task\" with type \"chief\" or \"worker\" (the tasks that train), "
+                          f"got {text!r}")
+    index = task.get("index", 0)
+    hosts = cluster.get(task["type"], [])
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(hosts):
+        raise ConfigError(f"TF_CONFIG task index {index!r} is not one of the {len(hosts)} {task['type']} "
+                          f"address(es) of its cluster: {text!r}")
+    return tf_config
+
+
+def _check_devices(devices):
+    """Every name in distribute.devices must be a device TensorFlow sees (MirroredStrategy
+    would only warn, then fail when it first places a variable there)."""
+    visible = tf.config.list_logical_devices()
+    known = {(d.device_type, tf.DeviceSpec.from_string(d.name).device_index) for d in visible}
+    for name in devices:
+        try:
+            spec = tf.DeviceSpec.from_string(name)
+        except ValueError as exc:
+            raise ConfigError(f"distribute.devices: {name!r} is not a device name ({exc})") from exc
+        if (str(spec.device_type).upper(), spec.device_index or 0) not in known:
+            seen = ", ".join(d.name.split("device:")[-1] for d in visible)
+            raise ConfigError(f"distribute.devices: {name} is not a device TensorFlow sees here (it sees {seen})")
+
+
+def make_strategy(dcfg):
+    """The tf.distribute strategy of a checked distribute section (distribute_config); None
+    for `none`, which keeps the one-device code path.
+
+    multi_worker must be made before TensorFlow starts (its first tensor or variable): it
+    configures the collective ops of the process, so train() makes it first, and a
+    second one in the same process (a -m sweep) is refused.
+    """
+    strategy = dcfg["strategy"]
+    if strategy == "none":
+        return None
+    if strategy == "mirrored":
+        if dcfg["devices"] is not None:
+            _check_devices(dcfg["devices"])
+        cross_device_ops = None  # auto: TensorFlow's pick, NCCL when every device is a GPU
+        if dcfg["all_reduce"] == "nccl":
+            cross_device_ops = tf.distribute.NcclAllReduce()
+        elif dcfg["all_reduce"] == "one_device":
+            cross_device_ops = tf.distribute.ReductionToOneDevice()
+        return tf.distribute.MirroredStrategy(devices=dcfg["devices"], cross_device_ops=cross_device_ops)
+    implementation = {"auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+                      "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+                      "ring": tf.distribute.experimental.CommunicationImplementation.RING}[dcfg["all_reduce"]]
+    try:
+        return tf.distribute.MultiWorkerMirroredStrategy(
+            communication_options=tf.distribute.experimental.CommunicationOptions(implementation=implementation))
+    except RuntimeError as exc:
+        # "Collective ops must be configured at program startup"
+        raise ConfigError(f"distribute=multi_worker must be set up before TensorFlow starts, once per process "
+                          f"(one training per process, no -m sweep): {' '.join(str(exc).split())}") from exc
+
+
+def check_global_batch(batch_size, strategy):
+    """train.batch_size is the global batch: it must split evenly over the replicas."""
+    replicas = strategy.num_replicas_in_sync
+    if batch_size % replicas:
+        raise ConfigError(f"train.batch_size={batch_size} is the global batch and must divide evenly over the "
+                          f"{replicas} replicas ({', '.join(strategy.extended.worker_devices)}"
+                          f"{' on this worker' if len(strategy.extended.worker_devices) < replicas else ''}): "
+                          f"use a multiple of {replicas}")
+
+
+def is_chief(strategy):
+    """Whether this process writes the run dir: always without a strategy or with mirrored
+    (one process); under multi_worker the task "chief", else worker 0."""
+    return strategy is None or strategy.extended.should_checkpoint
+
+
+def distribute_dataset(strategy, dataset):
+    """`dataset`'s batches (global batches) split over the strategy's replicas, in order.
+
+    Each global batch is cut into one contiguous slice per replica (sizes differ by at
+    most one example; a short last batch as well), so step k of every replica together
+    sees global batch k of a one-device run. Every worker builds the whole (seed,
+    epoch)-ordered dataset and keeps its replicas' slices (DATA sharding: the examples
+    are tensors in memory, not files, so there are no files to split, and its
+    augmentation is keyed by the example, not by the worker).
+    """
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return strategy.experimental_distribute_dataset(dataset.with_options(options))
+
+
+def input_iterator(dataset, strategy=None, device=None):
+    """The iterator make_train_loop's steps read their batches from, the batches already
+    on the devices that train on them.
+
+    Under a strategy: split over its replicas (distribute_dataset; tf.distribute prefetches
+    each slice to its replica's device). On one device: prefetched to `device` (default:
+    the first GPU, if there is one); otherwise each step's first op waits for its batch's
+    host-to-device copy (measured on an H200: docs/benchmarks.md).
+    """
+    if strategy is not None:
+        return iter(distribute_dataset(strategy, dataset))
+    if device is None:
+        gpus = tf.config.list_logical_devices("GPU")
+        device = gpus[0].name if gpus else None
+    if device is None or tf.DeviceSpec.from_string(device).device_type != "GPU":
+        return iter(dataset)  # the CPU trains where tf.data runs: nothing to copy
+    with tf.device(device):  # the iterator of a copy_to_device dataset lives on the target device
+        return iter(dataset.apply(tf.data.experimental.prefetch_to_device(device, buffer_size=2)))
+
+
+def check_workers_agree(strategy, epochs_done, step):
+    """Every worker must continue from the same checkpoint: one that found none (another
+    run dir, not on a shared filesystem) would start its epochs over while the others go
+    on, and the step's collectives would pair different epochs' batches, or hang.
+
+    All-reduces (v, v²) of v = (epochs done, step) over the replicas: every worker gets
+    n·v and n·v² back iff all v are equal, so each worker sees a disagreement and stops.
+    """
+    local = tf.constant([epochs_done, step], tf.float64)
+    per_replica = strategy.experimental_distribute_values_from_function(lambda _: tf.stack([local, local * local]))
+    total = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None).numpy()  # (2, 2)
+    n = strategy.num_replicas_in_sync
+    if not np.array_equal(total, n * np.stack([local.numpy(), local.numpy() ** 2])):
+        raise CheckpointError(
+            f"the workers restored different checkpoints (this one: {epochs_done} epochs done, step {step}; mean over "
+            f"the replicas: {total[0][0] / n:g} epochs, step {total[0][1] / n:g}): every worker needs the same run dir "
+            "(hydra.run.dir) on a filesystem they share")

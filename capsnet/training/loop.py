@@ -1,0 +1,326 @@
+"""Train CapsNet: `train(cfg) -> metrics`, the body of `python train.py`.
+
+Reads top to bottom like the loop it is: config → setup → data → model and optimizer
+(new, or resumed from the run dir's last checkpoint) → compiled steps → epochs →
+final metrics. `cfg` is a plain dict shaped like configs/train.yaml (train.py converts
+Hydra's config at the boundary); nothing here sees a Hydra object. `train_epoch` runs
+one epoch's compiled calls, fetching and timing them.
+
+A run dir holds:
+    config.yaml                the resolved config (evaluate.py rebuilds the model from it)
+    events.out.tfevents.*      TensorBoard: scalars, reconstructions, histograms, HParams
+    checkpoints/latest/ckpt-N  the last `train.keep_checkpoints` epochs (N = epochs done)
+    checkpoints/best/ckpt-N    the epoch with the highest test accuracy (of the epochs done)
+    history.jsonl              one line of metrics per finished epoch
+    metrics.json               the final metrics, written at the end
+
+Rerunning with the same run dir resumes it; how, what an epoch commits and which config
+changes a resume refuses: capsnet.training.checkpoints. Several devices (the chief
+alone writes the run dir): capsnet.training.distribute. The weight average:
+capsnet.training.weight_average.
+"""
+import contextlib
+import json
+import logging
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from capsnet.data import augmentation_options, example_shape, is_overlay, load_split, make_split_dataset
+from capsnet.errors import ConfigError
+from capsnet.losses import loss_params
+from capsnet.scoring import json_safe
+from capsnet.training.checkpoints import (BestCheckpoint, check_resumable, checkpoint_weights, read_history,
+                                         resume_from, write_run_config)
+from capsnet.training.config_checks import check_train_config, ema_decay
+from capsnet.training.distribute import (check_global_batch, check_workers_agree, input_iterator, is_chief,
+                                         make_strategy)
+from capsnet.training.model_setup import build_capsnet, check_labels, check_op_library
+from capsnet.training.optimizer import build_optimizer, scaled_learning_rate, steps_done
+from capsnet.training.steps import (evaluate_model, execution_lengths, make_eval_step, make_train_loop,
+                                    make_train_step, set_autoclustering, set_determinism)
+from capsnet.training.summaries import (MetricWindow, write_epoch_summaries, write_hparams,
+                                        write_train_scalars)
+from capsnet.training.weight_average import WeightAverage
+
+log = logging.getLogger(__name__)
+
+
+def train(cfg):
+    """Train (or resume) the run in cfg["run_dir"]; returns the final metrics (also metrics.json)."""
+    # ---- config and setup
+    model_cfg, data_cfg, tcfg, dcfg = check_train_config(cfg)
+    run_dir = Path(cfg["run_dir"]).expanduser().resolve()
+    seed, custom_op, batch_size = int(cfg["seed"]), cfg["custom_op"], int(tcfg["batch_size"])
+    if data_cfg.get("dir") is not None:
+        # Absolute, so evaluate.py finds the data from any working directory.
+        data_cfg["dir"] = str(Path(data_cfg["dir"]).expanduser().resolve())
+    latest_dir = run_dir / "checkpoints" / "latest"
+    if tf.train.latest_checkpoint(str(latest_dir)):
+        check_resumable(run_dir, {**cfg, "data": data_cfg})  # before the data is read
+    # Before anything touches a device: on a CPU-only machine autoclustering needs a
+    # TF_XLA_FLAGS flag that TensorFlow reads once, when it sets up its devices.
+    set_autoclustering(tcfg["xla"] == "autocluster")
+    set_determinism(cfg.get("deterministic", False))
+    # Before the first tensor (multi_worker configures the process's collective ops then);
+    # None = one device. Variables made in a scope() are mirrored over the replicas.
+    strategy = make_strategy(dcfg)
+
+    def scope():
+        return strategy.scope() if strategy is not None else contextlib.nullcontext()
+
+    chief = is_chief(strategy)
+    if strategy is not None:
+        check_global_batch(batch_size, strategy)
+        log.info("distribute=%s: %d replicas, global batch %d = %d per replica; this process: %s%s",
+                 dcfg["strategy"], strategy.num_replicas_in_sync, batch_size,
+                 batch_size // strategy.num_replicas_in_sync, ", ".join(strategy.extended.worker_devices),
+                 "" if chief else " (not the chief: writes nothing into the run dir)")
+    keras.utils.set_random_seed(seed)  # Python, NumPy and TF seeds: the initial weights
+    if custom_op:
+        # Each replica runs the op on its own device.
+        check_op_library(strategy.extended.worker_devices if strategy is not None else None)
+    # The model first: its config errors (model.num_classes=abc) come before the data is read,
+    # and check_labels compares the data with the checked values.
+    with scope():
+        model = build_capsnet(model_cfg, custom_op)
+    two_digits = is_overlay(data_cfg["name"])  # MultiMNIST: labels (B, 2) and the digits (B, 2, H, W, C)
+    if two_digits and strategy is not None:
+        raise ConfigError(f"data.name={data_cfg['name']} trains on one device only: set distribute=none")
+
+    # ---- data (uint8 in memory; make_dataset scales, shuffles and shifts per (seed, epoch);
+    # for MultiMNIST make_multimnist_dataset also pairs and overlays the digits)
+    train_images, train_labels = load_split(data_cfg["name"], "train", data_dir=data_cfg.get("dir"),
+                                            limit=data_cfg.get("limit_train"))
+    test_images, test_labels = load_split(data_cfg["name"], "test", data_dir=data_cfg.get("dir"),
+                                          limit=data_cfg.get("limit_test"))
+    image_shape = example_shape(data_cfg["name"], train_images.shape[1:], data_cfg["shift_pixels"])
+    check_labels(train_labels, train_images, model=model, split=f"{data_cfg['name']} train", image_shape=image_shape)
+    check_labels(test_labels, test_images, model=model, split=f"{data_cfg['name']} test", image_shape=image_shape)
+    steps_per_epoch = math.ceil(len(train_labels) / batch_size)
+    augmentation = {"shift_pixels": data_cfg["shift_pixels"], **augmentation_options(data_cfg)}
+    # The test split: no augmentation (MultiMNIST: shift_pixels sets its fixed pairs' shifts).
+    test_ds = make_split_dataset(data_cfg["name"], test_images, test_labels, batch_size=batch_size,
+                                 training=False, shift_pixels=data_cfg["shift_pixels"])
+    # A fixed set of test images for the reconstruction grid and the histograms, every epoch
+    # (MultiMNIST: the first test pairs, made from the whole test split as in test_ds).
+    n_show = min(len(test_labels), max(tcfg["num_images"], tcfg["histogram_examples"]))
+    show_images = next(iter(test_ds.unbatch().batch(n_show)))[0]  # (n_show, H, W, C)
+
+    # ---- optimizer, checkpoints (new or resumed)
+    learning_rate = scaled_learning_rate(tcfg["learning_rate"], batch_size, dcfg["scale_lr"],
+                                         dcfg["lr_base_batch_size"])
+    if dcfg["scale_lr"] != "none":
+        log.info("learning rate %g: train.learning_rate %g scaled (distribute.scale_lr=%s) from batch %d to %d",
+                 learning_rate, tcfg["learning_rate"], dcfg["scale_lr"], dcfg["lr_base_batch_size"], batch_size)
+    with scope():  # the Keras optimizer keeps the strategy it is made under
+        optimizer, schedule = build_optimizer({**tcfg, "learning_rate": learning_rate}, steps_per_epoch, model)
+        # The run's test passes, best checkpoint and evaluate.py use the average's weights.
+        decay = ema_decay(tcfg)
+        average = WeightAverage(model, decay, optimizer.iterations) if decay else None
+    epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")  # epochs done
+    best_accuracy = tf.Variable(-1.0, dtype=tf.float64, trainable=False, name="best_accuracy")
+    checkpoint = tf.train.Checkpoint(model=checkpoint_weights(model), optimizer=optimizer, epoch=epoch,
+                                     best_accuracy=best_accuracy,
+                                     **({"ema": average.weights()} if average is not None else {}))
+    # Only the chief writes into the run dir. The other workers save too, into a scratch
+    # dir of their own (deleted at the end), as tf.distribute's multi-worker guide asks:
+    # saving may read variables through collectives that every worker must join.
+    scratch = None if chief else tempfile.TemporaryDirectory(prefix="capsnet-worker-")
+    checkpoints_dir = run_dir / "checkpoints" if chief else Path(scratch.name) / "checkpoints"
+    latest = tf.train.CheckpointManager(checkpoint, str(checkpoints_dir / "latest"),
+                                        max_to_keep=tcfg["keep_checkpoints"])
+    best = BestCheckpoint(checkpoint, checkpoints_dir / "best")
+    history_path = run_dir / "history.jsonl"
+    resumed_from = tf.train.latest_checkpoint(str(latest_dir))  # the chief's, on every worker
+    if resumed_from:
+        resume_from(checkpoint, resumed_from)
+        log.info("resumed from %s: %d of %d epochs done, step %d", resumed_from, int(epoch),
+                 tcfg["epochs"], steps_done(optimizer))
+    if dcfg["strategy"] == "multi_worker":
+        check_workers_agree(strategy, int(epoch), steps_done(optimizer))
+    best.recover(int(epoch))  # drops a best checkpoint of an epoch that is to be redone
+    history = read_history(history_path, int(epoch))
+    if chief:
+        write_run_config(run_dir, {**cfg, "run_dir": str(run_dir), "data": data_cfg})
+
+    # ---- TensorBoard: one writer per run dir, so `tensorboard --logdir outputs` lists runs side by side
+    writer = tf.summary.create_file_writer(str(run_dir)) if chief else tf.summary.create_noop_writer()
+    if chief and not resumed_from:
+        write_hparams(writer, run_dir, cfg, data_cfg)
+
+    # ---- compiled steps (xla=autocluster switches XLA on for the whole process)
+    losses = loss_params(tcfg)
+    train_step = make_train_step(model, optimizer, input_shape=model.image_shape, losses=losses, xla=tcfg["xla"],
+                                 strategy=strategy, two_digits=two_digits, weight_average=average)
+    train_steps = make_train_loop(train_step, strategy=strategy)
+    eval_step = make_eval_step(model, model.image_shape, jit_compile=tcfg["xla"] == "jit", two_digits=two_digits,
+                               **losses)
+
+    def test_pass(summaries_step=None):
+        """(test, raw_test): the test split through eval_step with the run's weights (with a
+        weight average, the average's; raw_test then the trained weights', else None);
+        with summaries_step, the chief also writes the epoch's test summaries."""
+        raw_test = evaluate_model(eval_step, test_ds, model.num_classes) if average is not None else None
+        with average.in_model() if average is not None else contextlib.nullcontext():
+            test = evaluate_model(eval_step, test_ds, model.num_classes)
+            if chief and summaries_step is not None:
+                write_epoch_summaries(writer, model, test, show_images, tcfg, summaries_step, raw_test)
+        return test, raw_test
+
+    # ---- the loop
+    test = None
+    global_step = steps_done(optimizer)  # counted on the host: reading the variable would wait for the device
+    for epoch_index in range(int(epoch), tcfg["epochs"]):
+        print(f"epoch {epoch_index + 1}/{tcfg['epochs']}", flush=True)
+        train_ds = make_split_dataset(data_cfg["name"], train_images, train_labels, batch_size=batch_size,
+                                      training=True, seed=seed, epoch=epoch_index, **augmentation)
+        # On the training devices ahead of the steps (under a strategy: the same global
+        # batches, split over the replicas).
+        iterator = input_iterator(train_ds, strategy)
+        train_means, global_step = train_epoch(
+            train_steps, iterator, global_step=global_step, num_examples=len(train_labels), batch_size=batch_size,
+            steps_per_execution=tcfg["steps_per_execution"], log_every_steps=tcfg["log_every_steps"],
+            writer=writer, schedule=schedule, progress_bar=tcfg["progress_bar"])
+
+        # Test pass, images and histograms; then the epoch's records, the checkpoint LAST.
+        # On every worker (the same weights and data): each decides is_best and saves as the chief does.
+        # With a weight average, the test is the average's, and the trained weights' is logged beside it.
+        test, raw_test = test_pass(summaries_step=global_step)
+        epoch.assign(epoch_index + 1)
+        is_best = test["accuracy"] > float(best_accuracy)
+        if is_best:
+            best_accuracy.assign(test["accuracy"])
+        entry = history_entry(epoch_index + 1, global_step, float(schedule(global_step)), train_means, test, raw_test)
+        history.append(entry)
+        if chief:
+            with history_path.open("a") as f:
+                f.write(json.dumps(entry) + "\n")  # a redone epoch's line supersedes this one (read_history)
+        if is_best:
+            best.save(epoch_index + 1)
+        # The commit point: until this checkpoint exists, a restart redoes the epoch.
+        latest.save(checkpoint_number=epoch_index + 1)
+        if is_best:
+            best.commit(epoch_index + 1)
+        raw = f" (trained weights: {raw_test['accuracy']:.4f})" if raw_test is not None else ""
+        print(f"epoch {epoch_index + 1}: train loss {train_means['loss']:.4f} acc {train_means['accuracy']:.4f}"
+              f" | test loss {test['loss']:.4f} acc {test['accuracy']:.4f}{raw}"
+              f"{' (best)' if is_best else ''}", flush=True)
+
+    # ---- final metrics
+    if test is None:
+        # Nothing left to train (a finished run rerun): measure the checkpoint as it is.
+        test, raw_test = test_pass()
+    train_speeds = [h["train_images_per_sec"] for h in history if "train_images_per_sec" in h]
+    best_epoch = max(history, key=lambda h: h["test_accuracy"])["epoch"] if history else None
+    metrics = {
+        "test_accuracy": test["accuracy"],
+        "test_loss": test["loss"],
+        "test_margin_loss": test["margin_loss"],
+        "test_reconstruction_loss": test["reconstruction_loss"],
+        "test_per_class_accuracy": test["per_class_accuracy"],
+        "test_raw_accuracy": raw_test["accuracy"] if raw_test is not None else None,  # the trained weights' (EMA on)
+        "train_loss": history[-1]["train_loss"] if history else None,
+        "train_accuracy": history[-1]["train_accuracy"] if history else None,
+        "images_per_sec": float(np.mean(train_speeds)) if train_speeds else None,
+        "test_images_per_sec": test["images_per_sec"],
+        "best_test_accuracy": float(best_accuracy),
+        "best_epoch": best_epoch,
+        "epochs": int(epoch),
+        "global_step": steps_done(optimizer),
+        "resumed_from": resumed_from,
+        "run_dir": str(run_dir),
+        "distribute": dcfg["strategy"],
+        "replicas": strategy.num_replicas_in_sync if strategy is not None else 1,
+        "history": history,
+    }
+    writer.close()
+    if chief:
+        (run_dir / "metrics.json").write_text(json.dumps(json_safe(metrics), indent=2) + "\n")
+    else:
+        scratch.cleanup()
+    return metrics
+
+
+def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size, steps_per_execution,
+                log_every_steps, writer, schedule, progress_bar=True):
+    """One epoch of `train_steps` calls (make_train_loop) over `iterator`'s batches.
+
+    Returns (means, global_step): the epoch's example-weighted step values (loss,
+    margin_loss, reconstruction_loss, accuracy; images_per_sec and step_time_ms of the
+    timed steps) and the global step after the epoch (`global_step`: before it).
+    The train/ scalars go to `writer` every log_every_steps steps and at the epoch's end,
+    with the LR of the next update, schedule(step).
+    """
+    steps_per_epoch = math.ceil(num_examples / batch_size)
+    # Interactive: a live bar; in a log file: one line per epoch.
+    bar = keras.utils.Progbar(steps_per_epoch, verbose=1 if sys.stdout.isatty() else 2,
+                              stateful_metrics=["loss", "accuracy", "images/s"]) if progress_bar else None
+    epoch_window, log_window = MetricWindow(), MetricWindow()
+    pending = []  # (per-step outputs still on the device, their batch sizes)
+    tick = time.perf_counter()
+    step_in_epoch = 0
+    for length in execution_lengths(steps_per_epoch, global_step, steps_per_execution, log_every_steps):
+        # The global batch of each step: full but for an epoch's last (counted here: under
+        # a strategy, a replica's batch holds only its slice of it).
+        sizes = [min(batch_size, num_examples - (step_in_epoch + i) * batch_size) for i in range(length)]
+        batch_sizes = tf.constant(sizes + [0] * (steps_per_execution - length), tf.int32)  # (steps_per_execution,)
+        pending.append((train_steps(iterator, batch_sizes), sizes))
+        first = step_in_epoch == 0
+        step_in_epoch += length
+        global_step += length
+        log_now = global_step % log_every_steps == 0
+        last = step_in_epoch == steps_per_epoch
+        if not (first or log_now or last or time.perf_counter() - tick > 1.0):
+            continue  # no fetch: the host queues the next call while the device runs this one
+        # Fetching the values waits for the device, so the clock now measures finished
+        # steps. That happens after the epoch's first step (it traces/compiles the steps or
+        # refills the shuffle buffer: left out of images/s and step time), at log steps,
+        # at the epoch's end and about once a second; not every call, which would make
+        # the device idle while the host dispatches the next one.
+        fetched = _fetch(pending)
+        now = time.perf_counter()
+        for window in (epoch_window, log_window):
+            for values, size in fetched:
+                window.add(values, size)
+            if not first:
+                window.add_time(len(fetched), sum(size for _, size in fetched), now - tick)
+        pending, tick = [], now
+        if log_now:
+            # The LR of the next update: the schedule at the step counter.
+            write_train_scalars(writer, log_window, schedule(global_step), global_step)
+            log_window = MetricWindow()
+        if bar is not None:
+            means = epoch_window.means()
+            bar.update(step_in_epoch, [("loss", means["loss"]), ("accuracy", means["accuracy"]),
+                                       ("images/s", means.get("images_per_sec", float("nan")))])
+    assert not pending, "the last step of an epoch is always fetched"
+    if log_window.examples:
+        write_train_scalars(writer, log_window, schedule(global_step), global_step)
+    return epoch_window.means(), global_step
+
+
+def _fetch(pending):
+    """[(one step's values, its batch size)] of the train_steps calls in `pending`, in
+    order: [(outputs, batch sizes)], each output a dict of (K,) tensors for K steps."""
+    fetched = []
+    for out, sizes in pending:
+        values = {k: v.numpy() for k, v in out.items()}  # (K,) each: one copy per tensor
+        fetched += [({k: float(v[i]) for k, v in values.items()}, size) for i, size in enumerate(sizes)]
+    return fetched
+
+
+def history_entry(epoch, global_step, learning_rate, train_means, test, raw_test=None):
+    """The epoch's line of history.jsonl: train_* means, test_* results (and the trained
+    weights' test_raw_* beside a weight average's test)."""
+    return {"epoch": epoch, "global_step": global_step, "learning_rate": learning_rate,
+            **{f"train_{k}": v for k, v in train_means.items()},
+            **{f"test_{k}": test[k] for k in ("loss", "margin_loss", "reconstruction_loss", "accuracy",
+                                              "images_per_sec")},
+            **({f"test_raw_{k}": raw_test[k] for k in ("loss", "accuracy")} if raw_test is not None else {})}

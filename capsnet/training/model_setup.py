@@ -1,0 +1,86 @@
+"""The model of a config, and the checks that it can run: shared by train() and evaluate().
+
+- `build_capsnet(model_cfg, custom_op)`: the CapsNet of a config's `model` section
+  (model.fused_routing=null resolved by `fused_routing_applies`), config errors as
+  ConfigError.
+- `check_op_library(devices)`: custom_op=true fails at once if the compiled op cannot run.
+- `check_labels(labels, images, model=...)`: the data fits the model.
+"""
+import tensorflow as tf
+
+from capsnet import ops
+from capsnet.errors import ConfigError, OpLibraryError
+from capsnet.model import build_model
+
+
+def build_capsnet(model_cfg, custom_op):
+    """The CapsNet of a config's `model` section; bad values (a non-integer num_classes,
+    input_shape=5, an unknown key, ...) → ConfigError naming them.
+
+    The values go to CapsNet as they are: it checks them (and turns lists into
+    tuples), so a bool(...) or tuple(...) here cannot misread or crash on them first.
+    """
+    model_cfg = dict(model_cfg)
+    if model_cfg.get("fused_routing", False) is None:
+        # null (the config's default): the fused routing op wherever it applies, so that
+        # custom_op=true alone is the fastest setting (docs/benchmarks.md).
+        model_cfg["fused_routing"] = fused_routing_applies(model_cfg, custom_op)
+    try:
+        return build_model(**model_cfg, custom_op=custom_op)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"model: {' '.join(str(exc).split())}") from exc
+
+
+def fused_routing_applies(model_cfg, custom_op):
+    """Whether model.fused_routing=null turns the fused op on: with the compiled op
+    (custom_op=true), stop-gradient routing (the gradient the op implements) and no
+    jit_routing (the other way to speed the routing up; asking for it wins)."""
+    return (custom_op is True and model_cfg.get("stop_gradient_routing", True) is True
+            and not model_cfg.get("jit_routing", False))
+
+
+def check_op_library(devices=None):
+    """custom_op=true must use the compiled op: fail now, with the op's one-line error, if
+    it cannot run (not built, stale, or built without CUDA while TensorFlow sees a GPU)
+    rather than deep inside the first compiled step.
+
+    devices: where the op will run (a strategy's replica devices, each of which runs it
+    on its own slice of the batch); None = the default device.
+    """
+    if tf.config.list_physical_devices("GPU") and ops.build_stamp(ops.library_path()).get("cuda") is False:
+        # The op has only a CPU kernel: TensorFlow would place it on the CPU and copy u and
+        # u_hat across every step, silently, while the rest of the model runs on the GPU.
+        raise OpLibraryError(f"the capsnet op library {ops.library_path()} was built without CUDA, but TensorFlow "
+                             "sees a GPU (the op would run on the CPU): run `make ops-cuda` (needs nvcc), "
+                             "or set custom_op=false")
+    for device in devices or [None]:
+        with tf.device(device):
+            u = tf.zeros((1, 1, 1))        # (batch, in_caps, in_dim)
+            W = tf.zeros((1, 1, 1, 1))     # (in_caps, out_caps, out_dim, in_dim)
+            try:
+                ops.capsule_prediction(u, W)
+            except OpLibraryError:
+                raise
+            except tf.errors.OpError as exc:
+                where = f" on {device}" if device else ""
+                raise OpLibraryError(f"the capsule-prediction op library does not run{where}: {exc.message}; "
+                                     "rebuild it with `make ops`") from exc
+
+
+def check_labels(labels, images, *, model, split, image_shape=None):
+    """The data must fit the model: image shape = input_shape, labels in [0, num_classes).
+
+    `model` is a built CapsNet: its input_shape and num_classes have been checked
+    (build_capsnet), unlike the raw config values. image_shape: the shape of the
+    examples the model will see, when the pipeline makes them from `images`
+    (MultiMNIST: capsnet.data.example_shape); None = the images' own.
+    """
+    input_shape = tuple(model.image_shape)
+    image_shape = tuple(images.shape[1:]) if image_shape is None else tuple(image_shape)
+    if image_shape != input_shape:
+        raise ConfigError(f"{split} images have shape {image_shape} but model.input_shape is "
+                          f"{list(input_shape)}")
+    num_classes = int(model.num_classes)
+    if len(labels) and (labels.min() < 0 or labels.max() >= num_classes):
+        raise ConfigError(f"{split} labels lie in [{labels.min()}, {labels.max()}] but model.num_classes is "
+                          f"{num_classes}")

@@ -1,0 +1,327 @@
+"""The compiled steps: what train() and evaluate() run on the device.
+
+- `make_train_step(model, optimizer, input_shape=..., losses=..., xla=...)`: one Adam
+  step, with xla none | jit | autocluster (train.xla; `check_xla`, `set_autoclustering`),
+  on one device or under a tf.distribute strategy.
+- `make_train_loop(train_step)`: train.steps_per_execution steps per compiled call over
+  `input_iterator(dataset)` (capsnet.training.distribute: the batches prefetched to the
+  device); `execution_lengths` splits an epoch into such calls.
+- `make_eval_step` and `evaluate_model`: the test pass the trainer runs after every
+  epoch and evaluate.py runs on a checkpoint, so both report the same numbers.
+
+scripts/benchmark_train.py times these same steps.
+"""
+import os
+import time
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.framework import config as tf_config
+
+from capsnet.errors import ConfigError, DataError
+from capsnet.losses import capsnet_losses
+from capsnet.scoring import correct_predictions, label_order, predict, score
+
+
+# train.xla: see make_train_step.
+XLA_MODES = ("none", "autocluster", "jit")
+
+
+def check_xla(xla, custom_op, jit_routing=False):
+    """`train.xla` must be one of XLA_MODES; jit cannot compile the custom op, and
+    jit_routing (an XLA computation of its own) must not be nested inside jit."""
+    if xla not in XLA_MODES:
+        raise ConfigError(f"train.xla must be one of {', '.join(XLA_MODES)}, got {xla!r}")
+    if xla == "jit" and custom_op:
+        # XLA has no kernel for our op: jit_compile would fail on it at the first step.
+        raise ConfigError("train.xla=jit cannot compile the custom op (custom_op=true): use train.xla=autocluster, "
+                          "which compiles the TensorFlow ops around it")
+    if xla == "jit" and jit_routing:
+        # The whole step is one XLA computation already; the nested jit_compile function
+        # aborted the process on an H200 (benchmark_train, 2026-11-21).
+        raise ConfigError("model.jit_routing=true is redundant under train.xla=jit (the whole step is compiled): "
+                          "set model.jit_routing=false")
+
+
+def set_autoclustering(enabled):
+    """Turn XLA autoclustering on or off for this PROCESS: it applies to every tf.function
+    run afterwards (the train step, the eval step, and anything else).
+
+    TensorFlow autoclusters only GPU ops unless --tf_xla_cpu_global_jit is in
+    TF_XLA_FLAGS; enabling adds it, so that `autocluster` also works on a CPU-only
+    machine. TensorFlow reads TF_XLA_FLAGS once per process, when it first sets up its
+    devices (the first tensor, variable or device query): call this before that for
+    the flag to count. Once read, the flag stays; set_jit alone then decides whether
+    functions instantiated later are clustered.
+    """
+    if enabled:
+        flags = os.environ.get("TF_XLA_FLAGS", "")
+        if "--tf_xla_cpu_global_jit" not in flags:
+            os.environ["TF_XLA_FLAGS"] = (flags + " --tf_xla_cpu_global_jit").strip()
+    tf.config.optimizer.set_jit("autoclustering" if enabled else False)
+
+
+def set_determinism(enabled):
+    """Deterministic ops (the config's `deterministic`) on or off for this PROCESS."""
+    if enabled:
+        tf.config.experimental.enable_op_determinism()
+    elif tf_config.is_op_determinism_enabled():
+        # A sweep (-m) runs its jobs in one process: a `true` job must not leave it on for the next.
+        tf_config.disable_op_determinism()
+
+
+def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strategy=None, two_digits=False,
+                    weight_average=None):
+    """The compiled training step: (images, labels) → {loss, margin_loss, reconstruction_loss, accuracy}.
+
+    One Adam step on the mean total loss of the batch; the returned values are batch
+    means (tensors still on the device: reading one waits for the step).
+
+    Args:
+        model: a CapsNet (its `custom_op` decides whether jit is allowed).
+        optimizer: a built Keras optimizer (build_optimizer).
+        input_shape: image shape (H, W, C); the batch size may vary between calls.
+        losses: capsnet_losses' keyword arguments (loss_params(train_cfg)).
+        xla: "none"; "jit" compiles the whole step with XLA (tf.function(jit_compile=True),
+            matmul path only); "autocluster" turns on XLA autoclustering for the process
+            (set_autoclustering), so XLA compiles clusters of plain TF ops around the custom
+            op. "none" and "jit" turn autoclustering off: the last step made decides.
+        strategy: None (one device), or the tf.distribute strategy that `model` and
+            `optimizer` were built under: the step is then
+            (per-replica images, per-replica labels, global batch size) → the same dict,
+            means over the global batch (_make_distributed_train_step).
+        two_digits: MultiMNIST (one device only): the step takes (images, labels (B, 2),
+            digits (B, 2, H, W, C)); the margin loss counts both classes present, the
+            decoder reconstructs each digit from its own capsule against its own image
+            (the reconstruction loss sums the two), and accuracy counts an example right
+            iff the two longest capsules are its two labels.
+        weight_average: a WeightAverage of `model` (train.ema_decay), updated after each
+            step; None: none kept.
+    """
+    check_xla(xla, getattr(model, "custom_op", False), getattr(model, "jit_routing", False))
+    set_autoclustering(xla == "autocluster")
+    if strategy is not None:
+        if two_digits:
+            raise ConfigError("two-digit data (MultiMNIST) trains on one device only: set distribute=none")
+        return _make_distributed_train_step(model, optimizer, losses=losses, xla=xla, strategy=strategy,
+                                            weight_average=weight_average)
+    image_spec = tf.TensorSpec([None, *input_shape], tf.float32)
+    signature = [image_spec, tf.TensorSpec([None], tf.int32)]
+    if two_digits:
+        signature = [image_spec, tf.TensorSpec([None, 2], tf.int32), tf.TensorSpec([None, 2, *input_shape], tf.float32)]
+
+    @tf.function(input_signature=signature, jit_compile=xla == "jit")
+    def train_step(images, labels, digits=None):
+        with tf.GradientTape() as tape:
+            # Labels mask the decoder input: reconstruct the TRUE class(es) in training;
+            # two labels: each digit from its own capsule, against its own image (digits).
+            outputs = model(images, labels=labels, training=True)
+            total, margin, reconstruction = capsnet_losses(images, labels, outputs, **losses,
+                                                           targets=digits)  # (B,) each
+            loss = tf.reduce_mean(total)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        if weight_average is not None:
+            weight_average.update()
+        predictions = predict(outputs["lengths"], labels)  # (B,), two labels: (B, 2)
+        return {
+            "loss": loss,
+            "margin_loss": tf.reduce_mean(margin),
+            "reconstruction_loss": tf.reduce_mean(reconstruction),
+            "accuracy": tf.reduce_mean(correct_predictions(predictions, labels)),
+        }
+
+    return train_step
+
+
+# The sums each replica returns, in this order (stacked, so one all-reduce carries them).
+_STEP_SUMS = ("loss", "margin_loss", "reconstruction_loss", "accuracy")
+
+
+def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, weight_average=None):
+    """make_train_step under a strategy: strategy.run of one replica's step on its slice
+    of the global batch, then the batch means over all replicas (and workers).
+
+    The returned function takes the per-replica images and labels of a distributed
+    dataset (distribute_dataset) and the global batch size of the step (an int; the last
+    batch of an epoch may be short, so it is passed rather than assumed).
+    """
+
+    def forward_backward(images, labels, global_batch_size):
+        with tf.GradientTape() as tape:
+            # Labels mask the decoder input: reconstruct the TRUE class in training.
+            outputs = model(images, labels=labels, training=True)
+            total, margin, reconstruction = capsnet_losses(images, labels, outputs, **losses)  # (b,) each
+            # This replica's share of the GLOBAL batch mean: the sum of its per-example totals
+            # (margin + weighted reconstruction) over the global batch size. The optimizer sums
+            # the replicas' gradients (an all-reduce), which makes the gradient of the mean
+            # over the whole batch, as on one device. A per-replica mean would weigh the
+            # examples of a short last batch's unequal slices unequally.
+            loss = tf.nn.compute_average_loss(total, global_batch_size=global_batch_size)
+        grads = tape.gradient(loss, model.trainable_variables)
+        correct = tf.reduce_sum(correct_predictions(predict(outputs["lengths"], labels), labels))
+        sums = tf.stack([tf.reduce_sum(total), tf.reduce_sum(margin), tf.reduce_sum(reconstruction), correct])  # (4,)
+        return grads, sums
+
+    if xla == "jit":
+        # A whole-step jit_compile cannot work here: the optimizer's gradient all-reduce is a
+        # cross-replica step (MirroredStrategy: a merge of the replicas' threads), and XLA
+        # refuses a function that reads variables on another replica's device. So XLA
+        # compiles each replica's forward and backward pass; the all-reduce and the Adam
+        # update (elementwise, cheap) run outside it.
+        forward_backward = tf.function(forward_backward, jit_compile=True)
+
+    def replica_step(images, labels, global_batch_size):
+        grads, sums = forward_backward(images, labels, global_batch_size)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        if weight_average is not None:
+            weight_average.update()
+        return sums
+
+    # reduce_retracing: a short last batch changes the per-replica shapes; the second
+    # trace generalises the batch dimension, so there is no third.
+    @tf.function(reduce_retracing=True)
+    def distributed_step(images, labels, global_batch_size):
+        sums = strategy.run(replica_step, args=(images, labels, global_batch_size))
+        means = strategy.reduce(tf.distribute.ReduceOp.SUM, sums, axis=None) / tf.cast(global_batch_size, tf.float32)
+        return dict(zip(_STEP_SUMS, tf.unstack(means)))
+
+    def train_step(images, labels, global_batch_size):
+        # A tensor, not a Python int: an int would trace the step once per distinct value.
+        return distributed_step(images, labels, tf.convert_to_tensor(global_batch_size, tf.int32))
+
+    return train_step
+
+
+def make_train_loop(train_step, *, strategy=None):
+    """Several training steps in one call: (iterator, batch_sizes) → {name: (K,) per-step values}.
+
+    Step i takes the next batch of `iterator` (a dataset's, or under `strategy` a
+    distributed dataset's: distribute_dataset) and runs `train_step` (make_train_step's,
+    made with the same strategy) on it. `batch_sizes` is an int32 vector of fixed length,
+    the global batch size of each step to run followed by zeros (K = the number of
+    non-zero entries): a fixed length traces the loop once, and the distributed step
+    needs each step's global batch (the epoch's last one may be short).
+
+    Why (train.steps_per_execution, after Keras's option of that name): every call of a
+    compiled function costs the host a round trip (Python, the multi-device function
+    call, the iterator) while the GPU waits: ~2.6 ms a step on an H200, a third of the
+    paper model's step at batch 128 (docs/benchmarks.md). In a loop inside one call the
+    next step's ops are dispatched as soon as their inputs are ready. The steps are the
+    same steps: per-step values equal those of K single calls.
+    """
+    names = _STEP_SUMS  # the keys of both step kinds' outputs
+
+    @tf.function
+    def train_steps(iterator, batch_sizes):
+        count = tf.math.count_nonzero(batch_sizes, dtype=tf.int32)
+        values = {name: tf.TensorArray(tf.float32, size=count) for name in names}
+        for i in tf.range(count):
+            batch = next(iterator)  # (images, labels) or (images, labels, digits)
+            out = train_step(*batch) if strategy is None else train_step(*batch, batch_sizes[i])
+            values = {name: values[name].write(i, out[name]) for name in names}
+        return {name: values[name].stack() for name in names}
+
+    return train_steps
+
+
+def execution_lengths(steps_per_epoch, start_step, steps_per_execution, log_every_steps):
+    """How many steps each train_steps call of an epoch runs; start_step = the global step
+    before the epoch.
+
+    A call never crosses the epoch's end or a log step (global step % log_every_steps ==
+    0), so TensorBoard's train scalars fall on the same steps whatever
+    steps_per_execution is; the epoch's first call is a single step, so the one-off costs
+    it carries (tracing, refilling the shuffle buffer) stay out of the images/s of the
+    calls after it.
+    """
+    lengths, done = [], 0
+    while done < steps_per_epoch:
+        to_log = log_every_steps - (start_step + done) % log_every_steps
+        length = 1 if done == 0 else min(steps_per_execution, steps_per_epoch - done, to_log)
+        lengths.append(length)
+        done += length
+    return lengths
+
+
+# --------------------------------------------------------------------------- test pass
+
+def make_eval_step(model, image_shape, *, m_plus, m_minus, lambda_, reconstruction_weight, jit_compile=False,
+                   two_digits=False):
+    """A compiled test step: sums of the losses, predictions, capsule lengths.
+
+    No labels go into the model, so the decoder reconstructs from the PREDICTED
+    class, as at test time in the paper; the reconstruction loss is measured on that.
+    jit_compile=True compiles the step with XLA (train.xla=jit; matmul path only: XLA
+    cannot compile the custom op).
+    two_digits=True (MultiMNIST): the step takes (images, labels (B, 2), digits
+    (B, 2, H, W, C)); the two longest capsules are the prediction, each reconstructs one
+    digit (in the labels' order where it names one) and is compared with that digit.
+    """
+    signature = [tf.TensorSpec([None, *image_shape], tf.float32), tf.TensorSpec([None], tf.int32)]
+    if two_digits:
+        signature = [signature[0], tf.TensorSpec([None, 2], tf.int32),
+                     tf.TensorSpec([None, 2, *image_shape], tf.float32)]
+
+    @tf.function(input_signature=signature, jit_compile=jit_compile)
+    def eval_step(images, labels, digits=None):
+        outputs = model(images, training=False)
+        predictions = predict(outputs["lengths"], labels)  # (B,) or (B, 2)
+        if digits is not None and "reconstructions" in outputs:
+            # The model reconstructed from the longest capsule only; here from the two longest.
+            outputs = {**outputs, "reconstructions": model.reconstruct(outputs["v_j"],
+                                                                      label_order(predictions, labels))}
+        total, margin, reconstruction = capsnet_losses(
+            images, labels, outputs, m_plus=m_plus, m_minus=m_minus, lambda_=lambda_,
+            reconstruction_weight=reconstruction_weight, targets=digits)
+        return {
+            "loss": tf.reduce_sum(total),
+            "margin_loss": tf.reduce_sum(margin),
+            "reconstruction_loss": tf.reduce_sum(reconstruction),
+            "predictions": predictions,
+            "lengths": outputs["lengths"],
+        }
+
+    return eval_step
+
+
+def evaluate_model(eval_step, dataset, num_classes, keep_lengths=False):
+    """One pass over `dataset` → mean losses, accuracy, confusion matrix, images/s.
+
+    `dataset` yields (images, labels) or, two-digit data, (images, labels (B, 2), digits):
+    accuracy is then the fraction with both digits right, per_class_accuracy the recall
+    of each class (how often it is among the two longest capsules when present;
+    pair_report), and there is no confusion matrix (None).
+    images/s leaves out the first batch, which includes tracing/compiling the step.
+    keep_lengths=True adds "lengths" (N, classes) and "labels", every example's capsule
+    lengths and labels in the dataset's order (an ensemble averages the lengths).
+    """
+    sums = {"loss": 0.0, "margin_loss": 0.0, "reconstruction_loss": 0.0}
+    all_labels, all_predictions, all_lengths = [], [], []
+    timed_images, timed_seconds = 0, 0.0
+    start = time.perf_counter()
+    for batch, inputs in enumerate(dataset):
+        out = eval_step(*inputs)
+        # .numpy() waits for the step, so the clock below measures finished work.
+        all_predictions.append(out["predictions"].numpy())
+        all_labels.append(inputs[1].numpy())
+        if keep_lengths:
+            all_lengths.append(out["lengths"].numpy())
+        for key in sums:
+            sums[key] += float(out[key].numpy())
+        now = time.perf_counter()
+        if batch > 0:
+            timed_images += len(all_predictions[-1])
+            timed_seconds += now - start
+        start = now
+    if not all_labels:
+        raise DataError("the test split is empty: nothing to evaluate (check data.limit_test)")
+    labels = np.concatenate(all_labels)
+    n = len(labels)
+    result = {key: value / n for key, value in sums.items()}
+    result.update(score(labels, np.concatenate(all_predictions), num_classes))
+    result["images_per_sec"] = timed_images / timed_seconds if timed_seconds > 0 else float("nan")
+    result["num_examples"] = n
+    if keep_lengths:
+        result["lengths"], result["labels"] = np.concatenate(all_lengths), labels
+    return result

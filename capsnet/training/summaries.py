@@ -1,0 +1,102 @@
+"""TensorBoard: one writer per run dir, so `tensorboard --logdir outputs` lists runs side by side.
+
+- `write_train_scalars`: train/ loss, accuracy, images/s, step time and the LR, the
+  means of a `MetricWindow` of steps (every train.log_every_steps steps).
+- `write_epoch_summaries`: test/ scalars, the routing and capsule-length histograms and
+  the inputs-over-reconstructions `image_grid`, once an epoch.
+- `write_hparams`: the run's values in the HParams dashboard, once a run.
+TensorBoard's step is the global step (optimizer.iterations).
+"""
+import numpy as np
+import tensorflow as tf
+
+# Values shown side by side in TensorBoard's HParams dashboard, and the metrics they explain.
+HPARAMS = ("custom_op", "xla", "dataset", "batch_size", "routing_iterations", "seed", "learning_rate", "decoder")
+HPARAM_METRICS = ("test/accuracy", "train/images_per_sec")
+
+
+def image_grid(images, reconstructions):
+    """Inputs over reconstructions: two rows of N tiles, (N, H, W, C) x 2 → (1, 2H, N·W, C)."""
+    images = np.asarray(images, np.float32)
+    reconstructions = np.asarray(reconstructions, np.float32)
+    if images.ndim != 4 or images.shape != reconstructions.shape:
+        raise ValueError(f"image_grid: need two (N, H, W, C) arrays of one shape, got "
+                         f"{images.shape} and {reconstructions.shape}")
+    n, h, w, c = images.shape
+    rows = np.stack([images, reconstructions])                        # (2, N, H, W, C)
+    grid = rows.transpose(0, 2, 1, 3, 4).reshape(2 * h, n * w, c)     # (2H, N·W, C)
+    return np.clip(grid, 0.0, 1.0)[None]                              # (1, 2H, N·W, C)
+
+
+class MetricWindow:
+    """Example-weighted sums of step values over a window of steps, and the clock of its timed steps."""
+
+    def __init__(self):
+        self.sums, self.examples = {}, 0
+        self.timed_steps, self.timed_images, self.timed_seconds = 0, 0, 0.0
+
+    def add(self, values, batch):
+        for key, value in values.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value * batch
+        self.examples += batch
+
+    def add_time(self, steps, images, seconds):
+        self.timed_steps += steps
+        self.timed_images += images
+        self.timed_seconds += seconds
+
+    def means(self):
+        means = {key: total / max(self.examples, 1) for key, total in self.sums.items()}
+        if self.timed_steps and self.timed_seconds > 0:
+            means["images_per_sec"] = self.timed_images / self.timed_seconds
+            means["step_time_ms"] = 1000.0 * self.timed_seconds / self.timed_steps
+        return means
+
+
+def write_hparams(writer, run_dir, cfg, data_cfg):
+    from tensorboard.plugins.hparams import api as hp  # noqa: PLC0415  (only needed once)
+
+    values = {
+        "custom_op": bool(cfg["custom_op"]),
+        "xla": str(cfg["train"]["xla"]),
+        "dataset": str(data_cfg["name"]),
+        "batch_size": int(cfg["train"]["batch_size"]),
+        "routing_iterations": int(cfg["model"]["routing_iterations"]),
+        "seed": int(cfg["seed"]),
+        "learning_rate": float(cfg["train"]["learning_rate"]),
+        "decoder": bool(cfg["model"]["decoder"]),
+    }
+    with writer.as_default():
+        # Every run writes the same experiment config (no per-run domains), so a sweep's
+        # runs merge into one HParams table.
+        hp.hparams_config(hparams=[hp.HParam(name) for name in HPARAMS],
+                          metrics=[hp.Metric(tag) for tag in HPARAM_METRICS])
+        hp.hparams(values, trial_id=str(run_dir))
+
+
+def write_train_scalars(writer, window, learning_rate, step):
+    means = window.means()
+    with writer.as_default(step=step):
+        for key in ("loss", "margin_loss", "reconstruction_loss", "accuracy", "images_per_sec", "step_time_ms"):
+            if key in means:
+                tf.summary.scalar(f"train/{key}", means[key])
+        tf.summary.scalar("train/learning_rate", learning_rate)
+
+
+def write_epoch_summaries(writer, model, test, show_images, tcfg, step, raw_test=None):
+    outputs = model(show_images, training=False)  # no labels: masked by the prediction, as at test time
+    with writer.as_default(step=step):
+        for key in ("loss", "margin_loss", "reconstruction_loss", "accuracy", "images_per_sec"):
+            tf.summary.scalar(f"test/{key}", test[key])
+        if raw_test is not None:  # train.ema_decay: `test` is the average's, these the trained weights'
+            for key in ("loss", "accuracy"):
+                tf.summary.scalar(f"test/raw_{key}", raw_test[key])
+        n = tcfg["histogram_examples"]
+        # The coupling coefficients after the last routing iteration and the class scores.
+        tf.summary.histogram("routing/c_ij", outputs["c_ij"][:n])
+        tf.summary.histogram("capsules/lengths", outputs["lengths"][:n])
+        if "reconstructions" in outputs:
+            n = tcfg["num_images"]
+            tf.summary.image("reconstructions/inputs_over_reconstructions",
+                             image_grid(show_images[:n], outputs["reconstructions"][:n]), max_outputs=1)
+    writer.flush()
