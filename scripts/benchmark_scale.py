@@ -64,9 +64,9 @@ RESERVED_KEYS = (*bt.RESERVED_KEYS, "distribute")
 # --------------------------------------------------------------------------- arguments
 
 def _all_reduce(text):
-    # Imported here: capsnet.training imports TensorFlow, which the parent process needs
+    # Imported here: capsnet.training.distribute imports TensorFlow, which the parent process needs
     # only when this option is given (its workers do the TensorFlow work).
-    from capsnet.training import ALL_REDUCE
+    from capsnet.training.distribute import ALL_REDUCE
 
     names = [v.strip() for v in text.split(",") if v.strip()]
     unknown = [v for v in names if v not in ALL_REDUCE["mirrored"]]
@@ -117,11 +117,11 @@ def time_mirrored_training(spec, batch_size, devices, all_reduce, per_call=1):
     per replica, `per_call` steps per compiled call."""
     import keras
 
-    from capsnet.evaluation import loss_params
-    from capsnet.training import (
-        DISTRIBUTE_DEFAULTS, build_capsnet, build_optimizer, input_iterator, make_strategy, make_train_loop,
-        make_train_step,
-    )
+    from capsnet.losses import loss_params
+    from capsnet.training.distribute import DISTRIBUTE_DEFAULTS, input_iterator, make_strategy
+    from capsnet.training.model_setup import build_capsnet
+    from capsnet.training.optimizer import build_optimizer
+    from capsnet.training.steps import make_train_loop, make_train_step
 
     model_cfg, train_cfg = bt.variant_model_cfg(spec["variant"], spec["model"]), spec["train"]
     input_shape = tuple(model_cfg["input_shape"])
@@ -166,7 +166,8 @@ def worker(spec):
     import tensorflow as tf
 
     from capsnet.errors import CapsnetError
-    from capsnet.training import check_op_library, check_xla, set_autoclustering
+    from capsnet.training.model_setup import check_op_library
+    from capsnet.training.steps import check_xla, set_autoclustering
 
     result = {"variant": spec["variant"], "results": [], "error": None, "failures": [],
               "tensorflow": tf.__version__}

@@ -7,7 +7,7 @@
 What it measures (the [speed] issue's benchmark 2): training steps per second of the
 model in configs/ (the paper's CapsNet unless Hydra overrides say otherwise, e.g.
 `model.decoder=false`), with the real optimizer (Adam on the decaying LR, as train()
-builds it) and the real compiled step (capsnet.training.make_train_step), for
+builds it) and the real compiled step (capsnet.training.steps.make_train_step), for
 
     op                     custom_op=true  xla=none
     op+autocluster         custom_op=true  xla=autocluster
@@ -28,8 +28,8 @@ How:
 - The data is one synthetic MNIST-shaped batch (uniform [0, 1] images, uniform labels)
   repeated by tf.data from host memory: the step's input path is train()'s (a dataset
   iterator read inside the compiled call, its batches prefetched to the device:
-  capsnet.training.input_iterator), the data itself costs nothing.
-- The steps run as train() runs them (capsnet.training.make_train_loop), K =
+  capsnet.training.distribute.input_iterator), the data itself costs nothing.
+- The steps run as train() runs them (capsnet.training.steps.make_train_loop), K =
   `--steps-per-execution` steps per compiled call (train.steps_per_execution; a list
   measures each). A fresh model per (batch size, K); `--warmup` steps first (tracing,
   XLA compilation, cuDNN/XLA autotuning), not timed. Then `--repeats` times: `--steps`
@@ -251,8 +251,11 @@ def time_training(spec, batch_size, tf_device, per_call=1):
     import tensorflow as tf
 
     from capsnet.errors import CapsnetError
-    from capsnet.evaluation import loss_params
-    from capsnet.training import build_capsnet, build_optimizer, input_iterator, make_train_loop, make_train_step
+    from capsnet.losses import loss_params
+    from capsnet.training.distribute import input_iterator
+    from capsnet.training.model_setup import build_capsnet
+    from capsnet.training.optimizer import build_optimizer
+    from capsnet.training.steps import make_train_loop, make_train_step
 
     model_cfg, train_cfg = variant_model_cfg(spec["variant"], spec["model"]), spec["train"]
     input_shape = tuple(model_cfg["input_shape"])
@@ -290,7 +293,8 @@ def worker(spec):
     import tensorflow as tf
 
     from capsnet.errors import CapsnetError
-    from capsnet.training import check_op_library, check_xla, set_autoclustering
+    from capsnet.training.model_setup import check_op_library
+    from capsnet.training.steps import check_xla, set_autoclustering
 
     result = {"variant": spec["variant"], "results": [], "error": None, "tensorflow": tf.__version__}
     try:

@@ -210,8 +210,8 @@ def read_events(run_dir):
 def checkpoint_lengths(prefix, run_dir, dataset):
     """A checkpoint's capsule lengths (N, classes) over `dataset`'s batches, computed by
     the model directly (not through evaluate()): the reference for ensemble tests."""
-    from capsnet.evaluation import read_run_config, restore_model
-    from capsnet.training import build_capsnet
+    from capsnet.training.checkpoints import read_run_config, restore_model
+    from capsnet.training.model_setup import build_capsnet
 
     model = build_capsnet(read_run_config(run_dir)["model"], False)
     restore_model(model, str(prefix))

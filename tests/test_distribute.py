@@ -25,7 +25,8 @@ import tensorflow as tf
 import yaml
 
 from capsnet.errors import CheckpointError, ConfigError
-from capsnet.training import scaled_learning_rate, train
+from capsnet.training import train
+from capsnet.training.optimizer import scaled_learning_rate
 from conftest import REPO, compose_config, entry_point_env, read_events, repo_env, run_entry_point, tiny_overrides
 
 # 53 = 3 × 16 + 5: a short last batch, split unevenly over two replicas; every step logged.

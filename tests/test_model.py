@@ -302,10 +302,10 @@ def test_fused_routing_matches_the_matmul_path(routing_iterations, no_tf32):
 
 
 def test_fused_routing_train_step_matches_the_matmul_path(no_tf32):
-    """The real compiled train step (capsnet.training.make_train_step) of both models
+    """The real compiled train step (capsnet.training.steps.make_train_step) of both models
     from the same weights: the losses of five Adam steps agree."""
-    from capsnet.evaluation import loss_params
-    from capsnet.training import make_train_step
+    from capsnet.losses import loss_params
+    from capsnet.training.steps import make_train_step
 
     train_cfg = config()["train"]
     x, labels = images(batch=8), (np.arange(8) % 10).astype(np.int32)
@@ -345,7 +345,7 @@ def test_weights_load_across_fused_routing(tmp_path):
 
 def test_fused_routing_from_the_config():
     from capsnet.errors import ConfigError
-    from capsnet.training import build_capsnet
+    from capsnet.training.model_setup import build_capsnet
 
     cfg = config("custom_op=true", "model.fused_routing=true", *CONFIG_SMALL)
     model = build_capsnet(cfg["model"], cfg["custom_op"])
@@ -369,7 +369,7 @@ def test_fused_routing_from_the_config():
     (["custom_op=true", "model.fused_routing=false"], False),          # forced off
 ])
 def test_fused_routing_null_turns_on_where_it_applies(overrides, fused):
-    from capsnet.training import build_capsnet
+    from capsnet.training.model_setup import build_capsnet
 
     cfg = config(*overrides, *CONFIG_SMALL)
     model = build_capsnet(cfg["model"], cfg["custom_op"])

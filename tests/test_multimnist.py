@@ -9,8 +9,9 @@ import tensorflow as tf
 
 from capsnet.data import MULTIMNIST_TEST_KEY, example_shape, make_multimnist_dataset, make_split_dataset
 from capsnet.errors import ConfigError, DataError
-from capsnet.evaluation import correct_predictions, evaluate, format_report, pair_report, predict
+from capsnet.evaluation import evaluate, format_report
 from capsnet.losses import margin_loss, reconstruction_loss
+from capsnet.scoring import correct_predictions, pair_report, predict
 from conftest import (TINY_MODEL, checkpoint_lengths, collect, compose_config, np_margin_loss, numpy_shift,
                       tiny_overrides)
 
@@ -160,7 +161,7 @@ def test_model_reconstructs_each_digit_from_its_own_capsule():
 
 
 def test_paper_multimnist_preset_has_3200_primary_capsules():
-    from capsnet.training import build_capsnet
+    from capsnet.training.model_setup import build_capsnet
 
     cfg = compose_config("train", ["experiment=paper_multimnist", "run_dir=/unused"])
     assert cfg["data"]["name"] == "multimnist" and cfg["data"]["shift_pixels"] == 4

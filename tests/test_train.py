@@ -13,7 +13,9 @@ import tensorflow as tf
 import yaml
 
 from capsnet.errors import CheckpointError, ConfigError, DataError, OpLibraryError
-from capsnet.training import image_grid, learning_rate_schedule, train
+from capsnet.training import train
+from capsnet.training.optimizer import learning_rate_schedule
+from capsnet.training.summaries import image_grid
 from conftest import REPO, compose_config, entry_point_env, read_events, run_entry_point, tiny_overrides
 
 STEPS_PER_EPOCH = 20  # 320 tiny training images / batch 16
@@ -50,7 +52,7 @@ def test_learning_rate_schedule_matches_the_formula(staircase):
 
 def test_model_config_covers_every_capsnet_argument_with_the_paper_values():
     from capsnet.model import CapsNet
-    from capsnet.training import build_capsnet
+    from capsnet.training.model_setup import build_capsnet
 
     cfg = compose_config("train", ["run_dir=/unused"])
     arguments = set(inspect.signature(CapsNet.__init__).parameters) - {"self", "kwargs", "custom_op"}
@@ -374,8 +376,10 @@ def test_without_decoder(tiny_config, tmp_path):
 XLA_SCRIPT = r"""
 import json, sys
 import keras, tensorflow as tf
-from capsnet.evaluation import loss_params
-from capsnet.training import build_capsnet, build_optimizer, make_train_step, set_autoclustering
+from capsnet.losses import loss_params
+from capsnet.training.model_setup import build_capsnet
+from capsnet.training.optimizer import build_optimizer
+from capsnet.training.steps import make_train_step, set_autoclustering
 from conftest import synthetic_digits
 
 mode, cfg = sys.argv[1], json.loads(sys.argv[2])
@@ -429,7 +433,7 @@ def test_xla_train_step_compiles_and_trains_like_none(tiny_idx_dir, tmp_path, mo
 ])
 def test_execution_lengths_end_at_log_steps_and_at_the_epoch_end(steps_per_epoch, start, per_call, log_every,
                                                                   lengths):
-    from capsnet.training import execution_lengths
+    from capsnet.training.steps import execution_lengths
 
     assert execution_lengths(steps_per_epoch, start, per_call, log_every) == lengths
 
@@ -472,7 +476,8 @@ def test_train_with_xla_jit_matches_the_plain_run(trained_run, tiny_config):
 
 def test_xla_jit_with_the_custom_op_is_a_config_error(tiny_config):
     from capsnet.model import build_model
-    from capsnet.training import build_optimizer, make_train_step
+    from capsnet.training.optimizer import build_optimizer
+    from capsnet.training.steps import make_train_step
 
     with pytest.raises(ConfigError, match=r"train\.xla=jit cannot compile the custom op.*use train\.xla=autocluster"):
         train(tiny_config("custom_op=true", "train.xla=jit"))
@@ -523,7 +528,7 @@ def test_custom_op_trains_like_the_matmul_path_and_evaluates_the_same_on_both(
 def test_custom_op_library_without_cuda_while_tf_sees_a_gpu_is_refused(tiny_config, tmp_path, monkeypatch):
     """It would run the op on the CPU beside a GPU, silently; the stamp says how it was built."""
     from capsnet import ops
-    from capsnet.training import check_op_library
+    from capsnet.training.model_setup import check_op_library
 
     real_devices = tf.config.list_physical_devices
     stamps = []
@@ -631,8 +636,12 @@ def test_weight_average_follows_the_formula_and_swaps_in_and_out(tiny_config):
     step t, shadow = d_t * shadow + (1 - d_t) * w_t with d_t = min(decay, (1 + t) / (10 + t)).
     decay 0.3 is reached at t = 3, so both the ramp and the cap are exercised. in_model()
     shows the averages and puts the trained weights back, also when the block raises."""
-    from capsnet.evaluation import checkpoint_weights, loss_params
-    from capsnet.training import WeightAverage, build_capsnet, build_optimizer, make_train_step
+    from capsnet.losses import loss_params
+    from capsnet.training.checkpoints import checkpoint_weights
+    from capsnet.training.model_setup import build_capsnet
+    from capsnet.training.optimizer import build_optimizer
+    from capsnet.training.steps import make_train_step
+    from capsnet.training.weight_average import WeightAverage
     from conftest import synthetic_digits
 
     cfg = tiny_config()
