@@ -31,7 +31,7 @@
 #include <utility>
 #include <vector>
 
-#include "capsule_prediction.h"
+#include "capsnet_kernels.h"
 
 using capsnet::CapsuleDims;
 using capsnet::GpuAlgo;

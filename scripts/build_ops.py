@@ -1,11 +1,16 @@
 #!/usr/bin/env python3
-"""Builds the capsule-prediction op library capsnet/lib/_capsnet_ops.so.
+"""Builds the capsnet op library capsnet/lib/_capsnet_ops.so (capsule prediction and fused routing).
 
     python scripts/build_ops.py                  CPU + CUDA kernels if nvcc is found, else CPU only
     python scripts/build_ops.py --cpu-only       CPU kernels only
     python scripts/build_ops.py --require-cuda   fail unless nvcc is found
     python scripts/build_ops.py --driver         also build build/sanitize_driver (needs nvcc)
     python scripts/build_ops.py --driver-only    only the standalone driver
+
+Sources are found, not named: every ops/*.cc except *.cu.cc goes to the C++ compiler,
+every ops/*.cu.cc to nvcc (those are TensorFlow-free), and the headers (ops/*.h,
+ops/*.cuh) go into the build key. The standalone driver is ops/sanitize_driver.cu
+with all of ops/*.cu.cc.
 
 Compiler flags for TensorFlow come only from tf.sysconfig (headers and ABI of the
 installed pip TensorFlow). nvcc is looked up in $CUDA_HOME/bin, /usr/local/cuda/bin,
@@ -18,6 +23,7 @@ is skipped when the key is unchanged (--force rebuilds). capsnet.ops reads the
 stamp to refuse a library built for another TensorFlow.
 """
 import argparse
+import concurrent.futures
 import datetime
 import glob
 import hashlib
@@ -32,9 +38,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPS = os.path.join(ROOT, "ops")
 BUILD = os.path.join(ROOT, "build")
 DEFAULT_OUT = os.path.join(ROOT, "capsnet", "lib", "_capsnet_ops.so")
-CC_SOURCE = os.path.join(OPS, "capsule_prediction.cc")
-CU_SOURCE = os.path.join(OPS, "capsule_prediction.cu.cc")
-HEADER = os.path.join(OPS, "capsule_prediction.h")
 DRIVER_SOURCE = os.path.join(OPS, "sanitize_driver.cu")
 DRIVER_OUT = os.path.join(BUILD, "sanitize_driver")
 
@@ -53,6 +56,26 @@ CXX_FLAGS = ["-std=c++17", "-O3", "-fPIC", "-DNDEBUG", "-Wno-deprecated-declarat
 
 class BuildError(Exception):
     """A build step failed; the message says which and why."""
+
+
+def cc_sources():
+    """ops/*.cc for the C++ compiler: the TensorFlow side (ops, kernels, CPU code)."""
+    return sorted(p for p in glob.glob(os.path.join(OPS, "*.cc")) if not p.endswith(".cu.cc"))
+
+
+def cu_sources():
+    """ops/*.cu.cc for nvcc: the CUDA kernels and their TensorFlow-free launchers."""
+    return sorted(glob.glob(os.path.join(OPS, "*.cu.cc")))
+
+
+def headers():
+    """ops/*.h and ops/*.cuh: not compiled on their own, but part of every build key."""
+    return sorted(glob.glob(os.path.join(OPS, "*.h")) + glob.glob(os.path.join(OPS, "*.cuh")))
+
+
+def object_path(obj_dir, source):
+    """build/ops/<cpu|cuda>/<name>.o for ops/<name>.cc (prediction.cu.cc -> prediction.cu.o)."""
+    return os.path.join(obj_dir, os.path.splitext(os.path.basename(source))[0] + ".o")
 
 
 def log(msg):
@@ -93,26 +116,31 @@ def tool_version(cmd):
 
 
 def run_all(commands):
-    """Runs (name, argv) commands in parallel; raises BuildError with the output of a failure."""
-    procs = []
-    for name, argv in commands:
-        procs.append((name, argv, subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                   text=True)))
+    """Runs (name, argv) commands in parallel, at most one per core but at least two at a
+    time (a compile of TensorFlow's headers takes about a gigabyte, so not all at once);
+    raises BuildError with the output of every failure. Returns {name: output}."""
+    def run(argv):
+        return subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
+        done = [(name, argv, pool.submit(run, argv)) for name, argv in commands]
     failures = []
     outputs = {}
-    for name, argv, proc in procs:
-        out, _ = proc.communicate()
-        outputs[name] = out
+    for name, argv, future in done:
+        proc = future.result()
+        outputs[name] = proc.stdout
         if proc.returncode != 0:
-            failures.append(f"{name} failed (exit {proc.returncode}):\n  {' '.join(argv)}\n{out}")
+            failures.append(f"{name} failed (exit {proc.returncode}):\n  {' '.join(argv)}\n{proc.stdout}")
     if failures:
         raise BuildError("\n".join(failures))
     return outputs
 
 
 def digest(paths, extra):
+    """Key of the files' names (relative to the repository) and contents, plus `extra`."""
     h = hashlib.sha256()
     for path in paths:
+        h.update(os.path.relpath(path, ROOT).encode() + b"\0")
         with open(path, "rb") as f:
             h.update(f.read())
     h.update(json.dumps(extra, sort_keys=True).encode())
@@ -170,7 +198,14 @@ def build_library(args, tf, nvcc):
         "nvcc": tool_version([nvcc]) if cuda else None,
         "nvcc_flags": NVCC_FLAGS + GENCODE if cuda else None,
     }
-    key = digest([CC_SOURCE, CU_SOURCE, HEADER], key_inputs)
+    cc_files, cu_files = cc_sources(), cu_sources() if cuda else []
+    if not cc_files:
+        raise BuildError(f"no C++ sources in {OPS} (ops/*.cc)")
+    if cuda and not cu_files:
+        raise BuildError(f"no CUDA sources in {OPS} (ops/*.cu.cc)")
+    # All of ops/ (the CUDA sources too when building without them) so that a new,
+    # renamed or removed file changes the key as an edit does.
+    key = digest(cc_files + cu_sources() + headers(), key_inputs)
     if not args.force and os.path.isfile(out) and os.path.isfile(stamp_path):
         try:
             with open(stamp_path) as f:
@@ -184,23 +219,28 @@ def build_library(args, tf, nvcc):
     obj_dir = os.path.join(BUILD, "ops", "cuda" if cuda else "cpu")
     os.makedirs(obj_dir, exist_ok=True)
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    cc_obj = os.path.join(obj_dir, "capsule_prediction.o")
-    cu_obj = os.path.join(obj_dir, "capsule_prediction.cu.o")
     abi = [f for f in cflags if f.startswith("-D_GLIBCXX_USE_CXX11_ABI")]
-    commands = [("g++ capsule_prediction.cc",
-                 [cxx, *CXX_FLAGS, *(["-DGOOGLE_CUDA=1"] if cuda else []), *cflags, "-c", CC_SOURCE,
-                  "-o", cc_obj])]
-    if cuda:
-        commands.append(("nvcc capsule_prediction.cu.cc",
+    commands, objects = [], []
+    # nvcc first: its compiles take longest, so they start before the g++ ones wait for a slot.
+    for src in cu_files:
+        objects.append(object_path(obj_dir, src))
+        commands.append((f"nvcc {os.path.basename(src)}",
                          [nvcc, *NVCC_FLAGS, *GENCODE, *abi, *(["-Xptxas", "-v"] if args.ptxas_info else []),
-                          "-I", OPS, "-c", CU_SOURCE, "-o", cu_obj]))
-    log(f"compiling for TensorFlow {tf.__version__} ({'CPU + CUDA ' + ', '.join(ARCHS) if cuda else 'CPU only'})")
+                          "-I", OPS, "-c", src, "-o", objects[-1]]))
+    for src in cc_files:
+        objects.append(object_path(obj_dir, src))
+        commands.append((f"g++ {os.path.basename(src)}",
+                         [cxx, *CXX_FLAGS, *(["-DGOOGLE_CUDA=1"] if cuda else []), *cflags, "-c", src,
+                          "-o", objects[-1]]))
+    log(f"compiling {len(commands)} sources for TensorFlow {tf.__version__} "
+        f"({'CPU + CUDA ' + ', '.join(ARCHS) if cuda else 'CPU only'})")
     outputs = run_all(commands)
     if cuda and args.ptxas_info:
-        for row in ptxas_summary(outputs["nvcc capsule_prediction.cu.cc"]):
-            print("  " + row)
+        for src in cu_files:
+            for row in ptxas_summary(outputs[f"nvcc {os.path.basename(src)}"]):
+                print("  " + row)
     tmp = out + ".tmp"
-    run_all([("link", [cxx, "-shared", "-o", tmp, cc_obj, *([cu_obj] if cuda else []), *lflags])])
+    run_all([("link", [cxx, "-shared", "-o", tmp, *objects, *lflags])])
     os.replace(tmp, out)  # atomic: a process that has the old library open keeps it
     stamp = {
         "tensorflow": tf.__version__,
@@ -224,7 +264,8 @@ def build_library(args, tf, nvcc):
 
 
 def build_driver(nvcc, force):
-    key = digest([DRIVER_SOURCE, CU_SOURCE, HEADER], {"nvcc": tool_version([nvcc]), "gencode": GENCODE})
+    cu_files = cu_sources()
+    key = digest([DRIVER_SOURCE, *cu_files, *headers()], {"nvcc": tool_version([nvcc]), "gencode": GENCODE})
     key_path = DRIVER_OUT + ".key"
     if not force and os.path.isfile(DRIVER_OUT) and os.path.isfile(key_path):
         with open(key_path) as f:
@@ -235,7 +276,7 @@ def build_driver(nvcc, force):
     log("compiling the standalone sanitizer driver")
     run_all([("nvcc sanitize_driver", [
         nvcc, "-std=c++17", "--expt-relaxed-constexpr", "-O3", "-lineinfo", *GENCODE, "--threads", "0",
-        "-I", OPS, DRIVER_SOURCE, "-x", "cu", CU_SOURCE, "-o", DRIVER_OUT])])
+        "-I", OPS, DRIVER_SOURCE, "-x", "cu", *cu_files, "-o", DRIVER_OUT])])
     with open(key_path, "w") as f:
         f.write(key + "\n")
     log(f"built {os.path.relpath(DRIVER_OUT, ROOT)}")

@@ -1,4 +1,10 @@
-// Capsule prediction u_hat[b, i, j, :] = W[i, j] · u[b, i] and its gradient.
+// The TF-free interface of the capsnet kernels: sizes, storage and accumulation
+// types, and the CUDA launchers of both ops (capsule prediction and fused
+// routing). Free of TensorFlow and CUDA types so that the launchers can be
+// driven without TensorFlow (ops/sanitize_driver.cu) and the TensorFlow glue
+// (prediction.cc, routing.cc) compiles without CUDA headers.
+//
+// Capsule prediction u_hat[b, i, j, :] = W[i, j] · u[b, i]:
 //
 //   u      (batch, in_caps, in_dim)
 //   W      (in_caps, out_caps, out_dim, in_dim)
@@ -11,12 +17,8 @@
 //   grad_W[i*JD + r, k] = sum_b g[b, i*JD + r] * u[b, i, k]
 // and the row index of W equals the non-batch part of the u_hat index, which is
 // what the kernels exploit (one thread owns a few consecutive rows for all b).
-//
-// This header is free of TensorFlow and CUDA types so that the kernels can be
-// driven without TensorFlow (ops/sanitize_driver.cu) and the TensorFlow glue
-// (capsule_prediction.cc) compiles without CUDA headers.
-#ifndef CAPSNET_OPS_CAPSULE_PREDICTION_H_
-#define CAPSNET_OPS_CAPSULE_PREDICTION_H_
+#ifndef CAPSNET_OPS_CAPSNET_KERNELS_H_
+#define CAPSNET_OPS_CAPSNET_KERNELS_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -39,6 +41,25 @@ struct bfloat16_t {
   std::uint16_t bits;
 };
 
+// The type every sum is accumulated in, for a storage type T: double for
+// double, float for float and for the 16-bit types (half_t, bfloat16_t, and
+// the CPU code's Eigen::half, Eigen::bfloat16). The CPU and the CUDA code both
+// read it from here, so storage and accumulation types are already separate
+// template facts: a mixed-precision variant (16-bit u or W with float32
+// accumulation and outputs) adds storage-type parameters to the launchers and
+// functors and keeps using Accumulator<> for the sums, without touching the
+// kernels' arithmetic.
+template <typename T>
+struct AccumulatorOf {
+  using type = float;
+};
+template <>
+struct AccumulatorOf<double> {
+  using type = double;
+};
+template <typename T>
+using Accumulator = typename AccumulatorOf<T>::type;
+
 // Sizes of one capsule prediction; all int64 so that no index overflows.
 struct CapsuleDims {
   int64 batch;
@@ -54,36 +75,8 @@ struct CapsuleDims {
   int64 u_hat_size() const { return batch * rows(); }
 };
 
-// ----------------------------------------------------------------------------
-// CPU kernels (defined and instantiated in capsule_prediction.cc for float,
-// double, Eigen::half, Eigen::bfloat16). They work on a range of "units" so the
-// caller can run them on any thread pool; each output element is written by
-// exactly one unit, in a fixed order, so results do not depend on the pool.
-template <typename T>
-struct CapsulePredictionCpu {
-  // Forward units are (in capsule, batch block) pairs.
-  static int64 ForwardUnits(const CapsuleDims& dims);
-  static void Forward(const T* u, const T* W, T* u_hat, const CapsuleDims& dims,
-                      int64 unit_begin, int64 unit_end);
-
-  // Backward units are (in capsule, batch chunk) pairs. With more than one
-  // chunk, grad_W partial sums go to `partials` (GradPartialsSize() elements of
-  // the accumulation type: float for float/half/bfloat16, double for double)
-  // and ReduceGradW() sums them over chunks in a fixed order.
-  static int64 GradChunks(const CapsuleDims& dims);
-  static int64 GradUnits(const CapsuleDims& dims);
-  static int64 GradPartialsSize(const CapsuleDims& dims);
-  static void Grad(const T* grad, const T* u, const T* W, T* grad_u, T* grad_W,
-                   void* partials, const CapsuleDims& dims, int64 unit_begin,
-                   int64 unit_end);
-  // Sums the partials of capsules [cap_begin, cap_end) into grad_W.
-  static void ReduceGradW(const void* partials, T* grad_W,
-                          const CapsuleDims& dims, int64 cap_begin,
-                          int64 cap_end);
-};
-
-// ----------------------------------------------------------------------------
-// GPU launchers (capsule_prediction.cu.cc; T = float, double, half_t,
+// ============================================================================
+// Capsule prediction launchers (prediction.cu.cc; T = float, double, half_t,
 // bfloat16_t). All pointers are device pointers; the work is enqueued on
 // `stream`. The return value is a cudaError_t as int (0 = cudaSuccess): the
 // launch status of every kernel, checked in order. Results are deterministic
@@ -133,9 +126,10 @@ const char* GpuErrorString(int status);
 // The gradient is that of stop-gradient routing (capsnet/routing.py): the c_ij
 // are constants, so with g = dL/ds_j the only path is the last s_j, and
 //   grad_u_hat[b, i, j, d] = c_ij[b, i, j] * g[b, j, d]
-// goes through the capsule-prediction gradient kernels above, which compute
-// c_ij * g on the fly instead of reading a u_hat-sized gradient. The gradient
-// with respect to the c_ij output is zero by that same rule.
+// goes through the capsule-prediction gradient kernels (prediction_grad.cuh on
+// the GPU, RunGradUnits in cpu_kernels.h on the CPU), which compute c_ij * g on
+// the fly instead of reading a u_hat-sized gradient. The gradient with respect
+// to the c_ij output is zero by that same rule.
 //
 // Empty sums follow the math: with in_dim, out_dim or in_caps 0, u_hat is
 // empty or zero, so s_j = 0 and c_ij = 1 / out_caps.
@@ -144,35 +138,10 @@ const char* GpuErrorString(int status);
 // capsnet.routing.squash (tests check that the two agree).
 constexpr double kSquashEpsilon = 1e-7;
 
-// CPU kernels (capsule_prediction.cc; float, double, Eigen::half,
-// Eigen::bfloat16 with float accumulation). Deterministic: every output element
-// is computed by one unit in a fixed order.
-template <typename T>
-struct CapsuleRoutingCpu {
-  // W transposed per capsule to (K x JD) in the accumulation type, the layout
-  // CapsulePredictionCpu's mat-vec reads: TransposedWSize() elements (float for
-  // float/half/bfloat16, double for double), written for capsules
-  // [cap_begin, cap_end).
-  static int64 TransposedWSize(const CapsuleDims& dims);
-  static void TransposeW(const T* W, void* wt, const CapsuleDims& dims,
-                         int64 cap_begin, int64 cap_end);
-  // Forward units are samples: one sample is routed start to finish with its
-  // u_hat in a per-call buffer (I * JD accumulation values).
-  static void Forward(const T* u, const void* wt, T* s_j, T* c_ij,
-                      const CapsuleDims& dims, int iterations, int64 b_begin,
-                      int64 b_end);
-  // The gradient: CapsulePredictionCpu's units, chunks and partials (use its
-  // GradUnits, GradPartialsSize and ReduceGradW), with grad_u_hat rows formed
-  // as c_ij * grad_s.
-  static void Grad(const T* c_ij, const T* grad_s, const T* u, const T* W,
-                   T* grad_u, T* grad_W, void* partials, const CapsuleDims& dims,
-                   int64 unit_begin, int64 unit_end);
-};
-
-// GPU launchers (capsule_prediction.cu.cc; T = float, double, half_t,
-// bfloat16_t), same conventions as above: device pointers, work enqueued on
-// `stream`, cudaError_t as int, deterministic (fixed reduction order, no
-// atomics, launch plan a function of the shape only).
+// Routing launchers (routing.cu.cc; T = float, double, half_t, bfloat16_t),
+// same conventions as above: device pointers, work enqueued on `stream`,
+// cudaError_t as int, deterministic (fixed reduction order, no atomics, launch
+// plan a function of the shape only).
 //
 // Bytes of device scratch LaunchCapsuleRoutingForward needs: the routing
 // logits b_ij, the per-block partial sums of s_j and v_j, in the accumulation
@@ -207,4 +176,4 @@ int LaunchCapsuleRoutingGrad(const T* c_ij, const T* grad_s, const T* u,
 
 }  // namespace capsnet
 
-#endif  // CAPSNET_OPS_CAPSULE_PREDICTION_H_
+#endif  // CAPSNET_OPS_CAPSNET_KERNELS_H_
