@@ -197,6 +197,8 @@ def export(checkpoint, output, *, which="best", weights=None, custom_op=False):
                 break
         if isinstance(exc, OSError):
             raise CheckpointError(f"cannot write the export {output}: {exc.strerror or exc}") from exc
+        if isinstance(exc, tf.errors.OpError):  # TensorFlow's own file writes (a full disk, say)
+            raise CheckpointError(f"cannot write the export {output}: {exc.message.strip().splitlines()[0]}") from exc
         raise
     return report
 
