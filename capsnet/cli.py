@@ -10,8 +10,10 @@ seconds-long TensorFlow import.
 """
 import functools
 import os
+import shutil
 import sys
 import tempfile
+from pathlib import Path
 
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
@@ -58,6 +60,7 @@ def reports_user_errors(task):
         try:
             return task(cfg)
         except (CapsnetError, OmegaConfBaseException) as exc:
+            _remove_unused_run_dir()
             # OmegaConf errors here come from resolving the config (a bad interpolation).
             # `is True`: debug=no is the string 'no' (a ConfigError of its own), not a request.
             if _full_errors_requested() or cfg.get("debug", False) is True:
@@ -65,6 +68,36 @@ def reports_user_errors(task):
             fail(_one_line(exc) if isinstance(exc, OmegaConfBaseException) else exc)
 
     return wrapper
+
+
+def _remove_unused_run_dir():
+    """After a user error: remove the run dir Hydra made for this job if it holds nothing
+    but what Hydra itself wrote there (its .hydra/ snapshot, the job's log), and the
+    parents that leaves empty up to the working directory, so that a failed
+    `python train.py` leaves no empty outputs/<date>/<time>/ behind. A run dir with
+    anything else in it (a resumed run's checkpoints) is kept."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.output_subdir is None:  # evaluate.py, export.py: no run dir of their own (run.dir=.)
+        return
+    run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
+    cwd = Path(hydra_cfg.runtime.cwd).resolve()
+    if run_dir == cwd or run_dir in cwd.parents:
+        return
+    hydra_own = {hydra_cfg.output_subdir, f"{hydra_cfg.job.name}.log"}
+    try:
+        if any(entry.name not in hydra_own for entry in run_dir.iterdir()):
+            return
+        shutil.rmtree(run_dir)
+        for parent in run_dir.parents:  # outputs/<date>, outputs: only if now empty
+            if parent == cwd or cwd not in parent.parents:
+                break
+            parent.rmdir()
+    except OSError:
+        pass  # not empty, or not ours to remove: leave it
 
 
 def run(hydra_main):

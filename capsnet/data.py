@@ -16,8 +16,10 @@
 import contextlib
 import dataclasses
 import gzip
+import logging
 import math
 import os
+import socket
 import struct
 import zlib
 
@@ -241,7 +243,12 @@ def _load_tfds(name, spec, split, tfds_data_dir):
                         f"missing ({err}; pip install {err.name or 'it'}); or, offline, "
                         f"{offline}") from err
     except Exception as err:  # tfds raises many types (requests, OSError, AssertionError, ...)
-        reason = (str(err).strip().splitlines() or [""])[0][:200]
+        if _is_network_error(err):
+            # The cause (a urllib3 retry report, hundreds of characters) says no more than this.
+            raise DataError(f"could not download {spec.tfds_name} with tensorflow-datasets (no network); "
+                            f"offline, use data.dir=/path/to/idx (a directory of the IDX files "
+                            f"train-images-idx3-ubyte.gz, t10k-…)") from err
+        reason = _shorten((str(err).strip().splitlines() or [""])[0], 160)
         raise DataError(f"tensorflow-datasets could not download or prepare {source} "
                         f"({type(err).__name__}: {reason}); offline, {offline}") from err
     return np.asarray(images), np.asarray(labels), f"tensorflow-datasets {source}"
@@ -249,20 +256,59 @@ def _load_tfds(name, spec, split, tfds_data_dir):
 
 @contextlib.contextmanager
 def _fail_fast_downloads():
-    """Lowers tfds' per-URL retry count for the duration (see _TFDS_MAX_RETRIES)."""
+    """For the duration: lowers tfds' per-URL retry count (see _TFDS_MAX_RETRIES), and
+    keeps tfds' progress bars and urllib3's retry warnings off the terminal; offline they
+    were ~20 lines burying the one-line error. tfds still prints what it downloads.
+    After a failed download urllib3 stays at ERROR (see the end)."""
+    with contextlib.ExitStack() as stack:
+        try:
+            from tensorflow_datasets.core.download import downloader
+        except ImportError:
+            downloader = None
+        old = getattr(downloader, "MAX_RETRIES", None)
+        if old is not None:  # else another tfds layout: leave it alone
+            downloader.MAX_RETRIES = min(old, _TFDS_MAX_RETRIES)
+            stack.callback(setattr, downloader, "MAX_RETRIES", old)
+        try:
+            from tensorflow_datasets.core.utils import tqdm_utils
+        except ImportError:
+            tqdm_utils = None
+        if isinstance(getattr(tqdm_utils, "_active", None), bool):
+            stack.callback(tqdm_utils.display_progress_bar, tqdm_utils._active)
+            tqdm_utils.display_progress_bar(False)
+        urllib3_log = logging.getLogger("urllib3")
+        level = urllib3_log.level
+        urllib3_log.setLevel(logging.ERROR)
+        yield
+        # Restored only after a success: after a failure tfds' download threads go on
+        # retrying (and warning) in the background while the error is reported.
+        urllib3_log.setLevel(level)
+
+
+def _is_network_error(err):
+    """Whether `err`, or an exception it was raised from, is a failure to reach the server
+    (no network, DNS, proxy, timeout)."""
+    network = [ConnectionError, TimeoutError, socket.gaierror]
     try:
-        from tensorflow_datasets.core.download import downloader
+        import requests
+
+        network += [requests.exceptions.ConnectionError, requests.exceptions.Timeout]
     except ImportError:
-        downloader = None
-    old = getattr(downloader, "MAX_RETRIES", None)
-    if old is None:  # another tfds layout: leave it alone
-        yield
-        return
-    downloader.MAX_RETRIES = min(old, _TFDS_MAX_RETRIES)
-    try:
-        yield
-    finally:
-        downloader.MAX_RETRIES = old
+        pass
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, tuple(network)):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _shorten(text, limit):
+    """`text` cut at a word boundary to at most `limit` characters (… marks a cut)."""
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0].rstrip(" ,:;(") + " …"
 
 
 def _check_split(name, spec, images, labels, images_src, labels_src):

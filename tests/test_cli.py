@@ -191,3 +191,25 @@ def test_killed_run_resumes_at_the_next_epoch_and_matches_an_uninterrupted_one(t
     assert any(name.startswith("model/decoder") for name in names)
     for name in names:
         np.testing.assert_array_equal(ours.get_tensor(name), theirs.get_tensor(name), err_msg=name)
+
+
+def test_offline_train_fails_short_and_leaves_no_run_dir(tmp_path):
+    # Default data (tensorflow-datasets) with every download refused by a proxy on a closed
+    # port: one short line, no progress bars, and no empty outputs/<date>/<time>/ left.
+    env = entry_point_env()
+    env.pop("NO_PROXY", None)
+    env.pop("no_proxy", None)
+    env.update({var: "http://127.0.0.1:9" for var in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")})
+    env["TFDS_DATA_DIR"] = str(tmp_path / "tfds")
+    result = subprocess.run([sys.executable, str(REPO / "train.py")], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert_one_line_error(result, "could not download mnist", "(no network)", "data.dir=")
+    assert len(result.stderr) < 200
+    assert not (tmp_path / "outputs").exists()
+
+    # A user error in a run dir that holds more than Hydra's own files (a run to resume) keeps it.
+    run_dir = tmp_path / "resumed"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    result = run_entry_point("train.py", "custom_op=no", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert_one_line_error(result, "custom_op must be true or false")
+    assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", "checkpoints", "train.log"]

@@ -254,6 +254,32 @@ def test_tfds_offline_fails_fast_naming_data_dir(tmp_path, monkeypatch):
     assert elapsed < 60, f"took {elapsed:.0f}s: tfds retried for too long"
 
 
+@pytest.mark.timeout(120)
+def test_tfds_offline_error_is_short_and_says_no_network(tmp_path, monkeypatch, capfd):
+    # The closed-port proxy of the test above: the message names the cause in words (not
+    # the urllib3 retry report, cut mid-word), and no progress bars or retry warnings
+    # are printed before it.
+    import logging
+
+    for var in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
+        monkeypatch.setenv(var, "http://127.0.0.1:9")
+    urllib3_log = logging.getLogger("urllib3")
+    level = urllib3_log.level
+    try:
+        with pytest.raises(DataError) as err:
+            load_split("mnist", "test", tfds_data_dir=str(tmp_path))
+    finally:
+        urllib3_log.setLevel(level)  # a failed download leaves it at ERROR
+    message = str(err.value)
+    assert message.startswith("could not download mnist with tensorflow-datasets (no network); offline, use "
+                              "data.dir=/path/to/idx")
+    assert len(message) < 200 and "Error" not in message
+    printed = capfd.readouterr()
+    assert "Dl Completed" not in printed.err and "Retrying" not in printed.err + printed.out
+
+
 def test_tfds_path_converts_and_validates(tmp_path, monkeypatch):
     # No network here, so tfds.load itself is replaced: this checks what load_split
     # asks of it and does with its answer.

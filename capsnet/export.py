@@ -1,0 +1,277 @@
+"""Export a trained CapsNet as a TensorFlow SavedModel, and load one back.
+
+- `export(checkpoint, output, ...) -> dict`: `python export.py` without Hydra. The model
+  is rebuilt from the run's saved `config.yaml` and restored from the checkpoint the way
+  `capsnet.evaluation.evaluate` does, then written with Keras' `ExportArchive` (what
+  `model.export()` uses) as a SavedModel with two endpoints:
+
+      serving_default (= serve)  images float32 (N, H, W, C) in [0, 1]
+      serve_uint8                images uint8   (N, H, W, C) in [0, 255] (scaled by 1/255,
+                                 exactly as the training and test pipelines do)
+
+  Both return a dict:
+      "lengths":         float32 (N, classes), the capsule lengths |v_j| (class scores);
+      "predictions":     int32 (N,), the longest capsule; MultiMNIST runs (two digits per
+                         image): (N, 2), the two longest capsules, longest first;
+      "reconstructions": float32 (N, H, W, C), the decoder's image from the predicted
+                         capsule; MultiMNIST (N, 2, H, W, C), one per predicted digit
+                         (absent when the run had no decoder).
+- custom_op=False (the default): the graph has only standard TensorFlow ops (the matmul
+  path, routing in TF), so plain `tf.saved_model.load` and TF Serving load it on a machine
+  without capsnet. custom_op=True: the graph holds the compiled op
+  (`Capsnet>CapsuleRouting` with the run's fused routing, else `Capsnet>CapsulePrediction`);
+  call `capsnet.ops.load_op_library()` before loading it.
+- `load(path)`: `tf.saved_model.load`, with a one-line `OpLibraryError` that says what to
+  do when the export holds the compiled op and the op library is not loaded.
+
+The export is written to a temporary directory beside `output` and renamed at the end:
+an error leaves nothing behind, and an existing `output` is never overwritten.
+Next to the graph, `assets.extra/` (the SavedModel place for files the graph does not
+read) holds `capsnet_export.json` (where the weights came from, the signatures, the ops
+needed) and a `README.txt` with how to load it.
+"""
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+import keras
+import tensorflow as tf
+
+from capsnet.errors import CheckpointError, ConfigError, OpLibraryError
+
+# The compiled op's graph names (ops/, REGISTER_OP "Capsnet>..."): a graph holding one
+# of these needs capsnet.ops.load_op_library() before it loads.
+OP_PREFIX = "Capsnet>"
+METADATA = "capsnet_export.json"
+_LOAD_OPS = "call capsnet.ops.load_op_library() first (or export with custom_op=false for a portable graph)"
+
+
+# --------------------------------------------------------------------------- graph
+
+def serving_outputs(model, images, two_digits=False):
+    """The exported signature's outputs for float32 images in [0, 1]: lengths,
+    predictions and (with a decoder) the reconstructions of the predicted capsule(s).
+
+    No labels go into the model, so its decoder reconstructs from the longest capsule,
+    as in evaluation (make_eval_step); two_digits=True (MultiMNIST) predicts the two
+    longest capsules and reconstructs each.
+    """
+    outputs = model(images, training=False)
+    lengths = outputs["lengths"]                                                  # (N, classes)
+    if two_digits:
+        predictions = tf.math.top_k(lengths, k=2).indices                         # (N, 2) int32
+    else:
+        predictions = tf.argmax(lengths, axis=-1, output_type=tf.int32)           # (N,)
+    served = {"lengths": lengths, "predictions": predictions}
+    if "reconstructions" in outputs:
+        # Two digits: the model reconstructed the longest capsule only (that unused
+        # branch is pruned from the served function); here each of the two longest.
+        served["reconstructions"] = (model.reconstruct(outputs["v_j"], predictions) if two_digits
+                                     else outputs["reconstructions"])             # (N, [2,] H, W, C)
+    return served
+
+
+def export_archive(model, two_digits=False):
+    """A Keras ExportArchive of `model` (built, weights loaded) with the endpoints
+    `serve` (float32 images in [0, 1]; also `serving_default`) and `serve_uint8`
+    (uint8 images in [0, 255])."""
+    shape = (None, *model.image_shape)
+    archive = keras.export.ExportArchive()
+    archive.track(model)
+    # The first endpoint added is also written as "serving_default" (TF Serving's default).
+    archive.add_endpoint("serve", lambda images: serving_outputs(model, images, two_digits),
+                         input_signature=[tf.TensorSpec(shape, tf.float32, name="images")])
+    # The pipelines' own scaling (capsnet.data): cast, then divide by 255.
+    archive.add_endpoint(
+        "serve_uint8", lambda images: serving_outputs(model, tf.cast(images, tf.float32) / 255.0, two_digits),
+        input_signature=[tf.TensorSpec(shape, tf.uint8, name="images")])
+    return archive
+
+
+def graph_op_types(saved_model_dir):
+    """Every op type in a SavedModel's graphs (the functions included), read from its
+    saved_model.pb without loading it."""
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    saved_model = saved_model_pb2.SavedModel()
+    saved_model.ParseFromString((Path(saved_model_dir) / "saved_model.pb").read_bytes())
+    types = set()
+    for meta_graph in saved_model.meta_graphs:
+        types.update(node.op for node in meta_graph.graph_def.node)
+        for function in meta_graph.graph_def.library.function:
+            types.update(node.op for node in function.node_def)
+    return types
+
+
+# --------------------------------------------------------------------------- export
+
+def export(checkpoint, output, *, which="best", weights=None, custom_op=False):
+    """Export `checkpoint` as a SavedModel in the new directory `output`; returns a report.
+
+    Args:
+        checkpoint: a run dir (its best checkpoint; which="latest" for the last epoch
+            saved) or a checkpoint path (.../checkpoints/latest/ckpt-3).
+        output: the SavedModel directory to create; it must not exist (its parent is
+            created if needed).
+        weights: None = the run's moving average of the weights if it kept one
+            (train.ema_decay > 0), else the trained weights; "ema" or "raw" to choose.
+        custom_op: False = only standard TensorFlow ops (portable); True = the compiled
+            op (the run's fused routing where it applies), needing
+            capsnet.ops.load_op_library() before loading.
+
+    Returns:
+        dict with output, checkpoint, run_dir, epoch, weights, custom_op, dataset,
+        input_shape, num_classes, two_digits, signatures, op_library_ops (the
+        Capsnet> ops in the graph; [] = portable).
+    """
+    # Imported here, as in capsnet.evaluation: capsnet.training imports that module.
+    from capsnet.data import is_overlay
+    from capsnet.evaluation import _member, restore_model
+    from capsnet.training import build_capsnet, check_op_library
+
+    if output is None or str(output).strip() == "":
+        raise ConfigError("output=... is required: the SavedModel directory to create")
+    output = Path(os.path.expanduser(str(output))).absolute()
+    if output.exists() or output.is_symlink():
+        raise ConfigError(f"output {output} already exists: export writes a new directory and never overwrites one "
+                          "(remove it or choose another)")
+    for parent in output.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"output {output}: {parent} is not a directory")
+            break
+
+    # Everything that can fail on the user's input fails here, before anything is written.
+    member = _member(checkpoint, which=which, custom_op=custom_op, weights=weights)
+    cfg = member["cfg"]
+    model_cfg = dict(cfg["model"])
+    if member["custom_op"]:
+        check_op_library()
+    else:
+        # The fused routing op is the compiled op too; without it the same W routes in TF.
+        model_cfg["fused_routing"] = False
+    model = build_capsnet(model_cfg, member["custom_op"])
+    epoch = restore_model(model, member["prefix"], member["weights"])
+    dataset = (cfg.get("data") or {}).get("name")
+    two_digits = bool(dataset) and is_overlay(dataset)
+    archive = export_archive(model, two_digits)
+
+    report = {
+        "output": str(output),
+        "checkpoint": member["prefix"],
+        "run_dir": str(member["run_dir"]),
+        "epoch": epoch,
+        "weights": member["weights"],
+        "custom_op": member["custom_op"],
+        "dataset": dataset,
+        "input_shape": list(model.image_shape),
+        "num_classes": model.num_classes,
+        "two_digits": two_digits,
+        "signatures": signature_descriptions(model, two_digits),
+    }
+    created = [p for p in [output.parent, *output.parent.parents] if not p.exists()]
+    partial = None
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        # Beside `output` (same file system): the final rename is atomic.
+        # mkdir, not tempfile.mkdtemp: the export gets the usual (umask) permissions, not 0700,
+        # so that a server running as another user can read it.
+        partial = output.parent / f".{output.name}.partial-{secrets.token_hex(4)}"
+        partial.mkdir()
+        archive.write_out(str(partial), verbose=False)
+        report["op_library_ops"] = sorted(t for t in graph_op_types(partial) if t.startswith(OP_PREFIX))
+        extra = partial / "assets.extra"
+        extra.mkdir(exist_ok=True)
+        (extra / METADATA).write_text(json.dumps({k: v for k, v in report.items() if k != "output"}, indent=2) + "\n")
+        (extra / "README.txt").write_text(readme_text(report))
+        os.rename(partial, output)
+    except BaseException as exc:  # KeyboardInterrupt included: nothing half-written stays
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
+        for directory in created:  # innermost first
+            try:
+                directory.rmdir()
+            except OSError:
+                break
+        if isinstance(exc, OSError):
+            raise CheckpointError(f"cannot write the export {output}: {exc.strerror or exc}") from exc
+        if isinstance(exc, tf.errors.OpError):  # TensorFlow's own file writes (a full disk, say)
+            raise CheckpointError(f"cannot write the export {output}: {exc.message.strip().splitlines()[0]}") from exc
+        raise
+    return report
+
+
+def signature_descriptions(model, two_digits):
+    """What each signature takes and returns, in words (the report and README)."""
+    h, w, c = model.image_shape
+    k = model.num_classes
+    pred, recon = ("int32 (N, 2): the two longest capsules, longest first", f"float32 (N, 2, {h}, {w}, {c})") \
+        if two_digits else ("int32 (N,): the longest capsule", f"float32 (N, {h}, {w}, {c})")
+    outputs = {"lengths": f"float32 (N, {k}): capsule lengths (class scores)", "predictions": pred}
+    if model.use_decoder:
+        outputs["reconstructions"] = f"{recon} in [0, 1]: the decoder's image of the predicted capsule(s)"
+    return {
+        "serving_default": {"images": f"float32 (N, {h}, {w}, {c}) in [0, 1]", "outputs": outputs},
+        "serve_uint8": {"images": f"uint8 (N, {h}, {w}, {c}) in [0, 255]", "outputs": outputs},
+    }
+
+
+def readme_text(report):
+    """assets.extra/README.txt: what the export is and how to load it."""
+    ops = report.get("op_library_ops") or []
+    if ops:
+        loading = (f"This export holds the compiled capsnet op ({', '.join(ops)}): TensorFlow cannot load it\n"
+                   "until the op library is registered. Install capsnet (with `make ops`), then:\n\n"
+                   "    import capsnet.ops, tensorflow as tf\n"
+                   "    capsnet.ops.load_op_library()          # registers the Capsnet> ops\n"
+                   "    model = tf.saved_model.load(path)\n\n"
+                   "Without it, loading fails with \"Op type not registered 'Capsnet>...'\".\n"
+                   "Re-export with custom_op=false for a graph of standard TensorFlow ops.\n")
+    else:
+        loading = ("Standard TensorFlow ops only: no capsnet needed.\n\n"
+                   "    import tensorflow as tf\n"
+                   "    model = tf.saved_model.load(path)\n")
+    lines = [f"CapsNet SavedModel exported from {report['checkpoint']} (epoch {report['epoch']}, "
+             f"{report['weights']} weights, dataset {report['dataset']}).", "", loading, "Signatures:"]
+    for name, signature in report["signatures"].items():
+        lines.append(f"  {name}: images {signature['images']}")
+        lines += [f"    -> {key}: {text}" for key, text in signature["outputs"].items()]
+    lines += ["", "    out = model.signatures['serving_default'](images=tf.constant(x))   # x float32 in [0, 1]",
+              "    out['predictions'], out['lengths']", ""]
+    return "\n".join(lines)
+
+
+def format_summary(report):
+    """A human-readable summary of an export: where, from what, its signatures."""
+    ops = report["op_library_ops"]
+    lines = [f"exported {report['checkpoint']} (epoch {report['epoch']}, {report['weights']} weights) "
+             f"to {report['output']}",
+             "graph: " + (f"the compiled capsnet op ({', '.join(ops)}): call capsnet.ops.load_op_library() "
+                          "before loading it" if ops else "standard TensorFlow ops only (loads without capsnet)")]
+    for name, signature in report["signatures"].items():
+        lines.append(f"signature {name}: images {signature['images']}")
+        lines += [f"  {key}: {text}" for key, text in signature["outputs"].items()]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- load
+
+def load(path):
+    """`tf.saved_model.load(path)` of an export; an export holding the compiled op while
+    the op library is not loaded → OpLibraryError (one line: call
+    capsnet.ops.load_op_library() first), a missing or unreadable directory →
+    CheckpointError."""
+    path = str(path)
+    try:
+        return tf.saved_model.load(path)
+    except (RuntimeError, tf.errors.NotFoundError) as exc:  # TF 2.21: RuntimeError
+        message = str(getattr(exc, "message", exc))
+        if "Op type not registered" in message and OP_PREFIX in message:
+            op = message.split("Op type not registered", 1)[1].split("'")[1] if "'" in message else OP_PREFIX
+            raise OpLibraryError(f"the SavedModel {path} holds the compiled capsnet op {op} (exported with "
+                                 f"custom_op=true): {_LOAD_OPS}") from exc
+        raise
+    except OSError as exc:
+        raise CheckpointError(f"cannot load the SavedModel {path}: {' '.join(str(exc).split())[:200]}") from exc
