@@ -111,7 +111,7 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     if not checkpoints:
         raise ConfigError("checkpoint=[] names no checkpoint: give a run dir or checkpoint path "
                           "(a list of several evaluates their ensemble)")
-    members = [_member(c, which=which, custom_op=custom_op, weights=weights) for c in checkpoints]
+    members = [resolve_member(c, which=which, custom_op=custom_op, weights=weights) for c in checkpoints]
     first = members[0]
     prefixes = [member["prefix"] for member in members]
     repeated = sorted({prefix for prefix in prefixes if prefixes.count(prefix) > 1})
@@ -210,7 +210,7 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     return report
 
 
-def _member(checkpoint, *, which, custom_op, weights):
+def resolve_member(checkpoint, *, which, custom_op, weights):
     """One checkpoint to evaluate, resolved and its run config checked (no model yet):
     prefix, run_dir, cfg, custom_op, losses, weights."""
     prefix, run_dir, cfg = resolve_checkpoint(checkpoint, which)

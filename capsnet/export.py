@@ -128,8 +128,9 @@ def export(checkpoint, output, *, which="best", weights=None, custom_op=False):
     """
     # Imported here, as in capsnet.evaluation: capsnet.training imports that module.
     from capsnet.data import is_overlay
-    from capsnet.evaluation import _member, restore_model
-    from capsnet.training import build_capsnet, check_op_library
+    from capsnet.evaluation import resolve_member
+    from capsnet.training.checkpoints import restore_model
+    from capsnet.training.model_setup import build_capsnet, check_op_library
 
     if output is None or str(output).strip() == "":
         raise ConfigError("output=... is required: the SavedModel directory to create")
@@ -144,7 +145,7 @@ def export(checkpoint, output, *, which="best", weights=None, custom_op=False):
             break
 
     # Everything that can fail on the user's input fails here, before anything is written.
-    member = _member(checkpoint, which=which, custom_op=custom_op, weights=weights)
+    member = resolve_member(checkpoint, which=which, custom_op=custom_op, weights=weights)
     cfg = member["cfg"]
     model_cfg = dict(cfg["model"])
     if member["custom_op"]:

@@ -97,10 +97,12 @@ def evaluation_reference(run_dir, data_dir):
     through its own code path (model rebuilt and restored as evaluate() does, the compiled
     test step, evaluate_model(keep_lengths=True)), plus the model's reconstructions."""
     from capsnet.data import load_split, make_split_dataset
-    from capsnet.evaluation import _member, evaluate_model, make_eval_step, restore_model
-    from capsnet.training import build_capsnet
+    from capsnet.evaluation import resolve_member
+    from capsnet.training.checkpoints import restore_model
+    from capsnet.training.model_setup import build_capsnet
+    from capsnet.training.steps import evaluate_model, make_eval_step
 
-    member = _member(run_dir, which="best", custom_op=False, weights=None)
+    member = resolve_member(run_dir, which="best", custom_op=False, weights=None)
     model = build_capsnet(dict(member["cfg"]["model"], fused_routing=False), False)
     restore_model(model, member["prefix"], member["weights"])
     images, labels = load_split("mnist", "test", data_dir=data_dir)
@@ -121,7 +123,8 @@ def assert_same_predictions(predictions, lengths):
 
 @pytest.mark.slow
 def test_portable_export_loads_without_capsnet_and_matches_evaluate(trained_run, test_split, tmp_path):
-    from capsnet.evaluation import evaluate, score
+    from capsnet.evaluation import evaluate
+    from capsnet.scoring import score
 
     run_dir, _ = trained_run
     data_dir, npy, images, labels = test_split
@@ -206,7 +209,8 @@ def test_saved_model_cli_runs_the_export(trained_run, test_split, tmp_path):
 @pytest.mark.slow
 def test_multimnist_export_predicts_two_digits(tiny_idx_dir, tmp_path):
     from capsnet.data import load_split, make_split_dataset
-    from capsnet.evaluation import evaluate, pair_report
+    from capsnet.evaluation import evaluate
+    from capsnet.scoring import pair_report
     from capsnet.training import train
     from test_multimnist import multimnist_overrides
 
