@@ -48,9 +48,9 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import ValidationError
+from omegaconf.errors import ConfigAttributeError, OmegaConfBaseException, ValidationError
 
-from capsnet.datasets import DATASETS, example_shape
+from capsnet.datasets import DATASETS, example_shape, is_overlay
 from capsnet.errors import ConfigError
 from capsnet.validation import (boolean, finite_float, float_in_range, integer, positive_float, positive_int,
                                 positive_int_tuple)
@@ -442,7 +442,18 @@ def _distribute_rule(dcfg, prefix):
                           f"got {dcfg['devices']!r}: set it to null")
 
 
-_SECTION_RULES = {TrainConfig: _margin_rule, DistributeConfig: _distribute_rule}
+def _data_rule(dcfg, prefix):
+    """An overlay dataset (MultiMNIST) draws its digits shifted on a zero canvas: no other
+    augmentation (the words of capsnet.data.make_split_dataset, which checks it again)."""
+    if is_overlay(dcfg["name"]):
+        on = [f"{prefix}{k}={v}" for k, v in AUGMENTATION_OFF.items() if dcfg[k] != v]
+        if on:
+            raise ConfigError(f"{dcfg['name']} takes no flip/rotate/zoom/elastic/shift_fill augmentation (its digits "
+                              f"are shifted by data.shift_pixels on a zero canvas): set {', '.join(on)} to the "
+                              "default (augmentation=none)")
+
+
+_SECTION_RULES = {DataConfig: _data_rule, TrainConfig: _margin_rule, DistributeConfig: _distribute_rule}
 
 
 def check_section(schema, values, prefix=""):
@@ -596,7 +607,10 @@ def explain(exc, app=None):
     in the wording of that key's own check: `train.m_plus must be a finite number, got
     'abc'`. None for anything else. `app`: the schema composed (default: the one whose
     field the error names, train's first)."""
-    cause = exc if isinstance(exc, ValidationError) else exc.__cause__
+    cause = exc if isinstance(exc, OmegaConfBaseException) else exc.__cause__
+    if isinstance(cause, ConfigAttributeError) and re.match(r"model\.(jit|fused)_routing$", str(cause.full_key)):
+        return (f"{cause.full_key} is gone: model.routing (auto | tf | xla) says how the routing runs, "
+                "custom_op=true|false which prediction (capsnet/config.py: routing_mode)")
     if not isinstance(cause, ValidationError):
         return None
     key, value = re.sub(r"(\[\d+\])+$", "", str(cause.full_key or "")), cause.value
