@@ -264,7 +264,7 @@ def check_routing(owner, routing, stop_gradient_routing):
         raise ValueError(f"{owner}: routing must be one of {', '.join(ROUTING_MODES)}, got {routing!r}")
     if routing == "fused_op" and not stop_gradient_routing:
         raise ValueError(
-            f"{owner}: routing=fused_op (fused_routing=true) needs custom_op=true (it is the compiled op) and "
+            f"{owner}: routing=fused_op, i.e. fused_routing=true needs custom_op=true (it is the compiled op) and "
             "stop_gradient_routing=true (its gradient is that of stop-gradient routing), got "
             "custom_op=true, stop_gradient_routing=false")
     return routing
