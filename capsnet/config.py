@@ -131,7 +131,8 @@ def _one_of(choices, *, allow_none=False):
 
 def _in_range(low, high):
     def check_range(name, value):
-        return float_in_range(name, value, low, high, error=ConfigError)
+        float_in_range(name, value, low, high, error=ConfigError)
+        return value  # as written: an int stays an int (see AugmentationConfig)
     return check_range
 
 
@@ -254,12 +255,16 @@ class DataSourceConfig:
 @dataclass
 class AugmentationConfig:
     """configs/augmentation/ (mounted in `data`: data.flip, ...): training augmentation
-    beyond data.shift_pixels. The defaults are off: the first release's pipeline."""
+    beyond data.shift_pixels. The defaults are off: the first release's pipeline.
+
+    The four numbers are typed Any, checked by _in_range (a real number in its range, no
+    bool): a float field would store `rotate_degrees: 0` as 0.0, and run configs and a
+    refused resume's differences ("data.rotate_degrees: 0 -> 5") show them as written."""
     flip: bool = _checked(False, _boolean)
-    rotate_degrees: float = _checked(0.0, _in_range(0, 180))
-    zoom: float = _checked(0.0, _in_range(0, 0.5))
-    elastic_alpha: float = _checked(0.0, _in_range(0, 100))
-    elastic_sigma: float = _checked(4.0, _in_range(0.5, 10))
+    rotate_degrees: Any = _checked(0.0, _in_range(0, 180))
+    zoom: Any = _checked(0.0, _in_range(0, 0.5))
+    elastic_alpha: Any = _checked(0.0, _in_range(0, 100))
+    elastic_sigma: Any = _checked(4.0, _in_range(0.5, 10))
     shift_fill: str = _checked("zero", _one_of(SHIFT_FILLS))
 
 
@@ -417,7 +422,8 @@ def check_augmentation(prefix="", **options):
     if set(options) != set(AUGMENTATION_OFF):
         raise TypeError(f"check_augmentation needs exactly {', '.join(AUGMENTATION_OFF)}, got {', '.join(options)}")
     checks = {f.name: f.metadata["check"] for f in dataclasses.fields(AugmentationConfig)}
-    return {key: checks[key](prefix + key, options[key]) for key in AUGMENTATION_OFF}
+    checked = {key: checks[key](prefix + key, options[key]) for key in AUGMENTATION_OFF}
+    return {key: float(value) if isinstance(AUGMENTATION_OFF[key], float) else value for key, value in checked.items()}
 
 
 def _margin_rule(tcfg, prefix):
