@@ -14,10 +14,13 @@ Examples:
     python evaluate.py 'checkpoint=[outputs/run_a,outputs/run_b,outputs/run_c]' which=latest   # an ensemble
 """
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from capsnet import cli
+from capsnet import cli, config
 from capsnet.errors import ConfigError
+
+config.register()  # the schemas configs/ extends (capsnet/config.py), before Hydra composes
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="eval")
@@ -26,7 +29,8 @@ def main(cfg: DictConfig):
     if OmegaConf.is_missing(cfg, "checkpoint"):
         raise ConfigError("checkpoint=... is required: a run dir (outputs/<date>/<time>) or a checkpoint path "
                           "(or a list of them: an ensemble)")
-    cfg = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    config.check_overrides(HydraConfig.get().overrides.task, config.EvalAppConfig)
+    cfg = config.check_eval(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
     cli.import_tensorflow_quietly()
     from capsnet.evaluation import evaluate, format_report, to_json_line
 

@@ -6,20 +6,26 @@ Examples:
     python train.py hydra.run.dir=outputs/my-run     # rerun the same command to resume it
 """
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from capsnet import cli
+from capsnet import cli, config
+
+config.register()  # the schemas configs/ extends (capsnet/config.py), before Hydra composes
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 @cli.reports_user_errors
 def main(cfg: DictConfig):
-    # TensorFlow is imported only now, after Hydra has checked the config: a typo in a
-    # key is reported at once instead of after the seconds-long import.
+    # Hydra and OmegaConf have checked the keys and their types; capsnet.config checks the
+    # values (and that a switch is written true/false, not no/0). TensorFlow is imported
+    # only after that: a config error is reported at once, not after the seconds-long import.
+    config.check_overrides(HydraConfig.get().overrides.task, config.TrainAppConfig)
+    checked = config.check(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
     cli.import_tensorflow_quietly()
     from capsnet.training import train
 
-    metrics = train(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
+    metrics = train(checked)
     # Returned so that a Hydra sweeper (e.g. Optuna) can optimise it.
     return metrics["test_accuracy"]
 

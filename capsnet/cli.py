@@ -18,6 +18,7 @@ from pathlib import Path
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
+from capsnet import config
 from capsnet.errors import CapsnetError
 
 EXIT_USER_ERROR = 2
@@ -38,7 +39,12 @@ def fail(message):
 
 
 def _one_line(exc):
-    """Hydra's config errors are several lines (message, hint, cause); keep what names the problem."""
+    """Hydra's config errors are several lines (message, hint, cause); keep what names the problem.
+    A value of the wrong type (OmegaConf's ValidationError) is said in its key's own words:
+    `train.m_plus must be a finite number, got 'abc'` (capsnet.config.explain)."""
+    explained = config.explain(exc)
+    if explained is not None:
+        return explained
     # Hydra appends the whole config search path to "Could not find ..." errors.
     text = " ".join(str(exc).split("Config search path")[0].split())
     cause = exc.__cause__

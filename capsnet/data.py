@@ -14,7 +14,6 @@
   picks one or the other by dataset name.
 """
 import contextlib
-import dataclasses
 import gzip
 import logging
 import math
@@ -26,6 +25,8 @@ import zlib
 import numpy as np
 import tensorflow as tf
 
+from capsnet.config import AUGMENTATION_OFF, SHIFT_FILLS, check_augmentation  # noqa: F401  (re-exported)
+from capsnet.datasets import DATASETS, DatasetSpec, example_shape, is_overlay  # noqa: F401  (re-exported)
 from capsnet.errors import ConfigError, DataError
 from capsnet.validation import boolean, float_in_range, integer
 
@@ -134,23 +135,7 @@ def write_idx(path, array):
 
 
 # --------------------------------------------------------------------------- datasets
-@dataclasses.dataclass(frozen=True)
-class DatasetSpec:
-    """What a dataset name means: where tfds has it and what its examples look like."""
-    tfds_name: str | None  # None: only readable from IDX files (data.dir)
-    image_shape: tuple     # (H, W, C) of the stored (source) images
-    num_classes: int
-    overlay: bool = False  # True: examples are two overlaid source digits (make_multimnist_dataset)
-
-
-# Add a dataset here to make it loadable by name.
-DATASETS = {
-    "mnist": DatasetSpec(tfds_name="mnist", image_shape=(28, 28, 1), num_classes=10),
-    "fashion_mnist": DatasetSpec(tfds_name="fashion_mnist", image_shape=(28, 28, 1), num_classes=10),
-    # MultiMNIST (paper Sec. 6): generated on the fly from the MNIST files (the same IDX
-    # files or tfds dataset as `mnist`) by make_multimnist_dataset.
-    "multimnist": DatasetSpec(tfds_name="mnist", image_shape=(28, 28, 1), num_classes=10, overlay=True),
-}
+# DatasetSpec and DATASETS (what each name means) live in capsnet.datasets, without TensorFlow.
 
 # split → IDX file-name prefix (the MNIST distribution calls the test split "t10k").
 _IDX_PREFIX = {"train": "train", "test": "t10k"}
@@ -336,13 +321,9 @@ def _check_split(name, spec, images, labels, images_src, labels_src):
 
 
 # --------------------------------------------------------------------------- tf.data
-# The `data.*` config keys that are make_dataset's augmentation arguments. The ones added
-# after the first release, with their defaults, which leave the first release's pipeline
-# unchanged: what a run saved before they existed was trained with, and what a data config
-# without them gets. (elastic_sigma only matters once elastic_alpha > 0.)
-AUGMENTATION_OFF = {"flip": False, "rotate_degrees": 0.0, "zoom": 0.0, "elastic_alpha": 0.0,
-                    "elastic_sigma": 4.0, "shift_fill": "zero"}
-SHIFT_FILLS = ("zero", "edge")
+# The `data.*` config keys that are make_dataset's augmentation arguments: AUGMENTATION_OFF
+# (their defaults, the first release's pipeline) and SHIFT_FILLS come from capsnet.config,
+# the augmentation config group's schema, as does check_augmentation.
 # The elastic draws' stream: folded into the (seed, epoch) key, so the streams before it
 # (order, shifts, flips, rotation/zoom) are what they were, and old runs replay unchanged.
 _ELASTIC_STREAM = 3
@@ -353,25 +334,6 @@ def augmentation_options(data_cfg):
     """The AUGMENTATION_OFF keys of a `data` config section, each at its default where the
     section lacks it (a run saved before the key existed trained without it)."""
     return {key: data_cfg.get(key, off) for key, off in AUGMENTATION_OFF.items()}
-
-
-def check_augmentation(prefix="", **options):
-    """The augmentation `options` (the keys of AUGMENTATION_OFF, all of them) checked and
-    in their plain types, in AUGMENTATION_OFF's order; a bad one → ConfigError naming
-    `prefix` + its key. (shift_pixels is checked by make_dataset: its range is the image's.)"""
-    if set(options) != set(AUGMENTATION_OFF):
-        raise TypeError(f"check_augmentation needs exactly {', '.join(AUGMENTATION_OFF)}, got {', '.join(options)}")
-    checked = {
-        "flip": boolean(prefix + "flip", options["flip"], expected="true or false", error=ConfigError),
-        "rotate_degrees": float_in_range(prefix + "rotate_degrees", options["rotate_degrees"], 0, 180, error=ConfigError),
-        "zoom": float_in_range(prefix + "zoom", options["zoom"], 0, 0.5, error=ConfigError),
-        "elastic_alpha": float_in_range(prefix + "elastic_alpha", options["elastic_alpha"], 0, 100, error=ConfigError),
-        "elastic_sigma": float_in_range(prefix + "elastic_sigma", options["elastic_sigma"], 0.5, 10, error=ConfigError),
-        "shift_fill": options["shift_fill"],
-    }
-    if checked["shift_fill"] not in SHIFT_FILLS:
-        raise ConfigError(f"{prefix}shift_fill must be one of {', '.join(SHIFT_FILLS)}, got {checked['shift_fill']!r}")
-    return {k: checked[k] for k in AUGMENTATION_OFF}
 
 
 def _check_epoch_arguments(images, labels, *, batch_size, training, seed, epoch, drop_remainder):
@@ -495,21 +457,6 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
 # The key of the MultiMNIST test split: fixed (not the run's seed), so that every run and
 # every evaluation scores the same test pairs.
 MULTIMNIST_TEST_KEY = (2017, 6)
-
-
-def is_overlay(name):
-    """Whether dataset `name` yields two-digit examples (labels (B, 2), see make_multimnist_dataset)."""
-    return name in DATASETS and DATASETS[name].overlay
-
-
-def example_shape(name, source_shape, shift_pixels):
-    """The (H, W, C) of the images the model sees: the source's, or for an overlay dataset
-    the canvas the shifted digits are drawn on, (H + 2·shift_pixels, W + 2·shift_pixels, C)
-    (MultiMNIST, shift 4: 28 → 36)."""
-    h, w, c = source_shape
-    if is_overlay(name):
-        return (h + 2 * shift_pixels, w + 2 * shift_pixels, c)
-    return (h, w, c)
 
 
 def make_split_dataset(name, images, labels, *, batch_size, training, seed=0, epoch=0, shift_pixels=2,

@@ -5,7 +5,7 @@
 - `PrimaryCaps`: a convolution whose channels are grouped into 8-D capsules u_i.
 - `DigitCaps`: u_hat_j|i = W_ij u_i for every (primary i, digit j) pair, then dynamic
   routing (capsnet.routing) to the outputs v_j; or both in one compiled op
-  (`fused_routing`).
+  (`routing="fused_op"`).
 - `Decoder`: the reconstruction network on the masked v_j.
 
 Names follow the paper: u (input capsules), u_hat (predictions), b_ij (routing logits),
@@ -17,6 +17,7 @@ import keras
 import tensorflow as tf
 
 from capsnet import ops
+from capsnet.config import ROUTING_MODES, routing_from_flags, routing_mode
 from capsnet.errors import CapsnetError
 from capsnet.routing import dynamic_routing, squash
 from capsnet.validation import boolean, positive_float, positive_int, positive_int_tuple
@@ -135,8 +136,7 @@ class DigitCaps(keras.layers.Layer):
     then `dynamic_routing` (b_ij zero per sample, routing_iterations rounds) gives v_j.
     The only weight is W, shape (in_caps, num_caps, dim, in_dim): no bias and no
     trainable b_ij, as in the paper (1152·10·16·8 = 1,474,560 weights). That layout is
-    shared by the matmul path and the compiled op, so weights and checkpoints work
-    with either `custom_op` setting.
+    shared by every `routing` mode, so weights and checkpoints work with any of them.
 
     Args:
         num_caps: output capsules j (classes).
@@ -144,18 +144,23 @@ class DigitCaps(keras.layers.Layer):
         routing_iterations: rounds of routing r (≥ 1).
         stop_gradient_routing: stop the gradient through u_hat in the inner routing
             iterations (default True; why: see `capsnet.routing.dynamic_routing`).
-        custom_op: compute u_hat with the compiled op (capsnet.ops) instead of matmul.
-        jit_routing: compile the routing iterations with XLA on their own
-            (tf.function(jit_compile=True)), fusing their chain of elementwise ops and
-            reductions over u_hat. Meant for custom_op=True: a custom op cannot be
-            jit-compiled, so a whole-step jit_compile is not available there and
-            autoclustering may leave the routing unfused. Same math either way.
-        fused_routing: prediction and all routing iterations in one compiled op
-            (`capsnet.ops.capsule_routing`), which never writes u_hat to memory; only
-            the final squash runs in TensorFlow. Same math; needs custom_op=True (it is
-            the compiled op) and stop_gradient_routing=True (the op's gradient is that
-            of stop-gradient routing), and excludes jit_routing (no TF routing is left
-            to compile).
+        routing: how u_hat and the routing are computed, one of capsnet.config.ROUTING_MODES
+            (the config's custom_op and model.routing resolve to one in
+            capsnet.config.routing_mode); the same math in every mode:
+            "matmul": u_hat by matmul, routing as TF ops (the default);
+            "matmul_xla": u_hat by matmul, the routing iterations compiled with XLA on
+                their own (tf.function(jit_compile=True)), fusing their chain of
+                elementwise ops and reductions over u_hat;
+            "op": u_hat by the compiled op (capsnet.ops), routing as TF ops;
+            "op_xla": the compiled op, then XLA-compiled routing: a custom op cannot be
+                jit-compiled, so a whole-step jit_compile is not available with it and
+                autoclustering may leave the routing unfused;
+            "fused_op": prediction and all routing iterations in one compiled op
+                (`capsnet.ops.capsule_routing`), which never writes u_hat to memory; only
+                the final squash runs in TensorFlow. Needs stop_gradient_routing=True
+                (the op's gradient is that of stop-gradient routing).
+            `custom_op`, `jit_routing` and `fused_routing` (read-only) say what the mode
+            implies, under the names of the flags it replaced.
         kernel_initializer: initializer for W. Default N(0, 0.1²) per entry (the
             official code's; CapsNet's `w_init_stddev` sets the spread). Keras'
             fan-based initializers would read the 4-D W as a conv kernel with fans of
@@ -174,25 +179,14 @@ class DigitCaps(keras.layers.Layer):
     """
 
     def __init__(self, num_caps=10, dim=16, routing_iterations=3, stop_gradient_routing=True,
-                 custom_op=False, jit_routing=False, fused_routing=False, kernel_initializer=None, **kwargs):
+                 routing="matmul", kernel_initializer=None, **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
         self.num_caps = positive_int(f"{owner}: num_caps", num_caps)
         self.dim = positive_int(f"{owner}: dim", dim)
         self.routing_iterations = positive_int(f"{owner}: routing_iterations", routing_iterations)
         self.stop_gradient_routing = boolean(f"{owner}: stop_gradient_routing", stop_gradient_routing)
-        self.custom_op = boolean(f"{owner}: custom_op", custom_op)
-        self.jit_routing = boolean(f"{owner}: jit_routing", jit_routing)
-        self.fused_routing = boolean(f"{owner}: fused_routing", fused_routing)
-        if self.fused_routing and not (self.custom_op and self.stop_gradient_routing):
-            raise ValueError(
-                f"{owner}: fused_routing=true needs custom_op=true (it is the compiled op) and "
-                "stop_gradient_routing=true (its gradient is that of stop-gradient routing), got "
-                f"custom_op={str(self.custom_op).lower()}, "
-                f"stop_gradient_routing={str(self.stop_gradient_routing).lower()}")
-        if self.fused_routing and self.jit_routing:
-            raise ValueError(f"{owner}: jit_routing=true has nothing to compile with fused_routing=true "
-                             "(the routing runs inside the fused op): set one of them to false")
+        self.routing = check_routing(owner, routing, self.stop_gradient_routing)
         if kernel_initializer is None:
             kernel_initializer = keras.initializers.RandomNormal(stddev=0.1)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
@@ -222,7 +216,7 @@ class DigitCaps(keras.layers.Layer):
                 # s_j (B, num_caps, dim) before the last squash, c_ij (B, in_caps, num_caps)
                 s_j, c_ij = ops.capsule_routing(u, W, self.routing_iterations)
                 return squash(s_j), c_ij
-            predict = ops.get_capsule_prediction(self.custom_op)
+            predict = ops.get_capsule_prediction(self.custom_op)  # the op or matmul
             u_hat = predict(u, W)  # (B, in_caps, num_caps, dim)
         except CapsnetError as err:
             # Keras rewrites errors raised in call() into a multi-line message with
@@ -246,14 +240,58 @@ class DigitCaps(keras.layers.Layer):
             "dim": self.dim,
             "routing_iterations": self.routing_iterations,
             "stop_gradient_routing": self.stop_gradient_routing,
-            "custom_op": self.custom_op,
-            "jit_routing": self.jit_routing,
-            "fused_routing": self.fused_routing,
+            "routing": self.routing,
+            **routing_flags(self.routing),  # read-only: what the mode implies
             "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
         }
 
+    @classmethod
+    def from_config(cls, config):
+        return cls(**routing_argument(config))
 
-# dynamic_routing as one XLA computation (DigitCaps(jit_routing=True)); iterations and
+    custom_op = property(lambda self: routing_flags(self.routing)["custom_op"],
+                         doc="Whether u_hat comes from the compiled op (routing op, op_xla or fused_op).")
+    jit_routing = property(lambda self: routing_flags(self.routing)["jit_routing"],
+                           doc="Whether the routing iterations are one XLA computation (matmul_xla, op_xla).")
+    fused_routing = property(lambda self: routing_flags(self.routing)["fused_routing"],
+                             doc="Whether one compiled op does prediction and routing (fused_op).")
+
+
+def check_routing(owner, routing, stop_gradient_routing):
+    """`routing` if it is one of ROUTING_MODES that works with `stop_gradient_routing`, else
+    ValueError naming `owner`."""
+    if not isinstance(routing, str) or routing not in ROUTING_MODES:
+        raise ValueError(f"{owner}: routing must be one of {', '.join(ROUTING_MODES)}, got {routing!r}")
+    if routing == "fused_op" and not stop_gradient_routing:
+        raise ValueError(
+            f"{owner}: routing=fused_op, i.e. fused_routing=true needs custom_op=true (it is the compiled op) and "
+            "stop_gradient_routing=true (its gradient is that of stop-gradient routing), got "
+            "custom_op=true, stop_gradient_routing=false")
+    return routing
+
+
+def routing_flags(routing):
+    """What a routing mode implies, under the names of the flags it replaced."""
+    return {"custom_op": routing in ("op", "op_xla", "fused_op"), "jit_routing": routing.endswith("_xla"),
+            "fused_routing": routing == "fused_op"}
+
+
+def routing_argument(config):
+    """A layer or model config with `routing` alone: get_config's read-only flags dropped; a
+    config written before `routing` existed (custom_op, jit_routing, fused_routing) gets the
+    mode those flags meant (capsnet.config.routing_from_flags, then routing_mode)."""
+    config = dict(config)
+    flags = {key: config.pop(key) for key in ("custom_op", "jit_routing", "fused_routing") if key in config}
+    if "routing" not in config and flags:
+        stop_gradient = config.get("stop_gradient_routing", True)
+        choice = routing_from_flags(**{"custom_op": False, "jit_routing": False, "fused_routing": False, **flags},
+                                    stop_gradient_routing=stop_gradient, error=ValueError)
+        config["routing"] = routing_mode(flags.get("custom_op", False),
+                                         {"routing": choice, "stop_gradient_routing": stop_gradient})
+    return config
+
+
+# dynamic_routing as one XLA computation (DigitCaps(routing="matmul_xla" or "op_xla")); iterations and
 # stop_gradient are Python values, so each setting traces once.
 _dynamic_routing_xla = tf.function(dynamic_routing, jit_compile=True)
 

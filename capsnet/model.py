@@ -8,7 +8,8 @@ PrimaryCaps 32 types × 8-D @9×9 stride 2 (6·6·32 = 1152 capsules) → DigitC
 import keras
 import tensorflow as tf
 
-from capsnet.layers import Decoder, DigitCaps, PrimaryCaps, capsule_lengths
+from capsnet.config import ROUTING, routing_from_flags, routing_mode
+from capsnet.layers import Decoder, DigitCaps, PrimaryCaps, capsule_lengths, check_routing, routing_argument, routing_flags
 from capsnet.validation import boolean, positive_float, positive_int, positive_int_tuple
 
 __all__ = ["CapsNet", "build_model"]
@@ -32,9 +33,12 @@ class CapsNet(keras.Model):
     stop_gradient_routing (default True) stops the gradient through u_hat in the inner
     routing iterations; the reasons for that default are in
     `capsnet.routing.dynamic_routing`.
-    `custom_op` only picks how DigitCaps computes u_hat, and `fused_routing` (with
-    custom_op) whether one compiled op also does the routing; the weights are
-    identical, so a model built with any setting loads the others' weights.
+    `routing` (one of capsnet.config.ROUTING_MODES: matmul, matmul_xla, op, op_xla,
+    fused_op; see DigitCaps) only picks how DigitCaps computes u_hat and routes; the
+    weights are identical, so a model built with any mode loads the others' weights.
+    A config's custom_op and model.routing resolve to a mode in capsnet.config.routing_mode
+    (build_model does it). `custom_op`, `jit_routing`, `fused_routing`: read-only, what
+    the mode implies (DigitCaps).
     `w_init_stddev`: DigitCaps' W starts as N(0, w_init_stddev²) per entry (see
     `capsnet.layers.DigitCaps`).
     """
@@ -43,8 +47,7 @@ class CapsNet(keras.Model):
                  conv1_kernel_size=9, primary_caps_types=32, primary_caps_dim=8,
                  primary_caps_kernel_size=9, primary_caps_strides=2, digit_caps_dim=16,
                  routing_iterations=3, stop_gradient_routing=True, decoder=True,
-                 decoder_units=(512, 1024), custom_op=False, jit_routing=False, fused_routing=False,
-                 w_init_stddev=0.1, **kwargs):
+                 decoder_units=(512, 1024), routing="matmul", w_init_stddev=0.1, **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
         self.image_shape = positive_int_tuple(f"{owner}: input_shape", input_shape, length=3)
@@ -60,9 +63,7 @@ class CapsNet(keras.Model):
         self.stop_gradient_routing = boolean(f"{owner}: stop_gradient_routing", stop_gradient_routing)
         self.use_decoder = boolean(f"{owner}: decoder", decoder)
         self.decoder_units = positive_int_tuple(f"{owner}: decoder_units", decoder_units)
-        self.custom_op = boolean(f"{owner}: custom_op", custom_op)
-        self.jit_routing = boolean(f"{owner}: jit_routing", jit_routing)
-        self.fused_routing = boolean(f"{owner}: fused_routing", fused_routing)
+        self.routing = check_routing(owner, routing, self.stop_gradient_routing)
         self.w_init_stddev = positive_float(f"{owner}: w_init_stddev", w_init_stddev)
 
         # Both convolutions are 'valid': check now that the image survives them, so a
@@ -86,8 +87,7 @@ class CapsNet(keras.Model):
         self.digit_caps = DigitCaps(
             num_caps=self.num_classes, dim=self.digit_caps_dim,
             routing_iterations=self.routing_iterations,
-            stop_gradient_routing=self.stop_gradient_routing, custom_op=self.custom_op,
-            jit_routing=self.jit_routing, fused_routing=self.fused_routing,
+            stop_gradient_routing=self.stop_gradient_routing, routing=self.routing,
             kernel_initializer=keras.initializers.RandomNormal(stddev=self.w_init_stddev), name="digit_caps")
         self.decoder = (
             Decoder(units=self.decoder_units, output_shape=self.image_shape, name="decoder")
@@ -179,20 +179,47 @@ class CapsNet(keras.Model):
             "stop_gradient_routing": self.stop_gradient_routing,
             "decoder": self.use_decoder,
             "decoder_units": list(self.decoder_units),
-            "custom_op": self.custom_op,
-            "jit_routing": self.jit_routing,
-            "fused_routing": self.fused_routing,
+            "routing": self.routing,
+            **routing_flags(self.routing),  # read-only: what the mode implies
             "w_init_stddev": self.w_init_stddev,
         }
 
     @classmethod
     def from_config(cls, config):
-        return cls(**config)
+        return cls(**routing_argument(config))
+
+    custom_op = property(lambda self: routing_flags(self.routing)["custom_op"],
+                         doc="Whether u_hat comes from the compiled op (DigitCaps.custom_op).")
+    jit_routing = property(lambda self: routing_flags(self.routing)["jit_routing"],
+                           doc="Whether the routing iterations are one XLA computation (DigitCaps.jit_routing).")
+    fused_routing = property(lambda self: routing_flags(self.routing)["fused_routing"],
+                             doc="Whether one compiled op does prediction and routing (DigitCaps.fused_routing).")
+
+
+def model_arguments(kwargs):
+    """CapsNet's arguments from a config's model section plus `custom_op`: model.routing
+    (auto | tf | xla) resolved with custom_op by capsnet.config.routing_mode; a routing
+    mode (matmul, ..., fused_op) passes as it is. The flags from before model.routing
+    (jit_routing, fused_routing: old run configs, and callers written for them) decide
+    where they are given (capsnet.config.routing_from_flags)."""
+    kwargs = dict(kwargs)
+    flags = {flag: kwargs.pop(flag) for flag in ("jit_routing", "fused_routing") if flag in kwargs}
+    routing = kwargs.get("routing")
+    if routing is not None and routing not in ROUTING:
+        return routing_argument(kwargs)  # a mode
+    custom_op = kwargs.pop("custom_op", False)
+    if flags or routing is None:
+        kwargs["routing"] = routing_from_flags(
+            custom_op=custom_op, **{"jit_routing": False, "fused_routing": False, **flags},
+            stop_gradient_routing=kwargs.get("stop_gradient_routing", True))
+    kwargs["routing"] = routing_mode(custom_op, kwargs)
+    return kwargs
 
 
 def build_model(**kwargs):
-    """A `CapsNet(**kwargs)` with its weights created (no forward pass), ready for
-    count_params(), load_weights() or a checkpoint restore."""
-    model = CapsNet(**kwargs)
+    """A CapsNet with its weights created (no forward pass), ready for count_params(),
+    load_weights() or a checkpoint restore. `kwargs`: CapsNet's, or a config's model
+    section plus custom_op (model_arguments)."""
+    model = CapsNet(**model_arguments(kwargs))
     model.build((None, *model.image_shape))
     return model

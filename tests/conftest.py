@@ -113,13 +113,11 @@ def np_margin_loss(labels, lengths, m_plus=0.9, m_minus=0.1, lambda_=0.5):
 # --------------------------------------------------------------------------- config
 
 def compose_config(config_name="train", overrides=()):
-    """The real config (configs/), composed by Hydra with `overrides`, as a plain dict."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+    """The real config (configs/), composed by Hydra with `overrides`, as a plain dict
+    (capsnet.config.compose: the schemas registered, a wrong type → ConfigError)."""
+    from capsnet import config
 
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose(config_name=config_name, overrides=list(overrides))
-    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    return config.compose(config_name, overrides)
 
 
 def tiny_overrides(data_dir, run_dir, *extra):

@@ -105,7 +105,7 @@ def spy_on(name):
 
     setattr(ops, name, spy)
 
-spy_on("capsule_prediction")  # model.fused_routing=false
+spy_on("capsule_prediction")  # model.routing=tf
 spy_on("capsule_routing")     # custom_op=true's default
 report = {}
 for name, cfg in json.loads(sys.argv[1]):

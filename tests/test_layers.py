@@ -80,8 +80,7 @@ LAYER_CASES = {
     "digit_caps": (lambda: DigitCaps(num_caps=5, dim=6, routing_iterations=2),
                    (CAPSULES,), ((2, 5, 6), (2, 18, 5)), 18 * 5 * 6 * 4),
     # the same with the fused prediction + routing op: same outputs and weight
-    "digit_caps_fused": (lambda: DigitCaps(num_caps=5, dim=6, routing_iterations=2, custom_op=True,
-                                           fused_routing=True),
+    "digit_caps_fused": (lambda: DigitCaps(num_caps=5, dim=6, routing_iterations=2, routing="fused_op"),
                          (CAPSULES,), ((2, 5, 6), (2, 18, 5)), 18 * 5 * 6 * 4),
     # 5·6 → 7 → 9 → 4·3·2
     "decoder": (lambda: Decoder(units=(7, 9), output_shape=(4, 3, 2)),
@@ -196,13 +195,13 @@ def test_digit_caps_stop_gradient_flag_reaches_routing():
 
 def test_digit_caps_uses_the_selected_prediction(spy_on_op):
     calls = spy_on_op(through=ops.capsule_prediction_matmul)  # the op library is not needed here
-    DigitCaps(num_caps=5, dim=6, custom_op=True)(CAPSULES)
+    DigitCaps(num_caps=5, dim=6, routing="op")(CAPSULES)
     assert calls == [((2, 18, 4), (18, 5, 6, 4))]
 
 
 @pytest.mark.parametrize("iterations", [1, 3])
 def test_digit_caps_fused_routing_matches_numpy(iterations):
-    layer = DigitCaps(num_caps=5, dim=6, routing_iterations=iterations, custom_op=True, fused_routing=True,
+    layer = DigitCaps(num_caps=5, dim=6, routing_iterations=iterations, routing="fused_op",
                       kernel_initializer=keras.initializers.RandomNormal(stddev=0.3, seed=1))
     v_j, c_ij = layer(CAPSULES)
     (W,) = layer.get_weights()
@@ -222,18 +221,18 @@ def test_digit_caps_fused_routing_uses_only_the_fused_op(spy_on_op, monkeypatch)
         return real_routing(u, W, iterations)
 
     monkeypatch.setattr(ops, "capsule_routing", spy)
-    DigitCaps(num_caps=5, dim=6, routing_iterations=2, custom_op=True, fused_routing=True)(CAPSULES)
+    DigitCaps(num_caps=5, dim=6, routing_iterations=2, routing="fused_op")(CAPSULES)
     assert routing_calls == [((2, 18, 4), (18, 5, 6, 4), 2)] and prediction_calls == []
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(fused_routing=True), "fused_routing=true needs custom_op=true .* got custom_op=false, "
-                               "stop_gradient_routing=true"),
-    (dict(fused_routing=True, custom_op=True, stop_gradient_routing=False),
+    # fused_routing=true with custom_op=false, and with jit_routing=true, cannot be written
+    # any more: one routing mode replaces the three flags (tests/test_config.py has the
+    # old flags' combinations, as read from old run configs).
+    (dict(routing="fused_op", stop_gradient_routing=False),
      "fused_routing=true needs custom_op=true .*stop_gradient_routing=true .*got custom_op=true, "
      "stop_gradient_routing=false"),
-    (dict(fused_routing=True, custom_op=True, jit_routing=True), "jit_routing=true has nothing to compile"),
-    (dict(fused_routing="yes"), "fused_routing must be true or false, got 'yes'"),
+    (dict(routing="yes"), "routing must be one of matmul, matmul_xla, op, op_xla, fused_op, got 'yes'"),
 ])
 def test_digit_caps_rejects_bad_fused_routing(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -244,7 +243,7 @@ def test_digit_caps_rejects_bad_fused_routing(kwargs, match):
     (dict(num_caps=0), "num_caps must be a positive integer, got 0"),
     (dict(routing_iterations=0), "routing_iterations must be a positive integer, got 0"),
     (dict(stop_gradient_routing="yes"), "stop_gradient_routing must be true or false, got 'yes'"),
-    (dict(custom_op=1), "custom_op must be true or false, got 1"),
+    (dict(routing=1), "routing must be one of matmul, matmul_xla, op, op_xla, fused_op, got 1"),
 ])
 def test_digit_caps_rejects_bad_args(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -147,14 +147,14 @@ def test_weights_load_across_custom_op(tmp_path):
     plain = build_model(name="capsnet", **SMALL)
     path = str(tmp_path / "capsnet.weights.h5")
     plain.save_weights(path)
-    compiled = build_model(custom_op=True, name="capsnet", **SMALL)
+    compiled = build_model(routing="op", name="capsnet", **SMALL)
     compiled.load_weights(path)
     assert [w.path for w in compiled.weights] == [w.path for w in plain.weights]
     for a, b in zip(plain.weights, compiled.weights):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     # and through a tf.train.Checkpoint, as a trainer would
     prefix = tf.train.Checkpoint(model=plain).save(str(tmp_path / "ckpt"))
-    other = build_model(custom_op=True, **SMALL)
+    other = build_model(routing="op", **SMALL)
     tf.train.Checkpoint(model=other).restore(prefix).assert_existing_objects_matched()
     np.testing.assert_array_equal(other.digit_caps.W.numpy(), plain.digit_caps.W.numpy())
 
@@ -187,7 +187,7 @@ def test_custom_op_matches_matmul_path(no_tf32):
     where TensorFlow sees one (the op's CUDA kernels), else on the CPU.
     """
     plain = lively(build_model(**SMALL))
-    compiled = build_model(custom_op=True, **SMALL)
+    compiled = build_model(routing="op", **SMALL)
     compiled.set_weights(plain.get_weights())
     x, labels = images(), np.array([3, 1, 4, 1])
 
@@ -242,15 +242,15 @@ def test_missing_op_library_is_one_clear_line(monkeypatch):
 
     monkeypatch.setattr(ops, "capsule_prediction", unbuilt)
     with pytest.raises(OpLibraryError) as err:
-        build_model(custom_op=True, **SMALL)(images(batch=1))
+        build_model(routing="op", **SMALL)(images(batch=1))
     # Keras would otherwise wrap it in a multi-line report of the call arguments
     assert str(err.value) == "the capsnet op library is not built: run `make ops`"
 
 
 @pytest.mark.parametrize("custom_op", [False, True])
 def test_jit_routing_computes_the_same_outputs_and_gradients(custom_op, no_tf32):
-    plain = lively(build_model(custom_op=custom_op, **SMALL))
-    jitted = build_model(custom_op=custom_op, jit_routing=True, **SMALL)
+    plain = lively(build_model(routing="op" if custom_op else "matmul", **SMALL))
+    jitted = build_model(routing="op_xla" if custom_op else "matmul_xla", **SMALL)
     jitted.set_weights(plain.get_weights())
     x, labels = images(), np.array([3, 1, 4, 1])
 
@@ -288,7 +288,7 @@ def test_fused_routing_matches_the_matmul_path(routing_iterations, no_tf32):
     custom_op=false model on the same weights: every output and every gradient.
     On the GPU where TensorFlow sees one, else on the CPU."""
     plain = lively(build_model(routing_iterations=routing_iterations, **SMALL))
-    fused = build_model(routing_iterations=routing_iterations, custom_op=True, fused_routing=True, **SMALL)
+    fused = build_model(routing_iterations=routing_iterations, routing="fused_op", **SMALL)
     fused.set_weights(plain.get_weights())
     x, labels = images(), np.array([3, 1, 4, 1])
     out_plain, grads_plain = _loss_and_grads(plain, x, labels)
@@ -311,7 +311,7 @@ def test_fused_routing_train_step_matches_the_matmul_path(no_tf32):
     x, labels = images(batch=8), (np.arange(8) % 10).astype(np.int32)
     losses = {}
     start = lively(build_model(**SMALL)).get_weights()
-    for name, kwargs in (("plain", {}), ("fused", dict(custom_op=True, fused_routing=True))):
+    for name, kwargs in (("plain", {}), ("fused", dict(routing="fused_op"))):
         model = build_model(**SMALL, **kwargs)
         model.set_weights(start)
         step = make_train_step(model, keras.optimizers.Adam(1e-3), input_shape=(28, 28, 1),
@@ -322,7 +322,7 @@ def test_fused_routing_train_step_matches_the_matmul_path(no_tf32):
 
 
 def test_weights_load_across_fused_routing(tmp_path):
-    fused = build_model(custom_op=True, fused_routing=True, name="capsnet", **SMALL)
+    fused = build_model(routing="fused_op", name="capsnet", **SMALL)
     rng = np.random.default_rng(3)
     for weight in fused.weights:
         weight.assign(rng.normal(size=weight.shape).astype(np.float32))
@@ -338,7 +338,7 @@ def test_weights_load_across_fused_routing(tmp_path):
     tf.train.Checkpoint(model=other).restore(prefix).assert_existing_objects_matched()
     np.testing.assert_array_equal(other.digit_caps.W.numpy(), fused.digit_caps.W.numpy())
     prefix = tf.train.Checkpoint(model=plain).save(str(tmp_path / "ckpt_plain"))
-    back = build_model(custom_op=True, fused_routing=True, **SMALL)
+    back = build_model(routing="fused_op", **SMALL)
     tf.train.Checkpoint(model=back).restore(prefix).assert_existing_objects_matched()
     np.testing.assert_array_equal(back.digit_caps.W.numpy(), fused.digit_caps.W.numpy())
 
@@ -347,26 +347,32 @@ def test_fused_routing_from_the_config():
     from capsnet.errors import ConfigError
     from capsnet.training.model_setup import build_capsnet
 
-    cfg = config("custom_op=true", "model.fused_routing=true", *CONFIG_SMALL)
+    cfg = config("custom_op=true", "model.routing=auto", *CONFIG_SMALL)
     model = build_capsnet(cfg["model"], cfg["custom_op"])
     assert model.digit_caps.fused_routing and model.get_config()["fused_routing"] is True
-    assert config()["model"]["fused_routing"] is None  # null: on wherever it applies
+    assert config()["model"]["routing"] == "auto"  # the fused op wherever it applies
 
-    cfg = config("custom_op=false", "model.fused_routing=true", *CONFIG_SMALL)
+    # fused_routing=true without custom_op=true, or without stop-gradient routing, cannot be
+    # written as a config any more; an old run config saying so is refused in the old words.
+    from capsnet.config import migrate
+
+    old = {**config(*CONFIG_SMALL), "custom_op": False}
+    old["model"] = {**{k: v for k, v in old["model"].items() if k != "routing"}, "jit_routing": False,
+                    "fused_routing": True}
     with pytest.raises(ConfigError) as err:
-        build_capsnet(cfg["model"], cfg["custom_op"])
+        migrate(old)
     assert "fused_routing=true needs custom_op=true" in str(err.value) and "\n" not in str(err.value)
-    cfg = config("custom_op=true", "model.fused_routing=true", "model.stop_gradient_routing=false", *CONFIG_SMALL)
+    old = {**old, "custom_op": True, "model": {**old["model"], "stop_gradient_routing": False}}
     with pytest.raises(ConfigError, match="stop_gradient_routing=false"):
-        build_capsnet(cfg["model"], cfg["custom_op"])
+        migrate(old)
 
 
 @pytest.mark.parametrize("overrides, fused", [
     (["custom_op=true"], True),                                       # the fast path by default
     (["custom_op=false"], False),                                     # no compiled op
-    (["custom_op=true", "model.jit_routing=true"], False),            # asked for the other speed-up
+    (["custom_op=true", "model.routing=xla"], False),                 # asked for the other speed-up
     (["custom_op=true", "model.stop_gradient_routing=false"], False),  # a gradient the op lacks
-    (["custom_op=true", "model.fused_routing=false"], False),          # forced off
+    (["custom_op=true", "model.routing=tf"], False),                  # forced off
 ])
 def test_fused_routing_null_turns_on_where_it_applies(overrides, fused):
     from capsnet.training.model_setup import build_capsnet

@@ -97,7 +97,7 @@ def test_bad_train_values_raise_config_error(tiny_config, override, key):
     ("train.progress_bar=off", "train.progress_bar must be true or false, got 'off'"),
     ("model.decoder=no", "model.decoder must be true or false, got 'no'"),
     ("model.stop_gradient_routing=none", "model.stop_gradient_routing must be true or false"),
-    ("model.jit_routing=no", "model.jit_routing must be true or false"),
+    ("model.routing=no", "model.routing must be one of auto, tf, xla, got 'no'"),  # replaces model.jit_routing
     # The loss values, checked before anything is built.
     ("train.m_plus=abc", "train.m_plus must be a finite number, got 'abc'"),
     ("train.m_minus=0.95", r"need 0 <= m_minus < m_plus <= 1 .*got m_plus=0.9, m_minus=0.95"),
@@ -489,8 +489,12 @@ def test_xla_jit_with_the_custom_op_is_a_config_error(tiny_config):
 
 
 def test_jit_routing_inside_xla_jit_is_a_config_error(tiny_config):
-    with pytest.raises(ConfigError, match=r"model\.jit_routing=true is redundant under train\.xla=jit"):
-        train(tiny_config("model.jit_routing=true", "train.xla=jit"))
+    from capsnet.config import check
+
+    # model.routing=xla is what model.jit_routing=true was; capsnet.config.check refuses it
+    # under train.xla=jit (train.py calls it; train() will in phase 2).
+    with pytest.raises(ConfigError, match=r"model\.routing=xla is redundant under train\.xla=jit"):
+        check(tiny_config("model.routing=xla", "train.xla=jit"))
 
 
 # --------------------------------------------------------------------------- the compiled op
@@ -498,13 +502,13 @@ def test_jit_routing_inside_xla_jit_is_a_config_error(tiny_config):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_routing", "prediction_op"])
 def test_custom_op_trains_like_the_matmul_path_and_evaluates_the_same_on_both(
         trained_run, tiny_config, tmp_path, spy_on_op, fused):
-    """custom_op=true (by default the fused routing op; with model.fused_routing=false the
+    """custom_op=true (by default the fused routing op; with model.routing=tf the
     prediction op + TF routing). Needs the op library: `make test` builds it first."""
     from capsnet.evaluation import evaluate
 
     calls = spy_on_op(op="capsule_routing" if fused else "capsule_prediction")
     metrics = train(tiny_config("custom_op=true", "train.epochs=1",
-                                *([] if fused else ["model.fused_routing=false"])))
+                                *([] if fused else ["model.routing=tf"])))
     assert (144, 10, 8, 8) in {W for _, W in calls}  # DigitCaps ran that op, not the matmul path
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["custom_op"] is True
     # Same seed, data and initial weights as the matmul-path run: the same first epoch.

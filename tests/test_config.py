@@ -1,0 +1,277 @@
+"""capsnet.config: the typed schemas, their checks, routing, derived values, old run configs.
+
+No TensorFlow: config errors come before the seconds-long import.
+"""
+import subprocess
+import sys
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from capsnet import config
+from capsnet.errors import ConfigError
+from conftest import REPO, compose_config
+
+
+def train_cfg(*overrides):
+    return compose_config("train", ["run_dir=/unused", *overrides])
+
+
+def one_line_error(overrides, config_name="train"):
+    with pytest.raises(ConfigError) as err:
+        cfg = compose_config(config_name, overrides)
+        (config.check_eval if config_name == "eval" else config.check)(cfg)
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def test_importing_config_does_not_import_tensorflow():
+    code = "import capsnet.config, capsnet.cli, sys; print('tensorflow' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
+# --------------------------------------------------------------------------- every group composes
+
+@pytest.mark.parametrize("overrides", [
+    [], ["data=fashion_mnist"], ["data=multimnist"], ["augmentation=fashion"], ["augmentation=none"],
+    ["distribute=none"], ["distribute=mirrored"], ["distribute=multi_worker"],
+    ["experiment=paper_mnist"], ["experiment=paper_fashion_mnist"], ["experiment=paper_multimnist"],
+    ["model=capsnet", "train=default"], ["custom_op=true"], ["model.routing=xla"], ["model.routing=tf"],
+])
+def test_every_config_group_composes_and_checks(overrides):
+    cfg = train_cfg(*overrides)
+    checked = config.check(cfg)
+    assert checked == cfg  # the composed config is already in its checked form
+    assert set(checked) == {"model", "data", "train", "distribute", "custom_op", "seed", "deterministic", "debug",
+                            "run_dir"}
+    assert set(checked["data"]) == {"name", "dir", "limit_train", "limit_test", "shift_pixels", *config.AUGMENTATION_OFF}
+    assert set(checked["distribute"]) == {"strategy", "devices", "all_reduce", "scale_lr", "lr_base_batch_size"}
+
+
+def test_eval_config_composes_and_checks():
+    cfg = compose_config("eval", ["checkpoint=/some/run"])
+    assert config.check_eval(cfg) == cfg
+    assert cfg["data"] == {"name": None, "dir": None, "limit_test": None} and cfg["custom_op"] is None
+    with pytest.raises(ConfigError, match=r"checkpoint=\.\.\. is required"):
+        config.check_eval({"which": "best"})
+
+
+def test_group_choices_set_what_they_say():
+    assert train_cfg("augmentation=fashion")["data"]["flip"] is True
+    assert train_cfg("experiment=paper_fashion_mnist")["data"]["flip"] is True
+    assert train_cfg("experiment=paper_mnist")["data"]["flip"] is False
+    assert train_cfg("distribute=mirrored")["distribute"]["strategy"] == "mirrored"
+    assert train_cfg("distribute=multi_worker")["distribute"]["devices"] is None
+
+
+# --------------------------------------------------------------------------- derived values
+
+@pytest.mark.parametrize("overrides, shape", [
+    (["data=mnist"], [28, 28, 1]),
+    (["data=fashion_mnist"], [28, 28, 1]),
+    (["data=multimnist"], [36, 36, 1]),                        # 28 + 2 * 4
+    (["data=multimnist", "data.shift_pixels=2"], [32, 32, 1]),  # the canvas follows the shift
+    (["experiment=paper_multimnist"], [36, 36, 1]),
+    (["data=mnist", "data.shift_pixels=0"], [28, 28, 1]),      # a training shift does not change the images
+    (["model.input_shape=[32,32,1]"], [32, 32, 1]),            # a value given wins
+])
+def test_input_shape_and_num_classes_come_from_the_dataset(overrides, shape):
+    cfg = train_cfg(*overrides)
+    assert cfg["model"]["input_shape"] == shape and cfg["model"]["num_classes"] == 10
+
+
+def test_an_unknown_dataset_is_one_line():
+    assert one_line_error(["data.name=cifar", "run_dir=/x"]) == \
+        "data.name must be one of fashion_mnist, mnist, multimnist, got 'cifar'"
+
+
+# --------------------------------------------------------------------------- unknown keys, wrong types
+
+@pytest.mark.parametrize("override", ["train.epochz=3", "model.no_such_key=1", "data.flipp=true", "seedd=1",
+                                      "distribute.device=[/gpu:0]"])
+def test_unknown_keys_are_rejected_naming_the_key(override):
+    with pytest.raises(ConfigCompositionException, match=override.split("=")[0].replace(".", r"\.")):
+        train_cfg(override)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("seed=abc", "seed must be an integer, got 'abc'"),
+    ("train.epochs=1.5", "train.epochs must be a positive integer, got 1.5"),
+    ("train.m_plus=abc", "train.m_plus must be a finite number, got 'abc'"),
+    ("train.lr_decay_steps=abc", "train.lr_decay_steps must be a positive integer or null, got 'abc'"),
+    ("model.decoder_units=[32,abc]", "model.decoder_units must be a non-empty sequence of positive integers, "
+                                     "got [32, 'abc']"),
+    ("custom_op=no", "custom_op must be true or false, got 'no'"),
+    ("custom_op=1", "custom_op must be true or false, got 1"),
+    ("data.flip=yes", "data.flip must be true or false, got 'yes'"),
+    ("distribute.devices=/gpu:0", "distribute.devices must be null or a non-empty list"),
+    ("model.routing=fused", "model.routing must be one of auto, tf, xla, got 'fused'"),
+])
+def test_wrong_types_are_one_line_naming_the_key(override, message):
+    assert message in one_line_error([override, "run_dir=/x"])
+
+
+def test_a_sweep_checks_each_value():
+    with pytest.raises(ConfigError, match="custom_op must be true or false, got 'no'"):
+        config.check_overrides(["custom_op=true,no"])
+    config.check_overrides(["custom_op=true,false", "train.epochs=1,2", "data=mnist", "hydra.run.dir=x"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("seed=abc", "seed must be an integer, got 'abc'"),
+    ("model.decoder_units=[32,abc]", "model.decoder_units must be a non-empty sequence of positive integers"),
+    ("train.epochs=1.5", "train.epochs must be a positive integer, got 1.5"),
+])
+def test_omegaconf_type_errors_are_explained_in_the_keys_words(override, message):
+    """What train.py's Hydra reports (its composition runs before our checks): explain()."""
+    from hydra import compose, initialize_config_dir
+
+    config.register()
+    with pytest.raises(ConfigCompositionException) as err:
+        with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+            compose(config_name="train", overrides=[override])
+    assert message in config.explain(err.value)
+
+
+def test_a_type_error_in_a_yaml_file_is_explained():
+    """Not an override: OmegaConf's own ValidationError, the schema's type in words."""
+    node = OmegaConf.structured(config.TrainAppConfig)
+    with pytest.raises(Exception) as err:
+        node.train.batch_size = "many"
+    assert config.explain(err.value) == "train.batch_size must be a positive integer, got 'many'"
+
+
+def test_the_cli_prints_a_type_error_as_one_line(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), "train.m_plus=abc",
+                             f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: train.m_plus must be a finite number, got 'abc'"
+
+
+# --------------------------------------------------------------------------- value checks (one place)
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.epochs=0"], "train.epochs must be a positive integer, got 0"),
+    (["train.m_minus=0.95"], "need 0 <= m_minus < m_plus <= 1"),
+    (["train.lambda_=-1"], "lambda_ must be >= 0"),
+    (["train.ema_decay=1.0"], "train.ema_decay must be a number in [0, 1)"),
+    (["data.rotate_degrees=200"], "data.rotate_degrees must be a number in [0, 180], got 200"),
+    (["data.shift_fill=reflect"], "data.shift_fill must be one of zero, edge, got 'reflect'"),
+    (["data=multimnist", "augmentation=fashion"], "multimnist takes no flip/rotate/zoom/elastic/shift_fill"),
+    (["distribute.strategy=horovod"], "distribute.strategy must be one of none, mirrored, multi_worker"),
+    (["distribute=mirrored", "distribute.all_reduce=ring"],
+     "distribute.all_reduce must be one of auto, nccl, one_device with distribute=mirrored, got 'ring'"),
+    (["distribute.devices=[/cpu:0]"], "distribute.devices applies to distribute=mirrored only"),
+    (["distribute=mirrored", "distribute.devices=[/cpu:0,/cpu:0]"], "distribute.devices lists a device more than once"),
+    (["train.xla=jit", "custom_op=true"], "train.xla=jit cannot compile the custom op"),
+    (["train.xla=jit", "model.routing=xla"], "model.routing=xla is redundant under train.xla=jit"),
+    (["train.xla=fast"], "train.xla must be one of none, autocluster, jit, got 'fast'"),
+])
+def test_bad_values_are_one_line_config_errors(overrides, message):
+    assert message in one_line_error([*overrides, "run_dir=/x"])
+
+
+def test_check_takes_plain_dicts_too():
+    cfg = train_cfg()
+    with pytest.raises(ConfigError, match=r"^model has unknown key\(s\) jit_routing .*now model\.routing"):
+        config.check({**cfg, "model": {**cfg["model"], "jit_routing": False}})
+    with pytest.raises(ConfigError, match="^custom_op must be true or false, got 'no'$"):
+        config.check({**cfg, "custom_op": "no"})
+    with pytest.raises(ConfigError, match="^run_dir is not set"):
+        config.check({**cfg, "run_dir": None})
+    partial = {k: v for k, v in cfg.items() if k != "distribute"}
+    assert config.check(partial)["distribute"]["strategy"] == "none"  # a missing section: the schema's defaults
+
+
+# --------------------------------------------------------------------------- routing: one place
+
+@pytest.mark.parametrize("custom_op, routing, stop_gradient, mode", [
+    (False, "auto", True, "matmul"),
+    (False, "tf", True, "matmul"),
+    (False, "xla", True, "matmul_xla"),
+    (True, "auto", True, "fused_op"),   # the fastest, by default
+    (True, "auto", False, "op"),        # the fused op has only the stop-gradient gradient
+    (True, "tf", True, "op"),
+    (True, "xla", True, "op_xla"),
+    (True, "xla", False, "op_xla"),
+    (False, "auto", False, "matmul"),
+])
+def test_routing_resolves_in_one_place(custom_op, routing, stop_gradient, mode):
+    cfg = train_cfg(f"custom_op={str(custom_op).lower()}", f"model.routing={routing}",
+                    f"model.stop_gradient_routing={str(stop_gradient).lower()}")
+    assert config.routing_mode(cfg["custom_op"], cfg["model"]) == mode
+
+
+def test_every_routing_mode_is_reachable_and_every_written_combination_valid():
+    modes = {config.routing_mode(op, {"routing": r, "stop_gradient_routing": sg})
+             for op in (False, True) for r in config.ROUTING for sg in (False, True)}
+    assert modes == set(config.ROUTING_MODES)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.fused_routing=true", "model.fused_routing is gone: model.routing"),
+    ("model.jit_routing=true", "model.jit_routing is gone: model.routing"),
+])
+def test_the_old_routing_flags_cannot_be_written(override, message):
+    with pytest.raises(ConfigError) as err:
+        train_cfg(override)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+# --------------------------------------------------------------------------- old run configs
+
+def old_run_config(**model_flags):
+    """A config.yaml as the first releases saved it: no routing, no augmentation beyond
+    shifts, no weight average, no w_init_stddev, no distribute section."""
+    cfg = train_cfg()
+    model = {k: v for k, v in cfg["model"].items() if k not in ("routing", "w_init_stddev")}
+    data = {k: v for k, v in cfg["data"].items() if k not in config.AUGMENTATION_OFF}
+    train = {k: v for k, v in cfg["train"].items() if k != "ema_decay"}
+    return {"model": {**model, **model_flags}, "data": data, "train": train, "custom_op": False, "seed": 3,
+            "deterministic": False, "debug": False, "run_dir": "/old/run"}
+
+
+def test_an_old_run_config_migrates_to_the_schema_defaults():
+    migrated = config.check(config.migrate(old_run_config(jit_routing=False)))
+    assert migrated["model"]["w_init_stddev"] == 0.1 and migrated["train"]["ema_decay"] == 0.0
+    assert {k: migrated["data"][k] for k in config.AUGMENTATION_OFF} == config.AUGMENTATION_OFF
+    assert migrated["distribute"] == {"strategy": "none", "devices": None, "all_reduce": "auto", "scale_lr": "none",
+                                      "lr_base_batch_size": 100}
+    assert migrated["seed"] == 3 and migrated["model"]["routing"] == "tf"
+
+
+@pytest.mark.parametrize("custom_op, flags, routing, mode", [
+    (False, dict(jit_routing=False), "tf", "matmul"),                      # before fused_routing existed
+    (True, dict(jit_routing=False), "tf", "op"),
+    (False, dict(jit_routing=True), "xla", "matmul_xla"),
+    (True, dict(jit_routing=True, fused_routing=False), "xla", "op_xla"),
+    (True, dict(jit_routing=False, fused_routing=None), "auto", "fused_op"),  # null: wherever it applies
+    (True, dict(jit_routing=False, fused_routing=True), "auto", "fused_op"),
+    (True, dict(jit_routing=False, fused_routing=False), "tf", "op"),
+    (False, dict(jit_routing=False, fused_routing=None), "auto", "matmul"),
+])
+def test_old_routing_flags_migrate(custom_op, flags, routing, mode):
+    migrated = config.migrate({**old_run_config(**flags), "custom_op": custom_op})
+    assert "jit_routing" not in migrated["model"] and "fused_routing" not in migrated["model"]
+    assert migrated["model"]["routing"] == routing
+    assert config.routing_mode(custom_op, config.check(migrated)["model"]) == mode
+
+
+@pytest.mark.parametrize("custom_op, flags, message", [
+    (False, dict(fused_routing=True), "fused_routing=true needs custom_op=true"),
+    (True, dict(fused_routing=True, jit_routing=True), "jit_routing=true has nothing to compile"),
+])
+def test_old_invalid_routing_flags_are_refused_in_their_old_words(custom_op, flags, message):
+    with pytest.raises(ConfigError, match=message):
+        config.migrate({**old_run_config(**flags), "custom_op": custom_op})
+
+
+def test_migrate_leaves_values_for_check_to_judge():
+    old = old_run_config()
+    old["custom_op"] = "yes"  # OmegaConf would read it as true; check refuses it
+    migrated = config.migrate(old)
+    assert migrated["custom_op"] == "yes"
+    with pytest.raises(ConfigError, match="custom_op must be true or false, got 'yes'"):
+        config.check(migrated)
