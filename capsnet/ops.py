@@ -232,8 +232,49 @@ def _capsule_routing_grad_grad(op, d_grad_u, d_grad_W):
     return d_u, d_W, None, d_g
 
 
+_INT64_MAX = 2**63 - 1
+_U_HAT = "u_hat (batch, in_caps, out_caps, out_dim)"
+
+
+def _u_hat_fits(name, u, W):
+    """Checks that u_hat's element count fits int64, as the compiled ops do (multiplied
+    dimension by dimension, as TensorShape counts). TensorFlow's matmul does not: for
+    such shapes (possible without memory when u or W is empty) it returns a wrong, empty
+    u_hat. Static shapes are checked now (ValueError); otherwise the returned control
+    dependencies check at run time (InvalidArgumentError; a no-op under XLA)."""
+    if u.shape.rank != 3 or W.shape.rank != 4:
+        return []  # tf.transpose / tf.reshape reject the ranks
+    dims = [u.shape[0], u.shape[1] if u.shape[1] is not None else W.shape[0], W.shape[1], W.shape[2]]
+    if all(d is not None for d in dims):
+        count = 1
+        for d in dims:
+            count *= d
+            if count > _INT64_MAX:
+                raise ValueError(f"{name}: {_U_HAT} {dims} has more elements than int64 can count, "
+                                 f"for u {u.shape.as_list()} and W {W.shape.as_list()}")
+        return []
+    u_shape, W_shape = tf.shape(u, out_type=tf.int64), tf.shape(W, out_type=tf.int64)
+    count, fits = tf.constant(1, tf.int64), tf.constant(True)
+    for d in (u_shape[0], u_shape[1], W_shape[1], W_shape[2]):
+        ok = tf.equal(d, 0) | (count <= _INT64_MAX // tf.maximum(d, 1))
+        fits = fits & ok
+        count = tf.where(ok, count, tf.constant(0, tf.int64)) * d  # never overflows
+    return [tf.debugging.Assert(fits, [f"{name}: {_U_HAT} has more elements than int64 can count, "
+                                       "for u and W of shapes", u_shape, W_shape])]
+
+
 def capsule_prediction_matmul(u, W):
-    """The plain TF path: one batched matmul over in_caps."""
+    """The plain TF path: one batched matmul over in_caps.
+
+    Raises ValueError (static shapes) or InvalidArgumentError (at run time) when
+    u_hat's element count overflows int64, like the compiled op.
+    """
+    u, W = tf.convert_to_tensor(u), tf.convert_to_tensor(W)
+    with tf.control_dependencies(_u_hat_fits("capsule_prediction_matmul", u, W)):
+        return _prediction_matmul(u, W)
+
+
+def _prediction_matmul(u, W):
     in_caps, out_caps, out_dim, in_dim = tf.unstack(tf.shape(W))
     u_t = tf.transpose(u, (1, 2, 0))                              # (in_caps, in_dim, B)
     W_flat = tf.reshape(W, (in_caps, out_caps * out_dim, in_dim))  # (in_caps, out_caps*out_dim, in_dim)

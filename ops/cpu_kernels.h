@@ -16,7 +16,6 @@
 #define CAPSNET_OPS_CPU_KERNELS_H_
 
 #include <algorithm>
-#include <vector>
 
 #include "capsnet_kernels.h"
 
@@ -30,6 +29,18 @@
 #endif
 
 namespace capsnet {
+
+// a * b and a + b for sizes: -1 when either is negative (an earlier overflow)
+// or the result overflows int64, so scratch sizes are checked before the
+// allocation that uses them.
+inline int64 SizeMul(int64 a, int64 b) {
+  int64 r;
+  return (a < 0 || b < 0 || __builtin_mul_overflow(a, b, &r)) ? -1 : r;
+}
+inline int64 SizeAdd(int64 a, int64 b) {
+  int64 r;
+  return (a < 0 || b < 0 || __builtin_add_overflow(a, b, &r)) ? -1 : r;
+}
 
 // out[r] = sum_k wt[k * jd + r] * u[k] for r < jd; k runs in order 0..K-1 as on
 // the GPU. Only for the accumulation types: the callers convert 16-bit inputs
@@ -60,34 +71,47 @@ int64 GradChunks(const CapsuleDims& d);
 inline int64 GradUnits(const CapsuleDims& d) { return d.in_caps * GradChunks(d); }
 inline int64 GradPartialsSize(const CapsuleDims& d) {
   const int64 chunks = GradChunks(d);
-  return chunks > 1 ? chunks * d.w_size() : 0;
+  return chunks > 1 ? SizeMul(chunks, d.w_size()) : 0;  // -1: overflows int64
+}
+
+// Accumulation values of scratch one call of RunGradUnits needs (-1 if that
+// overflows int64): wt and gwt (JD x K each), ub and gu (K each), g_row (JD).
+inline int64 GradScratchSize(const CapsuleDims& d) {
+  const int64 jd = SizeMul(d.out_caps, d.out_dim);
+  return SizeAdd(SizeAdd(SizeMul(2, SizeMul(jd, d.in_dim)), SizeMul(2, d.in_dim)), jd);
 }
 
 // Runs gradient units [unit_begin, unit_end). `rows_of.Row(b, i, scratch)`
 // returns grad_u_hat[b, i, :, :] as JD accumulation values (a pointer into the
 // source, or `scratch` filled with them), so both ops' gradients share this
-// body and differ only in where those rows come from.
+// body and differ only in where those rows come from. `scratch` holds
+// GradScratchSize(d) values (the caller allocates it: an allocation failure is
+// an error status there, not an exception here).
 template <typename T, typename Rows>
 void RunGradUnits(const Rows& rows_of, const T* u, const T* W, T* grad_u, T* grad_W,
                   Accumulator<T>* partials, const CapsuleDims& d, int64 unit_begin,
-                  int64 unit_end) {
+                  int64 unit_end, Accumulator<T>* scratch) {
   using A = Accumulator<T>;
   const int64 chunks = GradChunks(d);
   const int64 jd = d.rows_per_cap(), K = d.in_dim, I = d.in_caps;
   const int64 per_chunk = (d.batch + chunks - 1) / chunks;
-  std::vector<A> wt(jd * K), gwt(jd * K), ub(K), gu(K), g_row(jd);
+  A* wt = scratch;
+  A* gwt = wt + jd * K;
+  A* ub = gwt + jd * K;
+  A* gu = ub + K;
+  A* g_row = gu + K;
   for (int64 unit = unit_begin; unit < unit_end; ++unit) {
     const int64 i = unit / chunks;
     const int64 chunk = unit - i * chunks;
     const int64 b_begin = std::min(d.batch, chunk * per_chunk);
     const int64 b_end = std::min(d.batch, b_begin + per_chunk);
-    TransposeCapsule(W + i * jd * K, wt.data(), jd, K);
-    std::fill(gwt.begin(), gwt.end(), A(0));
+    TransposeCapsule(W + i * jd * K, wt, jd, K);
+    std::fill_n(gwt, jd * K, A(0));
     for (int64 b = b_begin; b < b_end; ++b) {
       const T* u_bi = u + (b * I + i) * K;
       for (int64 k = 0; k < K; ++k) ub[k] = static_cast<A>(u_bi[k]);
-      const A* g = rows_of.Row(b, i, g_row.data());
-      GradRows(wt.data(), g, ub.data(), gu.data(), gwt.data(), jd, K);
+      const A* g = rows_of.Row(b, i, g_row);
+      GradRows(wt, g, ub, gu, gwt, jd, K);
       T* gu_bi = grad_u + (b * I + i) * K;
       for (int64 k = 0; k < K; ++k) gu_bi[k] = static_cast<T>(gu[k]);
     }

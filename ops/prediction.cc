@@ -6,7 +6,6 @@
 // op's CUDA stream.
 #include <algorithm>
 #include <type_traits>
-#include <vector>
 
 #include "capsnet_kernels.h"
 #include "cpu_kernels.h"
@@ -34,20 +33,32 @@ int64 ForwardUnitCount(const CapsuleDims& d) {
   return d.in_caps * ((d.batch + kForwardBatchBlock - 1) / kForwardBatchBlock);
 }
 
+// Accumulation values of scratch one call of ForwardUnits needs (-1 if that
+// overflows int64): W_i transposed (JD x K), u[b, i] (K) and, for the 16-bit
+// types, one output row (JD).
+template <typename T>
+int64 ForwardScratchSize(const CapsuleDims& d) {
+  const int64 jd = SizeMul(d.out_caps, d.out_dim);
+  return SizeAdd(SizeAdd(SizeMul(jd, d.in_dim), d.in_dim),
+                 std::is_same_v<T, Accumulator<T>> ? 0 : jd);
+}
+
 template <typename T>
 void ForwardUnits(const T* u, const T* W, T* u_hat, const CapsuleDims& d, int64 unit_begin,
-                  int64 unit_end) {
+                  int64 unit_end, Accumulator<T>* scratch) {
   using A = Accumulator<T>;
   const int64 jd = d.rows_per_cap(), K = d.in_dim, I = d.in_caps;
   const int64 blocks = (d.batch + kForwardBatchBlock - 1) / kForwardBatchBlock;
-  std::vector<A> wt(jd * K), ub(K), out_row(std::is_same_v<T, A> ? 0 : jd);
+  A* wt = scratch;
+  A* ub = wt + jd * K;
+  A* out_row = ub + K;
   int64 cached_i = -1;
   for (int64 unit = unit_begin; unit < unit_end; ++unit) {
     const int64 i = unit / blocks;
     const int64 b_begin = (unit - i * blocks) * kForwardBatchBlock;
     const int64 b_end = std::min(d.batch, b_begin + kForwardBatchBlock);
     if (i != cached_i) {  // consecutive units usually share the capsule
-      TransposeCapsule(W + i * jd * K, wt.data(), jd, K);
+      TransposeCapsule(W + i * jd * K, wt, jd, K);
       cached_i = i;
     }
     for (int64 b = b_begin; b < b_end; ++b) {
@@ -55,9 +66,9 @@ void ForwardUnits(const T* u, const T* W, T* u_hat, const CapsuleDims& d, int64 
       for (int64 k = 0; k < K; ++k) ub[k] = static_cast<A>(u_bi[k]);
       T* dst = u_hat + (b * I + i) * jd;  // u_hat[b, i, :, :] as JD rows
       if constexpr (std::is_same_v<T, A>) {
-        MatVecRows(wt.data(), ub.data(), dst, jd, K);
+        MatVecRows(wt, ub, dst, jd, K);
       } else {
-        MatVecRows(wt.data(), ub.data(), out_row.data(), jd, K);
+        MatVecRows(wt, ub, out_row, jd, K);
         for (int64 r = 0; r < jd; ++r) dst[r] = static_cast<T>(out_row[r]);
       }
     }
@@ -104,7 +115,10 @@ absl::Status ForwardShape(InferenceContext* c) {
   TF_RETURN_IF_ERROR(WithInputRanks(c, 0, 1, &u, &w, kPredictionOp));
   DimensionHandle in_caps, in_dim;
   TF_RETURN_IF_ERROR(MergeInputDims(c, u, w, &in_caps, &in_dim, kPredictionOp));
-  c->set_output(0, c->MakeShape({c->Dim(u, 0), in_caps, c->Dim(w, 1), c->Dim(w, 2)}));
+  ShapeHandle u_hat = c->MakeShape({c->Dim(u, 0), in_caps, c->Dim(w, 1), c->Dim(w, 2)});
+  TF_RETURN_IF_ERROR(
+      CheckOutputFits(c, u_hat, "u_hat (batch, in_caps, out_caps, out_dim)", kPredictionOp));
+  c->set_output(0, u_hat);
   return absl::OkStatus();
 }
 
@@ -154,8 +168,8 @@ grad_weights[i, j, d, k] = sum_b grad[b, i, j, d] * u[b, i, k].
 
 absl::Status CheckGradShapes(const TensorShape& g, const TensorShape& u,
                              const TensorShape& w, CapsuleDims* dims) {
-  TF_RETURN_IF_ERROR(CheckForwardShapes(u, w, dims, kPredictionOp));
-  const TensorShape want({dims->batch, dims->in_caps, dims->out_caps, dims->out_dim});
+  TensorShape want;
+  TF_RETURN_IF_ERROR(CheckForwardShapes(u, w, dims, kPredictionOp, &want));
   if (g != want) {
     return errors::InvalidArgument(
         "capsule_prediction gradient: grad ", g.DebugString(), " must be ", want.DebugString(),
@@ -177,16 +191,20 @@ template <typename T>
 struct PredictionFunctor<CPUDevice, T> {
   absl::Status operator()(OpKernelContext* ctx, const CapsuleDims& d, const Tensor& u,
                           const Tensor& w, Tensor* u_hat) const {
+    using A = capsnet::Accumulator<T>;
+    PartScratch<A> scratch;
+    TF_RETURN_IF_ERROR(AllocatePartScratch(ctx, capsnet::ForwardUnitCount(d),
+                                           capsnet::ForwardScratchSize<T>(d), "forward",
+                                           kPredictionOp, &scratch));
     const T* u_ptr = u.flat<T>().data();
     const T* w_ptr = w.flat<T>().data();
     T* out = u_hat->flat<T>().data();
-    const auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
-    const int64_t cost = capsnet::kForwardBatchBlock *
-                         (2 * d.rows_per_cap() * d.in_dim + d.rows_per_cap());
-    Shard(workers->num_threads, workers->workers, capsnet::ForwardUnitCount(d), cost,
-          [&](int64_t begin, int64_t end) {
-            capsnet::ForwardUnits(u_ptr, w_ptr, out, d, begin, end);
-          });
+    RunParts(ctx, scratch,
+             ShardCost(scratch.units, {capsnet::kForwardBatchBlock, d.rows_per_cap(),
+                                       2 * d.in_dim + 1}),
+             [&](A* ws, int64_t begin, int64_t end) {
+               capsnet::ForwardUnits(u_ptr, w_ptr, out, d, begin, end, ws);
+             });
     return absl::OkStatus();
   }
 };
@@ -197,7 +215,7 @@ struct PredictionGradFunctor<CPUDevice, T> {
                           const Tensor& u, const Tensor& w, Tensor* grad_u,
                           Tensor* grad_w) const {
     const capsnet::MemoryGradRows<T> rows{g.flat<T>().data(), d.in_caps, d.rows_per_cap()};
-    return RunCpuGrad<T>(ctx, d, rows, u, w, grad_u, grad_w);
+    return RunCpuGrad<T>(ctx, d, rows, u, w, grad_u, grad_w, kPredictionOp);
   }
 };
 
@@ -246,10 +264,11 @@ class CapsulePredictionOp : public OpKernel {
     const Tensor& u = ctx->input(0);
     const Tensor& w = ctx->input(1);
     CapsuleDims d;
-    OP_REQUIRES_OK(ctx, CheckForwardShapes(u.shape(), w.shape(), &d, kPredictionOp));
+    TensorShape u_hat_shape;
+    OP_REQUIRES_OK(ctx,
+                   CheckForwardShapes(u.shape(), w.shape(), &d, kPredictionOp, &u_hat_shape));
     Tensor* u_hat = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({d.batch, d.in_caps, d.out_caps, d.out_dim}), &u_hat));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, u_hat_shape, &u_hat));
     if (u_hat->NumElements() == 0) return;
     OP_REQUIRES_OK(ctx, PredictionFunctor<Device, T>()(ctx, d, u, w, u_hat));
   }

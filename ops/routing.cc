@@ -6,7 +6,6 @@
 // kernels live in routing.cu.cc behind its TF-free launchers.
 #include <algorithm>
 #include <cmath>
-#include <vector>
 
 #include "capsnet_kernels.h"
 #include "cpu_kernels.h"
@@ -85,29 +84,45 @@ void TransposeW(const T* W, Accumulator<T>* wt, const CapsuleDims& d, int64 cap_
   }
 }
 
-// Routes samples [b_begin, b_end) start to finish, their u_hat in a per-call
-// buffer (I * JD accumulation values).
+// Accumulation values of scratch one call of RouteSamples needs (-1 if that
+// overflows int64): one sample's u_hat (I x JD), b_ij and c_ij (I x J each),
+// s_j and v_j (JD each) and u[b, i] (K).
+int64 RouteScratchSize(const CapsuleDims& d) {
+  const int64 jd = SizeMul(d.out_caps, d.out_dim);
+  const int64 ij = SizeMul(d.in_caps, d.out_caps);
+  return SizeAdd(SizeAdd(SizeAdd(SizeMul(d.in_caps, jd), SizeMul(2, ij)), SizeMul(2, jd)),
+                 d.in_dim);
+}
+
+// Routes samples [b_begin, b_end) start to finish, their u_hat in `scratch`
+// (RouteScratchSize(d) values, allocated by the caller).
 template <typename T>
 void RouteSamples(const T* u, const Accumulator<T>* wt, T* s_out, T* c_out,
-                  const CapsuleDims& d, int iterations, int64 b_begin, int64 b_end) {
+                  const CapsuleDims& d, int iterations, int64 b_begin, int64 b_end,
+                  Accumulator<T>* scratch) {
   using A = Accumulator<T>;
   const int64 I = d.in_caps, J = d.out_caps, D = d.out_dim, K = d.in_dim;
   const int64 jd = d.rows_per_cap();
   const A eps = static_cast<A>(kSquashEpsilon);
   if (J == 0) return;  // nothing to route (the op's kernel never calls this then)
-  std::vector<A> u_hat(I * jd), b_ij(I * J), c(I * J), s(jd), v(jd), ub(K);
+  A* u_hat = scratch;
+  A* b_ij = u_hat + I * jd;
+  A* c = b_ij + I * J;
+  A* s = c + I * J;
+  A* v = s + jd;
+  A* ub = v + jd;
   for (int64 b = b_begin; b < b_end; ++b) {
     for (int64 i = 0; i < I; ++i) {
       const T* u_bi = u + (b * I + i) * K;
       for (int64 k = 0; k < K; ++k) ub[k] = static_cast<A>(u_bi[k]);
-      MatVecRows(wt + i * K * jd, ub.data(), u_hat.data() + i * jd, jd, K);
+      MatVecRows(wt + i * K * jd, ub, u_hat + i * jd, jd, K);
     }
-    std::fill(b_ij.begin(), b_ij.end(), A(0));
+    std::fill_n(b_ij, I * J, A(0));
     for (int t = 0; t < iterations; ++t) {
       // c_ij = softmax_j(b_ij), as exp(b - max) / sum.
       for (int64 i = 0; i < I; ++i) {
-        const A* bi = b_ij.data() + i * J;
-        A* ci = c.data() + i * J;
+        const A* bi = b_ij + i * J;
+        A* ci = c + i * J;
         A m = bi[0];
         for (int64 j = 1; j < J; ++j) m = std::max(m, bi[j]);
         A sum = A(0);
@@ -118,8 +133,8 @@ void RouteSamples(const T* u, const Accumulator<T>* wt, T* s_out, T* c_out,
         for (int64 j = 0; j < J; ++j) ci[j] /= sum;
       }
       // s_j = sum_i c_ij u_hat_j|i, i in order.
-      std::fill(s.begin(), s.end(), A(0));
-      WeightedSum(c.data(), u_hat.data(), s.data(), I, J, D);
+      std::fill_n(s, jd, A(0));
+      WeightedSum(c, u_hat, s, I, J, D);
       if (t == iterations - 1) break;
       // v_j = squash(s_j), written as capsnet.routing.squash computes it.
       for (int64 j = 0; j < J; ++j) {
@@ -129,7 +144,7 @@ void RouteSamples(const T* u, const Accumulator<T>* wt, T* s_out, T* c_out,
         for (int64 x = j * D; x < (j + 1) * D; ++x) v[x] = scale * s[x];
       }
       // b_ij += u_hat_j|i . v_j
-      AddAgreement(u_hat.data(), v.data(), b_ij.data(), I, J, D);
+      AddAgreement(u_hat, v, b_ij, I, J, D);
     }
     T* s_b = s_out + b * jd;
     for (int64 x = 0; x < jd; ++x) s_b[x] = static_cast<T>(s[x]);
@@ -169,16 +184,27 @@ namespace tensorflow {
 namespace capsnet_ops {
 namespace {
 
-constexpr char kSLayout[] = "(batch, out_caps, out_dim)";
-constexpr char kCLayout[] = "(batch, in_caps, out_caps)";
+#define CAPSNET_S_LAYOUT "(batch, out_caps, out_dim)"
+#define CAPSNET_C_LAYOUT "(batch, in_caps, out_caps)"
+constexpr char kSLayout[] = CAPSNET_S_LAYOUT;
+constexpr char kCLayout[] = CAPSNET_C_LAYOUT;
 
 absl::Status RoutingShape(InferenceContext* c) {
   ShapeHandle u, w;
   TF_RETURN_IF_ERROR(WithInputRanks(c, 0, 1, &u, &w, kRoutingOp));
   DimensionHandle in_caps, in_dim;
   TF_RETURN_IF_ERROR(MergeInputDims(c, u, w, &in_caps, &in_dim, kRoutingOp));
-  c->set_output(0, c->MakeShape({c->Dim(u, 0), c->Dim(w, 1), c->Dim(w, 2)}));
-  c->set_output(1, c->MakeShape({c->Dim(u, 0), in_caps, c->Dim(w, 1)}));
+  // u_hat is never materialised, but the kernels size their work by it (as the
+  // run-time check in CheckForwardShapes does).
+  TF_RETURN_IF_ERROR(CheckOutputFits(
+      c, c->MakeShape({c->Dim(u, 0), in_caps, c->Dim(w, 1), c->Dim(w, 2)}),
+      "u_hat (batch, in_caps, out_caps, out_dim)", kRoutingOp));
+  ShapeHandle s_j = c->MakeShape({c->Dim(u, 0), c->Dim(w, 1), c->Dim(w, 2)});
+  ShapeHandle c_ij = c->MakeShape({c->Dim(u, 0), in_caps, c->Dim(w, 1)});
+  TF_RETURN_IF_ERROR(CheckOutputFits(c, s_j, "s_j (batch, out_caps, out_dim)", kRoutingOp));
+  TF_RETURN_IF_ERROR(CheckOutputFits(c, c_ij, "c_ij (batch, in_caps, out_caps)", kRoutingOp));
+  c->set_output(0, s_j);
+  c->set_output(1, c_ij);
   return absl::OkStatus();
 }
 
@@ -238,8 +264,11 @@ absl::Status CheckRoutingGradShapes(const TensorShape& u, const TensorShape& w,
                                     const TensorShape& cij, const TensorShape& g,
                                     CapsuleDims* d) {
   TF_RETURN_IF_ERROR(CheckForwardShapes(u, w, d, kRoutingOp));
-  const TensorShape want_c({d->batch, d->in_caps, d->out_caps});
-  const TensorShape want_g({d->batch, d->out_caps, d->out_dim});
+  TensorShape want_c, want_g;
+  TF_RETURN_IF_ERROR(CheckedShape({d->batch, d->in_caps, d->out_caps}, "c_ij " CAPSNET_C_LAYOUT,
+                                  u, w, kRoutingOp, &want_c));
+  TF_RETURN_IF_ERROR(CheckedShape({d->batch, d->out_caps, d->out_dim}, "s_j " CAPSNET_S_LAYOUT,
+                                  u, w, kRoutingOp, &want_g));
   if (cij != want_c || g != want_g) {
     return errors::InvalidArgument(
         "capsule_routing gradient: c_ij ", cij.DebugString(), " and grad_s ", g.DebugString(),
@@ -269,6 +298,10 @@ struct RoutingFunctor<CPUDevice, T> {
       c_ij->flat<T>().setConstant(static_cast<T>(A(1) / static_cast<A>(d.out_caps)));
       return absl::OkStatus();
     }
+    // The per-thread scratch first: it is the larger allocation when in_dim is 1.
+    PartScratch<A> scratch;
+    TF_RETURN_IF_ERROR(AllocatePartScratch(ctx, d.batch, capsnet::RouteScratchSize(d),
+                                           "routing", kRoutingOp, &scratch));
     Tensor wt;
     TF_RETURN_IF_ERROR(
         ctx->allocate_temp(DataTypeToEnum<A>::value, TensorShape({d.w_size()}), &wt));
@@ -279,15 +312,16 @@ struct RoutingFunctor<CPUDevice, T> {
     T* c_ptr = c_ij->flat<T>().data();
     const auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
     const int64_t per_cap = d.rows_per_cap() * d.in_dim;
-    Shard(workers->num_threads, workers->workers, d.in_caps, 2 * per_cap,
+    Shard(workers->num_threads, workers->workers, d.in_caps, ShardCost(d.in_caps, {2, per_cap}),
           [&](int64_t begin, int64_t end) { capsnet::TransposeW(w_ptr, wt_ptr, d, begin, end); });
     // Per sample: the prediction (K FMAs per u_hat element), then per iteration
     // the weighted sum and the agreement (one FMA each per element).
-    const int64_t cost = d.in_caps * d.rows_per_cap() * (2 * d.in_dim + 4 * iterations);
-    Shard(workers->num_threads, workers->workers, d.batch, cost,
-          [&](int64_t begin, int64_t end) {
-            capsnet::RouteSamples(u_ptr, wt_ptr, s_ptr, c_ptr, d, iterations, begin, end);
-          });
+    RunParts(ctx, scratch,
+             ShardCost(d.batch, {d.in_caps, d.rows_per_cap(),
+                                 capsnet::SizeAdd(2 * d.in_dim, 4 * int64_t{iterations})}),
+             [&](A* ws, int64_t begin, int64_t end) {
+               capsnet::RouteSamples(u_ptr, wt_ptr, s_ptr, c_ptr, d, iterations, begin, end, ws);
+             });
     return absl::OkStatus();
   }
 };
@@ -299,7 +333,7 @@ struct RoutingGradFunctor<CPUDevice, T> {
                           Tensor* grad_u, Tensor* grad_w) const {
     const capsnet::CouplingGradRows<T> rows{c_ij.flat<T>().data(), grad_s.flat<T>().data(),
                                             d.in_caps, d.out_caps, d.out_dim};
-    return RunCpuGrad<T>(ctx, d, rows, u, w, grad_u, grad_w);
+    return RunCpuGrad<T>(ctx, d, rows, u, w, grad_u, grad_w, kRoutingOp);
   }
 };
 
@@ -355,12 +389,15 @@ class CapsuleRoutingOp : public OpKernel {
     const Tensor& w = ctx->input(1);
     CapsuleDims d;
     OP_REQUIRES_OK(ctx, CheckForwardShapes(u.shape(), w.shape(), &d, kRoutingOp));
+    TensorShape s_shape, c_shape;
+    OP_REQUIRES_OK(ctx, CheckedShape({d.batch, d.out_caps, d.out_dim}, "s_j " CAPSNET_S_LAYOUT,
+                                     u.shape(), w.shape(), kRoutingOp, &s_shape));
+    OP_REQUIRES_OK(ctx, CheckedShape({d.batch, d.in_caps, d.out_caps}, "c_ij " CAPSNET_C_LAYOUT,
+                                     u.shape(), w.shape(), kRoutingOp, &c_shape));
     Tensor* s_j = nullptr;
     Tensor* c_ij = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({d.batch, d.out_caps, d.out_dim}), &s_j));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            1, TensorShape({d.batch, d.in_caps, d.out_caps}), &c_ij));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, s_shape, &s_j));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, c_shape, &c_ij));
     if (s_j->NumElements() == 0 && c_ij->NumElements() == 0) return;
     OP_REQUIRES_OK(ctx, RoutingFunctor<Device, T>()(ctx, d, iterations_, u, w, s_j, c_ij));
   }

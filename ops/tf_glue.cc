@@ -3,6 +3,8 @@
 
 #include <string>
 
+#include "tensorflow/core/util/overflow.h"
+
 #if GOOGLE_CUDA
 #include "tensorflow/core/framework/device_base.h"
 #include "xla/stream_executor/stream.h"
@@ -14,6 +16,19 @@ namespace {
 
 constexpr char kULayout[] = "(batch, in_caps, in_dim)";
 constexpr char kWLayout[] = "(in_caps, out_caps, out_dim, in_dim)";
+
+// "u [2,3,4] and W [3,5,6,4]": the two input shapes every error names.
+std::string Inputs(const TensorShape& u, const TensorShape& w) {
+  return "u " + u.DebugString() + " and W " + w.DebugString();
+}
+
+std::string AllInputs(InferenceContext* c) {
+  std::string all;
+  for (int x = 0; x < c->num_inputs(); ++x) {
+    all += (x ? ", " : "") + c->DebugString(c->input(x));
+  }
+  return all;
+}
 
 }  // namespace
 
@@ -36,13 +51,9 @@ absl::Status WithRankNamed(InferenceContext* c, int input, int rank,
                            ShapeHandle* out, const char* op) {
   ShapeHandle s = c->input(input);
   if (c->RankKnown(s) && c->Rank(s) != rank) {
-    std::string all;
-    for (int x = 0; x < c->num_inputs(); ++x) {
-      all += (x ? ", " : "") + c->DebugString(c->input(x));
-    }
     return errors::InvalidArgument(op, ": ", name, " must have rank ",
                                    rank, " ", layout, " but has shape ",
-                                   c->DebugString(s), " (input shapes: ", all, ")");
+                                   c->DebugString(s), " (input shapes: ", AllInputs(c), ")");
   }
   return c->WithRank(s, rank, out);
 }
@@ -66,8 +77,35 @@ void SetGradOutputShapes(InferenceContext* c, DimensionHandle batch, DimensionHa
   c->set_output(1, c->MakeShape({in_caps, out_caps, out_dim, in_dim}));
 }
 
+absl::Status CheckOutputFits(InferenceContext* c, ShapeHandle out, const char* what,
+                             const char* op) {
+  if (!c->FullyDefined(out)) return absl::OkStatus();
+  // The element count as TensorShape computes it: dimension by dimension.
+  int64_t n = 1;
+  for (int x = 0; x < c->Rank(out); ++x) {
+    n = MultiplyWithoutOverflow(n, c->Value(c->Dim(out, x)));
+    if (n < 0) {
+      return errors::InvalidArgument(op, ": ", what, " ", c->DebugString(out),
+                                     " has more elements than int64 can count (input shapes: ",
+                                     AllInputs(c), ")");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckedShape(std::initializer_list<int64_t> dims, const char* what,
+                          const TensorShape& u, const TensorShape& w, const char* op,
+                          TensorShape* out) {
+  if (TensorShape::BuildTensorShape(dims, out).ok()) return absl::OkStatus();
+  std::string sizes;
+  for (int64_t x : dims) sizes += (sizes.empty() ? "" : ",") + std::to_string(x);
+  return errors::InvalidArgument(op, ": ", what, " [", sizes,
+                                 "] has more elements than int64 can count, for ",
+                                 Inputs(u, w));
+}
+
 absl::Status CheckForwardShapes(const TensorShape& u, const TensorShape& w,
-                                CapsuleDims* dims, const char* op) {
+                                CapsuleDims* dims, const char* op, TensorShape* u_hat) {
   if (u.dims() != 3 || w.dims() != 4) {
     return errors::InvalidArgument(
         op, ": u must be ", kULayout, " and W ", kWLayout,
@@ -84,6 +122,10 @@ absl::Status CheckForwardShapes(const TensorShape& u, const TensorShape& w,
         " (dim 2) and W ", w.DebugString(), " (dim 3)");
   }
   *dims = {u.dim_size(0), u.dim_size(1), w.dim_size(1), w.dim_size(2), u.dim_size(2)};
+  TensorShape shape;
+  TF_RETURN_IF_ERROR(CheckedShape({dims->batch, dims->in_caps, dims->out_caps, dims->out_dim},
+                                  "u_hat (batch, in_caps, out_caps, out_dim)", u, w, op, &shape));
+  if (u_hat != nullptr) *u_hat = shape;
   return absl::OkStatus();
 }
 

@@ -229,6 +229,172 @@ def test_unsupported_dtype_is_a_clear_error():
 
 
 # ----------------------------------------------------------------------------
+# Shapes the op cannot hold and scratch it cannot get: errors, never an abort.
+# Each case runs in one subprocess per module (a CHECK failure or an exception
+# thrown through the thread pool kills the process), which prints one JSON line
+# per finished case; a case whose line is missing fails with the process's
+# exit status and stderr.
+
+_CASE_RUNNER = textwrap.dedent("""
+    import json, os, resource, sys
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    import numpy as np
+    import tensorflow as tf
+    from capsnet import ops
+    lib = ops.load_op_library()
+
+    def under_memory_limit(extra_bytes, fn):
+        # fn() with at most `extra_bytes` more address space than now.
+        with open("/proc/self/status") as f:
+            vm = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:"))
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (vm + extra_bytes, hard))
+        try:
+            return fn()
+        finally:
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+    for case_id, code in json.load(sys.stdin):
+        result = {"id": case_id, "error": None, "message": ""}
+        try:
+            with tf.device("/CPU:0"):
+                exec(code, {"tf": tf, "np": np, "ops": ops, "lib": lib,
+                            "under_memory_limit": under_memory_limit})
+        except Exception as err:
+            result.update(error=type(err).__name__, message=str(getattr(err, "message", err)))
+        print(json.dumps(result), flush=True)
+""")
+
+
+def run_cases(cases):
+    """{case id: {"error": exception class name or None, "message": ...}} from one
+    subprocess running `cases` ((id, code) pairs); a missing id means it died there,
+    and maps to {"died": its exit status and stderr}."""
+    proc = subprocess.run([sys.executable, "-c", _CASE_RUNNER], input=json.dumps(cases), capture_output=True,
+                          text=True, env=repo_env(), timeout=600)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            result = json.loads(line)
+            results[result.pop("id")] = result
+    log = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith(("I0000", "W0000", "WARNING:")))
+    died = {"died": f"exit status {proc.returncode}: {log[-3000:]}"}
+    return {case_id: results.get(case_id, died) for case_id, _ in cases}
+
+
+def assert_error(result, error, *fragments):
+    assert "died" not in result, result["died"]
+    assert result["error"] == error, result
+    for fragment in fragments:
+        assert fragment in result["message"], (fragment, result["message"])
+
+
+def _fmt(shape):
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+# u_hat (batch, in_caps, out_caps, out_dim) overflows int64 though u and W are
+# empty: 2^80 elements; and 2^93 with a zero only after the overflow (TensorShape
+# multiplies in order, so that is no shape either).
+BIG = 2**20
+OVERFLOW_SHAPES = [((BIG, BIG, 0), (BIG, BIG, BIG, 0)), ((2**31, 2**31, 0), (2**31, 2**31, 0, 0))]
+OVERFLOW_DTYPES = ["float16", "bfloat16", "float32", "float64"]
+UNKNOWN = "[tf.TensorSpec([None] * 3, {dt}), tf.TensorSpec([None] * 4, {dt})]"
+
+
+def _overflow_cases():
+    cases = []
+    for n, (u_shape, w_shape) in enumerate(OVERFLOW_SHAPES):
+        for dt in OVERFLOW_DTYPES:
+            args = f"tf.zeros({u_shape}, tf.{dt}), tf.zeros({w_shape}, tf.{dt})"
+            cases += [
+                (f"forward-{dt}-{n}", f"ops.capsule_prediction({args})"),
+                (f"gradient-{dt}-{n}", f"lib.capsnet_capsule_prediction_grad(grad=tf.zeros((0, 0, 0, 0), tf.{dt}), "
+                                       f"u=tf.zeros({u_shape}, tf.{dt}), weights=tf.zeros({w_shape}, tf.{dt}))"),
+                (f"matmul-{dt}-{n}", f"ops.capsule_prediction_matmul({args})"),
+            ]
+        args = f"tf.zeros({u_shape}), tf.zeros({w_shape})"
+        unknown = UNKNOWN.format(dt="tf.float32")
+        cases += [
+            (f"trace-{n}", f"tf.function(ops.capsule_prediction)({args})"),
+            (f"run-{n}", f"tf.function(ops.capsule_prediction, input_signature={unknown})({args})"),
+            (f"matmul-run-{n}", f"tf.function(ops.capsule_prediction_matmul, input_signature={unknown})({args})"),
+        ]
+    return cases
+
+
+@pytest.fixture(scope="module")
+def overflow_results():
+    return run_cases(_overflow_cases())
+
+
+@pytest.mark.parametrize("n", range(len(OVERFLOW_SHAPES)))
+@pytest.mark.parametrize("dtype", OVERFLOW_DTYPES)
+def test_overflowing_shapes_are_invalid_argument(overflow_results, dtype, n):
+    u_shape, w_shape = OVERFLOW_SHAPES[n]
+    named = (_fmt(u_shape), _fmt(w_shape))
+    for what in ("forward", "gradient"):
+        assert_error(overflow_results[f"{what}-{dtype}-{n}"], "InvalidArgumentError", "capsule_prediction: u_hat",
+                     "int64", *named)
+    assert_error(overflow_results[f"matmul-{dtype}-{n}"], "ValueError", "capsule_prediction_matmul: u_hat",
+                 "int64", str(list(u_shape)), str(list(w_shape)))
+
+
+@pytest.mark.parametrize("n", range(len(OVERFLOW_SHAPES)))
+def test_overflowing_shapes_in_tf_function(overflow_results, n):
+    u_shape, w_shape = OVERFLOW_SHAPES[n]
+    # Known shapes: the shape function rejects them while tracing; unknown: the kernel.
+    assert_error(overflow_results[f"trace-{n}"], "ValueError", "capsule_prediction: u_hat", "int64",
+                 _fmt(u_shape), _fmt(w_shape))
+    assert_error(overflow_results[f"run-{n}"], "InvalidArgumentError", "capsule_prediction: u_hat", "int64",
+                 _fmt(u_shape), _fmt(w_shape))
+    assert_error(overflow_results[f"matmul-run-{n}"], "InvalidArgumentError", "capsule_prediction_matmul: u_hat",
+                 "int64")
+
+
+def test_matmul_path_checks_only_what_it_must():
+    # Shapes that fit: no error, the same result with static and unknown shapes.
+    u, W = inputs((3, 4, 2, 5, 6), np.float32)
+    unknown = [tf.TensorSpec([None] * 3, tf.float32), tf.TensorSpec([None] * 4, tf.float32)]
+    f = tf.function(ops.capsule_prediction_matmul, input_signature=unknown)
+    np.testing.assert_array_equal(f(u, W).numpy(), ops.capsule_prediction_matmul(u, W).numpy())
+    empty = ops.capsule_prediction_matmul(np.zeros((0, BIG, 0), np.float32), np.zeros((BIG, 1, 1, 0), np.float32))
+    assert empty.shape == (0, BIG, 1, 1)
+
+
+# A failing scratch allocation: float16, bfloat16, float32 and float64 W of
+# (1, 64, 64, 4096) (32 to 128 MiB) under an address-space limit of half W's
+# bytes (at least 32 MiB) above what the process already uses, plus the outputs'
+# bytes: the outputs fit, the per-thread scratch (W_i transposed in the
+# accumulation type: at least W's bytes; twice that for the gradient) does not.
+SCRATCH_SHAPE = (1, 1, 64, 64, 4096)
+
+
+def _scratch_cases():
+    cases = []
+    B, I, J, D, K = SCRATCH_SHAPE
+    for dt in OVERFLOW_DTYPES:
+        setup = (f"u = tf.ones({(B, I, K)}, tf.{dt}); W = tf.ones({(I, J, D, K)}, tf.{dt}); "
+                 f"g = tf.ones({(B, I, J, D)}, tf.{dt}); w_bytes = W.numpy().nbytes; "
+                 f"margin = max(w_bytes // 2, 32 << 20)\n"
+                 # Warm up: the thread pools and their malloc arenas exist before the limit.
+                 f"lib.capsnet_capsule_prediction_grad(grad=g[:, :, :1, :1], u=u[:, :, :8], weights=W[:, :1, :1, :8])\n")
+        cases += [
+            (f"forward-{dt}", setup + "under_memory_limit(margin, lambda: ops.capsule_prediction(u, W))"),
+            (f"gradient-{dt}", setup + "under_memory_limit(w_bytes + margin, lambda: "
+                                       "lib.capsnet_capsule_prediction_grad(grad=g, u=u, weights=W))"),
+        ]
+    return cases
+
+
+@pytest.mark.parametrize("dtype", OVERFLOW_DTYPES)
+def test_failing_scratch_allocation_is_resource_exhausted(dtype):
+    results = run_cases([case for case in _scratch_cases() if case[0].endswith(dtype)])
+    for what in ("forward", "gradient"):
+        assert_error(results[f"{what}-{dtype}"], "ResourceExhaustedError", "OOM when allocating")
+
+
+# ----------------------------------------------------------------------------
 # tf.function, tf.distribute, SavedModel.
 
 

@@ -23,6 +23,7 @@ import tensorflow as tf
 from capsnet import ops
 from capsnet.routing import dynamic_routing, squash
 from conftest import REPO, TINY_MODEL, entry_point_env, np_capsule_prediction
+from test_ops import assert_error, run_cases
 from test_routing import EPSILON, np_dynamic_routing, np_squash
 
 HAS_GPU = bool(tf.config.list_physical_devices("GPU"))
@@ -499,6 +500,93 @@ def test_dtype_errors_are_clear():
         ops.capsule_routing(u.astype(np.float32), W, 3)
     with pytest.raises(TypeError, match="capsule_routing: dtype int32 is not supported"):
         ops.capsule_routing(np.ones((2, 3, 4), np.int32), np.ones((3, 2, 2, 4), np.int32), 3)
+
+
+# ----------------------------------------------------------------------------
+# Shapes the op cannot hold and scratch it cannot get: errors, never an abort
+# (each case in a subprocess: see test_ops.run_cases).
+
+BIG = 2**20
+# u_hat (batch, in_caps, out_caps, out_dim) overflows int64 (2^80 elements; 2^93
+# with the zero only after the overflow), or only s_j (batch, out_caps, out_dim)
+# does (in_caps 0: u_hat is empty).
+OVERFLOW_SHAPES = [((BIG, BIG, 0), (BIG, BIG, BIG, 0), "u_hat"),
+                   ((2**31, 2**31, 0), (2**31, 2**31, 0, 0), "u_hat"),
+                   ((2**30, 0, 0), (0, 2**30, 2**30, 0), "s_j")]
+OVERFLOW_DTYPES = ["float16", "bfloat16", "float32", "float64"]
+
+
+def _overflow_cases():
+    cases = []
+    for n, (u_shape, w_shape, _) in enumerate(OVERFLOW_SHAPES):
+        for dt in OVERFLOW_DTYPES:
+            u, W = f"tf.zeros({u_shape}, tf.{dt})", f"tf.zeros({w_shape}, tf.{dt})"
+            empty = f"tf.zeros((0, 0, 0), tf.{dt})"
+            cases += [
+                (f"forward-{dt}-{n}", f"ops.capsule_routing({u}, {W}, 3)"),
+                (f"gradient-{dt}-{n}", f"lib.capsnet_capsule_routing_grad(u={u}, weights={W}, c_ij={empty}, "
+                                       f"grad_s={empty})"),
+            ]
+        args = f"tf.zeros({u_shape}), tf.zeros({w_shape})"
+        unknown = "[tf.TensorSpec([None] * 3), tf.TensorSpec([None] * 4)]"
+        cases += [
+            (f"trace-{n}", f"tf.function(lambda u, W: ops.capsule_routing(u, W, 3))({args})"),
+            (f"run-{n}", f"tf.function(lambda u, W: ops.capsule_routing(u, W, 3), input_signature={unknown})({args})"),
+        ]
+    return cases
+
+
+@pytest.fixture(scope="module")
+def overflow_results():
+    return run_cases(_overflow_cases())
+
+
+@pytest.mark.parametrize("n", range(len(OVERFLOW_SHAPES)))
+@pytest.mark.parametrize("dtype", OVERFLOW_DTYPES)
+def test_overflowing_shapes_are_invalid_argument(overflow_results, dtype, n):
+    u_shape, w_shape, what = OVERFLOW_SHAPES[n]
+    for op in ("forward", "gradient"):
+        result = overflow_results[f"{op}-{dtype}-{n}"]
+        assert_error(result, "InvalidArgumentError", f"capsule_routing: {what}", "int64")
+        assert _shapes_named(result["message"], u_shape, w_shape), result["message"]
+
+
+@pytest.mark.parametrize("n", range(len(OVERFLOW_SHAPES)))
+def test_overflowing_shapes_in_tf_function(overflow_results, n):
+    # Known shapes: the shape function rejects them while tracing; unknown: the kernel.
+    u_shape, w_shape, what = OVERFLOW_SHAPES[n]
+    for case, error in ((f"trace-{n}", "ValueError"), (f"run-{n}", "InvalidArgumentError")):
+        assert_error(overflow_results[case], error, f"capsule_routing: {what}", "int64")
+        assert _shapes_named(overflow_results[case]["message"], u_shape, w_shape), overflow_results[case]
+
+
+# A failing scratch allocation under an address-space limit above what the process
+# already uses (test_ops.run_cases' under_memory_limit). Forward: u (1, 4096, 1), W
+# (4096, 4096, 1, 1); the limit holds c_ij (I x J values of T) and W transposed (I x J
+# accumulation values) and half as much again, not the per-thread scratch (u_hat, b_ij
+# and c_ij of one sample: 3 x I x J accumulation values). Gradient: W (1, 64, 64, 4096)
+# (32 to 128 MiB); the limit holds grad_W and half W's bytes (at least 32 MiB) more, not
+# the scratch (W_i transposed and its gradient: twice W's values in the accumulation type).
+def _scratch_cases(dt):
+    warm_up = ("lib.capsnet_capsule_routing_grad(u=tf.ones((2, 3, 4), tf.{dt}), weights=tf.ones((3, 2, 5, 4), tf.{dt}), "
+               "c_ij=tf.ones((2, 3, 2), tf.{dt}), grad_s=tf.ones((2, 2, 5), tf.{dt}))\n"
+               "ops.capsule_routing(tf.ones((2, 3, 4), tf.{dt}), tf.ones((3, 2, 5, 4), tf.{dt}), 2)\n").format(dt=dt)
+    acc = 8 if dt == "float64" else 4
+    forward = (warm_up + f"u = tf.ones((1, 4096, 1), tf.{dt}); W = tf.ones((4096, 4096, 1, 1), tf.{dt})\n"
+               f"margin = 4096 * 4096 * (W.dtype.size + {acc} * 3 // 2)\n"
+               "under_memory_limit(margin, lambda: ops.capsule_routing(u, W, 3))")
+    gradient = (warm_up + f"u = tf.ones((1, 1, 4096), tf.{dt}); W = tf.ones((1, 64, 64, 4096), tf.{dt}); "
+                f"c = tf.ones((1, 1, 64), tf.{dt}); g = tf.ones((1, 64, 64), tf.{dt})\n"
+                "w_bytes = W.numpy().nbytes; margin = w_bytes + max(w_bytes // 2, 32 << 20)\n"
+                "under_memory_limit(margin, lambda: lib.capsnet_capsule_routing_grad(u=u, weights=W, c_ij=c, grad_s=g))")
+    return [(f"forward-{dt}", forward), (f"gradient-{dt}", gradient)]
+
+
+@pytest.mark.parametrize("dtype", OVERFLOW_DTYPES)
+def test_failing_scratch_allocation_is_resource_exhausted(dtype):
+    results = run_cases(_scratch_cases(dtype))
+    for what in ("forward", "gradient"):
+        assert_error(results[f"{what}-{dtype}"], "ResourceExhaustedError", "OOM when allocating")
 
 
 def test_numpy_reference_is_procedure_one():
