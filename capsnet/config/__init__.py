@@ -45,7 +45,7 @@ check_eval, check_section, the rules across keys), routing (routing_mode,
 routing_from_flags), migrate (old run configs), hydra (register, compose, explain,
 check_overrides, the dataset resolvers). Import from here: `from capsnet import config`.
 """
-from capsnet.config.checks import check, check_augmentation, check_eval, check_section
+from capsnet.config.checks import check, check_augmentation, check_eval, check_section, check_xla
 from capsnet.config.hydra import check_overrides, compose, dataset_classes, dataset_shape, explain, register
 from capsnet.config.migrate import migrate
 from capsnet.config.routing import routing_from_flags, routing_mode
@@ -57,7 +57,7 @@ from capsnet.config.schemas import (ALL_REDUCE, APP_SCHEMAS, AUGMENTATION_OFF, G
 __all__ = [
     "ModelConfig", "DataSourceConfig", "AugmentationConfig", "DataConfig", "TrainConfig", "DistributeConfig", "TrainAppConfig",
     "EvalDataConfig", "EvalAppConfig", "register", "check", "check_eval", "check_section", "migrate",
-    "routing_mode", "routing_from_flags", "compose", "explain", "check_overrides", "check_augmentation",
+    "routing_mode", "routing_from_flags", "compose", "explain", "check_overrides", "check_augmentation", "check_xla",
     "dataset_shape", "dataset_classes", "GROUP_SCHEMAS", "APP_SCHEMAS",
     "ROUTING", "ROUTING_MODES", "XLA_MODES", "STRATEGIES", "ALL_REDUCE", "SCALE_LR", "AUGMENTATION_OFF",
     "SHIFT_FILLS", "WHICH", "WEIGHTS",

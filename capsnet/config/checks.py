@@ -89,14 +89,11 @@ def check_section(schema, values, prefix=""):
     return checked
 
 
-def check(cfg):
-    """A train config (a plain dict shaped like configs/train.yaml) checked: ConfigError
-    naming the first bad key, else the checked dict with plain types (lists for sequences)
-    and a section's missing keys at their schema defaults. Rules across sections: train.xla
-    against custom_op and model.routing; run_dir set."""
-    checked = check_section(TrainAppConfig, cfg)
-    xla, routing = checked["train"]["xla"], checked["model"]["routing"]
-    if xla == "jit" and checked["custom_op"]:
+def check_xla(xla, custom_op, routing):
+    """train.xla against what it would compile: jit cannot compile the custom op, and
+    model.routing=xla (an XLA computation of its own) must not be nested inside jit.
+    `check`'s rule, and make_train_step's guard (a model built outside a config)."""
+    if xla == "jit" and custom_op:
         # XLA has no kernel for our op: jit_compile would fail on it at the first step.
         raise ConfigError("train.xla=jit cannot compile the custom op (custom_op=true): use train.xla=autocluster, "
                           "which compiles the TensorFlow ops around it")
@@ -105,6 +102,20 @@ def check(cfg):
         # aborted the process on an H200 (benchmark_train, 2026-11-21).
         raise ConfigError("model.routing=xla is redundant under train.xla=jit (the whole step is compiled, "
                           "the routing with it): set model.routing=auto")
+
+
+def check(cfg):
+    """A train config (a plain dict shaped like configs/train.yaml) checked: ConfigError
+    naming the first bad key, else the checked dict with plain types (lists for sequences)
+    and a section's missing keys at their schema defaults. Idempotent: train() checks what
+    train.py checked already. Rules across sections: train.xla against custom_op and
+    model.routing (check_xla); an overlay dataset on one device; run_dir set."""
+    checked = check_section(TrainAppConfig, cfg)
+    check_xla(checked["train"]["xla"], checked["custom_op"], checked["model"]["routing"])
+    data_name, strategy = checked["data"]["name"], checked["distribute"]["strategy"]
+    if is_overlay(data_name) and strategy != "none":
+        # Its (B, 2) labels and two reconstructions are not in the distributed step.
+        raise ConfigError(f"data.name={data_name} trains on one device only: set distribute=none")
     if not checked["run_dir"]:
         raise ConfigError("run_dir is not set (train.py sets it to Hydra's run dir; tests pass one)")
     return checked
