@@ -176,7 +176,8 @@ def worker(spec):
         print(json.dumps(result), flush=True)
 
     try:
-        config.check_xla(spec["xla"], spec["custom_op"], bt.variant_model_cfg(spec["variant"], spec["model"])["routing"])
+        routing = bt.variant_model_cfg(spec["variant"], spec["model"])["routing"]
+        config.check_xla(spec["xla"], spec["custom_op"], routing)
         set_autoclustering(spec["xla"] == "autocluster")  # before TensorFlow sets up its devices
         most = max(spec["replicas"] or [1])
         if spec["device"] == "cpu":

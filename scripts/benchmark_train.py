@@ -172,19 +172,25 @@ def reject_reserved_overrides(parser, overrides, reserved, set_by):
 
 def compose_config(overrides):
     """The model and train sections and seed of configs/train.yaml with `overrides` (plain dicts)."""
+    from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
+    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from capsnet import config
-    from capsnet.errors import ConfigError
-
     try:
-        cfg = config.compose("train", overrides)
-    except (ConfigError, HydraException, OmegaConfBaseException, ValueError) as exc:
+        with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+            cfg = compose(config_name="train", overrides=list(overrides))
+        return {
+            "model": OmegaConf.to_container(cfg.model, resolve=True),
+            "train": OmegaConf.to_container(cfg.train, resolve=True),
+            "seed": int(cfg.seed),
+        }
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
         # Hydra appends its whole config search path to some messages: keep what names the problem.
         fail(f"bad override: {str(exc).split('Config search path')[0]}")
-    return {"model": cfg["model"], "train": cfg["train"], "seed": cfg["seed"]}
 
+
+# --------------------------------------------------------------------------- worker (one variant)
 
 def _device_name(kind):
     import tensorflow as tf
@@ -294,7 +300,8 @@ def worker(spec):
 
     result = {"variant": spec["variant"], "results": [], "error": None, "tensorflow": tf.__version__}
     try:
-        config.check_xla(spec["xla"], spec["custom_op"], variant_model_cfg(spec["variant"], spec["model"])["routing"])
+        routing = variant_model_cfg(spec["variant"], spec["model"])["routing"]
+        config.check_xla(spec["xla"], spec["custom_op"], routing)
         # Before TensorFlow sets up its devices: it reads the XLA flags then (see set_autoclustering).
         set_autoclustering(spec["xla"] == "autocluster")
         if spec["device"] == "gpu" and not tf.config.list_physical_devices("GPU"):
