@@ -1,155 +1,41 @@
 """Datasets: IDX files or tensorflow-datasets in, a reproducible tf.data pipeline out.
 
-- `read_idx` / `write_idx`: the IDX format of the MNIST-family files (plain or gzip).
 - `load_split(name, split, data_dir, limit)`: one split as NumPy arrays, from an IDX
-  directory (offline) or from tensorflow-datasets (the online default).
+  directory (offline; the file format is capsnet.idx's) or from tensorflow-datasets
+  (the online default).
 - `make_dataset(images, labels, ...)`: batches of (float32 images in [0, 1], int32
   labels). Training batches are shuffled and augmented (the paper's random shifts;
   optionally flips, rotations and zoom, elastic distortions) with stateless RNG keyed by (seed, epoch), so
   an epoch's batches depend on nothing else: a run resumed at epoch e sees exactly
-  what an uninterrupted run saw, whatever the parallelism.
+  what an uninterrupted run saw, whatever the parallelism. The per-image augmentation
+  math is capsnet.augment's; this module keys and applies it.
 - `make_multimnist_dataset(images, labels, ...)`: MultiMNIST (paper Sec. 6), pairs of
   shifted digits of different classes overlaid on a 36×36 canvas, generated on the fly
   from the MNIST arrays with the same stateless keying; `make_split_dataset(name, ...)`
   picks one or the other by dataset name.
 """
 import contextlib
-import gzip
 import logging
-import math
 import os
 import socket
-import struct
-import zlib
 
 import numpy as np
 import tensorflow as tf
 
+from capsnet.augment import elastic_distort, random_flip, random_rotate_zoom, random_shift
 from capsnet.config import AUGMENTATION_OFF, SHIFT_FILLS, check_augmentation  # noqa: F401  (re-exported)
 from capsnet.datasets import DATASETS, DatasetSpec, example_shape, is_overlay  # noqa: F401  (re-exported)
 from capsnet.errors import ConfigError, DataError
-from capsnet.validation import boolean, float_in_range, integer
-
-# --------------------------------------------------------------------------- IDX files
-# An IDX file is a 4-byte magic (0x00, 0x00, type code, rank), `rank` big-endian uint32
-# dims, then the C-order payload in big-endian. MNIST images are 0x00000803 (uint8,
-# rank 3: N, rows, cols), labels 0x00000801 (uint8, rank 1: N).
-_IDX_DTYPES = {
-    0x08: np.dtype(">u1"),
-    0x09: np.dtype(">i1"),
-    0x0B: np.dtype(">i2"),
-    0x0C: np.dtype(">i4"),
-    0x0D: np.dtype(">f4"),
-    0x0E: np.dtype(">f8"),
-}
-_IDX_CODES = {dtype.newbyteorder("="): code for code, dtype in _IDX_DTYPES.items()}
-_GZIP_MAGIC = b"\x1f\x8b"  # an IDX file starts with 0x0000, so this cannot be one
-
-
-def read_idx(path):
-    """Reads an IDX file, plain or gzip (told apart by the first bytes, not the name).
-
-    Returns an array in native byte order with the header's dtype and shape. Any
-    inconsistency (unreadable file, corrupt gzip, bad magic, unknown type code, a
-    header or payload shorter or longer than the header says) raises `DataError`
-    naming the file and the problem.
-    """
-    path = os.fspath(path)
-    raw = _read_bytes(path)
-    if raw[:2] == _GZIP_MAGIC:
-        try:
-            raw = gzip.decompress(raw)
-        except (EOFError, OSError, zlib.error) as err:
-            # EOFError: the gzip stream was cut off; OSError/zlib.error: bad data.
-            raise DataError(f"IDX file {path}: corrupt or truncated gzip data ({err})") from err
-
-    if len(raw) < 4:
-        raise DataError(f"IDX file {path}: truncated header ({len(raw)} bytes, need at least 4)")
-    magic = struct.unpack(">I", raw[:4])[0]
-    if raw[0] != 0 or raw[1] != 0:
-        raise DataError(
-            f"IDX file {path}: bad magic 0x{magic:08x} (IDX magic is 0x0000 + type code + rank, "
-            f"e.g. 0x00000803 for images, 0x00000801 for labels)")
-    code, rank = raw[2], raw[3]
-    if code not in _IDX_DTYPES:
-        known = ", ".join(f"0x{c:02x}" for c in _IDX_DTYPES)
-        raise DataError(f"IDX file {path}: unknown type code 0x{code:02x} in magic 0x{magic:08x} "
-                        f"(known: {known})")
-    if rank == 0:
-        raise DataError(f"IDX file {path}: rank 0 in magic 0x{magic:08x} (need at least 1 dim)")
-
-    header_len = 4 + 4 * rank
-    if len(raw) < header_len:
-        raise DataError(f"IDX file {path}: truncated header ({len(raw)} bytes, rank {rank} "
-                        f"needs {header_len})")
-    dims = struct.unpack(f">{rank}I", raw[4:header_len])
-    dtype = _IDX_DTYPES[code]
-    count = math.prod(dims)
-    expected, actual = count * dtype.itemsize, len(raw) - header_len
-    if actual < expected:
-        raise DataError(f"IDX file {path}: truncated payload (header says shape {dims} of "
-                        f"{dtype.newbyteorder('=').name}: {expected} bytes, file has {actual})")
-    if actual > expected:
-        raise DataError(f"IDX file {path}: {actual - expected} bytes after the payload that "
-                        f"header shape {dims} describes (corrupt header?)")
-    array = np.frombuffer(raw, dtype=dtype, count=count, offset=header_len).reshape(dims)
-    return array.astype(dtype.newbyteorder("="))  # a writable native-order copy
-
-
-def _read_bytes(path):
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError as err:
-        raise DataError(f"IDX file {path} does not exist") from err
-    except IsADirectoryError as err:
-        raise DataError(f"IDX file {path} is a directory, not a file") from err
-    except OSError as err:
-        raise DataError(f"cannot read IDX file {path}: {err.strerror or err}") from err
-
-
-def write_idx(path, array):
-    """Writes `array` as an IDX file; gzip-compressed when `path` ends in `.gz`.
-
-    Supported dtypes: uint8, int8, int16, int32, float32, float64 (the IDX types).
-    """
-    path = os.fspath(path)
-    array = np.asarray(array)
-    code = _IDX_CODES.get(array.dtype.newbyteorder("="))
-    if code is None:
-        names = ", ".join(d.name for d in _IDX_CODES)
-        raise DataError(f"cannot write IDX file {path}: dtype {array.dtype} has no IDX type "
-                        f"(supported: {names})")
-    if not 1 <= array.ndim <= 255 or any(d >= 2**32 for d in array.shape):
-        raise DataError(f"cannot write IDX file {path}: shape {array.shape} does not fit IDX "
-                        f"(rank 1..255, dims < 2**32)")
-    header = bytes((0, 0, code, array.ndim)) + struct.pack(f">{array.ndim}I", *array.shape)
-    data = header + np.ascontiguousarray(array, dtype=_IDX_DTYPES[code]).tobytes()
-    if path.endswith(".gz"):
-        data = gzip.compress(data, mtime=0)  # mtime=0: the same array gives the same bytes
-    try:
-        with open(path, "wb") as f:
-            f.write(data)
-    except OSError as err:
-        raise DataError(f"cannot write IDX file {path}: {err.strerror or err}") from err
-
+from capsnet.idx import SPLITS, idx_file_names, read_idx
+from capsnet.validation import boolean, integer
 
 # --------------------------------------------------------------------------- datasets
 # DatasetSpec and DATASETS (what each name means) live in capsnet.datasets, without TensorFlow.
-
-# split → IDX file-name prefix (the MNIST distribution calls the test split "t10k").
-_IDX_PREFIX = {"train": "train", "test": "t10k"}
 
 # tfds retries each URL 10 times with exponential backoff, so offline it takes minutes
 # to report that there is no network. Two retries ride out a transient failure and
 # give up within a second or two when there is no network at all.
 _TFDS_MAX_RETRIES = 2
-
-
-def idx_file_names(split):
-    """The (images, labels) IDX base names of `split`; each may also end in `.gz`."""
-    prefix = _IDX_PREFIX[split]
-    return f"{prefix}-images-idx3-ubyte", f"{prefix}-labels-idx1-ubyte"
 
 
 def load_split(name, split, data_dir=None, limit=None, *, tfds_data_dir=None):
@@ -170,8 +56,8 @@ def load_split(name, split, data_dir=None, limit=None, *, tfds_data_dir=None):
     """
     if name not in DATASETS:
         raise ConfigError(f"unknown dataset {name!r} (known: {', '.join(sorted(DATASETS))})")
-    if split not in _IDX_PREFIX:
-        raise ConfigError(f"unknown split {split!r} (known: {', '.join(_IDX_PREFIX)})")
+    if split not in SPLITS:
+        raise ConfigError(f"unknown split {split!r} (known: {', '.join(SPLITS)})")
     if limit is not None:
         limit = integer("limit", limit, minimum=1, hint=" (null: all examples)", error=ConfigError)
     spec = DATASETS[name]
@@ -191,7 +77,7 @@ def _load_idx_dir(split, data_dir):
     data_dir = os.path.abspath(os.path.expanduser(os.fspath(data_dir)))
     bases = idx_file_names(split)
     if not os.path.isdir(data_dir):
-        expected = ", ".join(f"{b}[.gz]" for s in _IDX_PREFIX for b in idx_file_names(s))
+        expected = ", ".join(f"{b}[.gz]" for s in SPLITS for b in idx_file_names(s))
         raise DataError(f"data dir {data_dir} does not exist or is not a directory "
                         f"(it should hold the IDX files {expected})")
     paths = []
@@ -556,106 +442,6 @@ def make_multimnist_dataset(images, labels, *, batch_size, training, seed=0, epo
         dataset = dataset.map(load_pair, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
         return dataset.prefetch(tf.data.AUTOTUNE)
-
-
-def random_shift(image, shift_pixels, key, fill="zero"):
-    """Shifts one (H, W, C) image by (dy, dx), each uniform in [-shift_pixels, shift_pixels],
-    drawn from the stateless RNG `key` (int64 (2,)); the uncovered border is zero
-    (fill="zero") or repeats the nearest border pixel (fill="edge"). Both fills draw the
-    same shift from the same key."""
-    h, w, c = image.shape
-    s = shift_pixels
-    # A crop at corner (oy, ox) of the image padded by s is the image shifted by (s - oy, s - ox).
-    corner = tf.random.stateless_uniform([2], seed=key, minval=0, maxval=2 * s + 1,
-                                         dtype=tf.int32, alg="philox")
-    if fill == "edge":
-        # out[y, x] = image[clip(y - dy), clip(x - dx)] with (dy, dx) = s - corner.
-        rows = tf.clip_by_value(tf.range(h) + corner[0] - s, 0, h - 1)
-        cols = tf.clip_by_value(tf.range(w) + corner[1] - s, 0, w - 1)
-        return tf.gather(tf.gather(image, rows, axis=0), cols, axis=1)  # (H, W, C)
-    padded = tf.pad(image, [[s, s], [s, s], [0, 0]])  # (H + 2s, W + 2s, C), zero border
-    return tf.slice(padded, [corner[0], corner[1], 0], [h, w, c])  # (H, W, C)
-
-
-def random_flip(image, key):
-    """Mirrors one (H, W, C) image left-right with probability 1/2 (stateless RNG `key`)."""
-    mirror = tf.random.stateless_uniform([], seed=key, alg="philox") < 0.5
-    return tf.cond(mirror, lambda: tf.reverse(image, axis=[1]), lambda: image)
-
-
-def random_rotate_zoom(image, rotate_degrees, zoom, key):
-    """Rotates one float (H, W, C) image by an angle uniform in ±rotate_degrees and scales
-    it by a factor uniform in [1 − zoom, 1 + zoom] about its centre (stateless RNG
-    `key`); bilinear, zero outside. Returns float32 on the input's 0..255 scale."""
-    angle_key, scale_key = tf.unstack(tf.random.experimental.stateless_split(key, 2, alg="philox"))
-    angle = tf.random.stateless_uniform([], seed=angle_key, minval=-rotate_degrees,
-                                        maxval=rotate_degrees, alg="philox") * (math.pi / 180.0)
-    scale = tf.random.stateless_uniform([], seed=scale_key, minval=1.0 - zoom,
-                                        maxval=1.0 + zoom, alg="philox")
-    return rotate_zoom(image, angle, scale)
-
-
-def rotate_zoom(image, angle, scale):
-    """`image` (H, W, C) float rotated by `angle` radians (counter-clockwise as displayed,
-    rows running down) and scaled by `scale` about its centre, bilinear, zero outside.
-
-    ImageProjectiveTransformV3 maps each output pixel (x, y) to the input point it
-    samples; for a rotation by θ and a scaling by s about the centre (cx, cy) that is
-    the inverse map p_in = R(−θ)(p_out − c)/s + c.
-    """
-    h, w = int(image.shape[0]), int(image.shape[1])
-    cx, cy = (w - 1) / 2.0, (h - 1) / 2.0
-    cos, sin = tf.cos(angle) / scale, tf.sin(angle) / scale
-    # Rows grow downwards, so a counter-clockwise turn on screen is a clockwise one in
-    # (x, y): x_in = cos·x' − sin·y' and y_in = sin·x' + cos·y' about the centre.
-    a0, a1, b0, b1 = cos, -sin, sin, cos
-    a2 = cx - a0 * cx - a1 * cy
-    b2 = cy - b0 * cx - b1 * cy
-    transform = tf.stack([a0, a1, a2, b0, b1, b2, 0.0, 0.0])[None]     # (1, 8)
-    out = tf.raw_ops.ImageProjectiveTransformV3(
-        images=tf.cast(image, tf.float32)[None], transforms=transform,
-        output_shape=tf.constant([h, w], tf.int32), fill_value=0.0,
-        interpolation="BILINEAR", fill_mode="CONSTANT")
-    return out[0]
-
-
-def gaussian_kernel(sigma):
-    """The normalised 1-D Gaussian of standard deviation `sigma` pixels, cut at 3σ."""
-    radius = max(1, math.ceil(3 * sigma))
-    taps = np.exp(-0.5 * (np.arange(-radius, radius + 1) / sigma) ** 2)
-    return (taps / taps.sum()).astype(np.float32)
-
-
-def elastic_distort(images, noise, alpha, sigma):
-    """Simard, Steinkraus & Platt (2003), sec. 2, on a batch: output pixel (y, x) of image b
-    samples `images` (B, H, W, C) at (y + dy, x + dx), bilinear, zero outside, where
-    (dy, dx) = alpha × (`noise` (B, H, W, 2) smoothed by a Gaussian of `sigma` pixels, zero
-    beyond the border). The smoothing makes neighbouring pixels move together: strokes bend
-    and thicken locally, as handwriting varies, instead of being scattered. Returns
-    float32 on the input's scale."""
-    images = tf.cast(images, tf.float32)
-    h, w = int(images.shape[1]), int(images.shape[2])
-    kernel = tf.constant(gaussian_kernel(sigma))
-    k = int(kernel.shape[0])
-    # Separable blur of every component as a (2B, H, W, 1) batch: 'SAME' pads with zeros.
-    field = tf.reshape(tf.transpose(tf.cast(noise, tf.float32), [0, 3, 1, 2]), [-1, h, w, 1])
-    field = tf.nn.conv2d(field, tf.reshape(kernel, [k, 1, 1, 1]), 1, "SAME")
-    field = tf.nn.conv2d(field, tf.reshape(kernel, [1, k, 1, 1]), 1, "SAME")
-    field = alpha * tf.reshape(field, [-1, 2, h, w])                     # (B, 2, H, W)
-    ys = tf.range(h, dtype=tf.float32)[:, None] + field[:, 0]            # (B, H, W)
-    xs = tf.range(w, dtype=tf.float32)[None, :] + field[:, 1]            # (B, H, W)
-    y0, x0 = tf.floor(ys), tf.floor(xs)
-    out = tf.zeros_like(images)
-    for oy in (0.0, 1.0):
-        for ox in (0.0, 1.0):
-            yi, xi = y0 + oy, x0 + ox
-            weight = (1.0 - tf.abs(ys - yi)) * (1.0 - tf.abs(xs - xi))
-            inside = (yi >= 0) & (yi <= h - 1) & (xi >= 0) & (xi <= w - 1)
-            index = tf.stack([tf.clip_by_value(yi, 0, h - 1), tf.clip_by_value(xi, 0, w - 1)], -1)
-            taps = tf.gather_nd(images, tf.cast(index, tf.int32), batch_dims=1)  # (B, H, W, C)
-            out += tf.where(inside, weight, 0.0)[..., None] * taps
-    return out
-
 
 def _check_examples(images, labels):
     images, labels = np.asarray(images), np.asarray(labels)

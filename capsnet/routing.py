@@ -20,7 +20,7 @@ def squash(s, axis=-1, epsilon=1e-7):
     gives v = 0 with a finite gradient. The relative change of |v| is below
     epsilon / (2|s|²), i.e. under 1e-5 for |s| ≥ 0.1. The fused routing op
     (capsnet.ops.capsule_routing) squashes its inner iterations with this default
-    compiled in (kSquashEpsilon in ops/capsule_prediction.h); tests/test_routing_op.py
+    compiled in (kSquashEpsilon in ops/capsnet_kernels.h); tests/test_routing_op.py
     checks that the two agree.
     """
     positive_float("squash: epsilon", epsilon)

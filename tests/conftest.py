@@ -61,7 +61,7 @@ def synthetic_digits(n, seed, size=28, num_classes=10):
 
 def write_idx_dataset(directory, n_train, n_test, gz=True):
     """An MNIST-format IDX directory (train-*, t10k-*) of synthetic_digits."""
-    from capsnet.data import write_idx
+    from capsnet.idx import write_idx
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

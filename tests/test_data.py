@@ -1,4 +1,5 @@
-"""capsnet.data: IDX files, split loading and the tf.data pipeline.
+"""capsnet.data, capsnet.idx, capsnet.augment: IDX files, split loading, the augmentation
+math and the tf.data pipeline.
 
 References are independent of the code under test: IDX bytes built by hand with
 `struct`, shifts computed by NumPy slicing, permutations checked by sorting.
@@ -13,8 +14,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from capsnet.data import elastic_distort, load_split, make_dataset, read_idx, rotate_zoom, write_idx
+from capsnet.augment import elastic_distort, rotate_zoom
+from capsnet.data import load_split, make_dataset
 from capsnet.errors import ConfigError, DataError
+from capsnet.idx import read_idx, write_idx
 from conftest import collect, numpy_shift
 
 REAL_MNIST = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mnist"

@@ -7,9 +7,9 @@ import pytest
 import yaml
 from conftest import checkpoint_lengths
 
-from capsnet.data import read_idx
 from capsnet.errors import CheckpointError, ConfigError, OpLibraryError
 from capsnet.evaluation import ensemble_report, evaluate, format_report
+from capsnet.idx import read_idx
 from capsnet.scoring import confusion_report
 
 REPORT_KEYS = {"accuracy", "loss", "images_per_sec", "per_class_accuracy", "confusion_matrix"}

@@ -1,0 +1,108 @@
+"""Augmentation math on single images or batches, stateless-RNG keyed: random shifts
+(the paper's), flips, rotation and zoom, elastic distortion (Simard et al. 2003). Pure
+TensorFlow functions without a pipeline: capsnet.data.make_dataset and
+make_multimnist_dataset apply them with per-example keys.
+"""
+import math
+
+import numpy as np
+import tensorflow as tf
+
+
+def random_shift(image, shift_pixels, key, fill="zero"):
+    """Shifts one (H, W, C) image by (dy, dx), each uniform in [-shift_pixels, shift_pixels],
+    drawn from the stateless RNG `key` (int64 (2,)); the uncovered border is zero
+    (fill="zero") or repeats the nearest border pixel (fill="edge"). Both fills draw the
+    same shift from the same key."""
+    h, w, c = image.shape
+    s = shift_pixels
+    # A crop at corner (oy, ox) of the image padded by s is the image shifted by (s - oy, s - ox).
+    corner = tf.random.stateless_uniform([2], seed=key, minval=0, maxval=2 * s + 1,
+                                         dtype=tf.int32, alg="philox")
+    if fill == "edge":
+        # out[y, x] = image[clip(y - dy), clip(x - dx)] with (dy, dx) = s - corner.
+        rows = tf.clip_by_value(tf.range(h) + corner[0] - s, 0, h - 1)
+        cols = tf.clip_by_value(tf.range(w) + corner[1] - s, 0, w - 1)
+        return tf.gather(tf.gather(image, rows, axis=0), cols, axis=1)  # (H, W, C)
+    padded = tf.pad(image, [[s, s], [s, s], [0, 0]])  # (H + 2s, W + 2s, C), zero border
+    return tf.slice(padded, [corner[0], corner[1], 0], [h, w, c])  # (H, W, C)
+
+
+def random_flip(image, key):
+    """Mirrors one (H, W, C) image left-right with probability 1/2 (stateless RNG `key`)."""
+    mirror = tf.random.stateless_uniform([], seed=key, alg="philox") < 0.5
+    return tf.cond(mirror, lambda: tf.reverse(image, axis=[1]), lambda: image)
+
+
+def random_rotate_zoom(image, rotate_degrees, zoom, key):
+    """Rotates one float (H, W, C) image by an angle uniform in ±rotate_degrees and scales
+    it by a factor uniform in [1 − zoom, 1 + zoom] about its centre (stateless RNG
+    `key`); bilinear, zero outside. Returns float32 on the input's 0..255 scale."""
+    angle_key, scale_key = tf.unstack(tf.random.experimental.stateless_split(key, 2, alg="philox"))
+    angle = tf.random.stateless_uniform([], seed=angle_key, minval=-rotate_degrees,
+                                        maxval=rotate_degrees, alg="philox") * (math.pi / 180.0)
+    scale = tf.random.stateless_uniform([], seed=scale_key, minval=1.0 - zoom,
+                                        maxval=1.0 + zoom, alg="philox")
+    return rotate_zoom(image, angle, scale)
+
+
+def rotate_zoom(image, angle, scale):
+    """`image` (H, W, C) float rotated by `angle` radians (counter-clockwise as displayed,
+    rows running down) and scaled by `scale` about its centre, bilinear, zero outside.
+
+    ImageProjectiveTransformV3 maps each output pixel (x, y) to the input point it
+    samples; for a rotation by θ and a scaling by s about the centre (cx, cy) that is
+    the inverse map p_in = R(−θ)(p_out − c)/s + c.
+    """
+    h, w = int(image.shape[0]), int(image.shape[1])
+    cx, cy = (w - 1) / 2.0, (h - 1) / 2.0
+    cos, sin = tf.cos(angle) / scale, tf.sin(angle) / scale
+    # Rows grow downwards, so a counter-clockwise turn on screen is a clockwise one in
+    # (x, y): x_in = cos·x' − sin·y' and y_in = sin·x' + cos·y' about the centre.
+    a0, a1, b0, b1 = cos, -sin, sin, cos
+    a2 = cx - a0 * cx - a1 * cy
+    b2 = cy - b0 * cx - b1 * cy
+    transform = tf.stack([a0, a1, a2, b0, b1, b2, 0.0, 0.0])[None]     # (1, 8)
+    out = tf.raw_ops.ImageProjectiveTransformV3(
+        images=tf.cast(image, tf.float32)[None], transforms=transform,
+        output_shape=tf.constant([h, w], tf.int32), fill_value=0.0,
+        interpolation="BILINEAR", fill_mode="CONSTANT")
+    return out[0]
+
+
+def gaussian_kernel(sigma):
+    """The normalised 1-D Gaussian of standard deviation `sigma` pixels, cut at 3σ."""
+    radius = max(1, math.ceil(3 * sigma))
+    taps = np.exp(-0.5 * (np.arange(-radius, radius + 1) / sigma) ** 2)
+    return (taps / taps.sum()).astype(np.float32)
+
+
+def elastic_distort(images, noise, alpha, sigma):
+    """Simard, Steinkraus & Platt (2003), sec. 2, on a batch: output pixel (y, x) of image b
+    samples `images` (B, H, W, C) at (y + dy, x + dx), bilinear, zero outside, where
+    (dy, dx) = alpha × (`noise` (B, H, W, 2) smoothed by a Gaussian of `sigma` pixels, zero
+    beyond the border). The smoothing makes neighbouring pixels move together: strokes bend
+    and thicken locally, as handwriting varies, instead of being scattered. Returns
+    float32 on the input's scale."""
+    images = tf.cast(images, tf.float32)
+    h, w = int(images.shape[1]), int(images.shape[2])
+    kernel = tf.constant(gaussian_kernel(sigma))
+    k = int(kernel.shape[0])
+    # Separable blur of every component as a (2B, H, W, 1) batch: 'SAME' pads with zeros.
+    field = tf.reshape(tf.transpose(tf.cast(noise, tf.float32), [0, 3, 1, 2]), [-1, h, w, 1])
+    field = tf.nn.conv2d(field, tf.reshape(kernel, [k, 1, 1, 1]), 1, "SAME")
+    field = tf.nn.conv2d(field, tf.reshape(kernel, [1, k, 1, 1]), 1, "SAME")
+    field = alpha * tf.reshape(field, [-1, 2, h, w])                     # (B, 2, H, W)
+    ys = tf.range(h, dtype=tf.float32)[:, None] + field[:, 0]            # (B, H, W)
+    xs = tf.range(w, dtype=tf.float32)[None, :] + field[:, 1]            # (B, H, W)
+    y0, x0 = tf.floor(ys), tf.floor(xs)
+    out = tf.zeros_like(images)
+    for oy in (0.0, 1.0):
+        for ox in (0.0, 1.0):
+            yi, xi = y0 + oy, x0 + ox
+            weight = (1.0 - tf.abs(ys - yi)) * (1.0 - tf.abs(xs - xi))
+            inside = (yi >= 0) & (yi <= h - 1) & (xi >= 0) & (xi <= w - 1)
+            index = tf.stack([tf.clip_by_value(yi, 0, h - 1), tf.clip_by_value(xi, 0, w - 1)], -1)
+            taps = tf.gather_nd(images, tf.cast(index, tf.int32), batch_dims=1)  # (B, H, W, C)
+            out += tf.where(inside, weight, 0.0)[..., None] * taps
+    return out
