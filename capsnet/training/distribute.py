@@ -16,6 +16,9 @@ nothing else. Every worker must resume from the same checkpoint
 (`check_workers_agree`). Evaluation runs on one device of every worker, as without a
 strategy, and a distributed run's checkpoints are ordinary ones (a mirrored variable is
 saved once).
+
+The section's choices and value checks are capsnet.config's (DistributeConfig); what it
+needs of the process (TF_CONFIG, the devices TensorFlow sees) is checked here.
 """
 import json
 import logging

@@ -32,8 +32,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from capsnet.data import augmentation_options, example_shape, is_overlay, load_split, make_split_dataset
 from capsnet import config
+from capsnet.data import augmentation_options, example_shape, is_overlay, load_split, make_split_dataset
 from capsnet.losses import loss_params
 from capsnet.scoring import json_safe
 from capsnet.training.checkpoints import (BestCheckpoint, check_resumable, checkpoint_weights, read_history,
