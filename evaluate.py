@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from capsnet import cli, config
 from capsnet.errors import ConfigError
 
-config.register()  # the schemas configs/ extends (capsnet/config.py), before Hydra composes
+config.register()  # the schemas configs/ extends (capsnet/config/schemas.py), before Hydra composes
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="eval")

@@ -22,17 +22,17 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
+from capsnet import config
 from capsnet.data import example_shape, is_overlay, load_split, make_split_dataset
 from capsnet.errors import CheckpointError, ConfigError
 from capsnet.losses import loss_params
 from capsnet.scoring import json_safe, predict, score
-from capsnet.training.checkpoints import WEIGHTS, resolve_checkpoint, restore_model
-from capsnet.training.config_checks import ema_decay
+from capsnet.training.checkpoints import resolve_checkpoint, restore_model
 from capsnet.training.model_setup import build_capsnet, check_labels, check_op_library
 from capsnet.training.steps import evaluate_model, make_eval_step
-from capsnet.validation import boolean, positive_int
+from capsnet.validation import boolean
 
-# How format_report names the weights evaluated (evaluate(weights=...); WEIGHTS).
+# How format_report names the weights evaluated (evaluate(weights=...): config.WEIGHTS).
 WEIGHT_NAMES = {"raw": "trained weights", "ema": "moving average of the weights"}
 
 
@@ -111,6 +111,11 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     if not checkpoints:
         raise ConfigError("checkpoint=[] names no checkpoint: give a run dir or checkpoint path "
                           "(a list of several evaluates their ensemble)")
+    # The arguments by configs/eval.yaml's field checks, in the words evaluate.py's users see
+    # (evaluate.py has checked them already; tests and scripts call evaluate() directly).
+    args = config.check_section(config.EvalAppConfig, {
+        "checkpoint": checkpoints, "which": which, "custom_op": custom_op, "batch_size": batch_size,
+        "weights": weights, "output": output, "data": {"name": data_name, "dir": data_dir, "limit_test": limit_test}})
     members = [resolve_member(c, which=which, custom_op=custom_op, weights=weights) for c in checkpoints]
     first = members[0]
     prefixes = [member["prefix"] for member in members]
@@ -118,25 +123,14 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     if repeated:
         # A member twice would weigh it double without saying so.
         raise ConfigError(f"the ensemble names a checkpoint more than once: {', '.join(repeated)}")
-    data_cfg = dict(first["cfg"].get("data") or {})
-    if data_name is not None and data_name != data_cfg.get("name") and data_dir is None:
+    data_cfg, data_args = dict(first["cfg"]["data"]), args["data"]
+    if data_args["name"] is not None and data_args["name"] != data_cfg["name"] and data_args["dir"] is None:
         data_cfg["dir"] = None
-    if data_name is not None:
-        data_cfg["name"] = data_name
-    if data_dir is not None:
-        data_cfg["dir"] = str(data_dir)
-    if limit_test is not None:
-        data_cfg["limit_test"] = limit_test
-    if batch_size is None:
-        batch_size, where = first["cfg"]["train"].get("batch_size"), \
-            f"the run config's train.batch_size ({first['run_dir']})"
-    else:
-        where = "batch_size"
-    batch_size = positive_int(where, batch_size, expected="a positive integer (or null: the run's train.batch_size)",
-                              error=ConfigError)
+    data_cfg.update({key: value for key, value in data_args.items() if value is not None})
+    batch_size = first["cfg"]["train"]["batch_size"] if args["batch_size"] is None else args["batch_size"]
     # One test split for all (data.name may pick another): members trained for different
     # datasets have capsules that mean different things, whatever split they are scored on.
-    trained_on = [(member["cfg"].get("data") or {}).get("name") for member in members]
+    trained_on = [member["cfg"]["data"]["name"] for member in members]
     for member, name in zip(members[1:], trained_on[1:]):
         if name != trained_on[0]:
             raise ConfigError(f"ensemble members trained on different datasets: {trained_on[0]} "
@@ -145,11 +139,9 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     if any(member["custom_op"] for member in members):
         check_op_library()
     for member in members:
-        model_cfg = dict(member["cfg"]["model"])
-        if not member["custom_op"]:
-            # The fused routing op is the compiled op too; without it the same W routes in TF.
-            model_cfg["fused_routing"] = False
-        member["model"] = build_capsnet(model_cfg, member["custom_op"])  # its config errors before the data is read
+        # Routed as config.routing_mode decides for the member's custom_op: custom_op=false
+        # routes the same W in TF (or XLA) whatever the run routed with.
+        member["model"] = build_capsnet(member["cfg"]["model"], member["custom_op"])  # before the data is read
     model = first["model"]
     for member in members[1:]:
         shapes = [(m["model"].image_shape, m["model"].num_classes) for m in (first, member)]
@@ -160,7 +152,7 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     images, labels = load_split(data_cfg["name"], "test", data_dir=data_cfg.get("dir"),
                                 limit=data_cfg.get("limit_test"))
     # MultiMNIST: the test pairs on the canvas of the run's shift (the paper's 4 px).
-    shift_pixels = data_cfg.get("shift_pixels", 2)
+    shift_pixels = data_cfg["shift_pixels"]
     check_labels(labels, images, model=model, split=f"{data_cfg['name']} test",
                  image_shape=example_shape(data_cfg["name"], images.shape[1:], shift_pixels))
     for member in members:
@@ -200,7 +192,7 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
         default_output = f"{first['prefix']}.ensemble-{digest}.eval.json"
     else:
         report, default_output = reports[0], first["prefix"] + ".eval.json"
-    output = Path(output) if output is not None else Path(default_output)
+    output = Path(args["output"] if args["output"] is not None else default_output)
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(json_safe(report), indent=2) + "\n")
@@ -212,33 +204,34 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
 
 def resolve_member(checkpoint, *, which, custom_op, weights):
     """One checkpoint to evaluate, resolved and its run config checked (no model yet):
-    prefix, run_dir, cfg, custom_op, losses, weights."""
-    prefix, run_dir, cfg = resolve_checkpoint(checkpoint, which)
+    prefix, run_dir, cfg (config.check's), custom_op, losses, weights. The arguments are
+    checked as evaluate()'s are (export calls this alone)."""
+    config.check_section(config.EvalAppConfig, {"checkpoint": checkpoint, "which": which, "custom_op": custom_op,
+                                                "weights": weights})
+    prefix, run_dir, saved = resolve_checkpoint(checkpoint, which)
     prefix, run_dir = str(Path(prefix).resolve()), Path(run_dir).resolve()
-    # Only real booleans and integers: bool('no') is True, int(2.7) is 2, and 0 would mean "unset".
+    cfg = check_run_config(saved, run_dir)
     if custom_op is None:
-        custom_op = cfg.get("custom_op", False)
-        where = f"the run config's custom_op ({run_dir / 'config.yaml'})"
-    else:
-        where = "custom_op"
-    boolean(where, custom_op, expected="true or false (or null: as trained)", error=ConfigError)
-    if not isinstance(cfg.get("train"), dict):
-        cfg["train"] = {}
-    try:
-        losses = loss_params(cfg["train"])
-        kept_average = ema_decay(cfg["train"]) > 0
-    except ConfigError as exc:
-        raise ConfigError(f"the run config of {run_dir}: {exc}") from exc
+        custom_op = cfg["custom_op"]
+    kept_average = cfg["train"]["ema_decay"] > 0
     if weights is None:
         weights = "ema" if kept_average else "raw"
-    if weights not in WEIGHTS:
-        raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)} (or null: the run's average if it kept one), "
-                          f"got {weights!r}")
     if weights == "ema" and not kept_average:
         raise ConfigError(f"weights=ema: the run {run_dir} kept no average of its weights (train.ema_decay was 0); "
                           "use weights=raw (an ensemble: weights=null, each member's own)")
-    return {"prefix": prefix, "run_dir": run_dir, "cfg": cfg, "custom_op": custom_op, "losses": losses,
-            "weights": weights}
+    return {"prefix": prefix, "run_dir": run_dir, "cfg": cfg, "custom_op": custom_op,
+            "losses": loss_params(cfg["train"]), "weights": weights}
+
+
+def check_run_config(saved, run_dir):
+    """A run's saved config (read_run_config's: in today's shape) checked by config.check,
+    a bad value named as the run's ("the run config of <run dir>: ...")."""
+    # Only a real boolean: bool('no') is True.
+    boolean(f"the run config's custom_op ({run_dir / 'config.yaml'})", saved.get("custom_op"), error=ConfigError)
+    try:
+        return config.check({**saved, "run_dir": str(run_dir)})  # where it is now (it may have moved)
+    except ConfigError as exc:
+        raise ConfigError(f"the run config of {run_dir}: {exc}") from exc
 
 
 def ensemble_report(reports, results, num_classes):

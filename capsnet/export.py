@@ -147,16 +147,13 @@ def export(checkpoint, output, *, which="best", weights=None, custom_op=False):
     # Everything that can fail on the user's input fails here, before anything is written.
     member = resolve_member(checkpoint, which=which, custom_op=custom_op, weights=weights)
     cfg = member["cfg"]
-    model_cfg = dict(cfg["model"])
     if member["custom_op"]:
         check_op_library()
-    else:
-        # The fused routing op is the compiled op too; without it the same W routes in TF.
-        model_cfg["fused_routing"] = False
-    model = build_capsnet(model_cfg, member["custom_op"])
+    # Routed as config.routing_mode decides for custom_op: false routes the same W in TF ops.
+    model = build_capsnet(cfg["model"], member["custom_op"])
     epoch = restore_model(model, member["prefix"], member["weights"])
-    dataset = (cfg.get("data") or {}).get("name")
-    two_digits = bool(dataset) and is_overlay(dataset)
+    dataset = cfg["data"]["name"]
+    two_digits = is_overlay(dataset)
     archive = export_archive(model, two_digits)
 
     report = {

@@ -3,15 +3,13 @@
 Both return one value per example, shape (batch,); the weight that combines them is
 deliberately not applied in either. `capsnet_losses` is the paper's total loss the
 compiled train and test steps use, margin + reconstruction_weight · reconstruction
-(paper: 0.0005, a config value), and `loss_params(train_cfg)` its checked arguments.
+(paper: 0.0005, a config value), and `loss_params(train_cfg)` its arguments from a
+checked config.
 """
 import numbers
 
 import keras
 import tensorflow as tf
-
-from capsnet.errors import ConfigError
-from capsnet.validation import finite_float
 
 __all__ = ["margin_loss", "reconstruction_loss", "MarginLoss", "ReconstructionLoss", "capsnet_losses",
            "loss_params"]
@@ -113,24 +111,10 @@ LOSS_KEYS = ("m_plus", "m_minus", "lambda_", "reconstruction_weight")
 
 
 def loss_params(train_cfg):
-    """The loss arguments of capsnet_losses from a config's `train` section, checked:
-    finite numbers, 0 <= m_minus < m_plus <= 1, lambda_ >= 0, reconstruction_weight >= 0
-    (else ConfigError naming the keys)."""
-    params = {}
-    for key in LOSS_KEYS:
-        if key not in train_cfg:
-            raise ConfigError(f"train.{key} is missing")
-        params[key] = finite_float(f"train.{key}", train_cfg[key], error=ConfigError)
-    try:
-        # The margin loss's own rule, checked now rather than when the first step is traced.
-        _check_margins(params["m_plus"], params["m_minus"], params["lambda_"])
-    except ValueError as exc:
-        reason = str(exc).removeprefix("margin_loss: ")
-        raise ConfigError(f"train.m_plus, train.m_minus, train.lambda_: {reason}") from exc
-    if params["reconstruction_weight"] < 0:
-        raise ConfigError(f"train.reconstruction_weight must be >= 0, got {params['reconstruction_weight']!r}")
-    return params
-
+    """The loss arguments of capsnet_losses from a config's `train` section, checked by
+    capsnet.config.check (finite numbers, 0 <= m_minus < m_plus <= 1, lambda_ >= 0,
+    reconstruction_weight >= 0: TrainConfig's field checks and margin rule)."""
+    return {key: float(train_cfg[key]) for key in LOSS_KEYS}
 
 
 @keras.saving.register_keras_serializable(package="capsnet")

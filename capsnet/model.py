@@ -8,7 +8,6 @@ PrimaryCaps 32 types × 8-D @9×9 stride 2 (6·6·32 = 1152 capsules) → DigitC
 import keras
 import tensorflow as tf
 
-from capsnet.config import ROUTING, routing_from_flags, routing_mode
 from capsnet.layers import Decoder, DigitCaps, PrimaryCaps, capsule_lengths, check_routing, routing_argument, routing_flags
 from capsnet.validation import boolean, positive_float, positive_int, positive_int_tuple
 
@@ -37,8 +36,8 @@ class CapsNet(keras.Model):
     fused_op; see DigitCaps) only picks how DigitCaps computes u_hat and routes; the
     weights are identical, so a model built with any mode loads the others' weights.
     A config's custom_op and model.routing resolve to a mode in capsnet.config.routing_mode
-    (build_model does it). `custom_op`, `jit_routing`, `fused_routing`: read-only, what
-    the mode implies (DigitCaps).
+    (capsnet.training.model_setup.build_capsnet does it). `custom_op`, `jit_routing`,
+    `fused_routing`: read-only, what the mode implies (DigitCaps).
     `w_init_stddev`: DigitCaps' W starts as N(0, w_init_stddev²) per entry (see
     `capsnet.layers.DigitCaps`).
     """
@@ -196,30 +195,10 @@ class CapsNet(keras.Model):
                              doc="Whether one compiled op does prediction and routing (DigitCaps.fused_routing).")
 
 
-def model_arguments(kwargs):
-    """CapsNet's arguments from a config's model section plus `custom_op`: model.routing
-    (auto | tf | xla) resolved with custom_op by capsnet.config.routing_mode; a routing
-    mode (matmul, ..., fused_op) passes as it is. The flags from before model.routing
-    (jit_routing, fused_routing: old run configs, and callers written for them) decide
-    where they are given (capsnet.config.routing_from_flags)."""
-    kwargs = dict(kwargs)
-    flags = {flag: kwargs.pop(flag) for flag in ("jit_routing", "fused_routing") if flag in kwargs}
-    routing = kwargs.get("routing")
-    if routing is not None and routing not in ROUTING:
-        return routing_argument(kwargs)  # a mode
-    custom_op = kwargs.pop("custom_op", False)
-    if flags or routing is None:
-        kwargs["routing"] = routing_from_flags(
-            custom_op=custom_op, **{"jit_routing": False, "fused_routing": False, **flags},
-            stop_gradient_routing=kwargs.get("stop_gradient_routing", True))
-    kwargs["routing"] = routing_mode(custom_op, kwargs)
-    return kwargs
-
-
 def build_model(**kwargs):
-    """A CapsNet with its weights created (no forward pass), ready for count_params(),
-    load_weights() or a checkpoint restore. `kwargs`: CapsNet's, or a config's model
-    section plus custom_op (model_arguments)."""
-    model = CapsNet(**model_arguments(kwargs))
+    """A CapsNet(**kwargs) with its weights created (no forward pass), ready for
+    count_params(), load_weights() or a checkpoint restore. A config's model section
+    (model.routing auto | tf | xla, with custom_op): capsnet.training.model_setup.build_capsnet."""
+    model = CapsNet(**kwargs)
     model.build((None, *model.image_shape))
     return model

@@ -64,9 +64,7 @@ RESERVED_KEYS = (*bt.RESERVED_KEYS, "distribute")
 # --------------------------------------------------------------------------- arguments
 
 def _all_reduce(text):
-    # Imported here: capsnet.training.distribute imports TensorFlow, which the parent process needs
-    # only when this option is given (its workers do the TensorFlow work).
-    from capsnet.training.distribute import ALL_REDUCE
+    from capsnet.config import ALL_REDUCE
 
     names = [v.strip() for v in text.split(",") if v.strip()]
     unknown = [v for v in names if v not in ALL_REDUCE["mirrored"]]
@@ -118,15 +116,16 @@ def time_mirrored_training(spec, batch_size, devices, all_reduce, per_call=1):
     import keras
 
     from capsnet.losses import loss_params
-    from capsnet.training.distribute import DISTRIBUTE_DEFAULTS, input_iterator, make_strategy
+    from capsnet import config
+    from capsnet.training.distribute import input_iterator, make_strategy
     from capsnet.training.model_setup import build_capsnet
     from capsnet.training.optimizer import build_optimizer
     from capsnet.training.steps import make_train_loop, make_train_step
 
     model_cfg, train_cfg = bt.variant_model_cfg(spec["variant"], spec["model"]), spec["train"]
     input_shape = tuple(model_cfg["input_shape"])
-    strategy = make_strategy({**DISTRIBUTE_DEFAULTS, "strategy": "mirrored", "devices": devices,
-                              "all_reduce": all_reduce})
+    strategy = make_strategy(config.check_section(config.DistributeConfig, {
+        "strategy": "mirrored", "devices": devices, "all_reduce": all_reduce}, "distribute."))
     replicas = strategy.num_replicas_in_sync
     global_batch = batch_size * replicas
     keras.utils.set_random_seed(spec["seed"])  # the weights of time_training
@@ -167,7 +166,8 @@ def worker(spec):
 
     from capsnet.errors import CapsnetError
     from capsnet.training.model_setup import check_op_library
-    from capsnet.training.steps import check_xla, set_autoclustering
+    from capsnet import config
+    from capsnet.training.steps import set_autoclustering
 
     result = {"variant": spec["variant"], "results": [], "error": None, "failures": [],
               "tensorflow": tf.__version__}
@@ -176,7 +176,8 @@ def worker(spec):
         print(json.dumps(result), flush=True)
 
     try:
-        check_xla(spec["xla"], spec["custom_op"])
+        routing = bt.variant_model_cfg(spec["variant"], spec["model"])["routing"]
+        config.check_xla(spec["xla"], spec["custom_op"], routing)
         set_autoclustering(spec["xla"] == "autocluster")  # before TensorFlow sets up its devices
         most = max(spec["replicas"] or [1])
         if spec["device"] == "cpu":

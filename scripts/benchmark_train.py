@@ -11,15 +11,16 @@ builds it) and the real compiled step (capsnet.training.steps.make_train_step), 
 
     op                     custom_op=true  xla=none
     op+autocluster         custom_op=true  xla=autocluster
-    op+fused               custom_op=true  xla=none         model.fused_routing=true
-    op+fused+autocluster   custom_op=true  xla=autocluster  model.fused_routing=true
+    op+fused               custom_op=true  xla=none         model.routing=auto (the fused op)
+    op+fused+autocluster   custom_op=true  xla=autocluster  model.routing=auto (the fused op)
     matmul                 custom_op=false xla=none         (the baseline of the ratio column)
     matmul+jit             custom_op=false xla=jit
     matmul+autocluster     custom_op=false xla=autocluster
 
-The fused variants route inside the compiled op (capsnet.ops.capsule_routing) and so
-run with model.jit_routing=false whatever the overrides say (nothing is left to
-compile); the others take model.* from the config and overrides as they are.
+The fused variants route inside the compiled op (capsnet.ops.capsule_routing):
+model.routing=auto, which capsnet.config.routing_mode resolves to the fused op with
+custom_op=true; the others route in TF ops (model.routing=tf). model.routing is set by
+the variant; the other model.* keys come from the config and overrides as they are.
 
 How:
 - Each variant runs in its own subprocess, one after the other on the same device:
@@ -75,7 +76,7 @@ BASELINE = "matmul"
 MNIST_TRAIN_EXAMPLES = 60_000
 # Set by the variant, not by an override: an override would be silently ignored.
 RESERVED_KEYS = ("custom_op", "train.xla", "train.batch_size", "train.steps_per_execution", "deterministic",
-                 "model.fused_routing")
+                 "model.routing")
 
 
 def label(variant):
@@ -84,14 +85,14 @@ def label(variant):
 
 
 def variant_model_cfg(variant, model_cfg):
-    """The config's model section as `variant` builds it: the fused variants set
-    fused_routing=true and jit_routing=false (exclusive: nothing is left to compile),
-    the others fused_routing=false."""
+    """The config's model section as `variant` builds it: the fused variants
+    model.routing=auto (with custom_op=true: the fused op, capsnet.config.routing_mode),
+    the others model.routing=tf."""
     if variant in FUSED_VARIANTS:
-        return {**model_cfg, "fused_routing": True, "jit_routing": False}
+        return {**model_cfg, "routing": "auto"}
     # The other variants time the unfused paths: the op for u_hat alone, TF routing
-    # (the config's null would pick the fused op for custom_op=true).
-    return {**model_cfg, "fused_routing": False}
+    # (auto would pick the fused op for custom_op=true).
+    return {**model_cfg, "routing": "tf"}
 
 
 # --------------------------------------------------------------------------- arguments
@@ -294,11 +295,13 @@ def worker(spec):
 
     from capsnet.errors import CapsnetError
     from capsnet.training.model_setup import check_op_library
-    from capsnet.training.steps import check_xla, set_autoclustering
+    from capsnet import config
+    from capsnet.training.steps import set_autoclustering
 
     result = {"variant": spec["variant"], "results": [], "error": None, "tensorflow": tf.__version__}
     try:
-        check_xla(spec["xla"], spec["custom_op"])
+        routing = variant_model_cfg(spec["variant"], spec["model"])["routing"]
+        config.check_xla(spec["xla"], spec["custom_op"], routing)
         # Before TensorFlow sets up its devices: it reads the XLA flags then (see set_autoclustering).
         set_autoclustering(spec["xla"] == "autocluster")
         if spec["device"] == "gpu" and not tf.config.list_physical_devices("GPU"):

@@ -103,7 +103,7 @@ def evaluation_reference(run_dir, data_dir):
     from capsnet.training.steps import evaluate_model, make_eval_step
 
     member = resolve_member(run_dir, which="best", custom_op=False, weights=None)
-    model = build_capsnet(dict(member["cfg"]["model"], fused_routing=False), False)
+    model = build_capsnet(member["cfg"]["model"], False)
     restore_model(model, member["prefix"], member["weights"])
     images, labels = load_split("mnist", "test", data_dir=data_dir)
     dataset = make_split_dataset("mnist", images, labels, batch_size=32, training=False)

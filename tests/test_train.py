@@ -482,19 +482,16 @@ def test_xla_jit_with_the_custom_op_is_a_config_error(tiny_config):
     with pytest.raises(ConfigError, match=r"train\.xla=jit cannot compile the custom op.*use train\.xla=autocluster"):
         train(tiny_config("custom_op=true", "train.xla=jit"))
     cfg = tiny_config()
-    model = build_model(custom_op=True, conv1_filters=16, primary_caps_types=4, digit_caps_dim=8)
+    model = build_model(routing="op", conv1_filters=16, primary_caps_types=4, digit_caps_dim=8)
     optimizer, _ = build_optimizer(cfg["train"], 20, model)
     with pytest.raises(ConfigError, match="use train.xla=autocluster"):
         make_train_step(model, optimizer, input_shape=(28, 28, 1), losses={}, xla="jit")
 
 
 def test_jit_routing_inside_xla_jit_is_a_config_error(tiny_config):
-    from capsnet.config import check
-
-    # model.routing=xla is what model.jit_routing=true was; capsnet.config.check refuses it
-    # under train.xla=jit (train.py calls it; train() will in phase 2).
+    # model.routing=xla is what model.jit_routing=true was.
     with pytest.raises(ConfigError, match=r"model\.routing=xla is redundant under train\.xla=jit"):
-        check(tiny_config("model.routing=xla", "train.xla=jit"))
+        train(tiny_config("model.routing=xla", "train.xla=jit"))
 
 
 # --------------------------------------------------------------------------- the compiled op

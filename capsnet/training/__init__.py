@@ -1,9 +1,9 @@
 """Training CapsNet: `train(cfg)` (capsnet.training.loop), the body of `python train.py`.
 
-One module per concern; import each piece from its module:
+One module per concern; import each piece from its module (the config's checks, before
+any of these: capsnet.config.check, which train() calls first):
     loop            train(cfg): config → setup → data → model/optimizer (new or resumed)
                     → compiled steps → epochs → final metrics; the run dir's layout
-    config_checks   check_train_config(cfg): every training config value, checked up front
     model_setup     build_capsnet, check_op_library, check_labels (shared with evaluate())
     optimizer       build_optimizer (Adam on a decaying LR), scaled_learning_rate
     weight_average  WeightAverage (train.ema_decay)

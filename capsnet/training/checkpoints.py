@@ -22,9 +22,11 @@ superseded or deleted on restart (`BestCheckpoint`, `read_history`).
 
 Resuming refuses a config that would change the run's trajectory (RESUME_KEYS: the
 model, the data, the seed, the optimizer and loss values; `check_resumable`) and names
-what differs; train.epochs (to extend a run), custom_op, train.xla, model.jit_routing,
+what differs; train.epochs (to extend a run), custom_op, train.xla, model.routing,
 deterministic, logging and progress keys may change, and so may the distribute
-strategy and devices (a run started on one GPU may continue on two).
+strategy and devices (a run started on one GPU may continue on two). A saved config is
+read in today's shape (capsnet.config.migrate: keys added since at the defaults it was
+trained with, the old routing flags as model.routing).
 """
 import json
 import os
@@ -33,18 +35,17 @@ from pathlib import Path
 import tensorflow as tf
 import yaml
 
-from capsnet.data import AUGMENTATION_KEYS, AUGMENTATION_OFF
+from capsnet import config
+from capsnet.config import WHICH  # a run dir's checkpoints: best (the highest test accuracy) or latest
+from capsnet.data import AUGMENTATION_KEYS
 from capsnet.errors import CheckpointError, ConfigError
-from capsnet.training.distribute import DISTRIBUTE_DEFAULTS
-
-# A run dir's checkpoints: checkpoints/best (the highest test accuracy) or checkpoints/latest.
-WHICH = ("best", "latest")
 
 
 # --------------------------------------------------------------------------- run config and checkpoint paths
 
 def read_run_config(run_dir):
-    """The plain-dict config a run was trained with (config.yaml, else Hydra's .hydra/config.yaml)."""
+    """The plain-dict config a run was trained with (config.yaml, else Hydra's .hydra/config.yaml),
+    in today's shape (config.migrate; not checked: config.check it)."""
     for candidate in (Path(run_dir) / "config.yaml", Path(run_dir) / ".hydra" / "config.yaml"):
         if candidate.is_file():
             try:
@@ -53,7 +54,10 @@ def read_run_config(run_dir):
                 raise CheckpointError(f"cannot parse the run config {candidate}: {exc}".splitlines()[0]) from exc
             if not isinstance(cfg, dict) or "model" not in cfg:
                 raise CheckpointError(f"the run config {candidate} has no model section")
-            return cfg
+            try:
+                return config.migrate(cfg)
+            except ConfigError as exc:  # old routing flags that were never valid together
+                raise ConfigError(f"the run config of {run_dir}: {exc}") from exc
     return None
 
 
@@ -164,38 +168,33 @@ def resume_from(checkpoint, prefix):
 # --------------------------------------------------------------------------- resume rules
 
 # What a resumed run must share with the run it continues: everything that changes the
-# trajectory of the weights. The model section is compared whole, except jit_routing and
-# fused_routing (how routing is computed, not what: the same W and the same math).
+# trajectory of the weights. The model section is compared whole, except model.routing
+# (how routing is computed, not what: the same W and the same math).
 RESUME_KEYS = {
     "data": ("name", "dir", "limit_train", "limit_test", *AUGMENTATION_KEYS),
     "train": ("batch_size", "learning_rate", "lr_decay_rate", "lr_decay_steps", "lr_staircase",
               "m_plus", "m_minus", "lambda_", "reconstruction_weight", "ema_decay"),
 }
-RESUME_FREE_MODEL_KEYS = ("jit_routing", "fused_routing")
-# Keys added after the first release, with the value a run saved before them was trained with.
-# (Augmentations added after a run was saved were off in it.)
-ADDED_DEFAULTS = {"model": {"w_init_stddev": 0.1}, "data": AUGMENTATION_OFF, "train": {"ema_decay": 0.0}}
+RESUME_FREE_MODEL_KEYS = ("routing",)
 
 
 def _resume_values(cfg):
     """{dotted key: value} of a config over what a resume must not change (tuples as lists,
-    as they come back from config.yaml)."""
+    as they come back from config.yaml). A saved config is compared in today's shape
+    (config.migrate: a key added since at the value the run was trained with)."""
+    cfg = config.migrate(cfg)
 
     def section(name):
         values = cfg.get(name)
         return values if isinstance(values, dict) else {}
 
-    def known(name):  # a saved section with the keys added after it at their old values
-        return {**ADDED_DEFAULTS.get(name, {}), **section(name)} if section(name) else {}
-
     values = {"seed": cfg.get("seed")}
-    values.update({f"model.{k}": v for k, v in known("model").items() if k not in RESUME_FREE_MODEL_KEYS})
+    values.update({f"model.{k}": v for k, v in section("model").items() if k not in RESUME_FREE_MODEL_KEYS})
     for name, keys in RESUME_KEYS.items():
-        values.update({f"{name}.{k}": known(name).get(k) for k in keys})
+        values.update({f"{name}.{k}": section(name).get(k) for k in keys})
     # Of distribute, only what sets the learning rate: the strategy, devices and all-reduce
-    # do not change the trajectory (a run may move from one GPU to several and back). A run
-    # dir from before distribute existed trained as its defaults do.
-    distribute = {**DISTRIBUTE_DEFAULTS, **section("distribute")}
+    # do not change the trajectory (a run may move from one GPU to several and back).
+    distribute = section("distribute")
     values["distribute.scale_lr"] = distribute["scale_lr"]
     if distribute["scale_lr"] != "none":  # the base batch matters only when it scales
         values["distribute.lr_base_batch_size"] = distribute["lr_base_batch_size"]

@@ -16,8 +16,12 @@ nothing else. Every worker must resume from the same checkpoint
 (`check_workers_agree`). Evaluation runs on one device of every worker, as without a
 strategy, and a distributed run's checkpoints are ordinary ones (a mirrored variable is
 saved once).
+
+The section's choices and value checks are capsnet.config's (DistributeConfig); what it
+needs of the process (TF_CONFIG, the devices TensorFlow sees) is checked here.
 """
 import json
+import logging
 import os
 
 import numpy as np
@@ -25,17 +29,8 @@ import tensorflow as tf
 
 from capsnet.errors import CheckpointError, ConfigError
 
-STRATEGIES = ("none", "mirrored", "multi_worker")
-# distribute.all_reduce: how the replicas sum their gradients, per strategy.
-ALL_REDUCE = {
-    "none": ("auto",),
-    "mirrored": ("auto", "nccl", "one_device"),
-    "multi_worker": ("auto", "nccl", "ring"),
-}
-SCALE_LR = ("none", "linear", "sqrt")
-# The distribute section of a config that has none (written before it existed).
-DISTRIBUTE_DEFAULTS = {"strategy": "none", "devices": None, "all_reduce": "auto", "scale_lr": "none",
-                       "lr_base_batch_size": 100}
+log = logging.getLogger(__name__)
+
 TF_CONFIG_EXAMPLE = ('{"cluster": {"worker": ["host1:12345", "host2:12345"]}, '
                      '"task": {"type": "worker", "index": 0}}')
 
@@ -68,6 +63,17 @@ def read_tf_config():
     return tf_config
 
 
+def check_tf_config(strategy):
+    """What the distribute section needs of the process (its values are config.check's):
+    multi_worker a valid TF_CONFIG (read_tf_config); the others warn that a TF_CONFIG set
+    is not used."""
+    if strategy == "multi_worker":
+        read_tf_config()
+    elif os.environ.get("TF_CONFIG"):
+        log.warning("TF_CONFIG is set but distribute=%s: this process trains alone (distribute=multi_worker "
+                    "joins the cluster)", strategy)
+
+
 def _check_devices(devices):
     """Every name in distribute.devices must be a device TensorFlow sees (MirroredStrategy
     would only warn, then fail when it first places a variable there)."""
@@ -84,7 +90,7 @@ def _check_devices(devices):
 
 
 def make_strategy(dcfg):
-    """The tf.distribute strategy of a checked distribute section (distribute_config); None
+    """The tf.distribute strategy of a checked distribute section (config.check); None
     for `none`, which keeps the one-device code path.
 
     multi_worker must be made before TensorFlow starts (its first tensor or variable): it

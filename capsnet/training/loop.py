@@ -32,15 +32,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from capsnet import config
 from capsnet.data import augmentation_options, example_shape, is_overlay, load_split, make_split_dataset
-from capsnet.errors import ConfigError
 from capsnet.losses import loss_params
 from capsnet.scoring import json_safe
 from capsnet.training.checkpoints import (BestCheckpoint, check_resumable, checkpoint_weights, read_history,
                                          resume_from, write_run_config)
-from capsnet.training.config_checks import check_train_config, ema_decay
-from capsnet.training.distribute import (check_global_batch, check_workers_agree, input_iterator, is_chief,
-                                         make_strategy)
+from capsnet.training.distribute import (check_global_batch, check_tf_config, check_workers_agree, input_iterator,
+                                         is_chief, make_strategy)
 from capsnet.training.model_setup import build_capsnet, check_labels, check_op_library
 from capsnet.training.optimizer import build_optimizer, scaled_learning_rate, steps_done
 from capsnet.training.steps import (evaluate_model, execution_lengths, make_eval_step, make_train_loop,
@@ -55,7 +54,11 @@ log = logging.getLogger(__name__)
 def train(cfg):
     """Train (or resume) the run in cfg["run_dir"]; returns the final metrics (also metrics.json)."""
     # ---- config and setup
-    model_cfg, data_cfg, tcfg, dcfg = check_train_config(cfg)
+    # Every value checked up front, before TensorFlow touches a device or the data is read
+    # (train.py has checked it already: idempotent); a bad one is a ConfigError naming it.
+    cfg = config.check(cfg)
+    model_cfg, data_cfg, tcfg, dcfg = (dict(cfg[section]) for section in ("model", "data", "train", "distribute"))
+    check_tf_config(dcfg["strategy"])
     run_dir = Path(cfg["run_dir"]).expanduser().resolve()
     seed, custom_op, batch_size = int(cfg["seed"]), cfg["custom_op"], int(tcfg["batch_size"])
     if data_cfg.get("dir") is not None:
@@ -67,7 +70,7 @@ def train(cfg):
     # Before anything touches a device: on a CPU-only machine autoclustering needs a
     # TF_XLA_FLAGS flag that TensorFlow reads once, when it sets up its devices.
     set_autoclustering(tcfg["xla"] == "autocluster")
-    set_determinism(cfg.get("deterministic", False))
+    set_determinism(cfg["deterministic"])
     # Before the first tensor (multi_worker configures the process's collective ops then);
     # None = one device. Variables made in a scope() are mirrored over the replicas.
     strategy = make_strategy(dcfg)
@@ -90,9 +93,8 @@ def train(cfg):
     # and check_labels compares the data with the checked values.
     with scope():
         model = build_capsnet(model_cfg, custom_op)
-    two_digits = is_overlay(data_cfg["name"])  # MultiMNIST: labels (B, 2) and the digits (B, 2, H, W, C)
-    if two_digits and strategy is not None:
-        raise ConfigError(f"data.name={data_cfg['name']} trains on one device only: set distribute=none")
+    # MultiMNIST: labels (B, 2) and the digits (B, 2, H, W, C); one device (config.check).
+    two_digits = is_overlay(data_cfg["name"])
 
     # ---- data (uint8 in memory; make_dataset scales, shuffles and shifts per (seed, epoch);
     # for MultiMNIST make_multimnist_dataset also pairs and overlays the digits)
@@ -122,7 +124,7 @@ def train(cfg):
     with scope():  # the Keras optimizer keeps the strategy it is made under
         optimizer, schedule = build_optimizer({**tcfg, "learning_rate": learning_rate}, steps_per_epoch, model)
         # The run's test passes, best checkpoint and evaluate.py use the average's weights.
-        decay = ema_decay(tcfg)
+        decay = tcfg["ema_decay"]
         average = WeightAverage(model, decay, optimizer.iterations) if decay else None
     epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")  # epochs done
     best_accuracy = tf.Variable(-1.0, dtype=tf.float64, trainable=False, name="best_accuracy")

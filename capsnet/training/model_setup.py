@@ -1,42 +1,31 @@
 """The model of a config, and the checks that it can run: shared by train() and evaluate().
 
 - `build_capsnet(model_cfg, custom_op)`: the CapsNet of a config's `model` section
-  (model.fused_routing=null resolved by `fused_routing_applies`), config errors as
-  ConfigError.
+  (model.routing and custom_op resolved by capsnet.config.routing_mode), config errors
+  as ConfigError.
 - `check_op_library(devices)`: custom_op=true fails at once if the compiled op cannot run.
 - `check_labels(labels, images, model=...)`: the data fits the model.
 """
 import tensorflow as tf
 
-from capsnet import ops
+from capsnet import config, ops
 from capsnet.errors import ConfigError, OpLibraryError
 from capsnet.model import build_model
 
 
 def build_capsnet(model_cfg, custom_op):
-    """The CapsNet of a config's `model` section; bad values (a non-integer num_classes,
-    input_shape=5, an unknown key, ...) → ConfigError naming them.
+    """The CapsNet of a config's `model` section and `custom_op`: DigitCaps routes as
+    capsnet.config.routing_mode decides (the one place); bad values (a non-integer
+    num_classes, input_shape=5, an unknown key, ...) → ConfigError naming them.
 
     The values go to CapsNet as they are: it checks them (and turns lists into
     tuples), so a bool(...) or tuple(...) here cannot misread or crash on them first.
     """
-    model_cfg = dict(model_cfg)
-    if model_cfg.get("fused_routing", False) is None:
-        # null (the config's default): the fused routing op wherever it applies, so that
-        # custom_op=true alone is the fastest setting (docs/benchmarks.md).
-        model_cfg["fused_routing"] = fused_routing_applies(model_cfg, custom_op)
+    routing = config.routing_mode(custom_op, model_cfg)
     try:
-        return build_model(**model_cfg, custom_op=custom_op)
+        return build_model(**{k: v for k, v in model_cfg.items() if k != "routing"}, routing=routing)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"model: {' '.join(str(exc).split())}") from exc
-
-
-def fused_routing_applies(model_cfg, custom_op):
-    """Whether model.fused_routing=null turns the fused op on: with the compiled op
-    (custom_op=true), stop-gradient routing (the gradient the op implements) and no
-    jit_routing (the other way to speed the routing up; asking for it wins)."""
-    return (custom_op is True and model_cfg.get("stop_gradient_routing", True) is True
-            and not model_cfg.get("jit_routing", False))
 
 
 def check_op_library(devices=None):

@@ -1,7 +1,7 @@
 """The compiled steps: what train() and evaluate() run on the device.
 
 - `make_train_step(model, optimizer, input_shape=..., losses=..., xla=...)`: one Adam
-  step, with xla none | jit | autocluster (train.xla; `check_xla`, `set_autoclustering`),
+  step, with xla none | jit | autocluster (train.xla; `set_autoclustering`),
   on one device or under a tf.distribute strategy.
 - `make_train_loop(train_step)`: train.steps_per_execution steps per compiled call over
   `input_iterator(dataset)` (capsnet.training.distribute: the batches prefetched to the
@@ -18,29 +18,10 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import config as tf_config
 
+from capsnet import config
 from capsnet.errors import ConfigError, DataError
 from capsnet.losses import capsnet_losses
 from capsnet.scoring import correct_predictions, label_order, predict, score
-
-
-# train.xla: see make_train_step.
-XLA_MODES = ("none", "autocluster", "jit")
-
-
-def check_xla(xla, custom_op, jit_routing=False):
-    """`train.xla` must be one of XLA_MODES; jit cannot compile the custom op, and
-    jit_routing (an XLA computation of its own) must not be nested inside jit."""
-    if xla not in XLA_MODES:
-        raise ConfigError(f"train.xla must be one of {', '.join(XLA_MODES)}, got {xla!r}")
-    if xla == "jit" and custom_op:
-        # XLA has no kernel for our op: jit_compile would fail on it at the first step.
-        raise ConfigError("train.xla=jit cannot compile the custom op (custom_op=true): use train.xla=autocluster, "
-                          "which compiles the TensorFlow ops around it")
-    if xla == "jit" and jit_routing:
-        # The whole step is one XLA computation already; the nested jit_compile function
-        # aborted the process on an H200 (benchmark_train, 2026-11-21).
-        raise ConfigError("model.jit_routing=true is redundant under train.xla=jit (the whole step is compiled): "
-                          "set model.jit_routing=false")
 
 
 def set_autoclustering(enabled):
@@ -78,7 +59,7 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strate
     means (tensors still on the device: reading one waits for the step).
 
     Args:
-        model: a CapsNet (its `custom_op` decides whether jit is allowed).
+        model: a CapsNet (its routing mode decides whether jit is allowed: config.check_xla).
         optimizer: a built Keras optimizer (build_optimizer).
         input_shape: image shape (H, W, C); the batch size may vary between calls.
         losses: capsnet_losses' keyword arguments (loss_params(train_cfg)).
@@ -98,7 +79,10 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strate
         weight_average: a WeightAverage of `model` (train.ema_decay), updated after each
             step; None: none kept.
     """
-    check_xla(xla, getattr(model, "custom_op", False), getattr(model, "jit_routing", False))
+    if xla not in config.XLA_MODES:
+        raise ValueError(f"make_train_step: xla must be one of {', '.join(config.XLA_MODES)}, got {xla!r}")
+    # What config.check refuses, for a model built without a config (the rule's words).
+    config.check_xla(xla, model.custom_op, "xla" if model.jit_routing else "auto")
     set_autoclustering(xla == "autocluster")
     if strategy is not None:
         if two_digits:

@@ -10,8 +10,11 @@ TensorBoard's step is the global step (optimizer.iterations).
 import numpy as np
 import tensorflow as tf
 
+from capsnet import config
+
 # Values shown side by side in TensorBoard's HParams dashboard, and the metrics they explain.
-HPARAMS = ("custom_op", "xla", "dataset", "batch_size", "routing_iterations", "seed", "learning_rate", "decoder")
+HPARAMS = ("custom_op", "routing", "xla", "dataset", "batch_size", "routing_iterations", "seed", "learning_rate",
+           "decoder")
 HPARAM_METRICS = ("test/accuracy", "train/images_per_sec")
 
 
@@ -58,6 +61,7 @@ def write_hparams(writer, run_dir, cfg, data_cfg):
 
     values = {
         "custom_op": bool(cfg["custom_op"]),
+        "routing": config.routing_mode(cfg["custom_op"], cfg["model"]),  # the mode DigitCaps runs
         "xla": str(cfg["train"]["xla"]),
         "dataset": str(data_cfg["name"]),
         "batch_size": int(cfg["train"]["batch_size"]),

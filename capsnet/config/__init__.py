@@ -1,0 +1,66 @@
+"""Typed configs: one dataclass schema per config group, and every value check in one place.
+
+The YAML files under configs/ extend these schemas (Hydra structured configs: each group
+file's defaults list starts with `- schema`, train.yaml's with `- train_schema`), so
+OmegaConf rejects an unknown key or a value of the wrong type while Hydra composes the
+config, before any of our code runs. What a type cannot say (a range, a choice, a rule
+between keys) is checked beside each schema, by the `check` of its fields
+(`field(..., metadata={"check": ...})`) and its section's rule (`_SECTION_RULES`), all
+reached through one entry point:
+
+    check(cfg)            a plain dict shaped like configs/train.yaml → the checked dict
+                          (ConfigError naming the key: the one line users see)
+    check_eval(cfg)       the same for configs/eval.yaml
+    migrate(saved)        a run's saved config.yaml → today's shape (keys added since at the
+                          schema default it was trained with; model.jit_routing and
+                          model.fused_routing → model.routing)
+    routing_mode(custom_op, model_cfg)   the one place that decides how DigitCaps routes
+    compose(name, overrides)             the real config as a plain dict (tests, scripts)
+    explain(exc)          a Hydra/OmegaConf type error → today's one-line wording
+
+Routing. `custom_op` (top level, true | false) stays the user's switch: it picks the capsule
+prediction, the compiled op or a TensorFlow matmul. `model.routing` picks how the routing
+iterations run: auto | tf | xla. Every one of the 2 × 3 combinations is valid; they give
+the five ways DigitCaps can run (ROUTING_MODES, what the layer takes):
+
+    custom_op  model.routing              mode         prediction      routing
+    false      auto, tf                   matmul       matmul          TF ops
+    false      xla                        matmul_xla   matmul          one XLA computation
+    true       tf                         op           compiled op     TF ops
+    true       xla                        op_xla       compiled op     one XLA computation
+    true       auto (stop_gradient_routing=true)   fused_op   prediction + routing in one op
+    true       auto (stop_gradient_routing=false)  op         (the fused op has only the
+                                                                stop-gradient gradient)
+
+Only train.xla=jit still rules some out (it cannot compile the op, and compiles the
+routing already): checked by the train section's rule.
+
+Schema defaults are also what a run saved before a key existed was trained with (migrate
+fills them in): never change one; change the YAML value instead.
+
+No TensorFlow here: config errors are reported before the seconds-long TensorFlow import.
+
+Modules: schemas (the dataclasses, their field checks, the choices), checks (check,
+check_eval, check_section, the rules across keys), routing (routing_mode,
+routing_from_flags), migrate (old run configs), hydra (register, compose, explain,
+check_overrides, the dataset resolvers). Import from here: `from capsnet import config`.
+"""
+from capsnet.config.checks import check, check_augmentation, check_eval, check_section, check_xla
+from capsnet.config.hydra import check_overrides, compose, dataset_classes, dataset_shape, explain, register
+from capsnet.config.migrate import migrate
+from capsnet.config.routing import routing_from_flags, routing_mode
+from capsnet.config.schemas import (ALL_REDUCE, APP_SCHEMAS, AUGMENTATION_OFF, GROUP_SCHEMAS, ROUTING, ROUTING_MODES,
+                                    SCALE_LR, SHIFT_FILLS, STRATEGIES, WEIGHTS, WHICH, XLA_MODES, AugmentationConfig,
+                                    DataConfig, DataSourceConfig, DistributeConfig, EvalAppConfig, EvalDataConfig,
+                                    ModelConfig, TrainAppConfig, TrainConfig)
+
+__all__ = [
+    "ModelConfig", "DataSourceConfig", "AugmentationConfig", "DataConfig", "TrainConfig", "DistributeConfig", "TrainAppConfig",
+    "EvalDataConfig", "EvalAppConfig", "register", "check", "check_eval", "check_section", "migrate",
+    "routing_mode", "routing_from_flags", "compose", "explain", "check_overrides", "check_augmentation", "check_xla",
+    "dataset_shape", "dataset_classes", "GROUP_SCHEMAS", "APP_SCHEMAS",
+    "ROUTING", "ROUTING_MODES", "XLA_MODES", "STRATEGIES", "ALL_REDUCE", "SCALE_LR", "AUGMENTATION_OFF",
+    "SHIFT_FILLS", "WHICH", "WEIGHTS",
+]
+
+register()

@@ -1,0 +1,136 @@
+"""The checks: `check(cfg)` (a train config), `check_eval(cfg)` (an eval config),
+`check_section(schema, values)` (one section by its fields' checks and its rule), and
+the rules that span a section's keys (`_SECTION_RULES`) or sections (`check`)."""
+import dataclasses
+
+from omegaconf import MISSING
+
+from capsnet.config.schemas import (AUGMENTATION_OFF, ALL_REDUCE, AugmentationConfig, DataConfig, DistributeConfig,
+                                    EvalAppConfig, ModelConfig, TrainAppConfig, TrainConfig)
+from capsnet.datasets import is_overlay
+from capsnet.errors import ConfigError
+
+
+def check_augmentation(prefix="", **options):
+    """The augmentation `options` (the keys of AUGMENTATION_OFF, all of them) checked and in
+    their plain types, in AUGMENTATION_OFF's order; a bad one → ConfigError naming
+    `prefix` + its key. (shift_pixels is checked by make_dataset: its range is the image's.)"""
+    if set(options) != set(AUGMENTATION_OFF):
+        raise TypeError(f"check_augmentation needs exactly {', '.join(AUGMENTATION_OFF)}, got {', '.join(options)}")
+    checks = {f.name: f.metadata["check"] for f in dataclasses.fields(AugmentationConfig)}
+    checked = {key: checks[key](prefix + key, options[key]) for key in AUGMENTATION_OFF}
+    return {key: float(value) if isinstance(AUGMENTATION_OFF[key], float) else value for key, value in checked.items()}
+
+
+def _margin_rule(tcfg, prefix):
+    """The margin loss's own rule, checked now rather than when the first step is traced."""
+    m_plus, m_minus, lambda_ = tcfg["m_plus"], tcfg["m_minus"], tcfg["lambda_"]
+    where = f"{prefix}m_plus, {prefix}m_minus, {prefix}lambda_"
+    if not 0 <= m_minus < m_plus <= 1:
+        raise ConfigError(f"{where}: need 0 <= m_minus < m_plus <= 1 (capsule lengths lie in [0, 1)), "
+                          f"got m_plus={m_plus!r}, m_minus={m_minus!r}")
+    if lambda_ < 0:
+        raise ConfigError(f"{where}: lambda_ must be >= 0, got {lambda_!r}")
+
+
+def _distribute_rule(dcfg, prefix):
+    strategy = dcfg["strategy"]
+    if dcfg["all_reduce"] not in ALL_REDUCE[strategy]:
+        raise ConfigError(f"{prefix}all_reduce must be one of {', '.join(ALL_REDUCE[strategy])} with "
+                          f"distribute={strategy}, got {dcfg['all_reduce']!r}")
+    if dcfg["devices"] is not None and strategy != "mirrored":
+        raise ConfigError(f"{prefix}devices applies to distribute=mirrored only (distribute={strategy} "
+                          f"{'uses one device' if strategy == 'none' else 'uses every GPU of each worker'}), "
+                          f"got {dcfg['devices']!r}: set it to null")
+
+
+def _data_rule(dcfg, prefix):
+    """An overlay dataset (MultiMNIST) draws its digits shifted on a zero canvas: no other
+    augmentation (the words of capsnet.data.make_split_dataset, which checks it again)."""
+    if is_overlay(dcfg["name"]):
+        on = [f"{prefix}{k}={v}" for k, v in AUGMENTATION_OFF.items() if dcfg[k] != v]
+        if on:
+            raise ConfigError(f"{dcfg['name']} takes no flip/rotate/zoom/elastic/shift_fill augmentation (its digits "
+                              f"are shifted by data.shift_pixels on a zero canvas): set {', '.join(on)} to the "
+                              "default (augmentation=none)")
+
+
+_SECTION_RULES = {DataConfig: _data_rule, TrainConfig: _margin_rule, DistributeConfig: _distribute_rule}
+
+
+def check_section(schema, values, prefix=""):
+    """`values` (a dict) checked against `schema`: every key known, each value by its
+    field's check, then the section's rule. Keys it lacks take the schema default (a
+    required one, MISSING, → ConfigError). Returns the checked dict (plain types)."""
+    name = prefix.rstrip(".") or "the config"
+    if not isinstance(values, dict):
+        raise ConfigError(f"{name} must be a section of keys, got {values!r}")
+    known = [f.name for f in dataclasses.fields(schema)]
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        renamed = " (model.jit_routing and model.fused_routing are now model.routing: auto | tf | xla)" \
+            if schema is ModelConfig and {"jit_routing", "fused_routing"} & set(unknown) else ""
+        raise ConfigError(f"{name} has unknown key(s) {', '.join(unknown)} (known: {', '.join(known)}){renamed}")
+    checked = {}
+    for f in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(f.type):
+            checked[f.name] = check_section(f.type, values.get(f.name, {}), f"{prefix}{f.name}.")
+            continue
+        if f.name in values:
+            value = values[f.name]
+        else:
+            value = _default(f)
+            if value is MISSING:
+                raise ConfigError(f"{prefix}{f.name} is missing")
+        checked[f.name] = f.metadata["check"](prefix + f.name, value)
+    rule = _SECTION_RULES.get(schema)
+    if rule is not None:
+        rule(checked, prefix)
+    return checked
+
+
+def check_xla(xla, custom_op, routing):
+    """train.xla against what it would compile: jit cannot compile the custom op, and
+    model.routing=xla (an XLA computation of its own) must not be nested inside jit.
+    `check`'s rule, and make_train_step's guard (a model built outside a config)."""
+    if xla == "jit" and custom_op:
+        # XLA has no kernel for our op: jit_compile would fail on it at the first step.
+        raise ConfigError("train.xla=jit cannot compile the custom op (custom_op=true): use train.xla=autocluster, "
+                          "which compiles the TensorFlow ops around it")
+    if xla == "jit" and routing == "xla":
+        # The whole step is one XLA computation already; the nested jit_compile function
+        # aborted the process on an H200 (benchmark_train, 2026-11-21).
+        raise ConfigError("model.routing=xla is redundant under train.xla=jit (the whole step is compiled, "
+                          "the routing with it): set model.routing=auto")
+
+
+def check(cfg):
+    """A train config (a plain dict shaped like configs/train.yaml) checked: ConfigError
+    naming the first bad key, else the checked dict with plain types (lists for sequences)
+    and a section's missing keys at their schema defaults. Idempotent: train() checks what
+    train.py checked already. Rules across sections: train.xla against custom_op and
+    model.routing (check_xla); an overlay dataset on one device; run_dir set."""
+    checked = check_section(TrainAppConfig, cfg)
+    check_xla(checked["train"]["xla"], checked["custom_op"], checked["model"]["routing"])
+    data_name, strategy = checked["data"]["name"], checked["distribute"]["strategy"]
+    if is_overlay(data_name) and strategy != "none":
+        # Its (B, 2) labels and two reconstructions are not in the distributed step.
+        raise ConfigError(f"data.name={data_name} trains on one device only: set distribute=none")
+    if not checked["run_dir"]:
+        raise ConfigError("run_dir is not set (train.py sets it to Hydra's run dir; tests pass one)")
+    return checked
+
+
+def check_eval(cfg):
+    """An eval config (shaped like configs/eval.yaml) checked, as `check` does."""
+    if cfg.get("checkpoint", MISSING) in (MISSING, "???"):
+        raise ConfigError("checkpoint=... is required: a run dir (outputs/<date>/<time>) or a checkpoint path "
+                          "(or a list of them: an ensemble)")
+    return check_section(EvalAppConfig, cfg)
+
+
+def _default(f):
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default if f.default is not dataclasses.MISSING else MISSING
+

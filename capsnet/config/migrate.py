@@ -1,0 +1,41 @@
+"""Old run configs: `migrate(saved)`, a run's saved config.yaml in today's shape."""
+import dataclasses
+
+from omegaconf import MISSING
+
+from capsnet.config.checks import _default
+from capsnet.config.routing import routing_from_flags
+from capsnet.config.schemas import TrainAppConfig
+from capsnet.errors import ConfigError
+
+
+def migrate(saved):
+    """A run's saved config (config.yaml, a plain dict) in today's shape, to be `check`ed:
+    a key added since the run was saved takes its schema default (what the run was trained
+    with: no augmentation beyond shifts, no weight average, W from N(0, 0.1²), one device),
+    and model.jit_routing / model.fused_routing become model.routing (routing_from_flags).
+    Values are left as they are (no type conversion): `check` judges them."""
+    if not isinstance(saved, dict):
+        raise ConfigError(f"a run config must be a section of keys, got {saved!r}")
+    cfg = {key: (dict(value) if isinstance(value, dict) else value) for key, value in saved.items()}
+    model = cfg.get("model")
+    if isinstance(model, dict) and ({"jit_routing", "fused_routing"} & set(model)):
+        model["routing"] = routing_from_flags(
+            custom_op=cfg.get("custom_op", False), jit_routing=model.pop("jit_routing", False),
+            fused_routing=model.pop("fused_routing", False),
+            stop_gradient_routing=model.get("stop_gradient_routing", True))
+    for f in dataclasses.fields(TrainAppConfig):
+        if dataclasses.is_dataclass(f.type):
+            section = cfg.get(f.name)
+            section = section if isinstance(section, dict) else {}
+            cfg[f.name] = {**{g.name: _default(g) for g in dataclasses.fields(f.type)
+                              if _default(g) is not MISSING and not _is_interpolation(_default(g))},
+                           **section}
+        elif f.name not in cfg and _default(f) is not MISSING:
+            cfg[f.name] = _default(f)
+    return cfg
+
+
+def _is_interpolation(value):
+    return isinstance(value, str) and value.startswith("${")
+

@@ -1,0 +1,306 @@
+"""The schemas: one dataclass per config group, each field with its value check beside it
+(`field(..., metadata={"check": ...})`), and the choices they allow.
+
+A field check takes (the key as the user writes it, the value) and returns the value in
+its plain Python type, or raises ConfigError with the wording users have always seen.
+The checks that span a section's keys, or sections, are in capsnet.config.checks.
+Schema defaults are what a run saved before a key existed was trained with
+(capsnet.config.migrate fills them in): never change one; change the YAML value instead.
+"""
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from omegaconf import MISSING
+
+from capsnet.datasets import DATASETS
+from capsnet.errors import ConfigError
+from capsnet.validation import (boolean, finite_float, float_in_range, integer, positive_float, positive_int,
+                                positive_int_tuple)
+
+# --------------------------------------------------------------------------- choices
+
+ROUTING = ("auto", "tf", "xla")                                        # model.routing
+ROUTING_MODES = ("matmul", "matmul_xla", "op", "op_xla", "fused_op")  # what DigitCaps takes
+XLA_MODES = ("none", "autocluster", "jit")                              # train.xla
+STRATEGIES = ("none", "mirrored", "multi_worker")                       # distribute.strategy
+ALL_REDUCE = {                                                          # distribute.all_reduce, per strategy
+    "none": ("auto",),
+    "mirrored": ("auto", "nccl", "one_device"),
+    "multi_worker": ("auto", "nccl", "ring"),
+}
+SCALE_LR = ("none", "linear", "sqrt")                                   # distribute.scale_lr
+SHIFT_FILLS = ("zero", "edge")                                          # data.shift_fill
+WHICH = ("best", "latest")                                              # eval: which
+WEIGHTS = ("raw", "ema")                                                # eval: weights
+
+
+# --------------------------------------------------------------------------- field checks
+# Each takes (the key as the user writes it, the value) and returns the value in its plain
+# Python type, or raises ConfigError with the wording users have always seen.
+
+def _positive_int(name, value):
+    return positive_int(name, value, error=ConfigError)
+
+
+def _optional_positive_int(name, value):
+    return positive_int(name, value, allow_none=True, error=ConfigError)
+
+
+def _positive_float(name, value):
+    return positive_float(name, value, error=ConfigError)
+
+
+def _finite_float(name, value):
+    return finite_float(name, value, error=ConfigError)
+
+
+def _boolean(name, value):
+    return boolean(name, value, error=ConfigError)
+
+
+def _integer(name, value):
+    return integer(name, value, error=ConfigError)
+
+
+def _string(name, value):
+    if not isinstance(value, str):
+        raise ConfigError(f"{name} must be a string, got {value!r}")
+    return value
+
+
+def _optional_string(name, value):
+    return None if value is None else _string(name, str(value) if hasattr(value, "__fspath__") else value)
+
+
+def _one_of(choices, *, allow_none=False):
+    def check_choice(name, value):
+        if value is None and allow_none:
+            return None
+        if not isinstance(value, str) or value not in choices:
+            raise ConfigError(f"{name} must be one of {', '.join(choices)}"
+                              f"{' (or null)' if allow_none else ''}, got {value!r}")
+        return value
+    return check_choice
+
+
+def _in_range(low, high):
+    def check_range(name, value):
+        float_in_range(name, value, low, high, error=ConfigError)
+        return value  # as written: an int stays an int (see AugmentationConfig)
+    return check_range
+
+
+def _input_shape(name, value):
+    # One int is repeated (5 → [5, 5, 5]), as CapsNet reads it.
+    return list(positive_int_tuple(name, value, length=3, error=ConfigError))
+
+
+def _int_list(name, value):
+    return list(positive_int_tuple(name, value, error=ConfigError))
+
+
+def _ema_decay(name, value):
+    try:
+        decay = float_in_range(name, value, 0, 1)
+    except ValueError:
+        decay = None
+    if decay is None or decay == 1:  # 1 would never move the average from the initial weights
+        raise ConfigError(f"{name} must be a number in [0, 1) (0: no average; 0.999 averages over "
+                          f"~1000 steps), got {value!r}")
+    return decay
+
+
+def _reconstruction_weight(name, value):
+    value = finite_float(name, value, error=ConfigError)
+    if value < 0:
+        raise ConfigError(f"{name} must be >= 0, got {value!r}")
+    return value
+
+
+def _devices(name, value):
+    if value is None:
+        return None
+    if (not isinstance(value, (list, tuple)) or not value
+            or not all(isinstance(d, str) and d.strip() for d in value)):
+        raise ConfigError(f"{name} must be null or a non-empty list of device names like [/gpu:0, /gpu:1], "
+                          f"got {value!r}")
+    if len(set(value)) != len(value):
+        raise ConfigError(f"{name} lists a device more than once: {list(value)}")
+    return list(value)
+
+
+def _dataset_name(name, value):
+    return _one_of(tuple(sorted(DATASETS)))(name, value)
+
+
+def _limit(name, value):
+    if value is None:
+        return None
+    return integer(name, value, minimum=1, hint=" (null: all examples)", error=ConfigError)
+
+
+def _checkpoint(name, value):
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(item, str) or hasattr(item, "__fspath__") for item in items):
+        raise ConfigError(f"{name} must be a run dir or checkpoint path, or a list of them, got {value!r}")
+    return value
+
+
+def _eval_batch_size(name, value):
+    return positive_int(name, value, allow_none=True,
+                        expected="a positive integer (or null: the run's train.batch_size)", error=ConfigError)
+
+
+def _eval_custom_op(name, value):
+    if value is None:
+        return None
+    return boolean(name, value, expected="true or false (or null: as trained)", error=ConfigError)
+
+
+def _eval_weights(name, value):
+    if value is not None and value not in WEIGHTS:
+        raise ConfigError(f"{name} must be one of {', '.join(WEIGHTS)} (or null: the run's average if it kept "
+                          f"one), got {value!r}")
+    return value
+
+
+def _checked(default=MISSING, check=None, factory=None):
+    """A schema field with its value check beside it."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"check": check})
+    return field(default=default, metadata={"check": check})
+
+
+# --------------------------------------------------------------------------- schemas
+# configs/<group>/*.yaml extend these (defaults: [schema, _self_]); the comments on each
+# key are in the YAML files.
+
+@dataclass
+class ModelConfig:
+    """configs/model/: the arguments of capsnet.model.CapsNet, and how its routing runs."""
+    # Derived from the dataset (see dataset_shape / dataset_classes below); a value given wins.
+    input_shape: Any = _checked("${dataset_shape:${data.name},${data.shift_pixels}}", _input_shape)
+    num_classes: int = _checked("${dataset_classes:${data.name}}", _positive_int)
+    conv1_filters: int = _checked(256, _positive_int)
+    conv1_kernel_size: int = _checked(9, _positive_int)
+    primary_caps_types: int = _checked(32, _positive_int)
+    primary_caps_dim: int = _checked(8, _positive_int)
+    primary_caps_kernel_size: int = _checked(9, _positive_int)
+    primary_caps_strides: int = _checked(2, _positive_int)
+    digit_caps_dim: int = _checked(16, _positive_int)
+    routing_iterations: int = _checked(3, _positive_int)
+    stop_gradient_routing: bool = _checked(True, _boolean)
+    routing: str = _checked("auto", _one_of(ROUTING))
+    decoder: bool = _checked(True, _boolean)
+    decoder_units: List[int] = _checked(check=_int_list, factory=lambda: [512, 1024])
+    w_init_stddev: float = _checked(0.1, _positive_float)
+
+
+@dataclass
+class DataSourceConfig:
+    """configs/data/: which dataset, where, how much of it, and its shifts."""
+    name: str = _checked("mnist", _dataset_name)
+    dir: Optional[str] = _checked(None, _optional_string)
+    limit_train: Optional[int] = _checked(None, _limit)
+    limit_test: Optional[int] = _checked(None, _limit)
+    shift_pixels: int = _checked(2, _integer)  # its range is the image's: checked by the data pipeline
+
+
+@dataclass
+class AugmentationConfig:
+    """configs/augmentation/ (mounted in `data`: data.flip, ...): training augmentation
+    beyond data.shift_pixels. The defaults are off: the first release's pipeline.
+
+    The four numbers are typed Any, checked by _in_range (a real number in its range, no
+    bool): a float field would store `rotate_degrees: 0` as 0.0, and run configs and a
+    refused resume's differences ("data.rotate_degrees: 0 -> 5") show them as written."""
+    flip: bool = _checked(False, _boolean)
+    rotate_degrees: Any = _checked(0.0, _in_range(0, 180))
+    zoom: Any = _checked(0.0, _in_range(0, 0.5))
+    elastic_alpha: Any = _checked(0.0, _in_range(0, 100))
+    elastic_sigma: Any = _checked(4.0, _in_range(0.5, 10))
+    shift_fill: str = _checked("zero", _one_of(SHIFT_FILLS))
+
+
+@dataclass
+class DataConfig(AugmentationConfig, DataSourceConfig):
+    """The `data` section: configs/data/ (DataSourceConfig's keys) and, merged into it,
+    configs/augmentation/ (AugmentationConfig's). The schema of both groups' files: the
+    augmentation files name none (a DataConfig of defaults would reset the dataset's keys),
+    the section they are merged into is a DataConfig."""
+
+
+@dataclass
+class TrainConfig:
+    """configs/train/: optimisation, losses, checkpoints, logging."""
+    epochs: int = _checked(50, _positive_int)
+    batch_size: int = _checked(100, _positive_int)
+    learning_rate: float = _checked(0.001, _positive_float)
+    lr_decay_rate: float = _checked(0.9, _positive_float)
+    lr_decay_steps: Optional[int] = _checked(None, _optional_positive_int)
+    lr_staircase: bool = _checked(False, _boolean)
+    xla: str = _checked("none", _one_of(XLA_MODES))
+    m_plus: float = _checked(0.9, _finite_float)
+    m_minus: float = _checked(0.1, _finite_float)
+    lambda_: float = _checked(0.5, _finite_float)
+    reconstruction_weight: float = _checked(0.0005, _reconstruction_weight)
+    ema_decay: float = _checked(0.0, _ema_decay)
+    keep_checkpoints: int = _checked(3, _positive_int)
+    log_every_steps: int = _checked(50, _positive_int)
+    steps_per_execution: int = _checked(50, _positive_int)
+    num_images: int = _checked(8, _positive_int)
+    histogram_examples: int = _checked(100, _positive_int)
+    progress_bar: bool = _checked(True, _boolean)
+
+
+@dataclass
+class DistributeConfig:
+    """configs/distribute/: one device, or the replicas of tf.distribute. The defaults are
+    one device (what a run saved before distribute existed trained on)."""
+    strategy: str = _checked("none", _one_of(STRATEGIES))
+    devices: Optional[List[str]] = _checked(None, _devices)
+    all_reduce: str = _checked("auto", _string)  # its choices depend on the strategy: _distribute_rule
+    scale_lr: str = _checked("none", _one_of(SCALE_LR))
+    lr_base_batch_size: int = _checked(100, _positive_int)
+
+
+@dataclass
+class TrainAppConfig:
+    """configs/train.yaml: what train.py composes and capsnet.training.train receives."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    distribute: DistributeConfig = field(default_factory=DistributeConfig)
+    custom_op: bool = _checked(False, _boolean)
+    seed: int = _checked(0, _integer)
+    deterministic: bool = _checked(False, _boolean)
+    debug: bool = _checked(False, _boolean)
+    run_dir: Optional[str] = _checked(None, _optional_string)
+
+
+@dataclass
+class EvalDataConfig:
+    """configs/eval.yaml's data: which test split (null = as in the run's config)."""
+    name: Optional[str] = _checked(None, lambda n, v: None if v is None else _dataset_name(n, v))
+    dir: Optional[str] = _checked(None, _optional_string)
+    limit_test: Optional[int] = _checked(None, _limit)
+
+
+@dataclass
+class EvalAppConfig:
+    """configs/eval.yaml: what evaluate.py composes."""
+    checkpoint: Any = _checked(MISSING, _checkpoint)
+    which: str = _checked("best", _one_of(WHICH))
+    custom_op: Optional[bool] = _checked(None, _eval_custom_op)
+    batch_size: Optional[int] = _checked(None, _eval_batch_size)
+    weights: Optional[str] = _checked(None, _eval_weights)
+    output: Optional[str] = _checked(None, _optional_string)
+    data: EvalDataConfig = field(default_factory=EvalDataConfig)
+    debug: bool = _checked(False, _boolean)
+
+
+# Schema of each config group (configs/<group>/*.yaml start with `defaults: [schema, _self_]`).
+GROUP_SCHEMAS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "distribute": DistributeConfig}
+APP_SCHEMAS = {"train_schema": TrainAppConfig, "eval_schema": EvalAppConfig}
+AUGMENTATION_OFF = {f.name: f.default for f in dataclasses.fields(AugmentationConfig)}
