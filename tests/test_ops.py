@@ -270,8 +270,10 @@ def run_cases(cases):
     """{case id: {"error": exception class name or None, "message": ...}} from one
     subprocess running `cases` ((id, code) pairs); a missing id means it died there,
     and maps to {"died": its exit status and stderr}."""
+    # GPUs hidden: the cases test the CPU kernels (and checks made before any device code),
+    # and under an address-space limit the CUDA runtime's own reservations fail first.
     proc = subprocess.run([sys.executable, "-c", _CASE_RUNNER], input=json.dumps(cases), capture_output=True,
-                          text=True, env=repo_env(), timeout=600)
+                          text=True, env={**repo_env(), "CUDA_VISIBLE_DEVICES": ""}, timeout=600)
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
