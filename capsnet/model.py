@@ -187,12 +187,10 @@ class CapsNet(keras.Model):
     def from_config(cls, config):
         return cls(**routing_argument(config))
 
-    custom_op = property(lambda self: routing_flags(self.routing)["custom_op"],
-                         doc="Whether u_hat comes from the compiled op (DigitCaps.custom_op).")
-    jit_routing = property(lambda self: routing_flags(self.routing)["jit_routing"],
-                           doc="Whether the routing iterations are one XLA computation (DigitCaps.jit_routing).")
-    fused_routing = property(lambda self: routing_flags(self.routing)["fused_routing"],
-                             doc="Whether one compiled op does prediction and routing (DigitCaps.fused_routing).")
+    # What the routing mode implies, as the DigitCaps layer that runs it says.
+    custom_op = property(lambda self: self.digit_caps.custom_op)
+    jit_routing = property(lambda self: self.digit_caps.jit_routing)
+    fused_routing = property(lambda self: self.digit_caps.fused_routing)
 
 
 def build_model(**kwargs):
