@@ -55,7 +55,8 @@ def format_report(report):
     else:
         lines = [
             f"checkpoint: {report['checkpoint']} (epoch {report['epoch']}, {WEIGHT_NAMES[report['weights']]})",
-            f"dataset: {report['dataset']} test, {report['num_examples']} {kind}, custom_op={report['custom_op']}",
+            f"dataset: {report['dataset']} test, {report['num_examples']} {kind}, custom_op={report['custom_op']}, "
+            f"precision={report['precision']}",
             f"{scored} {report['accuracy']:.4%}  loss {report['loss']:.5f}  "
             f"(margin {report['margin_loss']:.5f}, reconstruction {report['reconstruction_loss']:.3f})  "
             f"{report['images_per_sec']:.1f} images/s",
@@ -78,7 +79,7 @@ def format_report(report):
 
 
 def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_test=None,
-             custom_op=None, batch_size=None, weights=None, output=None):
+             custom_op=None, batch_size=None, weights=None, precision=None, output=None):
     """Evaluate `checkpoint` on the test split; returns the report and writes it as JSON.
 
     Args:
@@ -93,14 +94,16 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
         batch_size: None = the (first) run's train.batch_size.
         weights: None = the run's moving average of the weights if it kept one
             (train.ema_decay > 0), else the trained weights; "ema" or "raw" to choose.
+        precision: None = the run's train.precision; or one of config.PRECISIONS (the
+            weights are float32 in every precision).
         output: JSON path; None = `<checkpoint>.eval.json` (an ensemble:
             `<first checkpoint>.ensemble-<hash of the members>.eval.json`).
 
     Returns:
         dict with accuracy, loss, margin_loss, reconstruction_loss, images_per_sec,
         per_class_accuracy, confusion_matrix, num_examples, checkpoint, epoch,
-        dataset, custom_op, weights. MultiMNIST (two digits per example): accuracy = both
-        digits right, per_class_accuracy = per-class recall among the top two,
+        dataset, custom_op, weights, precision. MultiMNIST (two digits per example):
+        accuracy = both digits right, per_class_accuracy = per-class recall among the top two,
         per_class_examples, confusion_matrix None (pair_report). An ensemble's report
         has the ensemble's accuracy, per-class scores, num_examples, images/s, dataset,
         batch_size, and `members`: each member's checkpoint, run_dir, epoch, weights,
@@ -115,8 +118,10 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     # (evaluate.py has checked them already; tests and scripts call evaluate() directly).
     args = config.check_section(config.EvalAppConfig, {
         "checkpoint": checkpoints, "which": which, "custom_op": custom_op, "batch_size": batch_size,
-        "weights": weights, "output": output, "data": {"name": data_name, "dir": data_dir, "limit_test": limit_test}})
-    members = [resolve_member(c, which=which, custom_op=custom_op, weights=weights) for c in checkpoints]
+        "weights": weights, "precision": precision, "output": output,
+        "data": {"name": data_name, "dir": data_dir, "limit_test": limit_test}})
+    members = [resolve_member(c, which=which, custom_op=custom_op, weights=weights, precision=precision)
+               for c in checkpoints]
     first = members[0]
     prefixes = [member["prefix"] for member in members]
     repeated = sorted({prefix for prefix in prefixes if prefixes.count(prefix) > 1})
@@ -141,7 +146,8 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     for member in members:
         # Routed as config.routing_mode decides for the member's custom_op: custom_op=false
         # routes the same W in TF (or XLA) whatever the run routed with.
-        member["model"] = build_capsnet(member["cfg"]["model"], member["custom_op"])  # before the data is read
+        member["model"] = build_capsnet(member["cfg"]["model"], member["custom_op"],
+                                        member["precision"])  # before the data is read
     model = first["model"]
     for member in members[1:]:
         shapes = [(m["model"].image_shape, m["model"].num_classes) for m in (first, member)]
@@ -184,6 +190,7 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
             "custom_op": member["custom_op"],
             "batch_size": batch_size,
             "weights": member["weights"],
+            "precision": member["precision"],
         })
     if ensemble:
         report = ensemble_report(reports, results, model.num_classes)
@@ -202,12 +209,12 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     return report
 
 
-def resolve_member(checkpoint, *, which, custom_op, weights):
+def resolve_member(checkpoint, *, which, custom_op, weights, precision=None):
     """One checkpoint to evaluate, resolved and its run config checked (no model yet):
-    prefix, run_dir, cfg (config.check's), custom_op, losses, weights. The arguments are
-    checked as evaluate()'s are (export calls this alone)."""
+    prefix, run_dir, cfg (config.check's), custom_op, losses, weights, precision (None: the
+    run's). The arguments are checked as evaluate()'s are (export calls this alone)."""
     config.check_section(config.EvalAppConfig, {"checkpoint": checkpoint, "which": which, "custom_op": custom_op,
-                                                "weights": weights})
+                                                "weights": weights, "precision": precision})
     prefix, run_dir, saved = resolve_checkpoint(checkpoint, which)
     prefix, run_dir = str(Path(prefix).resolve()), Path(run_dir).resolve()
     cfg = check_run_config(saved, run_dir)
@@ -220,7 +227,8 @@ def resolve_member(checkpoint, *, which, custom_op, weights):
         raise ConfigError(f"weights=ema: the run {run_dir} kept no average of its weights (train.ema_decay was 0); "
                           "use weights=raw (an ensemble: weights=null, each member's own)")
     return {"prefix": prefix, "run_dir": run_dir, "cfg": cfg, "custom_op": custom_op,
-            "losses": loss_params(cfg["train"]), "weights": weights}
+            "losses": loss_params(cfg["train"]), "weights": weights,
+            "precision": cfg["train"]["precision"] if precision is None else precision}
 
 
 def check_run_config(saved, run_dir):
@@ -244,7 +252,7 @@ def ensemble_report(reports, results, num_classes):
     lengths = np.mean([result["lengths"] for result in results], axis=0)   # (N, classes)
     predictions = predict(tf.constant(lengths), tf.constant(labels)).numpy()
     scores = score(labels, predictions, num_classes)
-    member_keys = ("checkpoint", "run_dir", "epoch", "weights", "custom_op", "accuracy", "loss", "margin_loss",
+    member_keys = ("checkpoint", "run_dir", "epoch", "weights", "custom_op", "precision", "accuracy", "loss", "margin_loss",
                    "reconstruction_loss", "images_per_sec")
     return {
         **scores,

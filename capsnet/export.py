@@ -150,6 +150,8 @@ def export(checkpoint, output, *, which="best", weights=None, custom_op=False):
     if member["custom_op"]:
         check_op_library()
     # Routed as config.routing_mode decides for custom_op: false routes the same W in TF ops.
+    # float32 whatever the run's train.precision (the weights are float32 in every precision):
+    # the export serves on any device, and a CPU computes 16-bit types no faster.
     model = build_capsnet(cfg["model"], member["custom_op"])
     epoch = restore_model(model, member["prefix"], member["weights"])
     dataset = cfg["data"]["name"]

@@ -19,6 +19,7 @@ import tensorflow as tf
 from capsnet import ops
 from capsnet.config import ROUTING_MODES, routing_from_flags, routing_mode
 from capsnet.errors import CapsnetError
+from capsnet.precision import float32_math
 from capsnet.routing import dynamic_routing, squash
 from capsnet.validation import boolean, positive_float, positive_int, positive_int_tuple
 
@@ -36,7 +37,7 @@ def capsule_lengths(v, axis=-1, epsilon=1e-12):
     them and shrink their gradients by up to 30×.
     """
     positive_float("epsilon", epsilon)
-    v = tf.convert_to_tensor(v)
+    v = float32_math(v)  # the class scores stay float32 under mixed precision
     return tf.sqrt(tf.reduce_sum(tf.square(v), axis=axis) + epsilon)
 
 
@@ -77,7 +78,7 @@ class PrimaryCaps(keras.layers.Layer):
         self.conv = keras.layers.Conv2D(
             self.num_types * self.dim, self.kernel_size, strides=self.strides,
             padding=self.padding, activation=None,
-            kernel_initializer=self.kernel_initializer, name="conv",
+            kernel_initializer=self.kernel_initializer, name="conv", dtype=self.dtype_policy,
         )
 
     def _grid(self, input_shape):
@@ -176,6 +177,8 @@ class DigitCaps(keras.layers.Layer):
     Input shape: `(batch, in_caps, in_dim)` capsules u.
     Output shape: a tuple `(v_j, c_ij)`: v_j `(batch, num_caps, dim)` and the final
     coupling coefficients c_ij `(batch, in_caps, num_caps)` (they sum to 1 over j).
+    Under a mixed-precision policy u_hat is computed in 16 bits and the routing in
+    float32; v_j and c_ij are float32 (capsnet.precision).
     """
 
     def __init__(self, num_caps=10, dim=16, routing_iterations=3, stop_gradient_routing=True,
@@ -213,9 +216,10 @@ class DigitCaps(keras.layers.Layer):
         # library is picked up; the lookup only happens at trace time under tf.function.
         try:
             if self.fused_routing:
-                # s_j (B, num_caps, dim) before the last squash, c_ij (B, in_caps, num_caps)
+                # s_j (B, num_caps, dim) before the last squash, c_ij (B, in_caps, num_caps);
+                # 16-bit under mixed precision (the op sums in float32), v_j and c_ij float32.
                 s_j, c_ij = ops.capsule_routing(u, W, self.routing_iterations)
-                return squash(s_j), c_ij
+                return squash(float32_math(s_j)), float32_math(c_ij)
             predict = ops.get_capsule_prediction(self.custom_op)  # the op or matmul
             u_hat = predict(u, W)  # (B, in_caps, num_caps, dim)
         except CapsnetError as err:
@@ -311,7 +315,7 @@ class Decoder(keras.layers.Layer):
 
     Input shape: `v_j (batch, num_caps, dim)` and `mask_labels (batch,)` int class ids
     in [0, num_caps) (an id outside that range masks every capsule out).
-    Output shape: `(batch, H, W, C)`.
+    Output shape: `(batch, H, W, C)`, float32 under a mixed-precision policy too.
     """
 
     def __init__(self, units=(512, 1024), output_shape=(28, 28, 1), **kwargs):
@@ -323,9 +327,13 @@ class Decoder(keras.layers.Layer):
         # lists in its own container, which tf.train.Checkpoint's object graph cannot see,
         # so `tf.train.Checkpoint(model=...)` would silently skip every layer in it.
         for k, n in enumerate(self.units):
-            setattr(self, f"fc{k + 1}", keras.layers.Dense(n, activation="relu", name=f"fc{k + 1}"))
+            setattr(self, f"fc{k + 1}", keras.layers.Dense(n, activation="relu", name=f"fc{k + 1}",
+                                                           dtype=self.dtype_policy))
+        # The output layer's sigmoid is applied in call(), in float32: under mixed precision a
+        # 16-bit sigmoid would round pixels near 0 and 1 (bfloat16: steps of 1/256 below 1).
         last = f"fc{len(self.units) + 1}"
-        setattr(self, last, keras.layers.Dense(math.prod(self.image_shape), activation="sigmoid", name=last))
+        setattr(self, last, keras.layers.Dense(math.prod(self.image_shape), activation=None, name=last,
+                                               dtype=self.dtype_policy))
 
     @property
     def dense_layers(self):
@@ -357,7 +365,8 @@ class Decoder(keras.layers.Layer):
         mask = tf.one_hot(mask_labels, num_caps, dtype=v_j.dtype)  # (B, num_caps)
         x = tf.reshape(v_j * mask[:, :, None], (-1, num_caps * dim))  # (B, num_caps*dim)
         for layer in self.dense_layers:
-            x = layer(x)                                             # last: (B, H*W*C)
+            x = layer(x)                                             # last: (B, H*W*C), logits
+        x = tf.sigmoid(float32_math(x))                              # pixels in [0, 1], float32
         return tf.reshape(x, (-1, *self.image_shape))                # (B, H, W, C)
 
     def compute_output_shape(self, v_j_shape, mask_labels_shape=None):

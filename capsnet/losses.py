@@ -11,6 +11,8 @@ import numbers
 import keras
 import tensorflow as tf
 
+from capsnet.precision import float32_math
+
 __all__ = ["margin_loss", "reconstruction_loss", "MarginLoss", "ReconstructionLoss", "capsnet_losses",
            "loss_params"]
 
@@ -45,7 +47,7 @@ def margin_loss(labels, lengths, m_plus=0.9, m_minus=0.1, lambda_=0.5):
     """
     _check_margins(m_plus, m_minus, lambda_)
     labels = tf.convert_to_tensor(labels)
-    lengths = tf.convert_to_tensor(lengths)
+    lengths = float32_math(lengths)  # 16-bit lengths: the loss in float32 (capsnet.precision)
     if not labels.dtype.is_integer:
         raise ValueError(f"margin_loss: labels must be integer class ids, got dtype {labels.dtype.name}")
     two_labels = labels.shape.rank == 2 and labels.shape[1] == 2
@@ -78,8 +80,9 @@ def reconstruction_loss(images, reconstructions):
 
     Sums over every axis but the batch: for two-digit data, images and reconstructions
     (batch, 2, H, W, C) give the sum over both digits, each against its own image."""
-    images = tf.convert_to_tensor(images)
-    reconstructions = tf.convert_to_tensor(reconstructions)
+    # 16-bit values: the squares and their sum in float32 (capsnet.precision).
+    images = float32_math(images)
+    reconstructions = float32_math(reconstructions)
     if images.shape.rank is None or images.shape.rank < 2 or not images.shape.is_compatible_with(
             reconstructions.shape):
         raise ValueError(

@@ -40,6 +40,9 @@ class CapsNet(keras.Model):
     `fused_routing`: read-only, what the mode implies (DigitCaps).
     `w_init_stddev`: DigitCaps' W starts as N(0, w_init_stddev²) per entry (see
     `capsnet.layers.DigitCaps`).
+    `dtype`: a Keras dtype policy for every layer: "float32" (the default) or a mixed one,
+    "mixed_bfloat16" / "mixed_float16" (train.precision): float32 weights, 16-bit compute,
+    float32 where it must be (capsnet.precision); the outputs are float32 in every policy.
     """
 
     def __init__(self, input_shape=(28, 28, 1), num_classes=10, conv1_filters=256,
@@ -78,18 +81,20 @@ class CapsNet(keras.Model):
 
         self.conv1 = keras.layers.Conv2D(
             self.conv1_filters, self.conv1_kernel_size, strides=1, padding="valid",
-            activation="relu", name="conv1")
+            activation="relu", name="conv1", dtype=self.dtype_policy)
         self.primary_caps = PrimaryCaps(
             num_types=self.primary_caps_types, dim=self.primary_caps_dim,
             kernel_size=self.primary_caps_kernel_size, strides=self.primary_caps_strides,
-            padding="valid", name="primary_caps")
+            padding="valid", name="primary_caps", dtype=self.dtype_policy)
         self.digit_caps = DigitCaps(
             num_caps=self.num_classes, dim=self.digit_caps_dim,
             routing_iterations=self.routing_iterations,
             stop_gradient_routing=self.stop_gradient_routing, routing=self.routing,
-            kernel_initializer=keras.initializers.RandomNormal(stddev=self.w_init_stddev), name="digit_caps")
+            kernel_initializer=keras.initializers.RandomNormal(stddev=self.w_init_stddev), name="digit_caps",
+            dtype=self.dtype_policy)
         self.decoder = (
-            Decoder(units=self.decoder_units, output_shape=self.image_shape, name="decoder")
+            Decoder(units=self.decoder_units, output_shape=self.image_shape, name="decoder",
+                    dtype=self.dtype_policy)
             if self.use_decoder else None)
 
     @property

@@ -6,6 +6,7 @@ re-exported by capsnet.layers) because routing applies it every iteration.
 """
 import tensorflow as tf
 
+from capsnet.precision import float32_math
 from capsnet.validation import boolean, positive_float, positive_int
 
 __all__ = ["squash", "dynamic_routing"]
@@ -25,9 +26,11 @@ def squash(s, axis=-1, epsilon=1e-7):
     """
     positive_float("squash: epsilon", epsilon)
     s = tf.convert_to_tensor(s)
-    squared_norm = tf.reduce_sum(tf.square(s), axis=axis, keepdims=True)
+    # 16-bit s (mixed precision): the math in float32, v in s's dtype (capsnet.precision).
+    s_math = float32_math(s)
+    squared_norm = tf.reduce_sum(tf.square(s_math), axis=axis, keepdims=True)
     scale = squared_norm / (1.0 + squared_norm) / tf.sqrt(squared_norm + epsilon)
-    return scale * s
+    return tf.cast(scale * s_math, s.dtype)
 
 
 def dynamic_routing(u_hat, iterations=3, stop_gradient=True):
@@ -60,7 +63,7 @@ def dynamic_routing(u_hat, iterations=3, stop_gradient=True):
         iterations: routing rounds r ≥ 1 (paper: 3).
         stop_gradient: see above.
 
-    Returns:
+    Returns (float32 for a 16-bit u_hat):
         v_j: output capsules (batch, out_caps, out_dim).
         c_ij: the coupling coefficients used for the final v_j (batch, in_caps,
             out_caps); each row sums to 1 over j.
@@ -73,6 +76,9 @@ def dynamic_routing(u_hat, iterations=3, stop_gradient=True):
             "dynamic_routing: u_hat must be (batch, in_caps, out_caps, out_dim), "
             f"got shape {tuple(u_hat.shape)}")
 
+    # 16-bit u_hat (mixed precision): b_ij, its softmax and the sums s_j in float32; v_j and
+    # c_ij come out float32 (capsnet.precision). Under XLA the cast fuses into the reductions.
+    u_hat = float32_math(u_hat)
     u_hat_routing = tf.stop_gradient(u_hat) if stop_gradient else u_hat
     # b_ij starts at zero for every sample: routing is per example, never learned.
     b_ij = tf.zeros(tf.shape(u_hat)[:3], dtype=u_hat.dtype)          # (B, in_caps, out_caps)

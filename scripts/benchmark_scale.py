@@ -90,6 +90,8 @@ def parse_args(argv):
     parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
                         help="gpu (default) or cpu: GPUs hidden, the CPU split into logical devices (smoke runs)")
     args = parser.parse_args(argv)
+    if len(args.precision) != 1:
+        parser.error("--precision: one value here (the scaling compares configurations of one precision)")
     bt.reject_reserved_overrides(parser, args.overrides, RESERVED_KEYS,
                                  "the benchmark (--variants, --batch-sizes, --replicas, --all-reduce)")
     return args
@@ -122,7 +124,8 @@ def time_mirrored_training(spec, batch_size, devices, all_reduce, per_call=1):
     from capsnet.training.optimizer import build_optimizer
     from capsnet.training.steps import make_train_loop, make_train_step
 
-    model_cfg, train_cfg = bt.variant_model_cfg(spec["variant"], spec["model"]), spec["train"]
+    model_cfg = bt.variant_model_cfg(spec["variant"], spec["model"])
+    train_cfg = {**spec["train"], "precision": spec["precision"]}
     input_shape = tuple(model_cfg["input_shape"])
     strategy = make_strategy(config.check_section(config.DistributeConfig, {
         "strategy": "mirrored", "devices": devices, "all_reduce": all_reduce}, "distribute."))
@@ -130,7 +133,7 @@ def time_mirrored_training(spec, batch_size, devices, all_reduce, per_call=1):
     global_batch = batch_size * replicas
     keras.utils.set_random_seed(spec["seed"])  # the weights of time_training
     with strategy.scope():
-        model = build_capsnet(model_cfg, spec["custom_op"])
+        model = build_capsnet(model_cfg, spec["custom_op"], spec["precision"])
         optimizer, _ = build_optimizer(train_cfg, math.ceil(bt.MNIST_TRAIN_EXAMPLES / global_batch), model)
     step = make_train_step(model, optimizer, input_shape=input_shape, losses=loss_params(train_cfg),
                            xla=spec["xla"], strategy=strategy)
@@ -138,8 +141,8 @@ def time_mirrored_training(spec, batch_size, devices, all_reduce, per_call=1):
     # batch split over the replicas as train() splits it.
     batches = bt.synthetic_batches(spec, global_batch, input_shape, int(model_cfg["num_classes"]))
     iterator = input_iterator(batches, strategy)
-    first_loss, last_loss, seconds = bt.time_steps(make_train_loop(step, strategy=strategy), iterator,
-                                                   global_batch, spec, per_call)
+    first_loss, last_loss, seconds, _ = bt.time_steps(make_train_loop(step, strategy=strategy), iterator,
+                                                      global_batch, spec, per_call)
     median = statistics.median(seconds)
     return {
         "replicas": replicas,
@@ -199,7 +202,7 @@ def worker(spec):
             for per_call in spec["steps_per_execution"]:
                 print(f"  {spec['variant']}: 1 device, batch {batch_size}, {per_call} steps per call",
                       file=sys.stderr, flush=True)
-                row = bt.time_training(spec, batch_size, devices[0], per_call)
+                row = bt.time_training(spec, batch_size, devices[0], per_call, spec["precision"])
                 result["results"].append({"config": "1 device", "replicas": 1, "devices": devices[:1],
                                           "all_reduce": None, "global_batch_size": batch_size,
                                           **{k: row[k] for k in ("batch_size", "steps_per_execution",
@@ -236,7 +239,7 @@ def run_variant(variant, args, cfg):
     spec = {"variant": variant, "custom_op": custom_op, "xla": xla, "device": args.device,
             "batch_sizes": args.batch_sizes, "replicas": args.replicas, "all_reduce": args.all_reduce,
             "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
-            "steps_per_execution": args.steps_per_execution, **cfg}
+            "steps_per_execution": args.steps_per_execution, "precision": args.precision[0], **cfg}
     return bt.run_worker(Path(__file__), spec, device=args.device, timeout=args.timeout, env_defaults=NVLS_OFF)
 
 

@@ -3,6 +3,7 @@
     .venv/bin/python scripts/benchmark_train.py                 # GPU: batch 128 and 512, every variant
     .venv/bin/python scripts/benchmark_train.py --device cpu --batch-sizes 8 --steps 3 --repeats 1
     .venv/bin/python scripts/benchmark_train.py --json bench.json model.routing_iterations=1
+    .venv/bin/python scripts/benchmark_train.py --precision float32,mixed_bfloat16,mixed_float16
 
 What it measures (the [speed] issue's benchmark 2): training steps per second of the
 model in configs/ (the paper's CapsNet unless Hydra overrides say otherwise, e.g.
@@ -37,7 +38,13 @@ How:
   steps dispatched back to back and ONE device sync at the end (reading the last loss
   waits for every step, since each reads the weights the previous one wrote). The
   median repeat gives images/s and ms/step; the ratio column compares variants at the
-  same batch size and K.
+  same batch size, K and precision.
+- `--precision` (train.precision, default float32; a list measures each, in the same
+  process): the model's Keras dtype policy, mixed_float16 with its loss scaling.
+- Peak device memory: the allocator's statistics are reset after the warm-up
+  (tf.config.experimental.reset_memory_stats), so the peak of the timed steps
+  (get_memory_info()["peak"]) is the steady state's, without one-off autotuning
+  workspaces; GPU only.
 
 Prints a markdown table (stdout; progress goes to stderr) and with `--json PATH` also
 writes the results as JSON. Exit status 0; 2 if a variant could not run for a reason the
@@ -75,8 +82,8 @@ BASELINE = "matmul"
 # The LR schedule decays once per epoch of the full MNIST training set, as in train().
 MNIST_TRAIN_EXAMPLES = 60_000
 # Set by the variant, not by an override: an override would be silently ignored.
-RESERVED_KEYS = ("custom_op", "train.xla", "train.batch_size", "train.steps_per_execution", "deterministic",
-                 "model.routing")
+RESERVED_KEYS = ("custom_op", "train.xla", "train.batch_size", "train.steps_per_execution", "train.precision",
+                 "deterministic", "model.routing")
 
 
 def label(variant):
@@ -117,6 +124,17 @@ def _positive_int(text):
         raise argparse.ArgumentTypeError(f"need a positive integer, got {text!r}") from None
 
 
+def _precisions(text):
+    from capsnet.config import PRECISIONS
+
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = [v for v in names if v not in PRECISIONS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown precision(s) {', '.join(unknown) or repr(text)}; choose from {', '.join(PRECISIONS)}")
+    return list(dict.fromkeys(names))
+
+
 def _variants(text):
     names = [v.strip() for v in text.split(",") if v.strip()]
     unknown = [v for v in names if v not in VARIANTS]
@@ -151,6 +169,8 @@ def add_run_arguments(parser, *, default_variants):
     parser.add_argument("--warmup", type=_positive_int, default=10,
                         help="untimed steps first: tracing, XLA compilation, autotuning, NCCL setup (default 10)")
     parser.add_argument("--repeats", type=_positive_int, default=5, help="timed repeats; the median counts (default 5)")
+    parser.add_argument("--precision", type=_precisions, default=["float32"],
+                        help="comma-separated train.precision values (default float32)")
     parser.add_argument("--variants", type=_variants, default=default_variants,
                         help=f"comma-separated, from: {', '.join(VARIANTS)} (default {','.join(default_variants)})")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results here as JSON")
@@ -219,12 +239,13 @@ def synthetic_batches(spec, batch_size, input_shape, num_classes):
     return tf.data.Dataset.from_tensor_slices((images, labels)).batch(batch_size).cache().repeat()
 
 
-def time_steps(train_steps, iterator, global_batch, spec, per_call):
+def time_steps(train_steps, iterator, global_batch, spec, per_call, tf_device="/CPU:0"):
     """Time make_train_loop's `train_steps` as train() calls it, `per_call` steps a call:
     the first step alone (it traces: never timed), `--warmup` - 1 more, then `--repeats`
     × `--steps` steps with ONE device sync each (reading the last loss waits for every
     step, since each reads the weights the previous one wrote).
-    Returns (first loss, last loss, seconds of each repeat)."""
+    Returns (first loss, last loss, seconds of each repeat, peak bytes of `tf_device`'s
+    allocator over the timed steps, None off a GPU)."""
     import tensorflow as tf
 
     def run(steps):
@@ -236,16 +257,21 @@ def time_steps(train_steps, iterator, global_batch, spec, per_call):
     first_loss = run(1)
     if spec["warmup"] > 1:
         run(spec["warmup"] - 1)  # finished before the clock starts
+    memory_device = tf_device.lstrip("/") if "GPU" in tf_device else None
+    if memory_device:
+        tf.config.experimental.reset_memory_stats(memory_device)  # the steady state's peak, not warm-up's
     seconds = []
     for _ in range(spec["repeats"]):
         start = time.perf_counter()
         last_loss = run(spec["steps"])
         seconds.append(time.perf_counter() - start)
-    return first_loss, last_loss, seconds
+    peak = tf.config.experimental.get_memory_info(memory_device)["peak"] if memory_device else None
+    return first_loss, last_loss, seconds, peak
 
 
-def time_training(spec, batch_size, tf_device, per_call=1):
-    """images/s and ms/step of one (variant, batch size, steps per call): a fresh model, optimizer and step.
+def time_training(spec, batch_size, tf_device, per_call=1, precision="float32"):
+    """images/s, ms/step and peak memory of one (variant, batch size, steps per call, precision): a
+    fresh model, optimizer and step.
     Running out of device memory is a CapsnetError naming the batch size (the first line of
     TensorFlow's message, not its allocator dump)."""
     import keras
@@ -258,18 +284,20 @@ def time_training(spec, batch_size, tf_device, per_call=1):
     from capsnet.training.optimizer import build_optimizer
     from capsnet.training.steps import make_train_loop, make_train_step
 
-    model_cfg, train_cfg = variant_model_cfg(spec["variant"], spec["model"]), spec["train"]
+    model_cfg = variant_model_cfg(spec["variant"], spec["model"])
+    train_cfg = {**spec["train"], "precision": precision}
     input_shape = tuple(model_cfg["input_shape"])
     keras.utils.set_random_seed(spec["seed"])  # the same initial weights for every variant
     try:
         with tf.device(tf_device):
-            model = build_capsnet(model_cfg, spec["custom_op"])
+            model = build_capsnet(model_cfg, spec["custom_op"], precision)
             optimizer, _ = build_optimizer(train_cfg, math.ceil(MNIST_TRAIN_EXAMPLES / batch_size), model)
             step = make_train_step(model, optimizer, input_shape=input_shape, losses=loss_params(train_cfg),
                                    xla=spec["xla"])
             iterator = input_iterator(synthetic_batches(spec, batch_size, input_shape,
                                                         int(model_cfg["num_classes"])), device=tf_device)
-            first_loss, last_loss, seconds = time_steps(make_train_loop(step), iterator, batch_size, spec, per_call)
+            first_loss, last_loss, seconds, peak = time_steps(make_train_loop(step), iterator, batch_size, spec,
+                                                              per_call, tf_device)
     except tf.errors.ResourceExhaustedError as exc:
         raise CapsnetError(f"out of device memory at batch {batch_size}: "
                            f"{str(exc).strip().splitlines()[0]}") from exc
@@ -277,7 +305,9 @@ def time_training(spec, batch_size, tf_device, per_call=1):
     return {
         "batch_size": batch_size,
         "steps_per_execution": per_call,
+        "precision": precision,
         "images_per_sec": spec["steps"] * batch_size / median,
+        "peak_memory_mib": None if peak is None else peak / 2**20,
         "ms_per_step": 1000.0 * median / spec["steps"],
         "repeat_seconds": seconds,
         "first_loss": first_loss,
@@ -311,11 +341,12 @@ def worker(spec):
         result["device"] = _device_name(spec["device"])
         if spec["custom_op"]:
             check_op_library()  # also refuses a CPU-only library while a GPU is visible
-        for batch_size in spec["batch_sizes"]:
-            for per_call in spec["steps_per_execution"]:
-                print(f"  {spec['variant']}: batch {batch_size}, {per_call} steps per call", file=sys.stderr,
-                      flush=True)
-                result["results"].append(time_training(spec, batch_size, tf_device, per_call))
+        for precision in spec["precisions"]:
+            for batch_size in spec["batch_sizes"]:
+                for per_call in spec["steps_per_execution"]:
+                    print(f"  {spec['variant']}: {precision}, batch {batch_size}, {per_call} steps per call",
+                          file=sys.stderr, flush=True)
+                    result["results"].append(time_training(spec, batch_size, tf_device, per_call, precision))
     except CapsnetError as exc:
         result["error"] = " ".join(str(exc).split())
     print(json.dumps(result))
@@ -326,7 +357,8 @@ def run_variant(variant, args, cfg):
     custom_op, xla = VARIANTS[variant]
     spec = {"variant": variant, "custom_op": custom_op, "xla": xla, "device": args.device,
             "batch_sizes": args.batch_sizes, "steps": args.steps, "warmup": args.warmup,
-            "repeats": args.repeats, "steps_per_execution": args.steps_per_execution, **cfg}
+            "repeats": args.repeats, "steps_per_execution": args.steps_per_execution, "precisions": args.precision,
+            **cfg}
     return run_worker(Path(__file__), spec, device=args.device, timeout=args.timeout)
 
 
@@ -389,30 +421,37 @@ def write_json(path, report):
 # --------------------------------------------------------------------------- report
 
 def with_ratios(runs):
-    """Flat result rows, each with images/s ÷ the baseline's at the same batch size and steps
-    per call (None without one)."""
-    baseline = {(r["batch_size"], r["steps_per_execution"]): r["images_per_sec"]
-                for run in runs if run["variant"] == BASELINE for r in run["results"]}
+    """Flat result rows, each with images/s ÷ the baseline's at the same batch size, steps
+    per call and precision (None without one)."""
+    def key(r):
+        return r["batch_size"], r["steps_per_execution"], r.get("precision", "float32")
+
+    baseline = {key(r): r["images_per_sec"] for run in runs if run["variant"] == BASELINE for r in run["results"]}
     rows = []
     for run in runs:
         custom_op, xla = VARIANTS[run["variant"]]
         for r in run["results"]:
-            base = baseline.get((r["batch_size"], r["steps_per_execution"]))
+            base = baseline.get(key(r))
             rows.append({"variant": run["variant"], "label": label(run["variant"]), "custom_op": custom_op,
                          "xla": xla, "fused_routing": run["variant"] in FUSED_VARIANTS, **r,
                          "ratio": r["images_per_sec"] / base if base else None})
+    from capsnet.config import PRECISIONS
+
     return sorted(rows, key=lambda row: (row["batch_size"], row["steps_per_execution"],
+                                         PRECISIONS.index(row.get("precision", "float32")),
                                          list(VARIANTS).index(row["variant"])))
 
 
 def format_table(rows):
-    lines = [f"| variant | batch | steps per call | images/s | ms/step | vs {label(BASELINE)} |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [f"| variant | precision | batch | steps per call | images/s | ms/step | peak MiB | "
+             f"vs {label(BASELINE)} |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}×"
-        lines.append(f"| {row['label']} | {row['batch_size']} | {row['steps_per_execution']} | "
-                     f"{row['images_per_sec']:,.0f} | "
-                     f"{row['ms_per_step']:.2f} | {ratio} |")
+        peak = row.get("peak_memory_mib")
+        lines.append(f"| {row['label']} | {row.get('precision', 'float32')} | {row['batch_size']} | "
+                     f"{row['steps_per_execution']} | {row['images_per_sec']:,.0f} | "
+                     f"{row['ms_per_step']:.2f} | {'-' if peak is None else f'{peak:,.0f}'} | {ratio} |")
     return "\n".join(lines)
 
 

@@ -3,7 +3,7 @@
 # parts were received, verify the op on the GPU and measure. Everything lands in $OUT
 # (or ./gpu-out) as logs; the last lines printed are the summaries.
 #   carry: .gpukit/gpukit.sh .gpukit/MANIFEST capsnet/lib build .gpudata
-#   command: bash scripts/gpu_session.sh [verify|bench|train|all|scale]   (scale: on nvidia-h200-x2, not in all)
+#   command: bash scripts/gpu_session.sh [verify|bench|train|all|scale|precision|profile]   (scale: on nvidia-h200-x2, not in all)
 set -uo pipefail
 what="${1:-all}"
 out="${OUT:-gpu-out}"; mkdir -p "$out"
@@ -27,6 +27,20 @@ if [[ $what == bench || $what == all ]]; then
   # One call per step and train()'s default of 50 steps per call.
   python3 scripts/benchmark_train.py --steps-per-execution 1,50 --json "$out/benchmark_train.json" 2>&1 \
     | tee "$out/benchmark_train.log" | tail -30
+fi
+if [[ $what == precision ]]; then
+  # [precision]: every train.precision on the fastest paths, 50 steps per call as train() runs,
+  # then where the step's GPU time goes in float32 and in bfloat16 (scripts/profile_train.py).
+  python3 scripts/benchmark_train.py --precision float32,mixed_bfloat16,mixed_float16 --steps-per-execution 50 \
+    --repeats 3 --variants op+fused,op+fused+autocluster,matmul,matmul+jit --json "$out/benchmark_precision.json" \
+    2>&1 | tee "$out/benchmark_precision.log" | tail -32
+fi
+if [[ $what == profile ]]; then
+  for spec in "op+fused float32" "op+fused mixed_bfloat16" "matmul+jit mixed_bfloat16"; do
+    set -- $spec
+    python3 scripts/profile_train.py --variant "$1" --precision "$2" --batch-size 512 \
+      --json "$out/profile_${1}_${2}.json" 2>&1 | tee "$out/profile_${1}_${2}.log" | grep -v "^W0000\|^I0000" | tail -30
+  done
 fi
 if [[ $what == bench-jit-routing || $what == all ]]; then
   # The op variants with the routing iterations compiled by XLA on their own.
@@ -65,4 +79,33 @@ if [[ $what == paper_mnist || $what == paper_fashion_mnist ]]; then
     done
   fi
   tar -czf "$out/${what}_run.tgz" -C "$run" --exclude checkpoints .
+fi
+if [[ $what == precision_accuracy ]]; then
+  # [precision]: experiment=paper_mnist in float32 and in mixed_bfloat16, seeds 0-2, six runs side by
+  # side on the one GPU (each alone leaves it mostly idle at batch 100). Rerunning the same call
+  # resumes them (same run dirs, while the machine is held); finished runs are evaluated (final
+  # checkpoint, op and matmul path) and their histories come back.
+  for precision in float32 mixed_bfloat16; do
+    for seed in 0 1 2; do
+      run="/tmp/runs/paper_mnist_${precision}_$seed"
+      timeout "${TRAIN_TIMEOUT:-540}" python3 train.py experiment=paper_mnist data.dir=.gpudata/mnist custom_op=true \
+        train.precision=$precision seed=$seed train.progress_bar=false hydra.run.dir="$run" \
+        > "$out/paper_mnist_${precision}_$seed.log" 2>&1 &
+    done
+  done
+  wait
+  for precision in float32 mixed_bfloat16; do
+    for seed in 0 1 2; do
+      run="/tmp/runs/paper_mnist_${precision}_$seed"; name="paper_mnist_${precision}_$seed"
+      echo "$name: $(grep -c '^epoch [0-9]*:' "$run/train.log" 2>/dev/null || true) $(grep '^epoch [0-9]*:' "$out/$name.log" | tail -1)"
+      cp "$run/history.jsonl" "$out/$name.history.jsonl" 2>/dev/null
+      if [[ -f "$run/metrics.json" ]]; then
+        cp "$run/metrics.json" "$out/$name.metrics.json"
+        for op in true false; do
+          python3 evaluate.py checkpoint="$run" which=latest custom_op=$op output="$out/${name}_eval_op_$op.json" \
+            2>&1 | tail -1 | cut -c1-200
+        done
+      fi
+    done
+  done
 fi

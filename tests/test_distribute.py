@@ -125,7 +125,8 @@ def mirrored(tiny_idx_dir, tmp_path_factory):
     """The mirrored runs, over /cpu:0 and /cpu:1, in one subprocess:
     indivisible: train.batch_size=15 (a ConfigError); run: 2 epochs, then resumed for a third
     with custom_op=true; jit: 1 epoch with train.xla=jit; loop: 3 epochs with
-    train.steps_per_execution=3; ema: 1 epoch with train.ema_decay=0.5."""
+    train.steps_per_execution=3; ema: 1 epoch with train.ema_decay=0.5; fp16: 1 epoch with
+    train.precision=mixed_float16 and custom_op=true."""
     root = tmp_path_factory.mktemp("mirrored")
     two_cpus = ["distribute=mirrored", "distribute.devices=[/cpu:0,/cpu:1]"]
 
@@ -142,6 +143,8 @@ def mirrored(tiny_idx_dir, tmp_path_factory):
         ("loop", cfg("loop", "train.epochs=3", "train.steps_per_execution=3", "train.log_every_steps=4")),
         # A moving average of the weights, updated in each replica's step.
         ("ema", cfg("ema", "train.epochs=1", "train.ema_decay=0.5")),
+        # Mixed precision under the strategy: the fused op in float16 with loss scaling.
+        ("fp16", cfg("fp16", "train.epochs=1", "train.precision=mixed_float16", "custom_op=true")),
     ]
     env = repo_env()
     env.pop("TF_CONFIG", None)
@@ -210,6 +213,21 @@ def test_mirrored_keeps_the_weight_average_like_one_device(mirrored, tiny_idx_di
     prefix = root / "ema" / "checkpoints" / "latest" / "ckpt-1"
     assert any(name.startswith("ema/") for name in tf.train.load_checkpoint(str(prefix)).get_variable_to_shape_map())
     assert_checkpoints_match(prefix, one_device / "checkpoints" / "latest" / "ckpt-1")
+
+
+@pytest.mark.slow
+def test_mirrored_trains_in_mixed_float16_like_one_device_in_float32(mirrored, reference):
+    """The LossScaleOptimizer under the strategy: every step applied (no overflow at the
+    initial scale on this model), each within float16's rounding of the float32 reference."""
+    root, report = mirrored
+    assert report["fp16"]["global_step"] == STEPS_PER_EPOCH
+    ours = step_losses(root / "fp16")
+    assert [s for s, _ in ours] == list(range(1, STEPS_PER_EPOCH + 1))
+    np.testing.assert_allclose([v for _, v in ours], [v for _, v in reference["losses"][:STEPS_PER_EPOCH]],
+                               rtol=2e-2)
+    saved = tf.train.load_checkpoint(str(root / "fp16" / "checkpoints" / "latest" / "ckpt-1"))
+    names = saved.get_variable_to_shape_map()
+    assert any(name.startswith("loss_scale/") for name in names)
 
 
 @pytest.mark.slow

@@ -211,6 +211,7 @@ def test_tensorboard_logs(trained_run):
     assert start.hparams["routing_iterations"].number_value == 3
     assert start.hparams["dataset"].string_value == "mnist"
     assert start.hparams["seed"].number_value == 0
+    assert start.hparams["precision"].string_value == "float32"
     experiment = plugin_data_pb2.HParamsPluginData.FromString(
         events["_hparams_/experiment"][0][1].metadata.plugin_data.content).experiment
     assert {m.name.tag for m in experiment.metric_infos} == {"test/accuracy", "train/images_per_sec"}
@@ -572,17 +573,25 @@ def test_benchmark_train_script_times_both_paths_on_the_same_model(tmp_path):
     result = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "benchmark_train.py"), "--device", "cpu", "--batch-sizes", "4,6",
          "--steps", "2", "--repeats", "3", "--warmup", "1", "--variants", "op,matmul", "--json", str(output),
-         *TINY_MODEL],
+         "--precision", "float32,mixed_bfloat16", *TINY_MODEL],
         env=entry_point_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(output.read_text())
     # conv1 9·9·1·16, PrimaryCaps 9·9·16·(4·8), W 144·10·8·8, decoder 80-32-64-784
     assert report["parameters"] == ((81 * 16 + 16) + (81 * 16 * 32 + 32) + 144 * 10 * 8 * 8
                                     + (80 * 32 + 32) + (32 * 64 + 64) + (64 * 784 + 784))
-    rows = {(row["variant"], row["batch_size"]): row for row in report["results"]}
+    # bfloat16: the same steps in another precision, its ratio against its own baseline.
+    bf16 = {(row["variant"], row["batch_size"]): row for row in report["results"]
+            if row["precision"] == "mixed_bfloat16"}
+    assert sorted(bf16) == [("matmul", 4), ("matmul", 6), ("op", 4), ("op", 6)]
+    for (variant, batch), row in bf16.items():
+        assert row["ratio"] == pytest.approx(row["images_per_sec"] / bf16[("matmul", batch)]["images_per_sec"])
+        assert row["peak_memory_mib"] is None  # measured on a GPU only
+    rows = {(row["variant"], row["batch_size"]): row for row in report["results"] if row["precision"] == "float32"}
     assert sorted(rows) == [("matmul", 4), ("matmul", 6), ("op", 4), ("op", 6)]
     assert report["errors"] == []
     for (variant, batch), row in rows.items():
+        assert row["first_loss"] == pytest.approx(bf16[(variant, batch)]["first_loss"], rel=2e-2)
         median = float(np.median(row["repeat_seconds"]))
         assert len(row["repeat_seconds"]) == 3
         assert row["images_per_sec"] == pytest.approx(2 * batch / median)
@@ -592,7 +601,8 @@ def test_benchmark_train_script_times_both_paths_on_the_same_model(tmp_path):
         assert row["first_loss"] == pytest.approx(rows[("matmul", batch)]["first_loss"], rel=1e-5)
         assert np.isfinite(row["last_loss"])
     table = result.stdout
-    assert "| custom_op=true xla=none | 6 |" in table and "| custom_op=false xla=none | 4 |" in table
+    assert "| custom_op=true xla=none | float32 | 6 |" in table
+    assert "| custom_op=false xla=none | mixed_bfloat16 | 4 |" in table
 
 
 def test_benchmark_out_of_device_memory_is_one_line_naming_the_batch(monkeypatch):
@@ -624,6 +634,8 @@ def test_benchmark_train_script_rejects_bad_arguments(tmp_path):
     for args, message in ((["--variants", "op,fast"], "unknown variant(s) fast"),
                           (["--batch-sizes", "128,0"], "positive integers"),
                           (["custom_op=true"], "custom_op is set by each variant"),
+                          (["--precision", "float32,fp8"], "unknown precision(s) fp8"),
+                          (["train.precision=mixed_bfloat16"], "train.precision is set by"),
                           (["model.no_such_key=1"], "error: bad override")):
         result = run_entry_point("scripts/benchmark_train.py", *args, cwd=tmp_path, timeout=120)
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr)

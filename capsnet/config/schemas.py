@@ -23,6 +23,7 @@ from capsnet.validation import (boolean, finite_float, float_in_range, integer, 
 ROUTING = ("auto", "tf", "xla")                                        # model.routing
 ROUTING_MODES = ("matmul", "matmul_xla", "op", "op_xla", "fused_op")  # what DigitCaps takes
 XLA_MODES = ("none", "autocluster", "jit")                              # train.xla
+PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")            # train.precision (Keras policy names)
 STRATEGIES = ("none", "mirrored", "multi_worker")                       # distribute.strategy
 ALL_REDUCE = {                                                          # distribute.all_reduce, per strategy
     "none": ("auto",),
@@ -158,6 +159,12 @@ def _eval_custom_op(name, value):
     return boolean(name, value, expected="true or false (or null: as trained)", error=ConfigError)
 
 
+def _eval_precision(name, value):
+    if value is not None and value not in PRECISIONS:
+        raise ConfigError(f"{name} must be one of {', '.join(PRECISIONS)} (or null: as trained), got {value!r}")
+    return value
+
+
 def _eval_weights(name, value):
     if value is not None and value not in WEIGHTS:
         raise ConfigError(f"{name} must be one of {', '.join(WEIGHTS)} (or null: the run's average if it kept "
@@ -241,6 +248,7 @@ class TrainConfig:
     lr_decay_steps: Optional[int] = _checked(None, _optional_positive_int)
     lr_staircase: bool = _checked(False, _boolean)
     xla: str = _checked("none", _one_of(XLA_MODES))
+    precision: str = _checked("float32", _one_of(PRECISIONS))
     m_plus: float = _checked(0.9, _finite_float)
     m_minus: float = _checked(0.1, _finite_float)
     lambda_: float = _checked(0.5, _finite_float)
@@ -295,6 +303,7 @@ class EvalAppConfig:
     custom_op: Optional[bool] = _checked(None, _eval_custom_op)
     batch_size: Optional[int] = _checked(None, _eval_batch_size)
     weights: Optional[str] = _checked(None, _eval_weights)
+    precision: Optional[str] = _checked(None, _eval_precision)
     output: Optional[str] = _checked(None, _optional_string)
     data: EvalDataConfig = field(default_factory=EvalDataConfig)
     debug: bool = _checked(False, _boolean)

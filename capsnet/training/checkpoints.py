@@ -156,11 +156,18 @@ def restore_model(model, prefix, weights="raw"):
     return int(epoch.numpy())
 
 
-def resume_from(checkpoint, prefix):
+def resume_from(checkpoint, prefix, required=None):
     """Restore all of a training checkpoint (weights, optimizer, counters) to continue the
-    run: CheckpointError if the file does not match what this run builds."""
+    run: CheckpointError if the file does not match what this run builds. `required`:
+    {node: trackable}, the nodes of `checkpoint` that the file must have; the others are
+    restored where it has them and left as they are where it has not (mixed_float16's loss
+    scale: a float32 run's checkpoint has none). None: every node is required."""
     try:
-        checkpoint.restore(prefix).assert_existing_objects_matched()
+        if required is None:
+            checkpoint.restore(prefix).assert_existing_objects_matched()
+        else:
+            tf.train.Checkpoint(**required).restore(prefix).assert_existing_objects_matched()
+            checkpoint.restore(prefix).expect_partial()  # the rest, and the save counter
     except (tf.errors.OpError, ValueError, AssertionError) as exc:
         raise CheckpointError(f"cannot resume from {prefix}: {str(exc).strip().splitlines()[0]}") from exc
 

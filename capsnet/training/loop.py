@@ -41,7 +41,7 @@ from capsnet.training.checkpoints import (BestCheckpoint, check_resumable, check
 from capsnet.training.distribute import (check_global_batch, check_tf_config, check_workers_agree, input_iterator,
                                          is_chief, make_strategy)
 from capsnet.training.model_setup import build_capsnet, check_labels, check_op_library
-from capsnet.training.optimizer import build_optimizer, scaled_learning_rate, steps_done
+from capsnet.training.optimizer import build_optimizer, checkpoint_nodes, loss_scale, scaled_learning_rate, steps_done
 from capsnet.training.steps import (evaluate_model, execution_lengths, make_eval_step, make_train_loop,
                                     make_train_step, set_autoclustering, set_determinism)
 from capsnet.training.summaries import (MetricWindow, write_epoch_summaries, write_hparams,
@@ -92,7 +92,7 @@ def train(cfg):
     # The model first: its config errors (model.num_classes=abc) come before the data is read,
     # and check_labels compares the data with the checked values.
     with scope():
-        model = build_capsnet(model_cfg, custom_op)
+        model = build_capsnet(model_cfg, custom_op, tcfg["precision"])
     # MultiMNIST: labels (B, 2) and the digits (B, 2, H, W, C); one device (config.check).
     two_digits = is_overlay(data_cfg["name"])
 
@@ -128,9 +128,12 @@ def train(cfg):
         average = WeightAverage(model, decay, optimizer.iterations) if decay else None
     epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")  # epochs done
     best_accuracy = tf.Variable(-1.0, dtype=tf.float64, trainable=False, name="best_accuracy")
-    checkpoint = tf.train.Checkpoint(model=checkpoint_weights(model), optimizer=optimizer, epoch=epoch,
-                                     best_accuracy=best_accuracy,
-                                     **({"ema": average.weights()} if average is not None else {}))
+    # "loss_scale" (mixed_float16) is optional on resume: checkpoints are shared by every precision.
+    optimizer_nodes = checkpoint_nodes(optimizer)
+    required_nodes = {"model": checkpoint_weights(model), "optimizer": optimizer_nodes.pop("optimizer"),
+                      "epoch": epoch, "best_accuracy": best_accuracy,
+                      **({"ema": average.weights()} if average is not None else {})}
+    checkpoint = tf.train.Checkpoint(**required_nodes, **optimizer_nodes)
     # Only the chief writes into the run dir. The other workers save too, into a scratch
     # dir of their own (deleted at the end), as tf.distribute's multi-worker guide asks:
     # saving may read variables through collectives that every worker must join.
@@ -142,7 +145,7 @@ def train(cfg):
     history_path = run_dir / "history.jsonl"
     resumed_from = tf.train.latest_checkpoint(str(latest_dir))  # the chief's, on every worker
     if resumed_from:
-        resume_from(checkpoint, resumed_from)
+        resume_from(checkpoint, resumed_from, required=required_nodes)
         log.info("resumed from %s: %d of %d epochs done, step %d", resumed_from, int(epoch),
                  tcfg["epochs"], steps_done(optimizer))
     if dcfg["strategy"] == "multi_worker":
@@ -189,7 +192,7 @@ def train(cfg):
         train_means, global_step = train_epoch(
             train_steps, iterator, global_step=global_step, num_examples=len(train_labels), batch_size=batch_size,
             steps_per_execution=tcfg["steps_per_execution"], log_every_steps=tcfg["log_every_steps"],
-            writer=writer, schedule=schedule, progress_bar=tcfg["progress_bar"])
+            writer=writer, schedule=schedule, progress_bar=tcfg["progress_bar"], loss_scale=loss_scale(optimizer))
 
         # Test pass, images and histograms; then the epoch's records, the checkpoint LAST.
         # On every worker (the same weights and data): each decides is_best and saves as the chief does.
@@ -251,14 +254,15 @@ def train(cfg):
 
 
 def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size, steps_per_execution,
-                log_every_steps, writer, schedule, progress_bar=True):
+                log_every_steps, writer, schedule, progress_bar=True, loss_scale=None):
     """One epoch of `train_steps` calls (make_train_loop) over `iterator`'s batches.
 
     Returns (means, global_step): the epoch's example-weighted step values (loss,
     margin_loss, reconstruction_loss, accuracy; images_per_sec and step_time_ms of the
     timed steps) and the global step after the epoch (`global_step`: before it).
     The train/ scalars go to `writer` every log_every_steps steps and at the epoch's end,
-    with the LR of the next update, schedule(step).
+    with the LR of the next update, schedule(step), and the dynamic loss scale (a
+    variable, mixed_float16) if `loss_scale` is one.
     """
     steps_per_epoch = math.ceil(num_examples / batch_size)
     # Interactive: a live bar; in a log file: one line per epoch.
@@ -296,7 +300,7 @@ def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size,
         pending, tick = [], now
         if log_now:
             # The LR of the next update: the schedule at the step counter.
-            write_train_scalars(writer, log_window, schedule(global_step), global_step)
+            write_train_scalars(writer, log_window, schedule(global_step), global_step, loss_scale)
             log_window = MetricWindow()
         if bar is not None:
             means = epoch_window.means()
@@ -304,7 +308,7 @@ def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size,
                                        ("images/s", means.get("images_per_sec", float("nan")))])
     assert not pending, "the last step of an epoch is always fetched"
     if log_window.examples:
-        write_train_scalars(writer, log_window, schedule(global_step), global_step)
+        write_train_scalars(writer, log_window, schedule(global_step), global_step, loss_scale)
     return epoch_window.means(), global_step
 
 

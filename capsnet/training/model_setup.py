@@ -1,8 +1,8 @@
 """The model of a config, and the checks that it can run: shared by train() and evaluate().
 
-- `build_capsnet(model_cfg, custom_op)`: the CapsNet of a config's `model` section
-  (model.routing and custom_op resolved by capsnet.config.routing_mode), config errors
-  as ConfigError.
+- `build_capsnet(model_cfg, custom_op, precision)`: the CapsNet of a config's `model`
+  section (model.routing and custom_op resolved by capsnet.config.routing_mode) in a
+  train.precision, config errors as ConfigError.
 - `check_op_library(devices)`: custom_op=true fails at once if the compiled op cannot run.
 - `check_labels(labels, images, model=...)`: the data fits the model.
 """
@@ -13,17 +13,19 @@ from capsnet.errors import ConfigError, OpLibraryError
 from capsnet.model import build_model
 
 
-def build_capsnet(model_cfg, custom_op):
+def build_capsnet(model_cfg, custom_op, precision="float32"):
     """The CapsNet of a config's `model` section and `custom_op`: DigitCaps routes as
     capsnet.config.routing_mode decides (the one place); bad values (a non-integer
     num_classes, input_shape=5, an unknown key, ...) → ConfigError naming them.
+    `precision` (train.precision, checked): the model's Keras dtype policy (capsnet.precision).
 
     The values go to CapsNet as they are: it checks them (and turns lists into
     tuples), so a bool(...) or tuple(...) here cannot misread or crash on them first.
     """
     routing = config.routing_mode(custom_op, model_cfg)
     try:
-        return build_model(**{k: v for k, v in model_cfg.items() if k != "routing"}, routing=routing)
+        return build_model(**{k: v for k, v in model_cfg.items() if k != "routing"}, routing=routing,
+                           dtype=precision)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"model: {' '.join(str(exc).split())}") from exc
 

@@ -103,7 +103,10 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strate
             total, margin, reconstruction = capsnet_losses(images, labels, outputs, **losses,
                                                            targets=digits)  # (B,) each
             loss = tf.reduce_mean(total)
-        grads = tape.gradient(loss, model.trainable_variables)
+            # × the loss scale under mixed_float16 (a LossScaleOptimizer, which divides the
+            # gradients back), else × 1.
+            scaled_loss = optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled_loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         if weight_average is not None:
             weight_average.update()
@@ -142,7 +145,8 @@ def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, wei
             # over the whole batch, as on one device. A per-replica mean would weigh the
             # examples of a short last batch's unequal slices unequally.
             loss = tf.nn.compute_average_loss(total, global_batch_size=global_batch_size)
-        grads = tape.gradient(loss, model.trainable_variables)
+            scaled_loss = optimizer.scale_loss(loss)  # mixed_float16: × the loss scale
+        grads = tape.gradient(scaled_loss, model.trainable_variables)
         correct = tf.reduce_sum(correct_predictions(predict(outputs["lengths"], labels), labels))
         sums = tf.stack([tf.reduce_sum(total), tf.reduce_sum(margin), tf.reduce_sum(reconstruction), correct])  # (4,)
         return grads, sums

@@ -13,7 +13,7 @@ import tensorflow as tf
 from capsnet import config
 
 # Values shown side by side in TensorBoard's HParams dashboard, and the metrics they explain.
-HPARAMS = ("custom_op", "routing", "xla", "dataset", "batch_size", "routing_iterations", "seed", "learning_rate",
+HPARAMS = ("custom_op", "routing", "xla", "precision", "dataset", "batch_size", "routing_iterations", "seed", "learning_rate",
            "decoder")
 HPARAM_METRICS = ("test/accuracy", "train/images_per_sec")
 
@@ -63,6 +63,7 @@ def write_hparams(writer, run_dir, cfg, data_cfg):
         "custom_op": bool(cfg["custom_op"]),
         "routing": config.routing_mode(cfg["custom_op"], cfg["model"]),  # the mode DigitCaps runs
         "xla": str(cfg["train"]["xla"]),
+        "precision": str(cfg["train"]["precision"]),
         "dataset": str(data_cfg["name"]),
         "batch_size": int(cfg["train"]["batch_size"]),
         "routing_iterations": int(cfg["model"]["routing_iterations"]),
@@ -78,13 +79,17 @@ def write_hparams(writer, run_dir, cfg, data_cfg):
         hp.hparams(values, trial_id=str(run_dir))
 
 
-def write_train_scalars(writer, window, learning_rate, step):
+def write_train_scalars(writer, window, learning_rate, step, loss_scale=None):
+    """The train/ scalars of a log window; `loss_scale`: mixed_float16's dynamic loss scale
+    variable (read after the window's steps were fetched, so it waits for nothing)."""
     means = window.means()
     with writer.as_default(step=step):
         for key in ("loss", "margin_loss", "reconstruction_loss", "accuracy", "images_per_sec", "step_time_ms"):
             if key in means:
                 tf.summary.scalar(f"train/{key}", means[key])
         tf.summary.scalar("train/learning_rate", learning_rate)
+        if loss_scale is not None:
+            tf.summary.scalar("train/loss_scale", loss_scale)
 
 
 def write_epoch_summaries(writer, model, test, show_images, tcfg, step, raw_test=None):

@@ -1,0 +1,30 @@
+"""Mixed precision (train.precision): what runs in 16 bits and what stays float32.
+
+The precisions (capsnet.config.PRECISIONS) are Keras' dtype-policy names: "float32",
+"mixed_bfloat16" and "mixed_float16". Under a mixed policy the layers keep float32 variables and compute in
+16 bits (Keras casts their inputs and reads their variables in the compute dtype): the
+convolutions (94% of the paper model's FLOPs, on tensor cores), the capsule prediction
+(the op reads u and W in 16 bits and accumulates in float32), the decoder's matmuls.
+What must stay float32 is computed there, each place casting with `float32_math`:
+squash's |s|² (a float16 square overflows past |s| = 256, and bfloat16's 8-bit mantissa
+would make 1 + |s|² equal 1 for short capsules), the routing logits b_ij and their
+softmax, the routing sums s_j, the capsule lengths that are the class scores, and both
+losses. mixed_float16 also needs dynamic loss scaling (`build_optimizer` wraps Adam in
+Keras' LossScaleOptimizer); bfloat16 has float32's exponent range and does not.
+Checkpoints hold float32 variables in every precision, so a run may resume in another.
+"""
+import tensorflow as tf
+
+_SIXTEEN_BIT = (tf.float16, tf.bfloat16)
+
+
+def float32_math(x):
+    """`x` as float32 if it is a 16-bit float tensor, else unchanged (float64 stays float64)."""
+    x = tf.convert_to_tensor(x)
+    return tf.cast(x, tf.float32) if x.dtype in _SIXTEEN_BIT else x
+
+
+def needs_loss_scaling(precision):
+    """Whether `precision` needs dynamic loss scaling: float16's exponent reaches only
+    6e-5 (normal numbers), where small gradients of this model underflow to zero."""
+    return precision == "mixed_float16"

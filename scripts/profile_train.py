@@ -1,0 +1,202 @@
+"""Where a training step's GPU time goes: per-kernel times of benchmark_train's steps.
+
+    .venv/bin/python scripts/profile_train.py --variant op+fused --precision mixed_bfloat16 --batch-size 512
+    .venv/bin/python scripts/profile_train.py --variant matmul+jit --json profile.json
+
+Builds the step exactly as scripts/benchmark_train.py times it (its variants, the same
+synthetic batch, train()'s loop of --steps-per-execution steps per call), warms up, then
+records `--steps` steps with TensorFlow's profiler (CUPTI) and reads the trace itself
+(the XPlane protobuf the profiler writes; no TensorBoard plugin needed): every GPU
+kernel's time summed by name and by kind (convolution, our op, matmul, XLA fusion,
+other elementwise/reductions, copies), per step, and the share of the wall time the GPU
+was busy (1 − busy = the time it waited for the host). Prints a markdown table; `--json`
+also writes it. GPU only.
+"""
+import argparse
+import collections
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+import benchmark_train as bt  # noqa: E402  (variants, config, data: the benchmark's own)
+
+# (kind, substrings of a kernel's name), the first match wins; everything else is "other".
+KINDS = (
+    ("copy", ("memcpy", "memset", "Memcpy", "Memset")),
+    ("capsnet op", ("capsnet", "Capsule", "capsule", "routing_", "prediction_")),
+    ("convolution", ("conv", "Conv", "xmma", "cudnn", "implicit", "wgrad", "dgrad", "fprop", "sm90_xmma",
+                     "nhwc", "nchw")),
+    ("matmul", ("gemm", "Gemm", "GEMM", "cutlass", "ampere_", "sm80_", "sm90_")),
+    ("XLA fusion", ("fusion", "loop_", "input_", "reduce_", "wrapped_")),
+    ("reduction", ("Reduce", "reduce", "Reduction")),
+    ("elementwise (Eigen)", ("Eigen", "eigen")),
+)
+
+
+DERIVED_LINES = ("Ops", "Modules", "Steps", "Source", "Launch", "Framework")
+
+
+def kind_of(name):
+    for kind, needles in KINDS:
+        if any(n in name for n in needles):
+            return kind
+    return "other"
+
+
+def gpu_kernel_times(trace_dir):
+    """{kernel name: (total ps, count)} and the (first start, last end) in ps over the
+    trace's GPU planes (one per device; its lines are CUDA streams)."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    files = sorted(Path(trace_dir).rglob("*.xplane.pb"))
+    if not files:
+        raise SystemExit(f"error: the profiler wrote no .xplane.pb under {trace_dir}")
+    space = xplane_pb2.XSpace()
+    space.ParseFromString(files[-1].read_bytes())
+    totals = collections.defaultdict(lambda: [0, 0])
+    first, last, busy_intervals = None, None, []
+    for plane in space.planes:
+        if not plane.name.startswith("/device:GPU:"):
+            continue
+        names = {key: m.name for key, m in plane.event_metadata.items()}
+        for line in plane.lines:
+            # A processed trace adds derived lines ("XLA Ops", "TensorFlow Ops", "Steps", ...)
+            # that repeat the kernels' time; the raw lines are the CUDA streams.
+            if any(word in line.name for word in DERIVED_LINES):
+                continue
+            base = line.timestamp_ns * 1000
+            for event in line.events:
+                start = base + event.offset_ps
+                end = start + event.duration_ps
+                name = names.get(event.metadata_id, "?")
+                totals[name][0] += event.duration_ps
+                totals[name][1] += 1
+                busy_intervals.append((start, end))
+                first = start if first is None else min(first, start)
+                last = end if last is None else max(last, end)
+    busy_intervals.sort()
+    busy, reach = 0, None
+    for start, end in busy_intervals:  # the union of the kernels' intervals: the GPU's busy time
+        if reach is None or start > reach:
+            busy += end - start
+            reach = end
+        elif end > reach:
+            busy += end - reach
+            reach = end
+    return dict(totals), busy
+
+
+def profile(args, cfg):
+    from capsnet import cli
+
+    cli.import_tensorflow_quietly()
+    import keras
+    import tensorflow as tf
+
+    from capsnet.losses import loss_params
+    from capsnet.training.distribute import input_iterator
+    from capsnet.training.model_setup import build_capsnet
+    from capsnet.training.optimizer import build_optimizer
+    from capsnet.training.steps import make_train_loop, make_train_step, set_autoclustering
+
+    custom_op, xla = bt.VARIANTS[args.variant]
+    set_autoclustering(xla == "autocluster")
+    if not tf.config.list_physical_devices("GPU"):
+        raise SystemExit("error: no GPU visible to TensorFlow (profile_train.py profiles the GPU's kernels)")
+    model_cfg = bt.variant_model_cfg(args.variant, cfg["model"])
+    train_cfg = {**cfg["train"], "precision": args.precision}
+    batch, per_call = args.batch_size, args.steps_per_execution
+    keras.utils.set_random_seed(cfg["seed"])
+    with tf.device("/GPU:0"):
+        model = build_capsnet(model_cfg, custom_op, args.precision)
+        optimizer, _ = build_optimizer(train_cfg, math.ceil(bt.MNIST_TRAIN_EXAMPLES / batch), model)
+        step = make_train_step(model, optimizer, input_shape=tuple(model_cfg["input_shape"]),
+                               losses=loss_params(train_cfg), xla=xla)
+        spec = {"seed": cfg["seed"]}
+        iterator = input_iterator(bt.synthetic_batches(spec, batch, tuple(model_cfg["input_shape"]),
+                                                       int(model_cfg["num_classes"])), device="/GPU:0")
+        train_steps = make_train_loop(step)
+        sizes = tf.constant([batch] * per_call, tf.int32)
+        calls = max(1, args.steps // per_call)
+        for _ in range(args.warmup):
+            out = train_steps(iterator, sizes)
+        float(out["loss"][-1])
+        with tempfile.TemporaryDirectory() as trace_dir:
+            tf.profiler.experimental.start(trace_dir)
+            start = time.perf_counter()
+            for _ in range(calls):
+                out = train_steps(iterator, sizes)
+            float(out["loss"][-1])
+            wall = time.perf_counter() - start
+            tf.profiler.experimental.stop()
+            totals, busy_ps = gpu_kernel_times(trace_dir)
+    steps = calls * per_call
+    kernels = sorted(({"kernel": name, "kind": kind_of(name), "ms_per_step": ps / 1e9 / steps,
+                       "launches_per_step": count / steps} for name, (ps, count) in totals.items()),
+                     key=lambda k: -k["ms_per_step"])
+    by_kind = collections.defaultdict(float)
+    for k in kernels:
+        by_kind[k["kind"]] += k["ms_per_step"]
+    return {
+        "variant": args.variant, "label": bt.label(args.variant), "precision": args.precision, "batch_size": batch,
+        "steps_per_execution": per_call, "steps": steps,
+        "wall_ms_per_step": 1000 * wall / steps, "images_per_sec_while_profiled": steps * batch / wall,
+        "gpu_busy_ms_per_step": busy_ps / 1e9 / steps, "kernel_ms_per_step": sum(k["ms_per_step"] for k in kernels),
+        "launches_per_step": sum(k["launches_per_step"] for k in kernels),
+        "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])), "kernels": kernels[:args.top],
+    }
+
+
+def format_report(report):
+    lines = [f"### {report['label']} · {report['precision']} · batch {report['batch_size']}",
+             "",
+             f"wall {report['wall_ms_per_step']:.2f} ms/step (profiler on: "
+             f"{report['images_per_sec_while_profiled']:,.0f} images/s), GPU busy "
+             f"{report['gpu_busy_ms_per_step']:.2f} ms/step "
+             f"({report['gpu_busy_ms_per_step'] / report['wall_ms_per_step']:.0%}), "
+             f"{report['launches_per_step']:.0f} kernel launches/step",
+             "",
+             "| kind | ms/step | share of kernel time |", "|---|---:|---:|"]
+    total = report["kernel_ms_per_step"] or 1.0
+    for kind, ms in report["by_kind"].items():
+        lines.append(f"| {kind} | {ms:.3f} | {ms / total:.0%} |")
+    lines += ["", "| kernel | kind | ms/step | launches/step |", "|---|---|---:|---:|"]
+    for k in report["kernels"]:
+        name = k["kernel"] if len(k["kernel"]) <= 90 else k["kernel"][:87] + "..."
+        lines.append(f"| `{name}` | {k['kind']} | {k['ms_per_step']:.3f} | {k['launches_per_step']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Per-kernel GPU time of one benchmark_train variant's steps.")
+    parser.add_argument("--variant", choices=list(bt.VARIANTS), default="op+fused")
+    parser.add_argument("--precision", type=bt._precisions, default=["float32"],
+                        help="one train.precision (default float32)")
+    parser.add_argument("--batch-size", type=bt._positive_int, default=512)
+    parser.add_argument("--steps-per-execution", type=bt._positive_int, default=50)
+    parser.add_argument("--steps", type=bt._positive_int, default=100, help="profiled steps (default 100)")
+    parser.add_argument("--warmup", type=bt._positive_int, default=3, help="untimed calls first (default 3)")
+    parser.add_argument("--top", type=bt._positive_int, default=15, help="kernels listed (default 15)")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="Hydra overrides of configs/train.yaml")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if len(args.precision) != 1:
+        parser.error("--precision: one value")
+    args.precision = args.precision[0]
+    bt.reject_reserved_overrides(parser, args.overrides, bt.RESERVED_KEYS, "the arguments")
+    report = profile(args, bt.compose_config(args.overrides))
+    print(format_report(report))
+    if args.json is not None:
+        bt.write_json(args.json, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

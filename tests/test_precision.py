@@ -1,0 +1,243 @@
+"""Mixed precision (train.precision): 16-bit compute where it is safe, float32 where it must be.
+
+References: the float32 model with the same weights (values), the graph of the traced
+model (which ops run in which dtype), the NumPy float64 math of the ops on the rounded
+16-bit inputs (values and gradients), and a float32 tiny run (training). Checkpoints
+are the same in every precision: a run resumes from one precision into another.
+"""
+import shutil
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from capsnet import ops
+from capsnet.errors import ConfigError
+from capsnet.evaluation import evaluate
+from capsnet.layers import capsule_lengths
+from capsnet.model import build_model
+from capsnet.routing import dynamic_routing, squash
+from capsnet.training import train
+from conftest import np_capsule_prediction, read_events
+from test_routing_op import inputs as routing_inputs
+from test_routing_op import np_routing
+
+MIXED = ["mixed_bfloat16", "mixed_float16"]
+SIXTEEN_BIT = {"mixed_bfloat16": tf.bfloat16, "mixed_float16": tf.float16}
+TINY = dict(conv1_filters=16, primary_caps_types=4, digit_caps_dim=8, decoder_units=(32, 64))
+
+
+def twin_models(precision, routing="matmul"):
+    """A tiny float32 CapsNet and one in `precision` holding the same (float32) weights."""
+    reference = build_model(**TINY, routing=routing)
+    mixed = build_model(**TINY, routing=routing, dtype=precision)
+    mixed.set_weights(reference.get_weights())
+    return reference, mixed
+
+
+@pytest.mark.parametrize("routing", ["matmul", "op", "fused_op"])
+@pytest.mark.parametrize("precision", MIXED)
+def test_a_mixed_model_keeps_float32_weights_and_outputs_and_agrees_with_float32(precision, routing, seeded):
+    reference, mixed = twin_models(precision, routing)
+    assert {w.dtype for w in mixed.weights} == {"float32"}
+    images = tf.random.uniform((8, 28, 28, 1), seed=1)
+    labels = tf.constant([0, 1, 2, 3, 4, 5, 6, 7])
+    want, got = reference(images, labels=labels), mixed(images, labels=labels)
+    assert {k: v.dtype for k, v in got.items()} == {k: tf.float32 for k in want}
+    # bfloat16 keeps 8 significant bits (float16 11): a 1296-term convolution sum and the
+    # capsule prediction round to about 2^-8 (2^-11) of their size.
+    atol = {"mixed_bfloat16": 2e-2, "mixed_float16": 3e-3}[precision]
+    for key in ("lengths", "v_j", "c_ij", "reconstructions"):
+        np.testing.assert_allclose(got[key], want[key], rtol=0, atol=atol, err_msg=key)
+
+
+@pytest.mark.parametrize("precision", MIXED)
+def test_mixed_policy_runs_convolutions_in_16_bits_and_routing_softmax_and_norms_in_float32(precision):
+    """The traced model's ops: which run in 16 bits and which stay float32."""
+    _, mixed = twin_models(precision)
+    graph = tf.function(lambda x: mixed(x, training=False)).get_concrete_function(
+        tf.TensorSpec((None, 28, 28, 1), tf.float32)).graph
+    dtypes = {}
+    for op in graph.get_operations():
+        if "T" in op.node_def.attr:
+            dtypes.setdefault(op.type, set()).add(tf.as_dtype(op.get_attr("T")))
+    sixteen = SIXTEEN_BIT[precision]
+    assert dtypes["Conv2D"] == {sixteen}                                # conv1, PrimaryCaps
+    assert sixteen in dtypes["BatchMatMulV2"]                           # u_hat = W u
+    assert dtypes["Softmax"] == {tf.float32}                            # c_ij = softmax(b_ij)
+    assert dtypes["Sqrt"] == {tf.float32}                               # squash's and the lengths' norms
+    assert dtypes["Sigmoid"] == {tf.float32}                            # the reconstruction's pixels
+
+
+@pytest.mark.parametrize("sixteen", [tf.bfloat16, tf.float16])
+def test_squash_routing_and_lengths_of_16_bit_inputs_compute_in_float32(sixteen):
+    """The math on 16-bit inputs equals the float32 math on the same (rounded) values."""
+    rng = np.random.default_rng(0)
+    u_hat = tf.cast(rng.normal(0, 0.3, (4, 12, 5, 6)).astype(np.float32), sixteen)
+    exact = tf.cast(u_hat, tf.float32)
+    v16, c16 = dynamic_routing(u_hat, 3)
+    v32, c32 = dynamic_routing(exact, 3)
+    assert (v16.dtype, c16.dtype) == (tf.float32, tf.float32)
+    np.testing.assert_array_equal(v16, v32)
+    np.testing.assert_array_equal(c16, c32)
+    np.testing.assert_array_equal(capsule_lengths(u_hat), capsule_lengths(exact))
+    # squash keeps its input's dtype, computed in float32 and rounded once at the end: a
+    # float16 |s|² of 300-long vectors would overflow (65504) and give NaN.
+    s = tf.cast(rng.normal(0, 300, (3, 16)).astype(np.float32), sixteen)
+    v = squash(s)
+    assert v.dtype == sixteen
+    np.testing.assert_array_equal(v, tf.cast(squash(tf.cast(s, tf.float32)), sixteen))
+
+
+# --------------------------------------------------------------------------- the ops in 16 bits: gradients
+
+# |error| ≤ ATOL · max(1, max|reference|): a few roundings of the output to 8 (bfloat16)
+# or 11 (float16) significant bits; sums run in float32.
+ATOL = {tf.bfloat16: 2e-2, tf.float16: 3e-3}
+
+
+def assert_near(got, want, dtype, what):
+    got, want = tf.cast(got, tf.float64).numpy(), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    np.testing.assert_allclose(got, want, rtol=0, atol=ATOL[dtype] * max(1.0, np.abs(want).max()), err_msg=what)
+
+
+def rounded(array, dtype):
+    """`array` as a `dtype` tensor and, for the reference, its rounded values in float64."""
+    t = tf.cast(tf.constant(array, tf.float32), dtype)
+    return t, tf.cast(t, tf.float64).numpy()
+
+
+@pytest.mark.parametrize("dtype", [tf.bfloat16, tf.float16])
+def test_prediction_op_gradients_in_16_bits_match_numpy(dtype):
+    rng = np.random.default_rng(3)
+    B, I, J, D, K = 5, 7, 10, 16, 8
+    u, u64 = rounded(rng.uniform(-1, 1, (B, I, K)), dtype)
+    W, W64 = rounded(rng.normal(0, 0.3, (I, J, D, K)), dtype)
+    g, g64 = rounded(rng.normal(0, 1, (B, I, J, D)), dtype)
+    with tf.GradientTape() as tape:
+        tape.watch([u, W])
+        u_hat = ops.capsule_prediction(u, W)
+    grad_u, grad_W = tape.gradient(u_hat, [u, W], output_gradients=g)
+    assert (u_hat.dtype, grad_u.dtype, grad_W.dtype) == (dtype, dtype, dtype)
+    assert_near(u_hat, np_capsule_prediction(u64, W64), dtype, "u_hat")
+    assert_near(grad_u, np.einsum("ijdk,bijd->bik", W64, g64), dtype, "grad_u")
+    assert_near(grad_W, np.einsum("bijd,bik->ijdk", g64, u64), dtype, "grad_W")
+
+
+@pytest.mark.parametrize("dtype", [tf.bfloat16, tf.float16])
+def test_routing_op_gradients_in_16_bits_match_numpy(dtype):
+    """The fused op's gradient is stop-gradient routing's: through the last s_j = Σ_i c_ij
+    u_hat_j|i with c_ij constant, so dL/du_hat = c_ij · dL/ds_j."""
+    u32, W32 = routing_inputs((3, 9, 10, 16, 8), np.float32, seed=5)
+    u, u64 = rounded(u32, dtype)
+    W, W64 = rounded(W32, dtype)
+    g, g64 = rounded(np.random.default_rng(6).normal(0, 1, (3, 10, 16)), dtype)
+    with tf.GradientTape() as tape:
+        tape.watch([u, W])
+        s_j, c_ij = ops.capsule_routing(u, W, 3)
+    grad_u, grad_W = tape.gradient(s_j, [u, W], output_gradients=g)
+    assert (grad_u.dtype, grad_W.dtype) == (dtype, dtype)
+    s_ref, c_ref, _ = np_routing(u64, W64, 3)
+    assert_near(s_j, s_ref, dtype, "s_j")
+    d_u_hat = c_ref[..., None] * g64[:, None]                         # (B, I, J, D)
+    assert_near(grad_u, np.einsum("ijdk,bijd->bik", W64, d_u_hat), dtype, "grad_u")
+    assert_near(grad_W, np.einsum("bijd,bik->ijdk", d_u_hat, u64), dtype, "grad_W")
+
+
+# --------------------------------------------------------------------------- training
+
+@pytest.mark.parametrize("precision, extra", [
+    ("mixed_bfloat16", []),
+    ("mixed_bfloat16", ["custom_op=true"]),            # the fused routing op in bfloat16
+    ("mixed_float16", ["custom_op=true", "model.routing=tf"]),  # the prediction op, TF routing
+    ("mixed_float16", ["train.xla=jit"]),
+])
+def test_each_precision_trains_like_float32(trained_run, tiny_config, spy_on_op, precision, extra):
+    """Same seed, data and initial weights as the float32 run: the losses fall as its do."""
+    calls = spy_on_op(op="capsule_routing" if extra == ["custom_op=true"] else "capsule_prediction")
+    metrics = train(tiny_config(f"train.precision={precision}", "train.epochs=2", *extra))
+    assert bool(calls) == ("custom_op=true" in extra)  # the path asked for ran
+    ours, theirs = metrics["history"], trained_run[1]["history"][:2]
+    # The first epoch's mean training loss is the float32 run's to rounding; after that the
+    # trajectories part (16-bit rounding, amplified by lr 0.01 on 320 images), but the
+    # training must fall as far.
+    assert ours[0]["train_loss"] == pytest.approx(theirs[0]["train_loss"], rel=0.02)
+    assert ours[1]["train_loss"] < 0.8 * ours[0]["train_loss"]
+    assert ours[1]["test_loss"] < 1.25 * theirs[1]["test_loss"]
+    assert metrics["test_accuracy"] >= theirs[1]["test_accuracy"] - 0.15
+
+
+def test_the_ops_see_16_bit_inputs_under_a_mixed_policy(tiny_config, monkeypatch):
+    """custom_op=true in mixed_bfloat16 hands the op bfloat16 u and W (no float32 round trip)."""
+    seen = []
+    real = ops.capsule_routing
+
+    def spy(u, W, iterations):
+        seen.append((u.dtype, W.dtype))
+        return real(u, W, iterations)
+
+    monkeypatch.setattr(ops, "capsule_routing", spy)
+    train(tiny_config("train.precision=mixed_bfloat16", "custom_op=true", "train.epochs=1",
+                      "data.limit_train=32", "data.limit_test=16"))
+    assert seen and set(seen) == {(tf.bfloat16, tf.bfloat16)}
+
+
+def test_mixed_float16_logs_its_loss_scale(tiny_config, tmp_path):
+    train(tiny_config("train.precision=mixed_float16", "train.epochs=1"))
+    events = read_events(tmp_path / "run")
+    scales = [float(tf.make_ndarray(value.tensor)) for _, value in events["train/loss_scale"]]
+    assert scales and all(s >= 1.0 and np.log2(s).is_integer() for s in scales)  # powers of two
+    assert "train/loss_scale" not in read_events_of_float32(tiny_config, tmp_path)
+
+
+def read_events_of_float32(tiny_config, tmp_path):
+    run_dir = tmp_path / "float32"
+    train(tiny_config("train.epochs=1", "data.limit_train=32", "data.limit_test=16", run_dir=run_dir))
+    return read_events(run_dir)
+
+
+def test_a_checkpoint_resumes_across_precisions_and_back(trained_run, tiny_config, tmp_path):
+    """float32 (4 epochs) → mixed_float16 (epoch 5, a loss scale saved) → mixed_bfloat16 (6) → float32 (7)."""
+    original_dir, original = trained_run
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(original_dir, run_dir)
+    for epochs, precision in ((5, "mixed_float16"), (6, "mixed_bfloat16"), (7, "float32")):
+        metrics = train(tiny_config(f"train.epochs={epochs}", f"train.precision={precision}", run_dir=run_dir))
+        assert metrics["resumed_from"].endswith(f"ckpt-{epochs - 1}"), precision
+        assert [h["epoch"] for h in metrics["history"]] == list(range(1, epochs + 1))
+        assert metrics["history"][:4] == original["history"]
+        # Resumed, not restarted: the loss goes on from where the float32 run left it.
+        assert metrics["history"][-1]["train_loss"] < 1.2 * original["history"][-1]["train_loss"]
+    saved = tf.train.load_checkpoint(str(run_dir / "checkpoints" / "latest" / "ckpt-5"))
+    names = saved.get_variable_to_shape_map()
+    assert any(name.startswith("loss_scale/") for name in names)
+    assert any(name.startswith("optimizer/") for name in names)
+
+
+def test_evaluate_uses_the_run_precision_or_the_one_asked_for(trained_run, tmp_path):
+    run_dir, metrics = trained_run
+    as_trained = evaluate(run_dir, which="latest", output=tmp_path / "a.json")
+    bf16 = evaluate(run_dir, which="latest", precision="mixed_bfloat16", output=tmp_path / "b.json")
+    assert (as_trained["precision"], bf16["precision"]) == ("float32", "mixed_bfloat16")
+    assert as_trained["accuracy"] == metrics["test_accuracy"]
+    assert abs(bf16["accuracy"] - as_trained["accuracy"]) <= 2 / as_trained["num_examples"]
+    assert bf16["loss"] == pytest.approx(as_trained["loss"], rel=0.05)
+
+
+@pytest.mark.parametrize("override", ["train.precision=fp16", "train.precision=mixed_float32"])
+def test_a_bad_precision_is_a_one_line_error_naming_the_choices(tiny_config, override):
+    with pytest.raises(ConfigError) as error:
+        tiny_config(override)
+    message = str(error.value)
+    assert "\n" not in message and "train.precision" in message
+    assert all(choice in message for choice in ("float32", "mixed_bfloat16", "mixed_float16"))
+
+
+def test_a_bad_eval_precision_is_a_one_line_error(trained_run, tmp_path):
+    with pytest.raises(ConfigError, match=r"precision must be one of float32, mixed_bfloat16, mixed_float16"):
+        evaluate(trained_run[0], precision="half", output=tmp_path / "x.json")
+
+
+def test_the_train_config_defaults_to_float32(tiny_config):
+    assert tiny_config()["train"]["precision"] == "float32"
