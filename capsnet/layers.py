@@ -2,6 +2,8 @@
 
 - `squash(s)`: Eq. 1, the capsule non-linearity.
 - `capsule_lengths(v)`: |v_j|, the class scores, with a gradient that stays finite at 0.
+- `Conv2D`, `Dense`: Keras' layers with the bias added by capsnet.precision.bias_add
+  (fast bias gradients under mixed precision).
 - `PrimaryCaps`: a convolution whose channels are grouped into 8-D capsules u_i.
 - `DigitCaps`: u_hat_j|i = W_ij u_i for every (primary i, digit j) pair, then dynamic
   routing (capsnet.routing) to the outputs v_j; or both in one compiled op
@@ -19,11 +21,11 @@ import tensorflow as tf
 from capsnet import ops
 from capsnet.config import ROUTING_MODES, routing_from_flags, routing_mode
 from capsnet.errors import CapsnetError
-from capsnet.precision import float32_math
+from capsnet.precision import bias_add, float32_math
 from capsnet.routing import dynamic_routing, squash
 from capsnet.validation import boolean, positive_float, positive_int, positive_int_tuple
 
-__all__ = ["squash", "capsule_lengths", "PrimaryCaps", "DigitCaps", "Decoder"]
+__all__ = ["squash", "capsule_lengths", "Conv2D", "Dense", "PrimaryCaps", "DigitCaps", "Decoder"]
 
 
 def capsule_lengths(v, axis=-1, epsilon=1e-12):
@@ -46,6 +48,34 @@ def _known_shape(shape):
 
 
 # --------------------------------------------------------------------------- layers
+
+@keras.saving.register_keras_serializable(package="capsnet")
+class Conv2D(keras.layers.Conv2D):
+    """keras.layers.Conv2D with its bias added by capsnet.precision.bias_add: the same
+    values, weights and checkpoint names; under a mixed policy its bias gradient is a
+    matmul, not TensorFlow's slow 16-bit BiasAddGrad (see bias_add)."""
+
+    def call(self, inputs):
+        if self.data_format != "channels_last":
+            return super().call(inputs)
+        outputs = self.convolution_op(inputs, self.kernel)
+        if self.use_bias:
+            outputs = bias_add(outputs, self.bias)
+        return outputs if self.activation is None else self.activation(outputs)
+
+
+@keras.saving.register_keras_serializable(package="capsnet")
+class Dense(keras.layers.Dense):
+    """keras.layers.Dense with its bias added by capsnet.precision.bias_add (see Conv2D)."""
+
+    def call(self, inputs, training=None):
+        if self.lora_enabled or self.quantization_mode is not None:
+            return super().call(inputs, training=training)
+        x = tf.matmul(inputs, self.kernel)
+        if self.bias is not None:
+            x = bias_add(x, self.bias)
+        return x if self.activation is None else self.activation(x)
+
 
 @keras.saving.register_keras_serializable(package="capsnet")
 class PrimaryCaps(keras.layers.Layer):
@@ -75,7 +105,7 @@ class PrimaryCaps(keras.layers.Layer):
             raise ValueError(f"{owner}: padding must be 'valid' or 'same', got {padding!r}")
         self.padding = padding
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
-        self.conv = keras.layers.Conv2D(
+        self.conv = Conv2D(
             self.num_types * self.dim, self.kernel_size, strides=self.strides,
             padding=self.padding, activation=None,
             kernel_initializer=self.kernel_initializer, name="conv", dtype=self.dtype_policy,
@@ -327,12 +357,12 @@ class Decoder(keras.layers.Layer):
         # lists in its own container, which tf.train.Checkpoint's object graph cannot see,
         # so `tf.train.Checkpoint(model=...)` would silently skip every layer in it.
         for k, n in enumerate(self.units):
-            setattr(self, f"fc{k + 1}", keras.layers.Dense(n, activation="relu", name=f"fc{k + 1}",
+            setattr(self, f"fc{k + 1}", Dense(n, activation="relu", name=f"fc{k + 1}",
                                                            dtype=self.dtype_policy))
         # The output layer's sigmoid is applied in call(), in float32: under mixed precision a
         # 16-bit sigmoid would round pixels near 0 and 1 (bfloat16: steps of 1/256 below 1).
         last = f"fc{len(self.units) + 1}"
-        setattr(self, last, keras.layers.Dense(math.prod(self.image_shape), activation=None, name=last,
+        setattr(self, last, Dense(math.prod(self.image_shape), activation=None, name=last,
                                                dtype=self.dtype_policy))
 
     @property

@@ -8,7 +8,7 @@ PrimaryCaps 32 types × 8-D @9×9 stride 2 (6·6·32 = 1152 capsules) → DigitC
 import keras
 import tensorflow as tf
 
-from capsnet.layers import Decoder, DigitCaps, PrimaryCaps, capsule_lengths, check_routing, routing_argument, routing_flags
+from capsnet.layers import Conv2D, Decoder, DigitCaps, PrimaryCaps, capsule_lengths, check_routing, routing_argument, routing_flags
 from capsnet.validation import boolean, positive_float, positive_int, positive_int_tuple
 
 __all__ = ["CapsNet", "build_model"]
@@ -79,7 +79,7 @@ class CapsNet(keras.Model):
                 f"{self.primary_caps_kernel_size} (both unpadded): need at least "
                 f"{self.conv1_kernel_size + self.primary_caps_kernel_size - 1} pixels per side")
 
-        self.conv1 = keras.layers.Conv2D(
+        self.conv1 = Conv2D(
             self.conv1_filters, self.conv1_kernel_size, strides=1, padding="valid",
             activation="relu", name="conv1", dtype=self.dtype_policy)
         self.primary_caps = PrimaryCaps(

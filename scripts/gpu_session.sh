@@ -89,7 +89,7 @@ if [[ $what == precision_accuracy ]]; then
     for seed in 0 1 2; do
       run="/tmp/runs/paper_mnist_${precision}_$seed"
       timeout "${TRAIN_TIMEOUT:-540}" python3 train.py experiment=paper_mnist data.dir=.gpudata/mnist custom_op=true \
-        train.precision=$precision seed=$seed train.progress_bar=false hydra.run.dir="$run" \
+        train.precision=$precision seed=$seed train.progress_bar=false ${EPOCHS:+train.epochs=$EPOCHS} hydra.run.dir="$run" \
         > "$out/paper_mnist_${precision}_$seed.log" 2>&1 &
     done
   done

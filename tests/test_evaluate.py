@@ -134,7 +134,8 @@ def test_bad_values_in_the_run_config_are_config_errors(trained_run, tmp_path):
 def _member_pass(lengths, labels, accuracy=0.5):
     """What evaluate_model(keep_lengths=True) gives ensemble_report, from given lengths."""
     return {"lengths": np.asarray(lengths, np.float32), "labels": np.asarray(labels)}, \
-        {"checkpoint": "c", "run_dir": "r", "epoch": 1, "weights": "raw", "custom_op": False, "accuracy": accuracy,
+        {"checkpoint": "c", "run_dir": "r", "epoch": 1, "weights": "raw", "custom_op": False, "precision": "float32",
+         "accuracy": accuracy,
          "loss": 0.1, "margin_loss": 0.1, "reconstruction_loss": 0.0, "images_per_sec": 100.0,
          "dataset": "mnist", "batch_size": 8}
 
