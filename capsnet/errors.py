@@ -25,3 +25,7 @@ class CheckpointError(CapsnetError):
 
 class OpLibraryError(CapsnetError):
     """The compiled op library is missing, stale or unusable."""
+
+
+class TrainingDiverged(CapsnetError):
+    """A training step's loss or gradients were not finite: training stopped, nothing saved."""

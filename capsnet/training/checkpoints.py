@@ -22,7 +22,8 @@ superseded or deleted on restart (`BestCheckpoint`, `read_history`).
 
 Resuming refuses a config that would change the run's trajectory (RESUME_KEYS: the
 model, the data, the seed, the optimizer and loss values; `check_resumable`) and names
-what differs; train.epochs (to extend a run), custom_op, train.xla, model.routing,
+what differs, but for train.learning_rate, which may change with a notice (how a
+diverged run continues from its last good checkpoint: RESUME_NOTICE_KEYS); train.epochs (to extend a run), custom_op, train.xla, model.routing,
 deterministic, logging and progress keys may change, and so may the distribute
 strategy and devices (a run started on one GPU may continue on two). A saved config is
 read in today's shape (capsnet.config.migrate: keys added since at the defaults it was
@@ -176,6 +177,11 @@ RESUME_KEYS = {
               "m_plus", "m_minus", "lambda_", "reconstruction_weight", "ema_decay"),
 }
 RESUME_FREE_MODEL_KEYS = ("routing",)
+# Of RESUME_KEYS, what a resume may change with a notice: lowering the learning rate is
+# how a run that diverged (TrainingDiverged) continues from its last good checkpoint.
+# The optimizer's schedule is rebuilt from the config (the checkpoint holds Adam's
+# moments and step counter, not the rate), so the new rate applies from the next step.
+RESUME_NOTICE_KEYS = ("train.learning_rate",)
 
 
 def _resume_values(cfg):
@@ -202,27 +208,32 @@ def _resume_values(cfg):
 
 
 def _config_differences(saved, current):
-    """'key: old -> new' for every resume-relevant value that differs (a missing key counts)."""
+    """{key: 'key: old -> new'} for every resume-relevant value that differs (a missing key counts)."""
     saved, current = _resume_values(saved), _resume_values(current)
 
     def shown(values, key):
         return repr(values[key]) if key in values else "(absent)"
 
-    return [f"{k}: {shown(saved, k)} -> {shown(current, k)}" for k in sorted(set(saved) | set(current))
-            if k not in saved or k not in current or saved[k] != current[k]]
+    return {k: f"{k}: {shown(saved, k)} -> {shown(current, k)}" for k in sorted(set(saved) | set(current))
+            if k not in saved or k not in current or saved[k] != current[k]}
 
 
 def check_resumable(run_dir, cfg):
     """Resuming run_dir with `cfg` (data.dir resolved) must continue the same run: a changed
     seed, model, data or optimizer value would silently mix two runs. CheckpointError
-    lists what differs."""
+    lists what differs. A changed RESUME_NOTICE_KEYS value (the learning rate) is allowed:
+    returns the 'key: old -> new' lines to announce (the run's config.yaml then records
+    the new value)."""
     if not (run_dir / "config.yaml").is_file():
-        return  # nothing to compare (a run dir from before config.yaml was written)
+        return []  # nothing to compare (a run dir from before config.yaml was written)
     saved = read_run_config(run_dir)  # a corrupt config.yaml → CheckpointError
     differences = _config_differences(saved, cfg)
-    if differences:
-        raise CheckpointError(f"run dir {run_dir} was trained with a different config ({'; '.join(differences)}): "
-                              "resume with the run's values (train.epochs may grow) or use a new hydra.run.dir")
+    refused = [line for key, line in differences.items() if key not in RESUME_NOTICE_KEYS]
+    if refused:
+        raise CheckpointError(f"run dir {run_dir} was trained with a different config ({'; '.join(refused)}): "
+                              "resume with the run's values (train.epochs may grow; train.learning_rate may "
+                              "change) or use a new hydra.run.dir")
+    return [line for key, line in differences.items() if key in RESUME_NOTICE_KEYS]
 
 
 # --------------------------------------------------------------------------- the best checkpoint and the history

@@ -34,6 +34,7 @@ import tensorflow as tf
 
 from capsnet import config
 from capsnet.data import augmentation_options, example_shape, is_overlay, load_split, make_split_dataset
+from capsnet.errors import TrainingDiverged
 from capsnet.losses import loss_params
 from capsnet.scoring import json_safe
 from capsnet.training.checkpoints import (BestCheckpoint, check_resumable, checkpoint_weights, read_history,
@@ -66,7 +67,8 @@ def train(cfg):
         data_cfg["dir"] = str(Path(data_cfg["dir"]).expanduser().resolve())
     latest_dir = run_dir / "checkpoints" / "latest"
     if tf.train.latest_checkpoint(str(latest_dir)):
-        check_resumable(run_dir, {**cfg, "data": data_cfg})  # before the data is read
+        for change in check_resumable(run_dir, {**cfg, "data": data_cfg}):  # before the data is read
+            print(f"notice: resuming {run_dir} with {change} (from the next step on)", flush=True)
     # Before anything touches a device: on a CPU-only machine autoclustering needs a
     # TF_XLA_FLAGS flag that TensorFlow reads once, when it sets up its devices.
     set_autoclustering(tcfg["xla"] == "autocluster")
@@ -186,10 +188,17 @@ def train(cfg):
         # On the training devices ahead of the steps (under a strategy: the same global
         # batches, split over the replicas).
         iterator = input_iterator(train_ds, strategy)
-        train_means, global_step = train_epoch(
-            train_steps, iterator, global_step=global_step, num_examples=len(train_labels), batch_size=batch_size,
-            steps_per_execution=tcfg["steps_per_execution"], log_every_steps=tcfg["log_every_steps"],
-            writer=writer, schedule=schedule, progress_bar=tcfg["progress_bar"])
+        try:
+            train_means, global_step = train_epoch(
+                train_steps, iterator, global_step=global_step, num_examples=len(train_labels),
+                batch_size=batch_size, steps_per_execution=tcfg["steps_per_execution"],
+                log_every_steps=tcfg["log_every_steps"], writer=writer, schedule=schedule,
+                progress_bar=tcfg["progress_bar"])
+        except NonFiniteStep as stop:
+            # Nothing of this epoch is saved (the weights in memory are diverged): the
+            # checkpoints, best/ and history.jsonl keep what the last good epoch left.
+            writer.close()
+            raise diverged(stop, epoch_index + 1, latest.latest_checkpoint, tcfg, learning_rate) from None
 
         # Test pass, images and histograms; then the epoch's records, the checkpoint LAST.
         # On every worker (the same weights and data): each decides is_best and saves as the chief does.
@@ -273,7 +282,7 @@ def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size,
         # a strategy, a replica's batch holds only its slice of it).
         sizes = [min(batch_size, num_examples - (step_in_epoch + i) * batch_size) for i in range(length)]
         batch_sizes = tf.constant(sizes + [0] * (steps_per_execution - length), tf.int32)  # (steps_per_execution,)
-        pending.append((train_steps(iterator, batch_sizes), sizes))
+        pending.append((train_steps(iterator, batch_sizes), sizes, global_step))
         first = step_in_epoch == 0
         step_in_epoch += length
         global_step += length
@@ -286,7 +295,7 @@ def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size,
         # refills the shuffle buffer: left out of images/s and step time), at log steps,
         # at the epoch's end and about once a second; not every call, which would make
         # the device idle while the host dispatches the next one.
-        fetched = _fetch(pending)
+        fetched = _fetch(pending)  # NonFiniteStep at the first non-finite step (the guard)
         now = time.perf_counter()
         for window in (epoch_window, log_window):
             for values, size in fetched:
@@ -308,14 +317,52 @@ def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size,
     return epoch_window.means(), global_step
 
 
+class NonFiniteStep(Exception):
+    """The non-finite guard stopped training: `step` (the global step number, 1-based)
+    had a loss or gradient norm that is not finite; `values` are its step values."""
+
+    def __init__(self, step, values):
+        super().__init__(f"step {step}: {values}")
+        self.step, self.values = step, values
+
+    def describe(self):
+        """'the loss is nan' or 'the gradient norm is inf (loss 0.31)'."""
+        loss, norm = self.values.get("loss", math.nan), self.values.get("grad_norm", math.nan)
+        if not math.isfinite(loss):
+            return f"the loss is {loss}" + (f" (gradient norm {norm:g})" if "grad_norm" in self.values else "")
+        return f"the gradient norm is {norm} (loss {loss:g})"
+
+
 def _fetch(pending):
     """[(one step's values, its batch size)] of the train_steps calls in `pending`, in
-    order: [(outputs, batch sizes)], each output a dict of (K,) tensors for K steps."""
+    order: [(outputs, batch sizes, global step before the call)], each output a dict of
+    (K,) tensors for the K steps the call ran.
+
+    A call that ran fewer steps than it was given, or whose last step is not finite,
+    was stopped by make_train_loop's non-finite guard: NonFiniteStep names that step
+    (the calls queued after it ran on diverged weights: they are not looked at)."""
     fetched = []
-    for out, sizes in pending:
+    for out, sizes, start in pending:
         values = {k: v.numpy() for k, v in out.items()}  # (K,) each: one copy per tensor
-        fetched += [({k: float(v[i]) for k, v in values.items()}, size) for i, size in enumerate(sizes)]
+        ran = len(values["loss"])
+        fetched += [({k: float(v[i]) for k, v in values.items()}, size) for i, size in enumerate(sizes[:ran])]
+        if ran < len(sizes) or (ran and not all(math.isfinite(fetched[-1][0].get(k, 0.0))
+                                                for k in ("loss", "grad_norm"))):
+            raise NonFiniteStep(start + ran, fetched[-1][0] if ran else {})
     return fetched
+
+
+def diverged(stop, epoch_number, last_good, tcfg, learning_rate):
+    """The one-line TrainingDiverged for a NonFiniteStep in epoch `epoch_number`."""
+    where = (f"the last good checkpoint is {last_good} (epoch {epoch_number - 1}, untouched); "
+             if last_good else "no checkpoint was saved yet; ")
+    lower = (f"try a lower train.learning_rate (now {tcfg['learning_rate']:g}"
+             + (f", {learning_rate:g} as scaled" if learning_rate != tcfg["learning_rate"] else "")
+             + ("; rerunning with a lower one resumes from that checkpoint)" if last_good else ")"))
+    if tcfg.get("precision", "float32") != "float32":
+        lower += f" or train.precision=float32 (now {tcfg['precision']})"
+    return TrainingDiverged(f"training diverged at epoch {epoch_number}, step {stop.step}: {stop.describe()}; "
+                            f"{where}{lower}")
 
 
 def history_entry(epoch, global_step, learning_rate, train_means, test, raw_test=None):
