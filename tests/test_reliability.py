@@ -4,16 +4,20 @@ smaller checks. Tiny synthetic data (conftest), train() in-process or the CLI as
 subprocess; files corrupted with real bytes."""
 import json
 import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from capsnet.errors import TrainingDiverged
+from capsnet.errors import CheckpointError, TrainingDiverged
 from capsnet.training import train
 from capsnet.training import steps as steps_module
 from capsnet.training.steps import STEP_VALUES, make_train_loop
-from conftest import run_entry_point, tiny_overrides
+from conftest import REPO, entry_point_env, run_entry_point, tiny_overrides
 
 STEPS_PER_EPOCH = 20  # 320 tiny training images / batch 16
 
@@ -110,3 +114,177 @@ def test_a_diverging_learning_rate_stops_the_cli_with_one_line_and_a_lower_one_r
     assert metrics["resumed_from"].endswith("latest/ckpt-1") and metrics["epochs"] == 2
     assert [h["epoch"] for h in metrics["history"]] == [1, 2]
     assert all(np.isfinite(h["train_loss"]) for h in metrics["history"])
+
+
+# --------------------------------------------------------------------------- 2, 3. damaged checkpoints, the state file
+
+def damage(prefix, kind):
+    """Damage the checkpoint at `prefix` with real bytes, as a disk or a killed copy would."""
+    index, data = Path(f"{prefix}.index"), Path(f"{prefix}.data-00000-of-00001")
+    rng = np.random.default_rng(0)
+    if kind == "truncated data":
+        with data.open("r+b") as f:
+            f.truncate(data.stat().st_size // 2)
+    elif kind == "zero-byte data":
+        data.write_bytes(b"")
+    elif kind == "random bytes in data":
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 3:len(raw) // 3 + 64] = rng.bytes(64)
+        data.write_bytes(bytes(raw))
+    elif kind == "zero-byte index":
+        index.write_bytes(b"")
+    elif kind == "random-byte index":
+        index.write_bytes(rng.bytes(index.stat().st_size))
+    return data if "data" in kind else index
+
+
+def copied_run(trained_run, tmp_path, name="run"):
+    run_dir = tmp_path / name
+    shutil.copytree(trained_run[0], run_dir)
+    return run_dir
+
+
+@pytest.mark.parametrize("kind", ["truncated data", "zero-byte index", "random-byte index", "random bytes in data"])
+def test_resume_sets_a_damaged_checkpoint_aside_and_resumes_from_the_newest_intact_one(trained_run, tiny_config,
+                                                                                      tmp_path, capsys, kind):
+    run_dir = copied_run(trained_run, tmp_path)
+    latest = run_dir / "checkpoints" / "latest"
+    damaged = damage(latest / "ckpt-4", kind)
+    metrics = train(tiny_config("train.epochs=5", run_dir=run_dir))
+    out = capsys.readouterr().out
+    notices = [line for line in out.splitlines() if line.startswith("notice:")]
+    assert len(notices) == 1 and f"checkpoint file {damaged} is damaged" in notices[0], out
+    assert notices[0].endswith(f"set aside as ckpt-4.*.damaged; resuming from {latest / 'ckpt-3'}")
+    assert metrics["resumed_from"] == str(latest / "ckpt-3")
+    assert metrics["epochs"] == 5 and [h["epoch"] for h in metrics["history"]] == [1, 2, 3, 4, 5]
+    assert damaged.with_name(damaged.name + ".damaged").is_file()  # kept, not deleted
+    assert tf.train.latest_checkpoint(str(latest)) == str(latest / "ckpt-5")
+
+
+def test_resume_with_every_checkpoint_damaged_refuses_and_starts_nothing_over(trained_run, tiny_config, tmp_path):
+    run_dir = copied_run(trained_run, tmp_path)
+    latest = run_dir / "checkpoints" / "latest"
+    for prefix in sorted(latest.glob("ckpt-*.index")):
+        damage(str(prefix)[:-len(".index")], "zero-byte index")
+    before = tree_bytes(run_dir)
+    with pytest.raises(CheckpointError, match=f"no checkpoint in {latest} can be read .*cannot resume") as err:
+        train(tiny_config("train.epochs=5", run_dir=run_dir))
+    assert "\n" not in str(err.value)
+    assert tree_bytes(run_dir) == before
+
+
+@pytest.mark.parametrize("state", ["missing", "zero-byte", "garbage", "random bytes"])
+def test_a_lost_checkpoint_state_file_is_rebuilt_from_the_files(trained_run, tiny_config, tmp_path, capsys, state):
+    run_dir = copied_run(trained_run, tmp_path)
+    latest = run_dir / "checkpoints" / "latest"
+    best_before = tree_bytes(run_dir / "checkpoints" / "best")
+    state_file = latest / "checkpoint"
+    if state == "missing":
+        state_file.unlink()
+    else:
+        state_file.write_bytes({"zero-byte": b"", "garbage": b"model_checkpoint_path: {{{ not a state",
+                                "random bytes": np.random.default_rng(1).bytes(200)}[state])
+    (latest / "ckpt-5_temp").mkdir()  # an orphan of a save that was killed
+    (latest / "ckpt-5_temp" / "part-00000-of-00001.index").write_bytes(b"half")
+    metrics = train(tiny_config(run_dir=run_dir))  # all 4 epochs done: nothing to train
+    out = capsys.readouterr().out
+    assert metrics["resumed_from"] == str(latest / "ckpt-4") and metrics["epochs"] == 4
+    assert f"notice: the checkpoint state file {state_file} is" in out
+    assert "rebuilt from the ckpt-*.index files" in out
+    assert tf.train.latest_checkpoint(str(latest)) == str(latest / "ckpt-4")
+    assert not (latest / "ckpt-5_temp").exists()
+    assert tree_bytes(run_dir / "checkpoints" / "best") == best_before  # best/ kept as it was
+
+
+def test_a_checkpoint_saved_but_not_recorded_is_resumed_from(trained_run, tiny_config, tmp_path, capsys):
+    """A kill between the checkpoint's write and the state file's update: the checkpoint is
+    whole (read back), so the epoch counts."""
+    run_dir = copied_run(trained_run, tmp_path)
+    latest = run_dir / "checkpoints" / "latest"
+    (latest / "checkpoint").write_text('model_checkpoint_path: "ckpt-3"\nall_model_checkpoint_paths: "ckpt-3"\n')
+    metrics = train(tiny_config(run_dir=run_dir))
+    assert metrics["resumed_from"] == str(latest / "ckpt-4")
+    assert "was saved but not yet recorded" in capsys.readouterr().out
+
+
+def test_a_full_disk_during_a_save_is_one_line_naming_the_directory(tiny_config, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    train(tiny_config("train.epochs=1"))
+    before = tree_bytes(run_dir / "checkpoints")
+    real_write = tf.train.Checkpoint._write
+
+    def no_space(self, file_prefix, *args, **kwargs):
+        Path(f"{file_prefix}_temp").mkdir()  # what a real save has made when the disk fills up
+        Path(f"{file_prefix}.index").write_bytes(b"partial")
+        raise tf.errors.ResourceExhaustedError(None, None, f"{file_prefix}_temp/part-00000: No space left on device")
+
+    monkeypatch.setattr(tf.train.Checkpoint, "_write", no_space)
+    with pytest.raises(CheckpointError) as err:
+        train(tiny_config("train.epochs=2"))
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"cannot save checkpoint ckpt-2 into {run_dir / 'checkpoints'}/")
+    assert "No space left on device" in message and "is the disk full?" in message
+    assert tree_bytes(run_dir / "checkpoints") == before  # cleaned up after itself; best/ and latest/ as they were
+    monkeypatch.setattr(tf.train.Checkpoint, "_write", real_write)
+    assert train(tiny_config("train.epochs=2"))["epochs"] == 2
+
+
+@pytest.mark.parametrize("kind", ["truncated data", "zero-byte data", "random-byte index"])
+def test_evaluate_a_damaged_checkpoint_names_the_file_and_the_intact_ones(trained_run, tmp_path, kind):
+    from capsnet.evaluation import evaluate
+
+    run_dir = copied_run(trained_run, tmp_path)
+    best = Path(tf.train.latest_checkpoint(str(run_dir / "checkpoints" / "best")))
+    damaged = damage(best, kind)
+    with pytest.raises(CheckpointError) as err:
+        evaluate(str(run_dir), data_dir=None)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"checkpoint file {damaged} is damaged")
+    assert f"intact checkpoints of {run_dir}: checkpoints/latest/ckpt-4, checkpoints/latest/ckpt-3" in message
+    assert "config.yaml match" not in message  # not the hint for a checkpoint of another model
+
+
+def test_evaluate_cli_on_a_damaged_checkpoint_prints_one_line(trained_run, tmp_path):
+    run_dir = copied_run(trained_run, tmp_path)
+    damage(tf.train.latest_checkpoint(str(run_dir / "checkpoints" / "best")), "truncated data")
+    result = run_entry_point("evaluate.py", f"checkpoint={run_dir}", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: checkpoint file "), result.stderr
+    assert "is damaged (shorter than its index says: truncated or emptied)" in result.stderr
+
+
+@pytest.mark.slow
+def test_kills_during_saves_never_leave_a_state_file_naming_a_damaged_checkpoint(tiny_idx_dir, tmp_path):
+    """SIGKILL a training subprocess at varying moments of epochs that are mostly test pass
+    and saves (2 steps each), a few times, checking after each kill that what the state
+    files name reads whole; then rerun to the end."""
+    from capsnet.training.checkpoints import checkpoint_damage, read_state
+
+    run_dir = tmp_path / "run"
+    args = [sys.executable, str(REPO / "train.py"),
+            *tiny_overrides(tiny_idx_dir, run_dir, "train.epochs=40", "data.limit_train=32", "data.limit_test=16",
+                            "train.keep_checkpoints=2")]
+    rng = np.random.default_rng(19)
+    for attempt in range(4):
+        log = tmp_path / f"attempt{attempt}.log"
+        with log.open("w") as out:
+            process = subprocess.Popen(args, cwd=tmp_path, env=entry_point_env(), stdout=out, stderr=subprocess.STDOUT)
+            try:
+                deadline = time.monotonic() + 120
+                while log.read_text().count("epoch ") < 4 and process.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.05)  # until a few epochs (and saves) ran in this attempt
+                time.sleep(rng.uniform(0.0, 1.0))
+            finally:
+                process.kill()
+                process.wait()
+        for which in ("latest", "best"):
+            named, problem = read_state(run_dir / "checkpoints" / which)
+            if named is not None:
+                assert checkpoint_damage(named) is None, (attempt, which, log.read_text()[-2000:])
+    result = subprocess.run(args, cwd=tmp_path, env=entry_point_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "damaged" not in result.stdout
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert [h["epoch"] for h in metrics["history"]] == list(range(1, 41))

@@ -37,8 +37,8 @@ from capsnet.data import augmentation_options, example_shape, is_overlay, load_s
 from capsnet.errors import TrainingDiverged
 from capsnet.losses import loss_params
 from capsnet.scoring import json_safe
-from capsnet.training.checkpoints import (BestCheckpoint, check_resumable, checkpoint_weights, read_history,
-                                         resume_from, write_run_config)
+from capsnet.training.checkpoints import (BestCheckpoint, check_resumable, checkpoint_numbers, checkpoint_weights,
+                                         read_history, recover_latest, resume_from, save_or_fail, write_run_config)
 from capsnet.training.distribute import (check_global_batch, check_tf_config, check_workers_agree, input_iterator,
                                          is_chief, make_strategy)
 from capsnet.training.model_setup import build_capsnet, check_labels, check_op_library
@@ -66,7 +66,8 @@ def train(cfg):
         # Absolute, so evaluate.py finds the data from any working directory.
         data_cfg["dir"] = str(Path(data_cfg["dir"]).expanduser().resolve())
     latest_dir = run_dir / "checkpoints" / "latest"
-    if tf.train.latest_checkpoint(str(latest_dir)):
+    # By the files, not the state file (which may be lost): recover_latest deals with both below.
+    if checkpoint_numbers(latest_dir):
         for change in check_resumable(run_dir, {**cfg, "data": data_cfg}):  # before the data is read
             print(f"notice: resuming {run_dir} with {change} (from the next step on)", flush=True)
     # Before anything touches a device: on a CPU-only machine autoclustering needs a
@@ -138,11 +139,13 @@ def train(cfg):
     # saving may read variables through collectives that every worker must join.
     scratch = None if chief else tempfile.TemporaryDirectory(prefix="capsnet-worker-")
     checkpoints_dir = run_dir / "checkpoints" if chief else Path(scratch.name) / "checkpoints"
+    # The chief's newest intact checkpoint, on every worker; the chief first repairs what a
+    # crash or a damaged disk left (recover_latest: before the manager reads the state file).
+    resumed_from = recover_latest(latest_dir, repair=chief)
     latest = tf.train.CheckpointManager(checkpoint, str(checkpoints_dir / "latest"),
                                         max_to_keep=tcfg["keep_checkpoints"])
     best = BestCheckpoint(checkpoint, checkpoints_dir / "best")
     history_path = run_dir / "history.jsonl"
-    resumed_from = tf.train.latest_checkpoint(str(latest_dir))  # the chief's, on every worker
     if resumed_from:
         resume_from(checkpoint, resumed_from)
         log.info("resumed from %s: %d of %d epochs done, step %d", resumed_from, int(epoch),
@@ -216,7 +219,8 @@ def train(cfg):
         if is_best:
             best.save(epoch_index + 1)
         # The commit point: until this checkpoint exists, a restart redoes the epoch.
-        latest.save(checkpoint_number=epoch_index + 1)
+        save_or_fail(lambda: latest.save(checkpoint_number=epoch_index + 1), checkpoints_dir / "latest",
+                     epoch_index + 1)
         if is_best:
             best.commit(epoch_index + 1)
         raw = f" (trained weights: {raw_test['accuracy']:.4f})" if raw_test is not None else ""
