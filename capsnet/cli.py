@@ -94,8 +94,12 @@ def _remove_unused_run_dir():
     if run_dir == cwd or run_dir in cwd.parents:
         return
     hydra_own = {hydra_cfg.output_subdir, f"{hydra_cfg.job.name}.log"}
+    # train.lock (capsnet.training.run_lock) is ours to remove only when empty: released.
+    # One that names a holder belongs to another training starting in this run dir.
+    lock = run_dir / "train.lock"
     try:
-        if any(entry.name not in hydra_own for entry in run_dir.iterdir()):
+        if any(entry.name not in hydra_own and not (entry == lock and lock.stat().st_size == 0)
+               for entry in run_dir.iterdir()):
             return
         shutil.rmtree(run_dir)
         for parent in run_dir.parents:  # outputs/<date>, outputs: only if now empty

@@ -2,8 +2,10 @@
 guard, damaged checkpoints and checkpoint state, one training per run dir, and the
 smaller checks. Tiny synthetic data (conftest), train() in-process or the CLI as a
 subprocess; files corrupted with real bytes."""
+import fcntl
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -288,3 +290,61 @@ def test_kills_during_saves_never_leave_a_state_file_naming_a_damaged_checkpoint
     assert "damaged" not in result.stdout
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert [h["epoch"] for h in metrics["history"]] == list(range(1, 41))
+
+
+# --------------------------------------------------------------------------- 4. one training per run dir
+
+def test_a_run_dir_held_by_another_training_is_refused_naming_the_holder(trained_run, tiny_config, tmp_path):
+    run_dir = copied_run(trained_run, tmp_path)
+    before = tree_bytes(run_dir / "checkpoints")
+    with (run_dir / "train.lock").open("a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("pid 4242 on otherhost since 2026-11-23T23:00:00+00:00\n")
+        held.flush()
+        with pytest.raises(CheckpointError) as err:
+            train(tiny_config("train.epochs=5", run_dir=run_dir))
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"run dir {run_dir} is in use by another training "
+                              f"(pid 4242 on otherhost since 2026-11-23T23:00:00+00:00; lock file {run_dir}/train.lock)")
+    assert tree_bytes(run_dir / "checkpoints") == before
+
+
+def test_the_lock_of_a_dead_training_is_taken_over_with_a_notice(trained_run, tiny_config, tmp_path, capsys):
+    run_dir = copied_run(trained_run, tmp_path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (run_dir / "train.lock").write_text(f"pid {dead.pid} on {socket.gethostname()} since 2026-11-23T23:00:00\n")
+    metrics = train(tiny_config(run_dir=run_dir))
+    assert metrics["epochs"] == 4
+    assert (f"notice: taking over the lock of run dir {run_dir} from pid {dead.pid} on {socket.gethostname()} "
+            "since 2026-11-23T23:00:00, which is no longer running") in capsys.readouterr().out
+    assert (run_dir / "train.lock").read_text() == ""  # released at the end: no holder named
+
+
+@pytest.mark.slow
+def test_a_second_train_py_on_a_running_run_dir_fails_at_once(tiny_idx_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = tiny_overrides(tiny_idx_dir, run_dir, "train.epochs=200", "data.limit_train=32", "data.limit_test=16")
+    log = tmp_path / "first.log"
+    with log.open("w") as out:
+        first = subprocess.Popen([sys.executable, str(REPO / "train.py"), *overrides], cwd=tmp_path,
+                                 env=entry_point_env(), stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while "epoch 2/" not in log.read_text() and first.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert first.poll() is None, log.read_text()[-2000:]
+            second = run_entry_point("train.py", *overrides, cwd=tmp_path)
+            assert first.poll() is None  # the first run goes on
+        finally:
+            first.kill()
+            first.wait()
+    assert second.returncode == 2
+    assert second.stderr.count("\n") == 1, second.stderr
+    assert second.stderr.startswith(f"error: run dir {run_dir} is in use by another training "
+                                    f"(pid {first.pid} on {socket.gethostname()} since ")
+    # SIGKILLed: the kernel released the lock; the next run takes it over and resumes.
+    third = run_entry_point("train.py", *overrides[:-3], "train.epochs=3", *overrides[-2:], cwd=tmp_path)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert f"taking over the lock of run dir {run_dir} from pid {first.pid}" in third.stdout

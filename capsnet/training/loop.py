@@ -8,6 +8,7 @@ one epoch's compiled calls, fetching and timing them.
 
 A run dir holds:
     config.yaml                the resolved config (evaluate.py rebuilds the model from it)
+    train.lock                 held by the training running in it (capsnet.training.run_lock)
     events.out.tfevents.*      TensorBoard: scalars, reconstructions, histograms, HParams
     checkpoints/latest/ckpt-N  the last `train.keep_checkpoints` epochs (N = epochs done)
     checkpoints/best/ckpt-N    the epoch with the highest test accuracy (of the epochs done)
@@ -43,6 +44,7 @@ from capsnet.training.distribute import (check_global_batch, check_tf_config, ch
                                          is_chief, make_strategy)
 from capsnet.training.model_setup import build_capsnet, check_labels, check_op_library
 from capsnet.training.optimizer import build_optimizer, scaled_learning_rate, steps_done
+from capsnet.training.run_lock import RunLock
 from capsnet.training.steps import (evaluate_model, execution_lengths, make_eval_step, make_train_loop,
                                     make_train_step, set_autoclustering, set_determinism)
 from capsnet.training.summaries import (MetricWindow, write_epoch_summaries, write_hparams,
@@ -53,7 +55,20 @@ log = logging.getLogger(__name__)
 
 
 def train(cfg):
-    """Train (or resume) the run in cfg["run_dir"]; returns the final metrics (also metrics.json)."""
+    """Train (or resume) the run in cfg["run_dir"]; returns the final metrics (also metrics.json).
+
+    The run dir is locked for the run's life (capsnet.training.run_lock: one training per
+    run dir), released however train() ends."""
+    locks = []
+    try:
+        return _train(cfg, locks)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def _train(cfg, locks):
+    """train()'s body; appends the run dir's RunLock to `locks` once it takes it."""
     # ---- config and setup
     # Every value checked up front, before TensorFlow touches a device or the data is read
     # (train.py has checked it already: idempotent); a bad one is a ConfigError naming it.
@@ -82,6 +97,10 @@ def train(cfg):
         return strategy.scope() if strategy is not None else contextlib.nullcontext()
 
     chief = is_chief(strategy)
+    if chief and run_dir.is_dir():
+        # A run dir that exists (Hydra's, a resumed run's) is locked at once: a second training
+        # fails before it reads the data. A new one is made and locked before its first write.
+        locks.append(RunLock.acquire(run_dir))
     if strategy is not None:
         check_global_batch(batch_size, strategy)
         log.info("distribute=%s: %d replicas, global batch %d = %d per replica; this process: %s%s",
@@ -141,6 +160,8 @@ def train(cfg):
     checkpoints_dir = run_dir / "checkpoints" if chief else Path(scratch.name) / "checkpoints"
     # The chief's newest intact checkpoint, on every worker; the chief first repairs what a
     # crash or a damaged disk left (recover_latest: before the manager reads the state file).
+    if chief and not locks:
+        locks.append(RunLock.acquire(run_dir))
     resumed_from = recover_latest(latest_dir, repair=chief)
     latest = tf.train.CheckpointManager(checkpoint, str(checkpoints_dir / "latest"),
                                         max_to_keep=tcfg["keep_checkpoints"])
