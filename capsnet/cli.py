@@ -22,6 +22,7 @@ from capsnet import config
 from capsnet.errors import CapsnetError
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a program stopped by Ctrl-C
 
 # The user's own HYDRA_FULL_ERROR, read before run() sets it for its own purposes.
 _user_full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
@@ -65,6 +66,13 @@ def reports_user_errors(task):
     def wrapper(cfg):
         try:
             return task(cfg)
+        except KeyboardInterrupt as exc:
+            # Ctrl-C: one line (train()'s says where the run stopped and how to resume), no traceback.
+            if _full_errors_requested() or cfg.get("debug", False) is True:
+                raise
+            sys.stderr.write(" ".join((str(exc) or "interrupted").split()) + "\n")
+            sys.stderr.flush()
+            sys.exit(EXIT_INTERRUPTED)
         except (CapsnetError, OmegaConfBaseException) as exc:
             _remove_unused_run_dir()
             # OmegaConf errors here come from resolving the config (a bad interpolation).

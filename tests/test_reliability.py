@@ -5,6 +5,7 @@ subprocess; files corrupted with real bytes."""
 import fcntl
 import json
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from capsnet.errors import CheckpointError, TrainingDiverged
+from capsnet.errors import CheckpointError, ConfigError, DataError, TrainingDiverged
 from capsnet.training import train
 from capsnet.training import steps as steps_module
 from capsnet.training.steps import STEP_VALUES, make_train_loop
@@ -348,3 +349,98 @@ def test_a_second_train_py_on_a_running_run_dir_fails_at_once(tiny_idx_dir, tmp_
     third = run_entry_point("train.py", *overrides[:-3], "train.epochs=3", *overrides[-2:], cwd=tmp_path)
     assert third.returncode == 0, third.stderr[-3000:]
     assert f"taking over the lock of run dir {run_dir} from pid {first.pid}" in third.stdout
+
+
+# --------------------------------------------------------------------------- 5. the smaller items
+
+def test_resume_without_the_runs_config_yaml_is_refused(trained_run, tiny_config, tmp_path):
+    """Hydra's .hydra/config.yaml is this command's, not the run's: it proves nothing."""
+    run_dir = copied_run(trained_run, tmp_path)
+    (run_dir / ".hydra").mkdir()
+    shutil.move(run_dir / "config.yaml", run_dir / ".hydra" / "config.yaml")
+    before = tree_bytes(run_dir)
+    with pytest.raises(CheckpointError) as err:
+        train(tiny_config("seed=7", "train.epochs=5", run_dir=run_dir))
+    assert str(err.value) == (f"run dir {run_dir} has checkpoints but no config.yaml: cannot check that this config "
+                              "continues the same run (seed, model, data, learning rate); put the run's config.yaml "
+                              "back, or train into a new hydra.run.dir")
+    assert tree_bytes(run_dir) == before
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_a_learning_rate_that_is_not_finite_is_refused(tiny_config, tmp_path, value):
+    with pytest.raises(ConfigError, match=r"train\.learning_rate must be a finite positive number|"
+                                          r"train\.learning_rate must be a positive number") as err:
+        train(tiny_config(f"train.learning_rate={value}"))
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_history_keeps_one_line_per_epoch_after_kills(trained_run, tiny_config, tmp_path):
+    """Lines of an epoch redone after a kill, and a line cut short by one: the file is
+    written back with one line per epoch done, the later line of an epoch winning."""
+    run_dir = copied_run(trained_run, tmp_path)
+    path = run_dir / "history.jsonl"
+    lines = path.read_text().splitlines()
+    third = json.loads(lines[2])
+    redone = {**third, "train_loss": 123.0}  # the same epoch, logged again by a later attempt
+    path.write_text("\n".join([*lines, json.dumps({**third, "epoch": 5}), json.dumps(redone)]) + "\n"
+                    + '{"epoch": 6, "train_lo')  # an uncommitted epoch and a line cut short by a kill
+    metrics = train(tiny_config(run_dir=run_dir))  # 4 epochs done: nothing to train
+    rewritten = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [h["epoch"] for h in rewritten] == [1, 2, 3, 4]
+    assert rewritten[2]["train_loss"] == 123.0
+    assert metrics["history"] == rewritten
+
+
+def test_a_plain_idx_file_that_differs_from_its_gz_is_refused(tmp_path):
+    from capsnet.data import load_split
+    from conftest import write_idx_dataset
+
+    data_dir = write_idx_dataset(tmp_path / "both", n_train=32, n_test=8)
+    write_idx_dataset(tmp_path / "plain", n_train=32, n_test=8, gz=False)
+    # The gunzipped copy beside its archive: the same data, read from the plain file.
+    shutil.copy(tmp_path / "plain" / "train-images-idx3-ubyte", data_dir)
+    images, _ = load_split("mnist", "train", data_dir=data_dir)
+    assert images.shape == (32, 28, 28, 1)
+    # Another dataset under the same name: which one trains must not depend on lookup order.
+    other = write_idx_dataset(tmp_path / "other", n_train=16, n_test=8, gz=False)
+    shutil.copy(other / "train-images-idx3-ubyte", data_dir)
+    with pytest.raises(DataError) as err:
+        load_split("mnist", "train", data_dir=data_dir)
+    assert str(err.value).startswith(f"{data_dir}/train-images-idx3-ubyte and {data_dir}/train-images-idx3-ubyte.gz "
+                                     "are both there but hold different data")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.shift_pixels=30", r"data\.shift_pixels must be in \[0, 27\], got 30"),
+    ("data.limit_train=0", r"data\.limit_train must be ≥ 1, got 0"),
+    ("data.limit_test=abc", r"data\.limit_test must be an integer, got 'abc'"),
+])
+def test_data_errors_name_their_key(tiny_config, override, message):
+    with pytest.raises(ConfigError, match=message):
+        train(tiny_config(override))
+
+
+@pytest.mark.slow
+def test_ctrl_c_prints_one_line_and_exits_130(tiny_idx_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = tiny_overrides(tiny_idx_dir, run_dir, "train.epochs=200", "data.limit_train=32", "data.limit_test=16")
+    log = tmp_path / "out.log"
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, str(REPO / "train.py"), *overrides], cwd=tmp_path,
+                                   env=entry_point_env(), stdout=out, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while "epoch 3/" not in log.read_text() and process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            process.send_signal(signal.SIGINT)
+            _, stderr = process.communicate(timeout=60)
+        finally:
+            process.kill()
+    assert process.returncode == 130
+    assert stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
+    assert stderr.startswith("interrupted ") and "rerun the same command to resume" in stderr
+    done = int(tf.train.latest_checkpoint(str(run_dir / "checkpoints" / "latest")).rsplit("-", 1)[1])
+    assert f"from epoch {done + 1}" in stderr
+    assert (run_dir / "train.lock").read_text() == ""  # released on the way out

@@ -412,7 +412,12 @@ def check_resumable(run_dir, cfg):
     returns the 'key: old -> new' lines to announce (the run's config.yaml then records
     the new value)."""
     if not (run_dir / "config.yaml").is_file():
-        return []  # nothing to compare (a run dir from before config.yaml was written)
+        # Not .hydra/config.yaml (read_run_config's fallback): Hydra rewrites it with THIS
+        # command's config before train() runs, so it would always agree. Without the run's
+        # own record a changed seed or learning rate would continue unnoticed.
+        raise CheckpointError(f"run dir {run_dir} has checkpoints but no config.yaml: cannot check that this "
+                              "config continues the same run (seed, model, data, learning rate); put the run's "
+                              "config.yaml back, or train into a new hydra.run.dir")
     saved = read_run_config(run_dir)  # a corrupt config.yaml → CheckpointError
     differences = _config_differences(saved, cfg)
     refused = [line for key, line in differences.items() if key not in RESUME_NOTICE_KEYS]
@@ -480,10 +485,24 @@ class BestCheckpoint:
                     path.unlink(missing_ok=True)
 
 
-def read_history(path, epochs_done):
-    """Per-epoch metrics of the epochs the checkpoint covers (a killed run may have logged more)."""
+def read_history(path, epochs_done, *, rewrite=False):
+    """Per-epoch metrics of the epochs the checkpoint covers (a killed run may have logged more).
+
+    An epoch may have several lines (one per attempt: a run killed after the history line
+    and before the commit point redoes the epoch): the later line wins. rewrite=True (the
+    chief, on every start) writes the file back with one line per epoch done, replacing it
+    whole, so history.jsonl stays one line per epoch however often the run was killed."""
     if not path.is_file():
         return []
+    entries = _history_entries(path, epochs_done)
+    if rewrite:
+        temporary = path.with_name(path.name + ".tmp")
+        temporary.write_text("".join(json.dumps(entry) + "\n" for entry in entries))
+        os.replace(temporary, path)
+    return entries
+
+
+def _history_entries(path, epochs_done):
     by_epoch = {}
     for line in path.read_text().splitlines():
         try:

@@ -35,7 +35,7 @@ import tensorflow as tf
 
 from capsnet import config
 from capsnet.data import augmentation_options, example_shape, is_overlay, load_split, make_split_dataset
-from capsnet.errors import TrainingDiverged
+from capsnet.errors import Interrupted, TrainingDiverged
 from capsnet.losses import loss_params
 from capsnet.scoring import json_safe
 from capsnet.training.checkpoints import (BestCheckpoint, check_resumable, checkpoint_numbers, checkpoint_weights,
@@ -59,16 +59,33 @@ def train(cfg):
 
     The run dir is locked for the run's life (capsnet.training.run_lock: one training per
     run dir), released however train() ends."""
-    locks = []
+    progress = {"locks": [], "epoch": None, "done": None}
     try:
-        return _train(cfg, locks)
+        return _train(cfg, progress)
+    except KeyboardInterrupt as interrupt:
+        if isinstance(interrupt, Interrupted):
+            raise
+        raise Interrupted(interrupted(progress)) from None
     finally:
-        for lock in locks:
+        for lock in progress["locks"]:
             lock.release()
 
 
-def _train(cfg, locks):
-    """train()'s body; appends the run dir's RunLock to `locks` once it takes it."""
+def interrupted(progress):
+    """The line for Ctrl-C: where the run stopped (`progress`, kept by _train) and how to go on."""
+    if progress["done"] is None:
+        return "interrupted before training started; rerun the same command to start (or resume) the run"
+    if progress["epoch"] is None:
+        return (f"interrupted after epoch {progress['done']}; rerun the same command to resume "
+                f"(from epoch {progress['done'] + 1})")
+    return (f"interrupted in epoch {progress['epoch']} (its progress is lost: an epoch counts once checkpointed); "
+            f"rerun the same command to resume from epoch {progress['done'] + 1}")
+
+
+def _train(cfg, progress):
+    """train()'s body; puts the run dir's RunLock in progress["locks"] once it takes it, and
+    keeps progress["done"] (epochs checkpointed) and progress["epoch"] (the one running)."""
+    locks = progress["locks"]
     # ---- config and setup
     # Every value checked up front, before TensorFlow touches a device or the data is read
     # (train.py has checked it already: idempotent); a bad one is a ConfigError naming it.
@@ -174,7 +191,7 @@ def _train(cfg, locks):
     if dcfg["strategy"] == "multi_worker":
         check_workers_agree(strategy, int(epoch), steps_done(optimizer))
     best.recover(int(epoch))  # drops a best checkpoint of an epoch that is to be redone
-    history = read_history(history_path, int(epoch))
+    history = read_history(history_path, int(epoch), rewrite=chief)
     if chief:
         write_run_config(run_dir, {**cfg, "run_dir": str(run_dir), "data": data_cfg})
 
@@ -205,7 +222,9 @@ def _train(cfg, locks):
     # ---- the loop
     test = None
     global_step = steps_done(optimizer)  # counted on the host: reading the variable would wait for the device
+    progress["done"] = int(epoch)
     for epoch_index in range(int(epoch), tcfg["epochs"]):
+        progress["epoch"] = epoch_index + 1
         print(f"epoch {epoch_index + 1}/{tcfg['epochs']}", flush=True)
         train_ds = make_split_dataset(data_cfg["name"], train_images, train_labels, batch_size=batch_size,
                                       training=True, seed=seed, epoch=epoch_index, **augmentation)
@@ -242,9 +261,11 @@ def _train(cfg, locks):
         # The commit point: until this checkpoint exists, a restart redoes the epoch.
         save_or_fail(lambda: latest.save(checkpoint_number=epoch_index + 1), checkpoints_dir / "latest",
                      epoch_index + 1)
+        progress["done"] = epoch_index + 1
         if is_best:
             best.commit(epoch_index + 1)
         raw = f" (trained weights: {raw_test['accuracy']:.4f})" if raw_test is not None else ""
+        progress["epoch"] = None
         print(f"epoch {epoch_index + 1}: train loss {train_means['loss']:.4f} acc {train_means['accuracy']:.4f}"
               f" | test loss {test['loss']:.4f} acc {test['accuracy']:.4f}{raw}"
               f"{' (best)' if is_best else ''}", flush=True)
