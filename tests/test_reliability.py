@@ -444,3 +444,44 @@ def test_ctrl_c_prints_one_line_and_exits_130(tiny_idx_dir, tmp_path):
     done = int(tf.train.latest_checkpoint(str(run_dir / "checkpoints" / "latest")).rsplit("-", 1)[1])
     assert f"from epoch {done + 1}" in stderr
     assert (run_dir / "train.lock").read_text() == ""  # released on the way out
+
+
+# --------------------------------------------------------------------------- 6. collapse warning
+
+def test_a_collapsed_run_is_flagged_in_the_log_tensorboard_and_history(tiny_config, tmp_path, capsys):
+    """learning_rate=1 on the tiny data: no NaN, but the predictions stay at chance (10
+    classes) through epoch 3, the first the accuracy rule applies to."""
+    from conftest import read_events
+
+    run_dir = tmp_path / "run"
+    metrics = train(tiny_config("train.learning_rate=1", "train.epochs=3"))
+    history = metrics["history"]
+    assert history[2]["test_accuracy"] <= 0.15
+    assert history[2]["collapsed"] is True
+    assert history[2]["collapse"].startswith(f"test accuracy {history[2]['test_accuracy']:.4f} is at chance")
+    assert [json.loads(line)["collapsed"] for line in (run_dir / "history.jsonl").read_text().splitlines()] == \
+        [h["collapsed"] for h in history]
+    assert "[COLLAPSED: test accuracy" in capsys.readouterr().out.splitlines()[-1]
+    events = read_events(run_dir)
+    collapsed = {step: value.simple_value if value.HasField("simple_value") else
+                 float(tf.make_ndarray(value.tensor)) for step, value in events["test/collapsed"]}
+    assert collapsed[3 * STEPS_PER_EPOCH] == 1.0
+    assert sorted(step for step, _ in events["test/collapse"]) == \
+        [STEPS_PER_EPOCH * e for e in (1, 2, 3) if history[e - 1]["collapsed"]]
+
+
+def test_collapse_rules():
+    from capsnet.training.loop import collapse_reason
+
+    healthy = {"max_length": 0.93, "accuracy": 0.97}
+    assert all(collapse_reason(healthy, epoch, 10) is None for epoch in (1, 2, 3, 50))
+    assert collapse_reason({"max_length": 0.9, "accuracy": 0.12}, 2, 10) is None  # early epochs may sit at chance
+    assert collapse_reason({"max_length": 0.9, "accuracy": 0.15}, 3, 10).startswith("test accuracy 0.1500 is at chance")
+    assert collapse_reason({"max_length": 0.049, "accuracy": 0.9}, 1, 10) == \
+        "every test capsule length is below 0.05 (longest 0.0490)"
+
+
+def test_a_healthy_run_is_not_flagged(trained_run):
+    history = trained_run[1]["history"]
+    assert [h["collapsed"] for h in history] == [False] * 4
+    assert all(0.05 < h["test_max_length"] < 1 for h in history)

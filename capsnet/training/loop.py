@@ -214,7 +214,10 @@ def _train(cfg, progress):
         with summaries_step, the chief also writes the epoch's test summaries."""
         raw_test = evaluate_model(eval_step, test_ds, model.num_classes) if average is not None else None
         with average.in_model() if average is not None else contextlib.nullcontext():
-            test = evaluate_model(eval_step, test_ds, model.num_classes)
+            test = evaluate_model(eval_step, test_ds, model.num_classes, keep_lengths=True)
+            # The longest capsule over the test set (collapse_reason), not the (N, classes) lengths.
+            test["max_length"] = float(test.pop("lengths").max())
+            test.pop("labels")
             if chief and summaries_step is not None:
                 write_epoch_summaries(writer, model, test, show_images, tcfg, summaries_step, raw_test)
         return test, raw_test
@@ -247,11 +250,19 @@ def _train(cfg, progress):
         # On every worker (the same weights and data): each decides is_best and saves as the chief does.
         # With a weight average, the test is the average's, and the trained weights' is logged beside it.
         test, raw_test = test_pass(summaries_step=global_step)
+        collapse = collapse_reason(test, epoch_index + 1, model.num_classes)
+        if chief:
+            with writer.as_default(step=global_step):
+                tf.summary.scalar("test/max_capsule_length", test["max_length"])
+                tf.summary.scalar("test/collapsed", float(collapse is not None))
+                if collapse is not None:
+                    tf.summary.text("test/collapse", f"epoch {epoch_index + 1}: {collapse}")
         epoch.assign(epoch_index + 1)
         is_best = test["accuracy"] > float(best_accuracy)
         if is_best:
             best_accuracy.assign(test["accuracy"])
-        entry = history_entry(epoch_index + 1, global_step, float(schedule(global_step)), train_means, test, raw_test)
+        entry = history_entry(epoch_index + 1, global_step, float(schedule(global_step)), train_means, test, raw_test,
+                              collapse)
         history.append(entry)
         if chief:
             with history_path.open("a") as f:
@@ -268,7 +279,7 @@ def _train(cfg, progress):
         progress["epoch"] = None
         print(f"epoch {epoch_index + 1}: train loss {train_means['loss']:.4f} acc {train_means['accuracy']:.4f}"
               f" | test loss {test['loss']:.4f} acc {test['accuracy']:.4f}{raw}"
-              f"{' (best)' if is_best else ''}", flush=True)
+              f"{' (best)' if is_best else ''}{f' [COLLAPSED: {collapse}]' if collapse else ''}", flush=True)
 
     # ---- final metrics
     if test is None:
@@ -411,11 +422,36 @@ def diverged(stop, epoch_number, last_good, tcfg, learning_rate):
                             f"{where}{lower}")
 
 
-def history_entry(epoch, global_step, learning_rate, train_means, test, raw_test=None):
+# A collapsed epoch (collapse_reason): every test capsule shorter than this (no class is
+# ever "present": the margin loss's m_minus side has won), or, after the first epochs,
+# a test accuracy within this factor of chance (1 / num_classes).
+COLLAPSE_MAX_LENGTH = 0.05
+COLLAPSE_CHANCE_FACTOR = 1.5
+COLLAPSE_AFTER_EPOCHS = 2
+
+
+def collapse_reason(test, epoch_number, num_classes):
+    """Why the epoch's test results look collapsed, in words, or None.
+
+    A run can go wrong without a NaN: every capsule length shrinks to ~0, or the
+    predictions stop depending on the input, and the loss curve alone can look calm.
+    The accuracy test waits COLLAPSE_AFTER_EPOCHS epochs: a run may start at chance."""
+    if test.get("max_length") is not None and test["max_length"] < COLLAPSE_MAX_LENGTH:
+        return f"every test capsule length is below {COLLAPSE_MAX_LENGTH} (longest {test['max_length']:.4f})"
+    chance = 1.0 / num_classes
+    if epoch_number > COLLAPSE_AFTER_EPOCHS and test["accuracy"] <= COLLAPSE_CHANCE_FACTOR * chance:
+        return f"test accuracy {test['accuracy']:.4f} is at chance ({chance:.4f} for {num_classes} classes)"
+    return None
+
+
+def history_entry(epoch, global_step, learning_rate, train_means, test, raw_test=None, collapse=None):
     """The epoch's line of history.jsonl: train_* means, test_* results (and the trained
-    weights' test_raw_* beside a weight average's test)."""
+    weights' test_raw_* beside a weight average's test), and whether it looked collapsed
+    (collapse_reason: `collapsed`, and the reason as `collapse`)."""
     return {"epoch": epoch, "global_step": global_step, "learning_rate": learning_rate,
             **{f"train_{k}": v for k, v in train_means.items()},
             **{f"test_{k}": test[k] for k in ("loss", "margin_loss", "reconstruction_loss", "accuracy",
                                               "images_per_sec")},
+            "test_max_length": test.get("max_length"), "collapsed": collapse is not None,
+            **({"collapse": collapse} if collapse is not None else {}),
             **({f"test_raw_{k}": raw_test[k] for k in ("loss", "accuracy")} if raw_test is not None else {})}
