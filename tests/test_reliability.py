@@ -485,3 +485,12 @@ def test_a_healthy_run_is_not_flagged(trained_run):
     history = trained_run[1]["history"]
     assert [h["collapsed"] for h in history] == [False] * 4
     assert all(0.05 < h["test_max_length"] < 1 for h in history)
+
+
+def test_a_run_dir_that_lost_latest_but_has_a_best_checkpoint_is_not_started_over(trained_run, tiny_config, tmp_path):
+    run_dir = copied_run(trained_run, tmp_path)
+    shutil.rmtree(run_dir / "checkpoints" / "latest")
+    best_before = tree_bytes(run_dir / "checkpoints" / "best")
+    with pytest.raises(CheckpointError, match=f"run dir {run_dir} has a best checkpoint .* not starting over"):
+        train(tiny_config(run_dir=run_dir))
+    assert tree_bytes(run_dir / "checkpoints" / "best") == best_before

@@ -335,6 +335,20 @@ def recover_latest(directory, *, repair=True, announce=print):
     return prefix
 
 
+def check_nothing_committed(run_dir):
+    """Before a run starts from scratch in run_dir (no latest/ checkpoint): CheckpointError if
+    best/ holds a committed checkpoint (its state file names one), which starting over would
+    delete (BestCheckpoint.recover(0)): latest/ was lost, not never written. An uncommitted
+    best/ckpt-1 (a crash before the first commit point; no state file) is the first epoch's
+    to redo, and goes."""
+    best_dir = Path(run_dir) / "checkpoints" / "best"
+    named, _ = read_state(best_dir)
+    if named is not None and checkpoint_numbers(best_dir):
+        raise CheckpointError(f"run dir {run_dir} has a best checkpoint ({named}) but no checkpoint in "
+                              f"{Path(run_dir) / 'checkpoints' / 'latest'} to resume from: not starting over, "
+                              "which would delete it; put checkpoints/latest back, or train into a new hydra.run.dir")
+
+
 def save_or_fail(save, directory, number):
     """Run `save()` (a checkpoint write of ckpt-`number` into `directory`); a write that fails
     (a full disk: OSError or TensorFlow's ResourceExhausted/other errors) removes what it

@@ -38,8 +38,9 @@ from capsnet.data import augmentation_options, example_shape, is_overlay, load_s
 from capsnet.errors import Interrupted, TrainingDiverged
 from capsnet.losses import loss_params
 from capsnet.scoring import json_safe
-from capsnet.training.checkpoints import (BestCheckpoint, check_resumable, checkpoint_numbers, checkpoint_weights,
-                                         read_history, recover_latest, resume_from, save_or_fail, write_run_config)
+from capsnet.training.checkpoints import (BestCheckpoint, check_nothing_committed, check_resumable, checkpoint_numbers,
+                                         checkpoint_weights, read_history, recover_latest, resume_from, save_or_fail,
+                                         write_run_config)
 from capsnet.training.distribute import (check_global_batch, check_tf_config, check_workers_agree, input_iterator,
                                          is_chief, make_strategy)
 from capsnet.training.model_setup import build_capsnet, check_labels, check_op_library
@@ -180,6 +181,8 @@ def _train(cfg, progress):
     if chief and not locks:
         locks.append(RunLock.acquire(run_dir))
     resumed_from = recover_latest(latest_dir, repair=chief)
+    if resumed_from is None and chief:
+        check_nothing_committed(run_dir)
     latest = tf.train.CheckpointManager(checkpoint, str(checkpoints_dir / "latest"),
                                         max_to_keep=tcfg["keep_checkpoints"])
     best = BestCheckpoint(checkpoint, checkpoints_dir / "best")
