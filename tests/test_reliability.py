@@ -187,15 +187,16 @@ def test_a_lost_checkpoint_state_file_is_rebuilt_from_the_files(trained_run, tin
     else:
         state_file.write_bytes({"zero-byte": b"", "garbage": b"model_checkpoint_path: {{{ not a state",
                                 "random bytes": np.random.default_rng(1).bytes(200)}[state])
-    (latest / "ckpt-5_temp").mkdir()  # an orphan of a save that was killed
+    (latest / "ckpt-5_temp").mkdir()  # orphans of a save that was killed
     (latest / "ckpt-5_temp" / "part-00000-of-00001.index").write_bytes(b"half")
+    (latest / "ckpt-5.index.tempstate123456").write_bytes(b"half")
     metrics = train(tiny_config(run_dir=run_dir))  # all 4 epochs done: nothing to train
     out = capsys.readouterr().out
     assert metrics["resumed_from"] == str(latest / "ckpt-4") and metrics["epochs"] == 4
     assert f"notice: the checkpoint state file {state_file} is" in out
     assert "rebuilt from the ckpt-*.index files" in out
     assert tf.train.latest_checkpoint(str(latest)) == str(latest / "ckpt-4")
-    assert not (latest / "ckpt-5_temp").exists()
+    assert not (latest / "ckpt-5_temp").exists() and not list(latest.glob("*.tempstate*"))
     assert tree_bytes(run_dir / "checkpoints" / "best") == best_before  # best/ kept as it was
 
 

@@ -276,10 +276,13 @@ def write_state(directory, number, numbers):
 
 def remove_orphans(directory):
     """Remove what a save killed halfway leaves: `<prefix>_temp/` directories (a save writes
-    its shards there and moves them into place at the end) and checkpoint.tmp."""
+    its shards there and moves them into place at the end), TensorFlow's `*.tempstate*`
+    files (an index or state file written under a temporary name, then renamed) and
+    checkpoint.tmp (write_state's)."""
     for path in Path(directory).glob("*_temp"):
         shutil.rmtree(path, ignore_errors=True)
-    (Path(directory) / "checkpoint.tmp").unlink(missing_ok=True)
+    for path in [*Path(directory).glob("*.tempstate*"), Path(directory) / "checkpoint.tmp"]:
+        path.unlink(missing_ok=True)
 
 
 def _set_aside(prefix):
