@@ -22,6 +22,7 @@ from capsnet import config
 from capsnet.errors import CapsnetError
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a program stopped by Ctrl-C
 
 # The user's own HYDRA_FULL_ERROR, read before run() sets it for its own purposes.
 _user_full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
@@ -65,6 +66,13 @@ def reports_user_errors(task):
     def wrapper(cfg):
         try:
             return task(cfg)
+        except KeyboardInterrupt as exc:
+            # Ctrl-C: one line (train()'s says where the run stopped and how to resume), no traceback.
+            if _full_errors_requested() or cfg.get("debug", False) is True:
+                raise
+            sys.stderr.write(" ".join((str(exc) or "interrupted").split()) + "\n")
+            sys.stderr.flush()
+            sys.exit(EXIT_INTERRUPTED)
         except (CapsnetError, OmegaConfBaseException) as exc:
             _remove_unused_run_dir()
             # OmegaConf errors here come from resolving the config (a bad interpolation).
@@ -94,8 +102,12 @@ def _remove_unused_run_dir():
     if run_dir == cwd or run_dir in cwd.parents:
         return
     hydra_own = {hydra_cfg.output_subdir, f"{hydra_cfg.job.name}.log"}
+    # train.lock (capsnet.training.run_lock) is ours to remove only when empty: released.
+    # One that names a holder belongs to another training starting in this run dir.
+    lock = run_dir / "train.lock"
     try:
-        if any(entry.name not in hydra_own for entry in run_dir.iterdir()):
+        if any(entry.name not in hydra_own and not (entry == lock and lock.stat().st_size == 0)
+               for entry in run_dir.iterdir()):
             return
         shutil.rmtree(run_dir)
         for parent in run_dir.parents:  # outputs/<date>, outputs: only if now empty

@@ -87,9 +87,25 @@ def _load_idx_dir(split, data_dir):
         if not found:
             raise DataError(f"data dir {data_dir} has no {base} or {base}.gz "
                             f"(the {split} split needs {bases[0]}[.gz] and {bases[1]}[.gz])")
+        if len(found) == 2:
+            _check_same_idx(*found)
         paths.append(found[0])
     images_path, labels_path = paths
     return read_idx(images_path), read_idx(labels_path), images_path, labels_path
+
+
+def _check_same_idx(plain, gz):
+    """Both `X` and `X.gz`: the plain file is read (no decompression), which is right only
+    if it is the .gz's content (a gunzipped copy beside its archive, as MNIST downloads
+    often leave). gzip stores the content's size (mod 2**32) in its last 4 bytes: sizes
+    that differ mean two different datasets under one name, and which one a run trains
+    on must not depend on a file-lookup order: DataError."""
+    with open(gz, "rb") as f:
+        f.seek(-4, os.SEEK_END)
+        content_size = int.from_bytes(f.read(4), "little")
+    if os.path.getsize(plain) % 2**32 != content_size:
+        raise DataError(f"{plain} and {gz} are both there but hold different data ({os.path.getsize(plain)} bytes "
+                        f"vs {content_size} bytes unpacked): remove the one that is not the dataset")
 
 
 def _load_tfds(name, spec, split, tfds_data_dir):
@@ -287,7 +303,8 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
         images, labels, batch_size=batch_size, training=training, seed=seed, epoch=epoch,
         drop_remainder=drop_remainder)
     n, h, w, c = images.shape
-    shift_pixels = integer("shift_pixels", shift_pixels, minimum=0, maximum=min(h, w) - 1, error=ConfigError)
+    # Named as the config key: that is where a user sets it (train.py, evaluate.py).
+    shift_pixels = integer("data.shift_pixels", shift_pixels, minimum=0, maximum=min(h, w) - 1, error=ConfigError)
     flip, rotate_degrees, zoom, elastic_alpha, elastic_sigma, shift_fill = check_augmentation(
         flip=flip, rotate_degrees=rotate_degrees, zoom=zoom, elastic_alpha=elastic_alpha,
         elastic_sigma=elastic_sigma, shift_fill=shift_fill).values()
@@ -394,7 +411,7 @@ def make_multimnist_dataset(images, labels, *, batch_size, training, seed=0, epo
         images, labels, batch_size=batch_size, training=training, seed=seed, epoch=epoch,
         drop_remainder=drop_remainder)
     n = len(labels)
-    shift_pixels = integer("shift_pixels", shift_pixels, minimum=0, maximum=64, error=ConfigError)
+    shift_pixels = integer("data.shift_pixels", shift_pixels, minimum=0, maximum=64, error=ConfigError)
     if len(np.unique(labels)) < 2:
         raise DataError(f"MultiMNIST pairs digits of different classes: the {n} examples have only class "
                         f"{labels[0]}")

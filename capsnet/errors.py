@@ -25,3 +25,12 @@ class CheckpointError(CapsnetError):
 
 class OpLibraryError(CapsnetError):
     """The compiled op library is missing, stale or unusable."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) during training; str(err) is the one line to print: where the run
+    stopped and how to resume it. A KeyboardInterrupt, so that whatever catches one still does."""
+
+
+class TrainingDiverged(CapsnetError):
+    """A training step's loss or gradients were not finite: training stopped, nothing saved."""

@@ -85,8 +85,11 @@ if [[ $what == precision_accuracy ]]; then
   # side on the one GPU (each alone leaves it mostly idle at batch 100). Rerunning the same call
   # resumes them (same run dirs, while the machine is held); finished runs are evaluated (final
   # checkpoint, op and matmul path) and their histories come back.
+  # Each process takes GPU memory as it needs it (TensorFlow's default, all of it, leaves the
+  # others "cudaSetDevice() ... out of memory").
+  export TF_FORCE_GPU_ALLOW_GROWTH=true
   for precision in float32 mixed_bfloat16; do
-    for seed in 0 1 2; do
+    for seed in ${SEEDS:-0 1 2}; do
       run="/tmp/runs/paper_mnist_${precision}_$seed"
       timeout "${TRAIN_TIMEOUT:-540}" python3 train.py experiment=paper_mnist data.dir=.gpudata/mnist custom_op=true \
         train.precision=$precision seed=$seed train.progress_bar=false ${EPOCHS:+train.epochs=$EPOCHS} hydra.run.dir="$run" \
@@ -95,7 +98,7 @@ if [[ $what == precision_accuracy ]]; then
   done
   wait
   for precision in float32 mixed_bfloat16; do
-    for seed in 0 1 2; do
+    for seed in ${SEEDS:-0 1 2}; do
       run="/tmp/runs/paper_mnist_${precision}_$seed"; name="paper_mnist_${precision}_$seed"
       echo "$name: $(grep -c '^epoch [0-9]*:' "$run/train.log" 2>/dev/null || true) $(grep '^epoch [0-9]*:' "$out/$name.log" | tail -1)"
       cp "$run/history.jsonl" "$out/$name.history.jsonl" 2>/dev/null

@@ -281,3 +281,20 @@ def test_a_bad_eval_precision_is_a_one_line_error(trained_run, tmp_path):
 
 def test_the_train_config_defaults_to_float32(tiny_config):
     assert tiny_config()["train"]["precision"] == "float32"
+
+
+def test_the_guard_norm_of_mixed_float16_is_unscaled_and_ignores_an_overflow_the_optimizer_skips():
+    """An overflow of the scaled gradients is loss scaling at work, not a divergence."""
+    import keras
+
+    from capsnet.training.steps import gradient_norm
+
+    variable = tf.Variable([1.0, 2.0])
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(), initial_scale=1024.0)
+    optimizer.build([variable])
+    scaled = [tf.constant([3.0, 4.0]) * 1024.0]
+    assert float(gradient_norm(scaled, optimizer)) == pytest.approx(5.0)
+    assert float(gradient_norm([tf.constant([np.inf, 1.0])], optimizer)) == 0.0
+    plain = keras.optimizers.Adam()
+    assert float(gradient_norm([tf.constant([3.0, 4.0])], plain)) == pytest.approx(5.0)
+    assert not np.isfinite(float(gradient_norm([tf.constant([np.nan, 1.0])], plain)))

@@ -2,6 +2,7 @@
 `check_section(schema, values)` (one section by its fields' checks and its rule), and
 the rules that span a section's keys (`_SECTION_RULES`) or sections (`check`)."""
 import dataclasses
+import math
 
 from omegaconf import MISSING
 
@@ -55,7 +56,15 @@ def _data_rule(dcfg, prefix):
                               "default (augmentation=none)")
 
 
-_SECTION_RULES = {DataConfig: _data_rule, TrainConfig: _margin_rule, DistributeConfig: _distribute_rule}
+def _train_rule(tcfg, prefix):
+    """The margin loss's rule, and a finite learning rate: the field's check passes inf
+    (a positive number), which would turn the first step's weights into NaN."""
+    _margin_rule(tcfg, prefix)
+    if not math.isfinite(tcfg["learning_rate"]):
+        raise ConfigError(f"{prefix}learning_rate must be a finite positive number, got {tcfg['learning_rate']!r}")
+
+
+_SECTION_RULES = {DataConfig: _data_rule, TrainConfig: _train_rule, DistributeConfig: _distribute_rule}
 
 
 def check_section(schema, values, prefix=""):

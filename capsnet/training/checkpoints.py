@@ -22,7 +22,8 @@ superseded or deleted on restart (`BestCheckpoint`, `read_history`).
 
 Resuming refuses a config that would change the run's trajectory (RESUME_KEYS: the
 model, the data, the seed, the optimizer and loss values; `check_resumable`) and names
-what differs; train.epochs (to extend a run), custom_op, train.xla, model.routing,
+what differs, but for train.learning_rate, which may change with a notice (how a
+diverged run continues from its last good checkpoint: RESUME_NOTICE_KEYS); train.epochs (to extend a run), custom_op, train.xla, model.routing,
 deterministic, logging and progress keys may change, and so may the distribute
 strategy and devices (a run started on one GPU may continue on two). A saved config is
 read in today's shape (capsnet.config.migrate: keys added since at the defaults it was
@@ -30,6 +31,7 @@ trained with, the old routing flags as model.routing).
 """
 import json
 import os
+import shutil
 from pathlib import Path
 
 import tensorflow as tf
@@ -89,11 +91,11 @@ def resolve_checkpoint(checkpoint, which="best"):
         path = path.with_suffix("")
     if path.is_dir() and (path / "checkpoints").is_dir():
         managed = path / "checkpoints" / which
-        prefix = tf.train.latest_checkpoint(str(managed))
+        prefix = _newest_named(managed)
         if prefix is None:
             raise CheckpointError(f"run dir {path} has no {which} checkpoint in {managed}")
     elif path.is_dir():
-        prefix = tf.train.latest_checkpoint(str(path))
+        prefix = _newest_named(path)
         if prefix is None:
             raise CheckpointError(
                 f"no checkpoint in {path}: expected a run dir (with checkpoints/) or a checkpoint path like "
@@ -108,8 +110,46 @@ def resolve_checkpoint(checkpoint, which="best"):
     for parent in list(Path(prefix).parents)[:4]:
         cfg = read_run_config(parent)
         if cfg is not None:
+            _check_intact(prefix, parent)
             return prefix, parent, cfg
     raise CheckpointError(f"no config.yaml for checkpoint {prefix} in its run dir: cannot rebuild the model")
+
+
+def _newest_named(directory):
+    """The checkpoint `directory`'s state file names (tf.train.latest_checkpoint); with no
+    usable state file (missing, empty, garbage), the newest ckpt-N by its files, with a
+    notice: a lost state file must not hide the checkpoints beside it."""
+    named, problem = read_state(directory)
+    if problem is None or not checkpoint_numbers(directory):
+        return named
+    newest = str(Path(directory) / f"ckpt-{checkpoint_numbers(directory)[-1]}")
+    print(f"notice: the checkpoint state file {Path(directory) / 'checkpoint'} is {problem}: using the newest "
+          f"checkpoint by its files, {newest}", flush=True)
+    return newest
+
+
+def _check_intact(prefix, run_dir):
+    """CheckpointError naming the damaged file, and the intact checkpoints of the run that
+    could be used instead, if `prefix` does not read whole (checkpoint_damage). Checked
+    before TensorFlow restores from it: a failed restore reports a misleading mismatch and
+    leaves a screenful of warnings about unrestored values."""
+    damage = checkpoint_damage(prefix)
+    if damage is None:
+        return
+    others = [str(Path(p).relative_to(run_dir)) if Path(p).is_relative_to(run_dir) else p
+              for p in intact_checkpoints(run_dir) if p != str(prefix)]
+    instead = (f"intact checkpoints of {run_dir}: {', '.join(others)} (pass one as checkpoint=)" if others
+               else f"{run_dir} has no intact checkpoint")
+    raise CheckpointError(f"{damage}: cannot load {prefix}; {instead}")
+
+
+def intact_checkpoints(run_dir):
+    """Every ckpt-N under run_dir/checkpoints (best/, then latest/, newest first) that reads whole."""
+    found = []
+    for which in ("best", "latest"):
+        directory = Path(run_dir) / "checkpoints" / which
+        found += [str(directory / f"ckpt-{n}") for n in reversed(checkpoint_numbers(directory))]
+    return [prefix for prefix in found if checkpoint_damage(prefix) is None]
 
 
 def checkpoint_weights(model):
@@ -172,6 +212,171 @@ def resume_from(checkpoint, prefix, required=None):
         raise CheckpointError(f"cannot resume from {prefix}: {str(exc).strip().splitlines()[0]}") from exc
 
 
+# --------------------------------------------------------------------------- damaged checkpoints, the state file
+
+def checkpoint_numbers(directory):
+    """The numbers N of the ckpt-N.index files in `directory`, ascending (the files, not the
+    state file: what is on disk whatever the state file says)."""
+    names = (p.name[len("ckpt-"):-len(".index")] for p in Path(directory).glob("ckpt-*.index"))
+    return sorted(int(n) for n in names if n.isdigit())
+
+
+def checkpoint_damage(prefix):
+    """None if the checkpoint at `prefix` reads back whole, else one line naming its damaged
+    file and what is wrong.
+
+    Every tensor is read: TensorFlow checks each against the CRC32C stored in the index,
+    so a truncated, emptied or overwritten .data file is found here, not halfway through
+    a restore (a zero-byte or random-byte .index fails to open at all). Reading a
+    checkpoint of the paper model takes well under a second.
+    """
+    index = Path(f"{prefix}.index")
+    try:
+        reader = tf.train.load_checkpoint(str(prefix))
+    except (tf.errors.OpError, ValueError, IndexError, OSError) as exc:
+        return f"checkpoint file {index} is damaged ({_reason(exc)})"
+    try:
+        for name in reader.get_variable_to_shape_map():
+            reader.get_tensor(name)
+    except (tf.errors.OpError, ValueError, IndexError, OSError) as exc:
+        data = sorted(Path(prefix).parent.glob(f"{Path(prefix).name}.data-*"))
+        named = ", ".join(str(p) for p in data) if data else f"{prefix}.data-*"
+        return f"checkpoint file {named} is damaged ({_reason(exc)})"
+    return None
+
+
+def _reason(exc):
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "Read less bytes than requested" in text:
+        return "shorter than its index says: truncated or emptied"
+    if "No such file" in text:
+        return "missing"
+    return text.split(": ")[-1] if "Checksum does not match" in text else text
+
+
+def read_state(directory):
+    """(the checkpoint the `checkpoint` state file names, None) or (None, why it cannot be used)."""
+    state = Path(directory) / "checkpoint"
+    if not state.is_file():
+        return None, "missing"
+    try:
+        named = tf.train.get_checkpoint_state(str(directory))
+    except (ValueError, tf.errors.OpError, UnicodeDecodeError) as exc:  # empty, or not the text format
+        return None, f"unreadable ({_reason(exc)})"
+    if named is None or not named.model_checkpoint_path:
+        return None, "unreadable (it names no checkpoint)"
+    path = Path(named.model_checkpoint_path)
+    return str(path if path.is_absolute() else Path(directory) / path), None
+
+
+def write_state(directory, number, numbers):
+    """Point the `checkpoint` state file of `directory` at ckpt-`number`, listing ckpt-`numbers`
+    (the CheckpointState text format tf.train.latest_checkpoint and CheckpointManager read;
+    relative paths, so a copied or moved run dir still finds its checkpoints). Replaced
+    whole (os.replace): a kill leaves the old state file or the new one."""
+    directory = Path(directory)
+    temporary = directory / "checkpoint.tmp"
+    temporary.write_text(f'model_checkpoint_path: "ckpt-{number}"\n'
+                         + "".join(f'all_model_checkpoint_paths: "ckpt-{n}"\n' for n in numbers))
+    os.replace(temporary, directory / "checkpoint")
+
+
+def remove_orphans(directory):
+    """Remove what a save killed halfway leaves: `<prefix>_temp/` directories (a save writes
+    its shards there and moves them into place at the end), TensorFlow's `*.tempstate*`
+    files (an index or state file written under a temporary name, then renamed) and
+    checkpoint.tmp (write_state's)."""
+    for path in Path(directory).glob("*_temp"):
+        shutil.rmtree(path, ignore_errors=True)
+    for path in [*Path(directory).glob("*.tempstate*"), Path(directory) / "checkpoint.tmp"]:
+        path.unlink(missing_ok=True)
+
+
+def _set_aside(prefix):
+    """Rename a damaged checkpoint's files to <name>.damaged: out of the way of the run
+    (which may save the same number again) but kept, not deleted."""
+    for path in [Path(f"{prefix}.index"), *Path(prefix).parent.glob(f"{Path(prefix).name}.data-*")]:
+        if path.exists():
+            os.replace(path, path.with_name(path.name + ".damaged"))
+
+
+def recover_latest(directory, *, repair=True, announce=print):
+    """The checkpoint a run resumes from in `directory` (checkpoints/latest), or None when it
+    holds none: the newest ckpt-N whose files read whole (checkpoint_damage).
+
+    What a crash or a damaged disk may leave is dealt with here, each with a notice:
+    orphaned `_temp` directories of a killed save are removed; a newer checkpoint that
+    is damaged is set aside as *.damaged and the run resumes from the newest intact one;
+    a `checkpoint` state file that is missing, empty or garbage, or that does not name
+    that checkpoint (a kill between a save and its record), is rebuilt from the files.
+    Checkpoint files of which none reads whole are a CheckpointError: the run never
+    silently starts over. repair=False (a worker that is not the chief) changes nothing
+    on disk.
+    """
+    directory = Path(directory)
+    if repair:
+        remove_orphans(directory)
+    numbers = checkpoint_numbers(directory)
+    if not numbers:
+        return None
+    damaged = []
+    for number in reversed(numbers):
+        prefix = str(directory / f"ckpt-{number}")
+        damage = checkpoint_damage(prefix)
+        if damage is None:
+            break
+        damaged.append((prefix, damage))
+    else:
+        raise CheckpointError(f"no checkpoint in {directory} can be read ({'; '.join(d for _, d in damaged)}): "
+                              "cannot resume; move the run dir away (or use a new hydra.run.dir) to start over")
+    for bad, damage in damaged:
+        announce(f"notice: {damage}: set aside as {Path(bad).name}.*.damaged; resuming from {prefix}")
+        if repair:
+            _set_aside(bad)
+    named, problem = read_state(directory)
+    if named != prefix and repair:
+        if problem is not None:
+            announce(f"notice: the checkpoint state file {directory / 'checkpoint'} is {problem}: rebuilt from "
+                     f"the ckpt-*.index files (newest intact: {prefix})")
+        elif not damaged:
+            announce(f"notice: {prefix} was saved but not yet recorded in {directory / 'checkpoint'} "
+                     f"(named {named}): resuming from it")
+        write_state(directory, number, [n for n in numbers if n <= number])
+    return prefix
+
+
+def check_nothing_committed(run_dir):
+    """Before a run starts from scratch in run_dir (no latest/ checkpoint): CheckpointError if
+    best/ holds a committed checkpoint (its state file names one), which starting over would
+    delete (BestCheckpoint.recover(0)): latest/ was lost, not never written. An uncommitted
+    best/ckpt-1 (a crash before the first commit point; no state file) is the first epoch's
+    to redo, and goes."""
+    best_dir = Path(run_dir) / "checkpoints" / "best"
+    named, _ = read_state(best_dir)
+    if named is not None and checkpoint_numbers(best_dir):
+        raise CheckpointError(f"run dir {run_dir} has a best checkpoint ({named}) but no checkpoint in "
+                              f"{Path(run_dir) / 'checkpoints' / 'latest'} to resume from: not starting over, "
+                              "which would delete it; put checkpoints/latest back, or train into a new hydra.run.dir")
+
+
+def save_or_fail(save, directory, number):
+    """Run `save()` (a checkpoint write of ckpt-`number` into `directory`); a write that fails
+    (a full disk: OSError or TensorFlow's ResourceExhausted/other errors) removes what it
+    left (its _temp directory, a partial ckpt-`number`) and is one CheckpointError naming
+    the directory. The state file is written only after a successful write, so it still
+    names the last good checkpoint."""
+    try:
+        return save()
+    except (OSError, tf.errors.OpError) as exc:
+        remove_orphans(directory)
+        named, _ = read_state(directory)
+        if named != str(Path(directory) / f"ckpt-{number}"):
+            for path in [Path(directory) / f"ckpt-{number}.index", *Path(directory).glob(f"ckpt-{number}.data-*")]:
+                path.unlink(missing_ok=True)
+        raise CheckpointError(f"cannot save checkpoint ckpt-{number} into {directory}: {_reason(exc)} "
+                              "(is the disk full?); the last saved checkpoint there is unchanged") from exc
+
+
 # --------------------------------------------------------------------------- resume rules
 
 # What a resumed run must share with the run it continues: everything that changes the
@@ -183,6 +388,11 @@ RESUME_KEYS = {
               "m_plus", "m_minus", "lambda_", "reconstruction_weight", "ema_decay"),
 }
 RESUME_FREE_MODEL_KEYS = ("routing",)
+# Of RESUME_KEYS, what a resume may change with a notice: lowering the learning rate is
+# how a run that diverged (TrainingDiverged) continues from its last good checkpoint.
+# The optimizer's schedule is rebuilt from the config (the checkpoint holds Adam's
+# moments and step counter, not the rate), so the new rate applies from the next step.
+RESUME_NOTICE_KEYS = ("train.learning_rate",)
 
 
 def _resume_values(cfg):
@@ -209,27 +419,37 @@ def _resume_values(cfg):
 
 
 def _config_differences(saved, current):
-    """'key: old -> new' for every resume-relevant value that differs (a missing key counts)."""
+    """{key: 'key: old -> new'} for every resume-relevant value that differs (a missing key counts)."""
     saved, current = _resume_values(saved), _resume_values(current)
 
     def shown(values, key):
         return repr(values[key]) if key in values else "(absent)"
 
-    return [f"{k}: {shown(saved, k)} -> {shown(current, k)}" for k in sorted(set(saved) | set(current))
-            if k not in saved or k not in current or saved[k] != current[k]]
+    return {k: f"{k}: {shown(saved, k)} -> {shown(current, k)}" for k in sorted(set(saved) | set(current))
+            if k not in saved or k not in current or saved[k] != current[k]}
 
 
 def check_resumable(run_dir, cfg):
     """Resuming run_dir with `cfg` (data.dir resolved) must continue the same run: a changed
     seed, model, data or optimizer value would silently mix two runs. CheckpointError
-    lists what differs."""
+    lists what differs. A changed RESUME_NOTICE_KEYS value (the learning rate) is allowed:
+    returns the 'key: old -> new' lines to announce (the run's config.yaml then records
+    the new value)."""
     if not (run_dir / "config.yaml").is_file():
-        return  # nothing to compare (a run dir from before config.yaml was written)
+        # Not .hydra/config.yaml (read_run_config's fallback): Hydra rewrites it with THIS
+        # command's config before train() runs, so it would always agree. Without the run's
+        # own record a changed seed or learning rate would continue unnoticed.
+        raise CheckpointError(f"run dir {run_dir} has checkpoints but no config.yaml: cannot check that this "
+                              "config continues the same run (seed, model, data, learning rate); put the run's "
+                              "config.yaml back, or train into a new hydra.run.dir")
     saved = read_run_config(run_dir)  # a corrupt config.yaml → CheckpointError
     differences = _config_differences(saved, cfg)
-    if differences:
-        raise CheckpointError(f"run dir {run_dir} was trained with a different config ({'; '.join(differences)}): "
-                              "resume with the run's values (train.epochs may grow) or use a new hydra.run.dir")
+    refused = [line for key, line in differences.items() if key not in RESUME_NOTICE_KEYS]
+    if refused:
+        raise CheckpointError(f"run dir {run_dir} was trained with a different config ({'; '.join(refused)}): "
+                              "resume with the run's values (train.epochs may grow; train.learning_rate may "
+                              "change) or use a new hydra.run.dir")
+    return [line for key, line in differences.items() if key in RESUME_NOTICE_KEYS]
 
 
 # --------------------------------------------------------------------------- the best checkpoint and the history
@@ -252,18 +472,27 @@ class BestCheckpoint:
 
     def numbers(self):
         """Epoch numbers N of the ckpt-N in the directory, ascending."""
-        names = (p.name[len("ckpt-"):-len(".index")] for p in self.directory.glob("ckpt-*.index"))
-        return sorted(int(n) for n in names if n.isdigit())
+        return checkpoint_numbers(self.directory)
 
     def save(self, number):
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.checkpoint.write(str(self.directory / f"ckpt-{number}"))
+        save_or_fail(lambda: self.checkpoint.write(str(self.directory / f"ckpt-{number}")), self.directory, number)
 
     def commit(self, number):
         self._keep_only(number)
 
-    def recover(self, epochs_done):
+    def recover(self, epochs_done, *, announce=print):
+        """Also: orphaned _temp directories removed, and a damaged best checkpoint set aside
+        (*.damaged, with a notice) for the next intact one below it: never deleted."""
+        remove_orphans(self.directory)
         done = [n for n in self.numbers() if n <= epochs_done]
+        while done:
+            damage = checkpoint_damage(str(self.directory / f"ckpt-{done[-1]}"))
+            if damage is None:
+                break
+            announce(f"notice: {damage}: set aside as ckpt-{done[-1]}.*.damaged; the best checkpoint is now "
+                     f"the newest intact one below it, if any (evaluate.py which=latest has the last epoch)")
+            _set_aside(str(self.directory / f"ckpt-{done.pop()}"))
         self._keep_only(done[-1] if done else None)
 
     def _keep_only(self, number):
@@ -272,12 +501,7 @@ class BestCheckpoint:
         if number is None:
             state.unlink(missing_ok=True)
         else:
-            # The CheckpointState text format tf.train.latest_checkpoint reads; relative
-            # paths, so a copied or moved run dir still finds its checkpoint.
-            temporary = self.directory / "checkpoint.tmp"
-            temporary.write_text(f'model_checkpoint_path: "ckpt-{number}"\n'
-                                 f'all_model_checkpoint_paths: "ckpt-{number}"\n')
-            os.replace(temporary, state)
+            write_state(self.directory, number, [number])
         for n in self.numbers():
             if n != number:
                 # The checkpoint's own files only (an evaluation's ckpt-N.eval.json stays).
@@ -285,10 +509,24 @@ class BestCheckpoint:
                     path.unlink(missing_ok=True)
 
 
-def read_history(path, epochs_done):
-    """Per-epoch metrics of the epochs the checkpoint covers (a killed run may have logged more)."""
+def read_history(path, epochs_done, *, rewrite=False):
+    """Per-epoch metrics of the epochs the checkpoint covers (a killed run may have logged more).
+
+    An epoch may have several lines (one per attempt: a run killed after the history line
+    and before the commit point redoes the epoch): the later line wins. rewrite=True (the
+    chief, on every start) writes the file back with one line per epoch done, replacing it
+    whole, so history.jsonl stays one line per epoch however often the run was killed."""
     if not path.is_file():
         return []
+    entries = _history_entries(path, epochs_done)
+    if rewrite:
+        temporary = path.with_name(path.name + ".tmp")
+        temporary.write_text("".join(json.dumps(entry) + "\n" for entry in entries))
+        os.replace(temporary, path)
+    return entries
+
+
+def _history_entries(path, epochs_done):
     by_epoch = {}
     for line in path.read_text().splitlines():
         try:

@@ -8,6 +8,7 @@ one epoch's compiled calls, fetching and timing them.
 
 A run dir holds:
     config.yaml                the resolved config (evaluate.py rebuilds the model from it)
+    train.lock                 held by the training running in it (capsnet.training.run_lock)
     events.out.tfevents.*      TensorBoard: scalars, reconstructions, histograms, HParams
     checkpoints/latest/ckpt-N  the last `train.keep_checkpoints` epochs (N = epochs done)
     checkpoints/best/ckpt-N    the epoch with the highest test accuracy (of the epochs done)
@@ -34,14 +35,17 @@ import tensorflow as tf
 
 from capsnet import config
 from capsnet.data import augmentation_options, example_shape, is_overlay, load_split, make_split_dataset
+from capsnet.errors import Interrupted, TrainingDiverged
 from capsnet.losses import loss_params
 from capsnet.scoring import json_safe
-from capsnet.training.checkpoints import (BestCheckpoint, check_resumable, checkpoint_weights, read_history,
-                                         resume_from, write_run_config)
+from capsnet.training.checkpoints import (BestCheckpoint, check_nothing_committed, check_resumable, checkpoint_numbers,
+                                         checkpoint_weights, read_history, recover_latest, resume_from, save_or_fail,
+                                         write_run_config)
 from capsnet.training.distribute import (check_global_batch, check_tf_config, check_workers_agree, input_iterator,
                                          is_chief, make_strategy)
 from capsnet.training.model_setup import build_capsnet, check_labels, check_op_library
 from capsnet.training.optimizer import build_optimizer, checkpoint_nodes, loss_scale, scaled_learning_rate, steps_done
+from capsnet.training.run_lock import RunLock
 from capsnet.training.steps import (evaluate_model, execution_lengths, make_eval_step, make_train_loop,
                                     make_train_step, set_autoclustering, set_determinism)
 from capsnet.training.summaries import (MetricWindow, write_epoch_summaries, write_hparams,
@@ -52,7 +56,37 @@ log = logging.getLogger(__name__)
 
 
 def train(cfg):
-    """Train (or resume) the run in cfg["run_dir"]; returns the final metrics (also metrics.json)."""
+    """Train (or resume) the run in cfg["run_dir"]; returns the final metrics (also metrics.json).
+
+    The run dir is locked for the run's life (capsnet.training.run_lock: one training per
+    run dir), released however train() ends."""
+    progress = {"locks": [], "epoch": None, "done": None}
+    try:
+        return _train(cfg, progress)
+    except KeyboardInterrupt as interrupt:
+        if isinstance(interrupt, Interrupted):
+            raise
+        raise Interrupted(interrupted(progress)) from None
+    finally:
+        for lock in progress["locks"]:
+            lock.release()
+
+
+def interrupted(progress):
+    """The line for Ctrl-C: where the run stopped (`progress`, kept by _train) and how to go on."""
+    if progress["done"] is None:
+        return "interrupted before training started; rerun the same command to start (or resume) the run"
+    if progress["epoch"] is None:
+        return (f"interrupted after epoch {progress['done']}; rerun the same command to resume "
+                f"(from epoch {progress['done'] + 1})")
+    return (f"interrupted in epoch {progress['epoch']} (its progress is lost: an epoch counts once checkpointed); "
+            f"rerun the same command to resume from epoch {progress['done'] + 1}")
+
+
+def _train(cfg, progress):
+    """train()'s body; puts the run dir's RunLock in progress["locks"] once it takes it, and
+    keeps progress["done"] (epochs checkpointed) and progress["epoch"] (the one running)."""
+    locks = progress["locks"]
     # ---- config and setup
     # Every value checked up front, before TensorFlow touches a device or the data is read
     # (train.py has checked it already: idempotent); a bad one is a ConfigError naming it.
@@ -65,8 +99,10 @@ def train(cfg):
         # Absolute, so evaluate.py finds the data from any working directory.
         data_cfg["dir"] = str(Path(data_cfg["dir"]).expanduser().resolve())
     latest_dir = run_dir / "checkpoints" / "latest"
-    if tf.train.latest_checkpoint(str(latest_dir)):
-        check_resumable(run_dir, {**cfg, "data": data_cfg})  # before the data is read
+    # By the files, not the state file (which may be lost): recover_latest deals with both below.
+    if checkpoint_numbers(latest_dir):
+        for change in check_resumable(run_dir, {**cfg, "data": data_cfg}):  # before the data is read
+            print(f"notice: resuming {run_dir} with {change} (from the next step on)", flush=True)
     # Before anything touches a device: on a CPU-only machine autoclustering needs a
     # TF_XLA_FLAGS flag that TensorFlow reads once, when it sets up its devices.
     set_autoclustering(tcfg["xla"] == "autocluster")
@@ -79,6 +115,10 @@ def train(cfg):
         return strategy.scope() if strategy is not None else contextlib.nullcontext()
 
     chief = is_chief(strategy)
+    if chief and run_dir.is_dir():
+        # A run dir that exists (Hydra's, a resumed run's) is locked at once: a second training
+        # fails before it reads the data. A new one is made and locked before its first write.
+        locks.append(RunLock.acquire(run_dir))
     if strategy is not None:
         check_global_batch(batch_size, strategy)
         log.info("distribute=%s: %d replicas, global batch %d = %d per replica; this process: %s%s",
@@ -139,11 +179,17 @@ def train(cfg):
     # saving may read variables through collectives that every worker must join.
     scratch = None if chief else tempfile.TemporaryDirectory(prefix="capsnet-worker-")
     checkpoints_dir = run_dir / "checkpoints" if chief else Path(scratch.name) / "checkpoints"
+    # The chief's newest intact checkpoint, on every worker; the chief first repairs what a
+    # crash or a damaged disk left (recover_latest: before the manager reads the state file).
+    if chief and not locks:
+        locks.append(RunLock.acquire(run_dir))
+    resumed_from = recover_latest(latest_dir, repair=chief)
+    if resumed_from is None and chief:
+        check_nothing_committed(run_dir)
     latest = tf.train.CheckpointManager(checkpoint, str(checkpoints_dir / "latest"),
                                         max_to_keep=tcfg["keep_checkpoints"])
     best = BestCheckpoint(checkpoint, checkpoints_dir / "best")
     history_path = run_dir / "history.jsonl"
-    resumed_from = tf.train.latest_checkpoint(str(latest_dir))  # the chief's, on every worker
     if resumed_from:
         resume_from(checkpoint, resumed_from, required=required_nodes)
         log.info("resumed from %s: %d of %d epochs done, step %d", resumed_from, int(epoch),
@@ -151,7 +197,7 @@ def train(cfg):
     if dcfg["strategy"] == "multi_worker":
         check_workers_agree(strategy, int(epoch), steps_done(optimizer))
     best.recover(int(epoch))  # drops a best checkpoint of an epoch that is to be redone
-    history = read_history(history_path, int(epoch))
+    history = read_history(history_path, int(epoch), rewrite=chief)
     if chief:
         write_run_config(run_dir, {**cfg, "run_dir": str(run_dir), "data": data_cfg})
 
@@ -174,7 +220,10 @@ def train(cfg):
         with summaries_step, the chief also writes the epoch's test summaries."""
         raw_test = evaluate_model(eval_step, test_ds, model.num_classes) if average is not None else None
         with average.in_model() if average is not None else contextlib.nullcontext():
-            test = evaluate_model(eval_step, test_ds, model.num_classes)
+            test = evaluate_model(eval_step, test_ds, model.num_classes, keep_lengths=True)
+            # The longest capsule over the test set (collapse_reason), not the (N, classes) lengths.
+            test["max_length"] = float(test.pop("lengths").max())
+            test.pop("labels")
             if chief and summaries_step is not None:
                 write_epoch_summaries(writer, model, test, show_images, tcfg, summaries_step, raw_test)
         return test, raw_test
@@ -182,27 +231,44 @@ def train(cfg):
     # ---- the loop
     test = None
     global_step = steps_done(optimizer)  # counted on the host: reading the variable would wait for the device
+    progress["done"] = int(epoch)
     for epoch_index in range(int(epoch), tcfg["epochs"]):
+        progress["epoch"] = epoch_index + 1
         print(f"epoch {epoch_index + 1}/{tcfg['epochs']}", flush=True)
         train_ds = make_split_dataset(data_cfg["name"], train_images, train_labels, batch_size=batch_size,
                                       training=True, seed=seed, epoch=epoch_index, **augmentation)
         # On the training devices ahead of the steps (under a strategy: the same global
         # batches, split over the replicas).
         iterator = input_iterator(train_ds, strategy)
-        train_means, global_step = train_epoch(
-            train_steps, iterator, global_step=global_step, num_examples=len(train_labels), batch_size=batch_size,
-            steps_per_execution=tcfg["steps_per_execution"], log_every_steps=tcfg["log_every_steps"],
-            writer=writer, schedule=schedule, progress_bar=tcfg["progress_bar"], loss_scale=loss_scale(optimizer))
+        try:
+            train_means, global_step = train_epoch(
+                train_steps, iterator, global_step=global_step, num_examples=len(train_labels),
+                batch_size=batch_size, steps_per_execution=tcfg["steps_per_execution"],
+                log_every_steps=tcfg["log_every_steps"], writer=writer, schedule=schedule,
+                progress_bar=tcfg["progress_bar"], loss_scale=loss_scale(optimizer))
+        except NonFiniteStep as stop:
+            # Nothing of this epoch is saved (the weights in memory are diverged): the
+            # checkpoints, best/ and history.jsonl keep what the last good epoch left.
+            writer.close()
+            raise diverged(stop, epoch_index + 1, latest.latest_checkpoint, tcfg, learning_rate) from None
 
         # Test pass, images and histograms; then the epoch's records, the checkpoint LAST.
         # On every worker (the same weights and data): each decides is_best and saves as the chief does.
         # With a weight average, the test is the average's, and the trained weights' is logged beside it.
         test, raw_test = test_pass(summaries_step=global_step)
+        collapse = collapse_reason(test, epoch_index + 1, model.num_classes)
+        if chief:
+            with writer.as_default(step=global_step):
+                tf.summary.scalar("test/max_capsule_length", test["max_length"])
+                tf.summary.scalar("test/collapsed", float(collapse is not None))
+                if collapse is not None:
+                    tf.summary.text("test/collapse", f"epoch {epoch_index + 1}: {collapse}")
         epoch.assign(epoch_index + 1)
         is_best = test["accuracy"] > float(best_accuracy)
         if is_best:
             best_accuracy.assign(test["accuracy"])
-        entry = history_entry(epoch_index + 1, global_step, float(schedule(global_step)), train_means, test, raw_test)
+        entry = history_entry(epoch_index + 1, global_step, float(schedule(global_step)), train_means, test, raw_test,
+                              collapse)
         history.append(entry)
         if chief:
             with history_path.open("a") as f:
@@ -210,13 +276,16 @@ def train(cfg):
         if is_best:
             best.save(epoch_index + 1)
         # The commit point: until this checkpoint exists, a restart redoes the epoch.
-        latest.save(checkpoint_number=epoch_index + 1)
+        save_or_fail(lambda: latest.save(checkpoint_number=epoch_index + 1), checkpoints_dir / "latest",
+                     epoch_index + 1)
+        progress["done"] = epoch_index + 1
         if is_best:
             best.commit(epoch_index + 1)
         raw = f" (trained weights: {raw_test['accuracy']:.4f})" if raw_test is not None else ""
+        progress["epoch"] = None
         print(f"epoch {epoch_index + 1}: train loss {train_means['loss']:.4f} acc {train_means['accuracy']:.4f}"
               f" | test loss {test['loss']:.4f} acc {test['accuracy']:.4f}{raw}"
-              f"{' (best)' if is_best else ''}", flush=True)
+              f"{' (best)' if is_best else ''}{f' [COLLAPSED: {collapse}]' if collapse else ''}", flush=True)
 
     # ---- final metrics
     if test is None:
@@ -277,7 +346,7 @@ def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size,
         # a strategy, a replica's batch holds only its slice of it).
         sizes = [min(batch_size, num_examples - (step_in_epoch + i) * batch_size) for i in range(length)]
         batch_sizes = tf.constant(sizes + [0] * (steps_per_execution - length), tf.int32)  # (steps_per_execution,)
-        pending.append((train_steps(iterator, batch_sizes), sizes))
+        pending.append((train_steps(iterator, batch_sizes), sizes, global_step))
         first = step_in_epoch == 0
         step_in_epoch += length
         global_step += length
@@ -290,7 +359,7 @@ def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size,
         # refills the shuffle buffer: left out of images/s and step time), at log steps,
         # at the epoch's end and about once a second; not every call, which would make
         # the device idle while the host dispatches the next one.
-        fetched = _fetch(pending)
+        fetched = _fetch(pending)  # NonFiniteStep at the first non-finite step (the guard)
         now = time.perf_counter()
         for window in (epoch_window, log_window):
             for values, size in fetched:
@@ -312,21 +381,84 @@ def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size,
     return epoch_window.means(), global_step
 
 
+class NonFiniteStep(Exception):
+    """The non-finite guard stopped training: `step` (the global step number, 1-based)
+    had a loss or gradient norm that is not finite; `values` are its step values."""
+
+    def __init__(self, step, values):
+        super().__init__(f"step {step}: {values}")
+        self.step, self.values = step, values
+
+    def describe(self):
+        """'the loss is nan' or 'the gradient norm is inf (loss 0.31)'."""
+        loss, norm = self.values.get("loss", math.nan), self.values.get("grad_norm", math.nan)
+        if not math.isfinite(loss):
+            return f"the loss is {loss}" + (f" (gradient norm {norm:g})" if "grad_norm" in self.values else "")
+        return f"the gradient norm is {norm} (loss {loss:g})"
+
+
 def _fetch(pending):
     """[(one step's values, its batch size)] of the train_steps calls in `pending`, in
-    order: [(outputs, batch sizes)], each output a dict of (K,) tensors for K steps."""
+    order: [(outputs, batch sizes, global step before the call)], each output a dict of
+    (K,) tensors for the K steps the call ran.
+
+    A call that ran fewer steps than it was given, or whose last step is not finite,
+    was stopped by make_train_loop's non-finite guard: NonFiniteStep names that step
+    (the calls queued after it ran on diverged weights: they are not looked at)."""
     fetched = []
-    for out, sizes in pending:
+    for out, sizes, start in pending:
         values = {k: v.numpy() for k, v in out.items()}  # (K,) each: one copy per tensor
-        fetched += [({k: float(v[i]) for k, v in values.items()}, size) for i, size in enumerate(sizes)]
+        ran = len(values["loss"])
+        fetched += [({k: float(v[i]) for k, v in values.items()}, size) for i, size in enumerate(sizes[:ran])]
+        if ran < len(sizes) or (ran and not all(math.isfinite(fetched[-1][0].get(k, 0.0))
+                                                for k in ("loss", "grad_norm"))):
+            raise NonFiniteStep(start + ran, fetched[-1][0] if ran else {})
     return fetched
 
 
-def history_entry(epoch, global_step, learning_rate, train_means, test, raw_test=None):
+def diverged(stop, epoch_number, last_good, tcfg, learning_rate):
+    """The one-line TrainingDiverged for a NonFiniteStep in epoch `epoch_number`."""
+    where = (f"the last good checkpoint is {last_good} (epoch {epoch_number - 1}, untouched); "
+             if last_good else "no checkpoint was saved yet; ")
+    lower = (f"try a lower train.learning_rate (now {tcfg['learning_rate']:g}"
+             + (f", {learning_rate:g} as scaled" if learning_rate != tcfg["learning_rate"] else "")
+             + ("; rerunning with a lower one resumes from that checkpoint)" if last_good else ")"))
+    if tcfg.get("precision", "float32") != "float32":
+        lower += f" or train.precision=float32 (now {tcfg['precision']})"
+    return TrainingDiverged(f"training diverged at epoch {epoch_number}, step {stop.step}: {stop.describe()}; "
+                            f"{where}{lower}")
+
+
+# A collapsed epoch (collapse_reason): every test capsule shorter than this (no class is
+# ever "present": the margin loss's m_minus side has won), or, after the first epochs,
+# a test accuracy within this factor of chance (1 / num_classes).
+COLLAPSE_MAX_LENGTH = 0.05
+COLLAPSE_CHANCE_FACTOR = 1.5
+COLLAPSE_AFTER_EPOCHS = 2
+
+
+def collapse_reason(test, epoch_number, num_classes):
+    """Why the epoch's test results look collapsed, in words, or None.
+
+    A run can go wrong without a NaN: every capsule length shrinks to ~0, or the
+    predictions stop depending on the input, and the loss curve alone can look calm.
+    The accuracy test waits COLLAPSE_AFTER_EPOCHS epochs: a run may start at chance."""
+    if test.get("max_length") is not None and test["max_length"] < COLLAPSE_MAX_LENGTH:
+        return f"every test capsule length is below {COLLAPSE_MAX_LENGTH} (longest {test['max_length']:.4f})"
+    chance = 1.0 / num_classes
+    if epoch_number > COLLAPSE_AFTER_EPOCHS and test["accuracy"] <= COLLAPSE_CHANCE_FACTOR * chance:
+        return f"test accuracy {test['accuracy']:.4f} is at chance ({chance:.4f} for {num_classes} classes)"
+    return None
+
+
+def history_entry(epoch, global_step, learning_rate, train_means, test, raw_test=None, collapse=None):
     """The epoch's line of history.jsonl: train_* means, test_* results (and the trained
-    weights' test_raw_* beside a weight average's test)."""
+    weights' test_raw_* beside a weight average's test), and whether it looked collapsed
+    (collapse_reason: `collapsed`, and the reason as `collapse`)."""
     return {"epoch": epoch, "global_step": global_step, "learning_rate": learning_rate,
             **{f"train_{k}": v for k, v in train_means.items()},
             **{f"test_{k}": test[k] for k in ("loss", "margin_loss", "reconstruction_loss", "accuracy",
                                               "images_per_sec")},
+            "test_max_length": test.get("max_length"), "collapsed": collapse is not None,
+            **({"collapse": collapse} if collapse is not None else {}),
             **({f"test_raw_{k}": raw_test[k] for k in ("loss", "accuracy")} if raw_test is not None else {})}

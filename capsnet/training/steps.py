@@ -22,6 +22,7 @@ from capsnet import config
 from capsnet.errors import ConfigError, DataError
 from capsnet.losses import capsnet_losses
 from capsnet.scoring import correct_predictions, label_order, predict, score
+from capsnet.training.optimizer import loss_scale
 
 
 def set_autoclustering(enabled):
@@ -53,10 +54,14 @@ def set_determinism(enabled):
 
 def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strategy=None, two_digits=False,
                     weight_average=None):
-    """The compiled training step: (images, labels) → {loss, margin_loss, reconstruction_loss, accuracy}.
+    """The compiled training step: (images, labels) → {loss, margin_loss, reconstruction_loss, accuracy,
+    grad_norm} (STEP_VALUES).
 
     One Adam step on the mean total loss of the batch; the returned values are batch
-    means (tensors still on the device: reading one waits for the step).
+    means (tensors still on the device: reading one waits for the step), and grad_norm
+    the global norm of the step's gradients: make_train_loop stops at the first step
+    whose loss or grad_norm is not finite (the non-finite guard), so a step kind that
+    skips bad updates itself (a loss-scaling optimizer) should still report them here.
 
     Args:
         model: a CapsNet (its routing mode decides whether jit is allowed: config.check_xla).
@@ -107,6 +112,7 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strate
             # gradients back), else × 1.
             scaled_loss = optimizer.scale_loss(loss)
         grads = tape.gradient(scaled_loss, model.trainable_variables)
+        grad_norm = gradient_norm(grads, optimizer)  # before apply: that may change the scale
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         if weight_average is not None:
             weight_average.update()
@@ -116,13 +122,32 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strate
             "margin_loss": tf.reduce_mean(margin),
             "reconstruction_loss": tf.reduce_mean(reconstruction),
             "accuracy": tf.reduce_mean(correct_predictions(predictions, labels)),
+            "grad_norm": grad_norm,  # the non-finite guard's (make_train_loop)
         }
 
     return train_step
 
 
+def gradient_norm(grads, optimizer):
+    """The global norm of the loss's gradients, what the non-finite guard checks.
+
+    mixed_float16 (a LossScaleOptimizer): `grads` are the scaled loss's; their norm is
+    divided by the scale. A step whose scaled gradients overflowed is not a divergence:
+    the optimizer skips it and halves the scale (capsnet.training.optimizer), so its norm
+    counts as 0; a non-finite loss still stops the run.
+    """
+    norm = tf.linalg.global_norm(grads)
+    scale = loss_scale(optimizer)
+    if scale is None:
+        return norm
+    return tf.where(tf.math.is_finite(norm), norm / tf.cast(scale, norm.dtype), tf.zeros_like(norm))
+
+
 # The sums each replica returns, in this order (stacked, so one all-reduce carries them).
 _STEP_SUMS = ("loss", "margin_loss", "reconstruction_loss", "accuracy")
+# What every train step returns (both kinds), per step: the batch means of _STEP_SUMS and
+# grad_norm, which with the loss is what the non-finite guard checks (make_train_loop).
+STEP_VALUES = (*_STEP_SUMS, "grad_norm")
 
 
 def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, weight_average=None):
@@ -149,7 +174,7 @@ def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, wei
         grads = tape.gradient(scaled_loss, model.trainable_variables)
         correct = tf.reduce_sum(correct_predictions(predict(outputs["lengths"], labels), labels))
         sums = tf.stack([tf.reduce_sum(total), tf.reduce_sum(margin), tf.reduce_sum(reconstruction), correct])  # (4,)
-        return grads, sums
+        return grads, sums, gradient_norm(grads, optimizer)
 
     if xla == "jit":
         # A whole-step jit_compile cannot work here: the optimizer's gradient all-reduce is a
@@ -160,19 +185,22 @@ def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, wei
         forward_backward = tf.function(forward_backward, jit_compile=True)
 
     def replica_step(images, labels, global_batch_size):
-        grads, sums = forward_backward(images, labels, global_batch_size)
+        grads, sums, grad_norm = forward_backward(images, labels, global_batch_size)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         if weight_average is not None:
             weight_average.update()
-        return sums
+        return sums, grad_norm
 
     # reduce_retracing: a short last batch changes the per-replica shapes; the second
     # trace generalises the batch dimension, so there is no third.
     @tf.function(reduce_retracing=True)
     def distributed_step(images, labels, global_batch_size):
-        sums = strategy.run(replica_step, args=(images, labels, global_batch_size))
+        sums, grad_norms = strategy.run(replica_step, args=(images, labels, global_batch_size))
         means = strategy.reduce(tf.distribute.ReduceOp.SUM, sums, axis=None) / tf.cast(global_batch_size, tf.float32)
-        return dict(zip(_STEP_SUMS, tf.unstack(means)))
+        # The sum of the replicas' norms of their own gradients (before the all-reduce): an
+        # upper bound of the global norm that is not finite iff one replica's gradients are not.
+        grad_norm = strategy.reduce(tf.distribute.ReduceOp.SUM, grad_norms, axis=None)
+        return {**dict(zip(_STEP_SUMS, tf.unstack(means))), "grad_norm": grad_norm}
 
     def train_step(images, labels, global_batch_size):
         # A tensor, not a Python int: an int would trace the step once per distinct value.
@@ -197,17 +225,27 @@ def make_train_loop(train_step, *, strategy=None):
     paper model's step at batch 128 (docs/benchmarks.md). In a loop inside one call the
     next step's ops are dispatched as soon as their inputs are ready. The steps are the
     same steps: per-step values equal those of K single calls.
+
+    The non-finite guard: the loop stops after the first step whose loss or grad_norm is
+    not finite, so the call returns fewer than K values (that step's last); the host
+    sees it when it next fetches the values (loop.train_epoch: `first_non_finite`).
+    Checked here, on the device, it costs no host round trip per step, and nothing runs
+    on the diverged weights after it.
     """
-    names = _STEP_SUMS  # the keys of both step kinds' outputs
+    names = STEP_VALUES  # the keys of both step kinds' outputs
 
     @tf.function
     def train_steps(iterator, batch_sizes):
         count = tf.math.count_nonzero(batch_sizes, dtype=tf.int32)
-        values = {name: tf.TensorArray(tf.float32, size=count) for name in names}
+        # dynamic_size: stack() returns the values of the steps that ran (fewer at a stop).
+        values = {name: tf.TensorArray(tf.float32, size=0, dynamic_size=True) for name in names}
         for i in tf.range(count):
             batch = next(iterator)  # (images, labels) or (images, labels, digits)
             out = train_step(*batch) if strategy is None else train_step(*batch, batch_sizes[i])
-            values = {name: values[name].write(i, out[name]) for name in names}
+            values = {name: values[name].write(i, tf.cast(out[name], tf.float32)) for name in names}
+            if not (tf.math.is_finite(tf.cast(out["loss"], tf.float32))
+                    and tf.math.is_finite(tf.cast(out["grad_norm"], tf.float32))):
+                break
         return {name: values[name].stack() for name in names}
 
     return train_steps

@@ -1,0 +1,497 @@
+"""A run that goes wrong says so at once and loses nothing (issue #19): the non-finite
+guard, damaged checkpoints and checkpoint state, one training per run dir, and the
+smaller checks. Tiny synthetic data (conftest), train() in-process or the CLI as a
+subprocess; files corrupted with real bytes."""
+import fcntl
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from capsnet.errors import CheckpointError, ConfigError, DataError, TrainingDiverged
+from capsnet.training import train
+from capsnet.training import steps as steps_module
+from capsnet.training.steps import STEP_VALUES, make_train_loop
+from conftest import REPO, entry_point_env, run_entry_point, tiny_overrides
+
+STEPS_PER_EPOCH = 20  # 320 tiny training images / batch 16
+
+
+def tree_bytes(directory):
+    """{relative path: bytes} of every file under directory (what 'untouched' compares)."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+# --------------------------------------------------------------------------- 1. the non-finite guard
+
+def test_train_loop_stops_at_the_first_non_finite_step_on_the_device():
+    """make_train_loop runs no step after the first whose loss or grad_norm is not finite:
+    the call returns the values up to and including that step."""
+    calls = tf.Variable(0)
+
+    @tf.function
+    def fake_step(images, labels):
+        calls.assign_add(1)
+        n = tf.cast(calls, tf.float32)
+        bad_loss = tf.where(tf.equal(calls, 3), np.nan, n)
+        bad_norm = tf.where(tf.equal(calls, 6), np.inf, 1.0)
+        return {"loss": bad_loss, "margin_loss": n, "reconstruction_loss": n, "accuracy": n, "grad_norm": bad_norm}
+
+    dataset = tf.data.Dataset.from_tensors((tf.zeros([2, 4]), tf.zeros([2], tf.int32))).repeat()
+    loop = make_train_loop(fake_step)
+    iterator = iter(dataset)
+    out = loop(iterator, tf.constant([2] * 5, tf.int32))
+    assert set(out) == set(STEP_VALUES)
+    np.testing.assert_array_equal(out["margin_loss"].numpy(), [1, 2, 3])  # stopped after step 3: NaN loss
+    assert int(calls.numpy()) == 3
+    out = loop(iterator, tf.constant([2] * 5, tf.int32))
+    np.testing.assert_array_equal(out["margin_loss"].numpy(), [4, 5, 6])  # step 6: an infinite gradient norm
+    out = loop(iterator, tf.constant([2, 2, 0, 0, 0], tf.int32))
+    np.testing.assert_array_equal(out["loss"].numpy(), [7, 8])  # finite: all the steps asked for
+
+
+@pytest.fixture
+def nan_after(monkeypatch):
+    """nan_after(k): the loss of every capsnet_losses call after the k-th is NaN (train and
+    test steps both count: a tf.Variable counter inside the traced steps)."""
+    real = steps_module.capsnet_losses
+
+    def make(k):
+        calls = tf.Variable(0)
+
+        def poisoned(*args, **kwargs):
+            total, margin, reconstruction = real(*args, **kwargs)
+            calls.assign_add(1)
+            return tf.where(calls > k, np.nan, total), margin, reconstruction
+
+        monkeypatch.setattr(steps_module, "capsnet_losses", poisoned)
+
+    return make
+
+
+def test_a_non_finite_loss_stops_training_at_its_step_and_leaves_the_checkpoints(tiny_config, tmp_path, nan_after,
+                                                                                   capsys):
+    run_dir = tmp_path / "run"
+    train(tiny_config("train.epochs=2", "train.steps_per_execution=8"))
+    before = tree_bytes(run_dir / "checkpoints")
+    history = (run_dir / "history.jsonl").read_text()
+    # Resumed: epoch 3's steps are capsnet_losses calls 1..; its 5th (global step 45) is the first NaN.
+    nan_after(4)
+    with pytest.raises(TrainingDiverged) as err:
+        train(tiny_config("train.epochs=4", "train.steps_per_execution=8"))
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"training diverged at epoch 3, step {2 * STEPS_PER_EPOCH + 5}: the loss is nan")
+    assert f"the last good checkpoint is {run_dir}/checkpoints/latest/ckpt-2 (epoch 2, untouched)" in message
+    assert "train.learning_rate (now 0.01" in message
+    assert tree_bytes(run_dir / "checkpoints") == before  # no checkpoint written, best/ and latest/ as they were
+    assert (run_dir / "history.jsonl").read_text() == history
+
+
+def test_a_diverging_learning_rate_stops_the_cli_with_one_line_and_a_lower_one_resumes(tiny_idx_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = tiny_overrides(tiny_idx_dir, run_dir, "train.epochs=1")
+    assert run_entry_point("train.py", *overrides, cwd=tmp_path).returncode == 0
+    before = tree_bytes(run_dir / "checkpoints")
+    result = run_entry_point("train.py", *overrides, "train.epochs=2", "train.learning_rate=1e8", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr
+    assert errors[0].startswith("error: training diverged at epoch 2, step 2")
+    assert "checkpoints/latest/ckpt-1 (epoch 1, untouched)" in errors[0]
+    assert "train.learning_rate (now 1e+08" in errors[0]
+    assert tree_bytes(run_dir / "checkpoints") == before
+    # The documented way on: the same command with a lower learning rate resumes from ckpt-1, with a notice.
+    result = run_entry_point("train.py", *overrides, "train.epochs=2", "train.learning_rate=0.005", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "train.learning_rate: 100000000.0 -> 0.005" in result.stdout
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["resumed_from"].endswith("latest/ckpt-1") and metrics["epochs"] == 2
+    assert [h["epoch"] for h in metrics["history"]] == [1, 2]
+    assert all(np.isfinite(h["train_loss"]) for h in metrics["history"])
+
+
+# --------------------------------------------------------------------------- 2, 3. damaged checkpoints, the state file
+
+def damage(prefix, kind):
+    """Damage the checkpoint at `prefix` with real bytes, as a disk or a killed copy would."""
+    index, data = Path(f"{prefix}.index"), Path(f"{prefix}.data-00000-of-00001")
+    rng = np.random.default_rng(0)
+    if kind == "truncated data":
+        with data.open("r+b") as f:
+            f.truncate(data.stat().st_size // 2)
+    elif kind == "zero-byte data":
+        data.write_bytes(b"")
+    elif kind == "random bytes in data":
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 3:len(raw) // 3 + 64] = rng.bytes(64)
+        data.write_bytes(bytes(raw))
+    elif kind == "zero-byte index":
+        index.write_bytes(b"")
+    elif kind == "random-byte index":
+        index.write_bytes(rng.bytes(index.stat().st_size))
+    return data if "data" in kind else index
+
+
+def copied_run(trained_run, tmp_path, name="run"):
+    run_dir = tmp_path / name
+    shutil.copytree(trained_run[0], run_dir)
+    return run_dir
+
+
+@pytest.mark.parametrize("kind", ["truncated data", "zero-byte index", "random-byte index", "random bytes in data"])
+def test_resume_sets_a_damaged_checkpoint_aside_and_resumes_from_the_newest_intact_one(trained_run, tiny_config,
+                                                                                      tmp_path, capsys, kind):
+    run_dir = copied_run(trained_run, tmp_path)
+    latest = run_dir / "checkpoints" / "latest"
+    damaged = damage(latest / "ckpt-4", kind)
+    metrics = train(tiny_config("train.epochs=5", run_dir=run_dir))
+    out = capsys.readouterr().out
+    notices = [line for line in out.splitlines() if line.startswith("notice:")]
+    assert len(notices) == 1 and f"checkpoint file {damaged} is damaged" in notices[0], out
+    assert notices[0].endswith(f"set aside as ckpt-4.*.damaged; resuming from {latest / 'ckpt-3'}")
+    assert metrics["resumed_from"] == str(latest / "ckpt-3")
+    assert metrics["epochs"] == 5 and [h["epoch"] for h in metrics["history"]] == [1, 2, 3, 4, 5]
+    assert damaged.with_name(damaged.name + ".damaged").is_file()  # kept, not deleted
+    assert tf.train.latest_checkpoint(str(latest)) == str(latest / "ckpt-5")
+
+
+def test_resume_with_every_checkpoint_damaged_refuses_and_starts_nothing_over(trained_run, tiny_config, tmp_path):
+    run_dir = copied_run(trained_run, tmp_path)
+    latest = run_dir / "checkpoints" / "latest"
+    for prefix in sorted(latest.glob("ckpt-*.index")):
+        damage(str(prefix)[:-len(".index")], "zero-byte index")
+    before = tree_bytes(run_dir)
+    with pytest.raises(CheckpointError, match=f"no checkpoint in {latest} can be read .*cannot resume") as err:
+        train(tiny_config("train.epochs=5", run_dir=run_dir))
+    assert "\n" not in str(err.value)
+    assert tree_bytes(run_dir) == before
+
+
+@pytest.mark.parametrize("state", ["missing", "zero-byte", "garbage", "random bytes"])
+def test_a_lost_checkpoint_state_file_is_rebuilt_from_the_files(trained_run, tiny_config, tmp_path, capsys, state):
+    run_dir = copied_run(trained_run, tmp_path)
+    latest = run_dir / "checkpoints" / "latest"
+    best_before = tree_bytes(run_dir / "checkpoints" / "best")
+    state_file = latest / "checkpoint"
+    if state == "missing":
+        state_file.unlink()
+    else:
+        state_file.write_bytes({"zero-byte": b"", "garbage": b"model_checkpoint_path: {{{ not a state",
+                                "random bytes": np.random.default_rng(1).bytes(200)}[state])
+    (latest / "ckpt-5_temp").mkdir()  # orphans of a save that was killed
+    (latest / "ckpt-5_temp" / "part-00000-of-00001.index").write_bytes(b"half")
+    (latest / "ckpt-5.index.tempstate123456").write_bytes(b"half")
+    metrics = train(tiny_config(run_dir=run_dir))  # all 4 epochs done: nothing to train
+    out = capsys.readouterr().out
+    assert metrics["resumed_from"] == str(latest / "ckpt-4") and metrics["epochs"] == 4
+    assert f"notice: the checkpoint state file {state_file} is" in out
+    assert "rebuilt from the ckpt-*.index files" in out
+    assert tf.train.latest_checkpoint(str(latest)) == str(latest / "ckpt-4")
+    assert not (latest / "ckpt-5_temp").exists() and not list(latest.glob("*.tempstate*"))
+    assert tree_bytes(run_dir / "checkpoints" / "best") == best_before  # best/ kept as it was
+
+
+def test_a_checkpoint_saved_but_not_recorded_is_resumed_from(trained_run, tiny_config, tmp_path, capsys):
+    """A kill between the checkpoint's write and the state file's update: the checkpoint is
+    whole (read back), so the epoch counts."""
+    run_dir = copied_run(trained_run, tmp_path)
+    latest = run_dir / "checkpoints" / "latest"
+    (latest / "checkpoint").write_text('model_checkpoint_path: "ckpt-3"\nall_model_checkpoint_paths: "ckpt-3"\n')
+    metrics = train(tiny_config(run_dir=run_dir))
+    assert metrics["resumed_from"] == str(latest / "ckpt-4")
+    assert "was saved but not yet recorded" in capsys.readouterr().out
+
+
+def test_a_full_disk_during_a_save_is_one_line_naming_the_directory(tiny_config, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    train(tiny_config("train.epochs=1"))
+    before = tree_bytes(run_dir / "checkpoints")
+    real_write = tf.train.Checkpoint._write
+
+    def no_space(self, file_prefix, *args, **kwargs):
+        Path(f"{file_prefix}_temp").mkdir()  # what a real save has made when the disk fills up
+        Path(f"{file_prefix}.index").write_bytes(b"partial")
+        raise tf.errors.ResourceExhaustedError(None, None, f"{file_prefix}_temp/part-00000: No space left on device")
+
+    monkeypatch.setattr(tf.train.Checkpoint, "_write", no_space)
+    with pytest.raises(CheckpointError) as err:
+        train(tiny_config("train.epochs=2"))
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"cannot save checkpoint ckpt-2 into {run_dir / 'checkpoints'}/")
+    assert "No space left on device" in message and "is the disk full?" in message
+    assert tree_bytes(run_dir / "checkpoints") == before  # cleaned up after itself; best/ and latest/ as they were
+    monkeypatch.setattr(tf.train.Checkpoint, "_write", real_write)
+    assert train(tiny_config("train.epochs=2"))["epochs"] == 2
+
+
+@pytest.mark.parametrize("kind", ["truncated data", "zero-byte data", "random-byte index"])
+def test_evaluate_a_damaged_checkpoint_names_the_file_and_the_intact_ones(trained_run, tmp_path, kind):
+    from capsnet.evaluation import evaluate
+
+    run_dir = copied_run(trained_run, tmp_path)
+    best = Path(tf.train.latest_checkpoint(str(run_dir / "checkpoints" / "best")))
+    damaged = damage(best, kind)
+    with pytest.raises(CheckpointError) as err:
+        evaluate(str(run_dir), data_dir=None)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"checkpoint file {damaged} is damaged")
+    assert f"intact checkpoints of {run_dir}: checkpoints/latest/ckpt-4, checkpoints/latest/ckpt-3" in message
+    assert "config.yaml match" not in message  # not the hint for a checkpoint of another model
+
+
+def test_evaluate_cli_on_a_damaged_checkpoint_prints_one_line(trained_run, tmp_path):
+    run_dir = copied_run(trained_run, tmp_path)
+    damage(tf.train.latest_checkpoint(str(run_dir / "checkpoints" / "best")), "truncated data")
+    result = run_entry_point("evaluate.py", f"checkpoint={run_dir}", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: checkpoint file "), result.stderr
+    assert "is damaged (shorter than its index says: truncated or emptied)" in result.stderr
+
+
+@pytest.mark.slow
+def test_kills_during_saves_never_leave_a_state_file_naming_a_damaged_checkpoint(tiny_idx_dir, tmp_path):
+    """SIGKILL a training subprocess at varying moments of epochs that are mostly test pass
+    and saves (2 steps each), a few times, checking after each kill that what the state
+    files name reads whole; then rerun to the end."""
+    from capsnet.training.checkpoints import checkpoint_damage, read_state
+
+    run_dir = tmp_path / "run"
+    args = [sys.executable, str(REPO / "train.py"),
+            *tiny_overrides(tiny_idx_dir, run_dir, "train.epochs=40", "data.limit_train=32", "data.limit_test=16",
+                            "train.keep_checkpoints=2")]
+    rng = np.random.default_rng(19)
+    for attempt in range(4):
+        log = tmp_path / f"attempt{attempt}.log"
+        with log.open("w") as out:
+            process = subprocess.Popen(args, cwd=tmp_path, env=entry_point_env(), stdout=out, stderr=subprocess.STDOUT)
+            try:
+                deadline = time.monotonic() + 120
+                while log.read_text().count("epoch ") < 4 and process.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.05)  # until a few epochs (and saves) ran in this attempt
+                time.sleep(rng.uniform(0.0, 1.0))
+            finally:
+                process.kill()
+                process.wait()
+        for which in ("latest", "best"):
+            named, problem = read_state(run_dir / "checkpoints" / which)
+            if named is not None:
+                assert checkpoint_damage(named) is None, (attempt, which, log.read_text()[-2000:])
+    result = subprocess.run(args, cwd=tmp_path, env=entry_point_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "damaged" not in result.stdout
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert [h["epoch"] for h in metrics["history"]] == list(range(1, 41))
+
+
+# --------------------------------------------------------------------------- 4. one training per run dir
+
+def test_a_run_dir_held_by_another_training_is_refused_naming_the_holder(trained_run, tiny_config, tmp_path):
+    run_dir = copied_run(trained_run, tmp_path)
+    before = tree_bytes(run_dir / "checkpoints")
+    with (run_dir / "train.lock").open("a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("pid 4242 on otherhost since 2026-11-23T23:00:00+00:00\n")
+        held.flush()
+        with pytest.raises(CheckpointError) as err:
+            train(tiny_config("train.epochs=5", run_dir=run_dir))
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"run dir {run_dir} is in use by another training "
+                              f"(pid 4242 on otherhost since 2026-11-23T23:00:00+00:00; lock file {run_dir}/train.lock)")
+    assert tree_bytes(run_dir / "checkpoints") == before
+
+
+def test_the_lock_of_a_dead_training_is_taken_over_with_a_notice(trained_run, tiny_config, tmp_path, capsys):
+    run_dir = copied_run(trained_run, tmp_path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (run_dir / "train.lock").write_text(f"pid {dead.pid} on {socket.gethostname()} since 2026-11-23T23:00:00\n")
+    metrics = train(tiny_config(run_dir=run_dir))
+    assert metrics["epochs"] == 4
+    assert (f"notice: taking over the lock of run dir {run_dir} from pid {dead.pid} on {socket.gethostname()} "
+            "since 2026-11-23T23:00:00, which is no longer running") in capsys.readouterr().out
+    assert (run_dir / "train.lock").read_text() == ""  # released at the end: no holder named
+
+
+@pytest.mark.slow
+def test_a_second_train_py_on_a_running_run_dir_fails_at_once(tiny_idx_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = tiny_overrides(tiny_idx_dir, run_dir, "train.epochs=200", "data.limit_train=32", "data.limit_test=16")
+    log = tmp_path / "first.log"
+    with log.open("w") as out:
+        first = subprocess.Popen([sys.executable, str(REPO / "train.py"), *overrides], cwd=tmp_path,
+                                 env=entry_point_env(), stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while "epoch 2/" not in log.read_text() and first.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert first.poll() is None, log.read_text()[-2000:]
+            second = run_entry_point("train.py", *overrides, cwd=tmp_path)
+            assert first.poll() is None  # the first run goes on
+        finally:
+            first.kill()
+            first.wait()
+    assert second.returncode == 2
+    assert second.stderr.count("\n") == 1, second.stderr
+    assert second.stderr.startswith(f"error: run dir {run_dir} is in use by another training "
+                                    f"(pid {first.pid} on {socket.gethostname()} since ")
+    # SIGKILLed: the kernel released the lock; the next run takes it over and resumes.
+    third = run_entry_point("train.py", *overrides[:-3], "train.epochs=3", *overrides[-2:], cwd=tmp_path)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert f"taking over the lock of run dir {run_dir} from pid {first.pid}" in third.stdout
+
+
+# --------------------------------------------------------------------------- 5. the smaller items
+
+def test_resume_without_the_runs_config_yaml_is_refused(trained_run, tiny_config, tmp_path):
+    """Hydra's .hydra/config.yaml is this command's, not the run's: it proves nothing."""
+    run_dir = copied_run(trained_run, tmp_path)
+    (run_dir / ".hydra").mkdir()
+    shutil.move(run_dir / "config.yaml", run_dir / ".hydra" / "config.yaml")
+    before = tree_bytes(run_dir)
+    with pytest.raises(CheckpointError) as err:
+        train(tiny_config("seed=7", "train.epochs=5", run_dir=run_dir))
+    assert str(err.value) == (f"run dir {run_dir} has checkpoints but no config.yaml: cannot check that this config "
+                              "continues the same run (seed, model, data, learning rate); put the run's config.yaml "
+                              "back, or train into a new hydra.run.dir")
+    assert tree_bytes(run_dir) == before
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_a_learning_rate_that_is_not_finite_is_refused(tiny_config, tmp_path, value):
+    with pytest.raises(ConfigError, match=r"train\.learning_rate must be a finite positive number|"
+                                          r"train\.learning_rate must be a positive number") as err:
+        train(tiny_config(f"train.learning_rate={value}"))
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_history_keeps_one_line_per_epoch_after_kills(trained_run, tiny_config, tmp_path):
+    """Lines of an epoch redone after a kill, and a line cut short by one: the file is
+    written back with one line per epoch done, the later line of an epoch winning."""
+    run_dir = copied_run(trained_run, tmp_path)
+    path = run_dir / "history.jsonl"
+    lines = path.read_text().splitlines()
+    third = json.loads(lines[2])
+    redone = {**third, "train_loss": 123.0}  # the same epoch, logged again by a later attempt
+    path.write_text("\n".join([*lines, json.dumps({**third, "epoch": 5}), json.dumps(redone)]) + "\n"
+                    + '{"epoch": 6, "train_lo')  # an uncommitted epoch and a line cut short by a kill
+    metrics = train(tiny_config(run_dir=run_dir))  # 4 epochs done: nothing to train
+    rewritten = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [h["epoch"] for h in rewritten] == [1, 2, 3, 4]
+    assert rewritten[2]["train_loss"] == 123.0
+    assert metrics["history"] == rewritten
+
+
+def test_a_plain_idx_file_that_differs_from_its_gz_is_refused(tmp_path):
+    from capsnet.data import load_split
+    from conftest import write_idx_dataset
+
+    data_dir = write_idx_dataset(tmp_path / "both", n_train=32, n_test=8)
+    write_idx_dataset(tmp_path / "plain", n_train=32, n_test=8, gz=False)
+    # The gunzipped copy beside its archive: the same data, read from the plain file.
+    shutil.copy(tmp_path / "plain" / "train-images-idx3-ubyte", data_dir)
+    images, _ = load_split("mnist", "train", data_dir=data_dir)
+    assert images.shape == (32, 28, 28, 1)
+    # Another dataset under the same name: which one trains must not depend on lookup order.
+    other = write_idx_dataset(tmp_path / "other", n_train=16, n_test=8, gz=False)
+    shutil.copy(other / "train-images-idx3-ubyte", data_dir)
+    with pytest.raises(DataError) as err:
+        load_split("mnist", "train", data_dir=data_dir)
+    assert str(err.value).startswith(f"{data_dir}/train-images-idx3-ubyte and {data_dir}/train-images-idx3-ubyte.gz "
+                                     "are both there but hold different data")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.shift_pixels=30", r"data\.shift_pixels must be in \[0, 27\], got 30"),
+    ("data.limit_train=0", r"data\.limit_train must be ≥ 1, got 0"),
+    ("data.limit_test=abc", r"data\.limit_test must be an integer, got 'abc'"),
+])
+def test_data_errors_name_their_key(tiny_config, override, message):
+    with pytest.raises(ConfigError, match=message):
+        train(tiny_config(override))
+
+
+@pytest.mark.slow
+def test_ctrl_c_prints_one_line_and_exits_130(tiny_idx_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = tiny_overrides(tiny_idx_dir, run_dir, "train.epochs=200", "data.limit_train=32", "data.limit_test=16")
+    log = tmp_path / "out.log"
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, str(REPO / "train.py"), *overrides], cwd=tmp_path,
+                                   env=entry_point_env(), stdout=out, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while "epoch 3/" not in log.read_text() and process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            process.send_signal(signal.SIGINT)
+            _, stderr = process.communicate(timeout=60)
+        finally:
+            process.kill()
+    assert process.returncode == 130
+    assert stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
+    assert stderr.startswith("interrupted ") and "rerun the same command to resume" in stderr
+    done = int(tf.train.latest_checkpoint(str(run_dir / "checkpoints" / "latest")).rsplit("-", 1)[1])
+    assert f"from epoch {done + 1}" in stderr
+    assert (run_dir / "train.lock").read_text() == ""  # released on the way out
+
+
+# --------------------------------------------------------------------------- 6. collapse warning
+
+def test_a_collapsed_run_is_flagged_in_the_log_tensorboard_and_history(tiny_config, tmp_path, capsys):
+    """learning_rate=1 on the tiny data: no NaN, but the predictions stay at chance (10
+    classes) through epoch 3, the first the accuracy rule applies to."""
+    from conftest import read_events
+
+    run_dir = tmp_path / "run"
+    metrics = train(tiny_config("train.learning_rate=1", "train.epochs=3"))
+    history = metrics["history"]
+    assert history[2]["test_accuracy"] <= 0.15
+    assert history[2]["collapsed"] is True
+    assert history[2]["collapse"].startswith(f"test accuracy {history[2]['test_accuracy']:.4f} is at chance")
+    assert [json.loads(line)["collapsed"] for line in (run_dir / "history.jsonl").read_text().splitlines()] == \
+        [h["collapsed"] for h in history]
+    assert "[COLLAPSED: test accuracy" in capsys.readouterr().out.splitlines()[-1]
+    events = read_events(run_dir)
+    collapsed = {step: value.simple_value if value.HasField("simple_value") else
+                 float(tf.make_ndarray(value.tensor)) for step, value in events["test/collapsed"]}
+    assert collapsed[3 * STEPS_PER_EPOCH] == 1.0
+    assert sorted(step for step, _ in events["test/collapse"]) == \
+        [STEPS_PER_EPOCH * e for e in (1, 2, 3) if history[e - 1]["collapsed"]]
+
+
+def test_collapse_rules():
+    from capsnet.training.loop import collapse_reason
+
+    healthy = {"max_length": 0.93, "accuracy": 0.97}
+    assert all(collapse_reason(healthy, epoch, 10) is None for epoch in (1, 2, 3, 50))
+    assert collapse_reason({"max_length": 0.9, "accuracy": 0.12}, 2, 10) is None  # early epochs may sit at chance
+    assert collapse_reason({"max_length": 0.9, "accuracy": 0.15}, 3, 10).startswith("test accuracy 0.1500 is at chance")
+    assert collapse_reason({"max_length": 0.049, "accuracy": 0.9}, 1, 10) == \
+        "every test capsule length is below 0.05 (longest 0.0490)"
+
+
+def test_a_healthy_run_is_not_flagged(trained_run):
+    history = trained_run[1]["history"]
+    assert [h["collapsed"] for h in history] == [False] * 4
+    assert all(0.05 < h["test_max_length"] < 1 for h in history)
+
+
+def test_a_run_dir_that_lost_latest_but_has_a_best_checkpoint_is_not_started_over(trained_run, tiny_config, tmp_path):
+    run_dir = copied_run(trained_run, tmp_path)
+    shutil.rmtree(run_dir / "checkpoints" / "latest")
+    best_before = tree_bytes(run_dir / "checkpoints" / "best")
+    with pytest.raises(CheckpointError, match=f"run dir {run_dir} has a best checkpoint .* not starting over"):
+        train(tiny_config(run_dir=run_dir))
+    assert tree_bytes(run_dir / "checkpoints" / "best") == best_before
