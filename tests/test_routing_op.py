@@ -623,4 +623,4 @@ def test_benchmark_scripts_time_the_fused_routing(tmp_path):
     assert rows["op+fused"]["fused_routing"] is True and rows["matmul"]["fused_routing"] is False
     # Same seed, weights and data in both processes: the fused model's first loss is the matmul path's.
     assert rows["op+fused"]["first_loss"] == pytest.approx(rows["matmul"]["first_loss"], rel=1e-5)
-    assert "| custom_op=true xla=none fused_routing | 4 |" in train_bench.stdout
+    assert "| custom_op=true xla=none fused_routing | float32 | 4 |" in train_bench.stdout
