@@ -183,9 +183,9 @@ class DigitCaps(keras.layers.Layer):
                 their own (tf.function(jit_compile=True)), fusing their chain of
                 elementwise ops and reductions over u_hat;
             "op": u_hat by the compiled op (capsnet.ops), routing as TF ops;
-            "op_xla": the compiled op, then XLA-compiled routing: a custom op cannot be
-                jit-compiled, so a whole-step jit_compile is not available with it and
-                autoclustering may leave the routing unfused;
+            "op_xla": the compiled op, then XLA-compiled routing on its own (under a
+                whole-step jit_compile, train.xla=jit, use "op": the step's XLA
+                computation contains the op and fuses the routing with the rest);
             "fused_op": prediction and all routing iterations in one compiled op
                 (`capsnet.ops.capsule_routing`), which never writes u_hat to memory; only
                 the final squash runs in TensorFlow. Needs stop_gradient_routing=True

@@ -16,6 +16,9 @@
 #define CAPSNET_OPS_CPU_KERNELS_H_
 
 #include <algorithm>
+#include <functional>
+#include <memory>
+#include <new>
 
 #include "capsnet_kernels.h"
 
@@ -145,6 +148,88 @@ void ReduceGradW(const Accumulator<T>* partials, T* grad_W, const CapsuleDims& d
   }
 }
 
+// ----------------------------------------------------------------------------
+// Whole ops on the CPU without TensorFlow, for the XLA host custom calls
+// (xla_handlers.cc): the same units, in the same order, as the OpKernels, so
+// their results are the OpKernels' bit for bit. T is float, double, Eigen::half
+// or Eigen::bfloat16 (instantiated in prediction.cc and routing.cc). Each
+// returns false when its scratch cannot be allocated (nothing is written then);
+// empty outputs are the caller's to skip.
+
+// Runs fn(part) for every part in [0, parts), in parallel where it can, and
+// returns when all have run.
+using PartsRunner = std::function<void(int64 parts, const std::function<void(int64)>& fn)>;
+
+template <typename T>
+bool CpuCapsulePrediction(const T* u, const T* W, T* u_hat, const CapsuleDims& d,
+                          int64 max_parts, const PartsRunner& run);
+template <typename T>
+bool CpuCapsulePredictionGrad(const T* grad, const T* u, const T* W, T* grad_u, T* grad_W,
+                              const CapsuleDims& d, int64 max_parts, const PartsRunner& run);
+template <typename T>
+bool CpuCapsuleRouting(const T* u, const T* W, T* s_j, T* c_ij, const CapsuleDims& d,
+                       int iterations, int64 max_parts, const PartsRunner& run);
+template <typename T>
+bool CpuCapsuleRoutingGrad(const T* u, const T* W, const T* c_ij, const T* grad_s, T* grad_u,
+                           T* grad_W, const CapsuleDims& d, int64 max_parts,
+                           const PartsRunner& run);
+
+// Heap scratch of `n` values, or nullptr when `n` overflowed (-1) or the
+// allocation failed (an error for the caller, not an exception).
+template <typename A>
+std::unique_ptr<A[]> TryAllocate(int64 n) {
+  if (n < 0) return nullptr;
+  return std::unique_ptr<A[]>(new (std::nothrow) A[n > 0 ? n : 1]);
+}
+
+// Splits [0, units) into at most `max_parts` contiguous ranges and runs
+// fn(part's scratch, begin, end) for each, every part with `per_part` scratch
+// values of its own: the OpKernels' RunParts (tf_glue.h) on a PartsRunner.
+template <typename A, typename Fn>
+bool RunUnitsInParts(int64 units, int64 per_part, int64 max_parts, const PartsRunner& run,
+                     Fn fn) {
+  if (units <= 0) return true;
+  const int64 parts = std::max<int64>(1, std::min(max_parts, units));
+  std::unique_ptr<A[]> scratch = TryAllocate<A>(SizeMul(parts, per_part));
+  if (scratch == nullptr) return false;
+  const int64 per = units / parts, extra = units % parts;
+  run(parts, [&](int64 p) {
+    const int64 first = p * per + std::min(p, extra);
+    fn(scratch.get() + p * per_part, first, first + per + (p < extra ? 1 : 0));
+  });
+  return true;
+}
+
+// Either op's gradient with grad_u_hat rows from `rows_of` (RunGradUnits), then
+// the grad_W partials summed in chunk order when the batch was split: the
+// OpKernels' RunCpuGrad (tf_glue.h) on a PartsRunner.
+template <typename T, typename Rows>
+bool CpuGrad(const Rows& rows_of, const T* u, const T* W, T* grad_u, T* grad_W,
+             const CapsuleDims& d, int64 max_parts, const PartsRunner& run) {
+  using A = Accumulator<T>;
+  const int64 partials_size = GradPartialsSize(d);
+  std::unique_ptr<A[]> partials;
+  if (partials_size != 0) {
+    partials = TryAllocate<A>(partials_size);
+    if (partials == nullptr) return false;
+  }
+  if (!RunUnitsInParts<A>(GradUnits(d), GradScratchSize(d), max_parts, run,
+                          [&](A* ws, int64 begin, int64 end) {
+                            RunGradUnits(rows_of, u, W, grad_u, grad_W, partials.get(), d,
+                                         begin, end, ws);
+                          })) {
+    return false;
+  }
+  if (partials != nullptr) {
+    return RunUnitsInParts<A>(d.in_caps, 0, max_parts, run,
+                              [&](A*, int64 begin, int64 end) {
+                                ReduceGradW(partials.get(), grad_W, d, begin, end);
+                              });
+  }
+  return true;
+}
+
 }  // namespace capsnet
 
 #endif  // CAPSNET_OPS_CPU_KERNELS_H_
+

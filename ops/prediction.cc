@@ -98,6 +98,37 @@ struct MemoryGradRows {
 };
 
 }  // namespace
+
+// The whole op and its gradient without TensorFlow (cpu_kernels.h), as the
+// CPU functors below run them.
+template <typename T>
+bool CpuCapsulePrediction(const T* u, const T* W, T* u_hat, const CapsuleDims& d,
+                          int64 max_parts, const PartsRunner& run) {
+  return RunUnitsInParts<Accumulator<T>>(
+      ForwardUnitCount(d), ForwardScratchSize<T>(d), max_parts, run,
+      [&](Accumulator<T>* ws, int64 begin, int64 end) {
+        ForwardUnits(u, W, u_hat, d, begin, end, ws);
+      });
+}
+
+template <typename T>
+bool CpuCapsulePredictionGrad(const T* grad, const T* u, const T* W, T* grad_u, T* grad_W,
+                              const CapsuleDims& d, int64 max_parts, const PartsRunner& run) {
+  const MemoryGradRows<T> rows{grad, d.in_caps, d.rows_per_cap()};
+  return CpuGrad(rows, u, W, grad_u, grad_W, d, max_parts, run);
+}
+
+#define CAPSNET_INSTANTIATE_PREDICTION(T)                                                   \
+  template bool CpuCapsulePrediction<T>(const T*, const T*, T*, const CapsuleDims&, int64, \
+                                        const PartsRunner&);                                \
+  template bool CpuCapsulePredictionGrad<T>(const T*, const T*, const T*, T*, T*,          \
+                                            const CapsuleDims&, int64, const PartsRunner&);
+CAPSNET_INSTANTIATE_PREDICTION(float)
+CAPSNET_INSTANTIATE_PREDICTION(double)
+CAPSNET_INSTANTIATE_PREDICTION(Eigen::half)
+CAPSNET_INSTANTIATE_PREDICTION(Eigen::bfloat16)
+#undef CAPSNET_INSTANTIATE_PREDICTION
+
 }  // namespace capsnet
 
 // ============================================================================

@@ -174,6 +174,53 @@ struct CouplingGradRows {
 };
 
 }  // namespace
+
+// The whole op and its gradient without TensorFlow (cpu_kernels.h), as the
+// CPU functors below run them.
+template <typename T>
+bool CpuCapsuleRouting(const T* u, const T* W, T* s_j, T* c_ij, const CapsuleDims& d,
+                       int iterations, int64 max_parts, const PartsRunner& run) {
+  using A = Accumulator<T>;
+  if (d.u_hat_size() == 0 || d.in_dim == 0) {
+    // u_hat is empty or zero: s_j = 0, every b_ij stays 0, c_ij = 1 / out_caps.
+    std::fill_n(s_j, d.batch * d.rows_per_cap(), static_cast<T>(A(0)));
+    std::fill_n(c_ij, d.batch * d.in_caps * d.out_caps,
+                static_cast<T>(A(1) / static_cast<A>(d.out_caps)));
+    return true;
+  }
+  std::unique_ptr<A[]> wt = TryAllocate<A>(d.w_size());
+  if (wt == nullptr) return false;
+  if (!RunUnitsInParts<A>(d.in_caps, 0, max_parts, run, [&](A*, int64 begin, int64 end) {
+        TransposeW(W, wt.get(), d, begin, end);
+      })) {
+    return false;
+  }
+  return RunUnitsInParts<A>(d.batch, RouteScratchSize(d), max_parts, run,
+                            [&](A* ws, int64 begin, int64 end) {
+                              RouteSamples(u, wt.get(), s_j, c_ij, d, iterations, begin, end,
+                                           ws);
+                            });
+}
+
+template <typename T>
+bool CpuCapsuleRoutingGrad(const T* u, const T* W, const T* c_ij, const T* grad_s, T* grad_u,
+                           T* grad_W, const CapsuleDims& d, int64 max_parts,
+                           const PartsRunner& run) {
+  const CouplingGradRows<T> rows{c_ij, grad_s, d.in_caps, d.out_caps, d.out_dim};
+  return CpuGrad(rows, u, W, grad_u, grad_W, d, max_parts, run);
+}
+
+#define CAPSNET_INSTANTIATE_ROUTING(T)                                                        \
+  template bool CpuCapsuleRouting<T>(const T*, const T*, T*, T*, const CapsuleDims&, int,     \
+                                     int64, const PartsRunner&);                              \
+  template bool CpuCapsuleRoutingGrad<T>(const T*, const T*, const T*, const T*, T*, T*,      \
+                                         const CapsuleDims&, int64, const PartsRunner&);
+CAPSNET_INSTANTIATE_ROUTING(float)
+CAPSNET_INSTANTIATE_ROUTING(double)
+CAPSNET_INSTANTIATE_ROUTING(Eigen::half)
+CAPSNET_INSTANTIATE_ROUTING(Eigen::bfloat16)
+#undef CAPSNET_INSTANTIATE_ROUTING
+
 }  // namespace capsnet
 
 // ============================================================================

@@ -180,7 +180,7 @@ def worker(spec):
 
     try:
         routing = bt.variant_model_cfg(spec["variant"], spec["model"])["routing"]
-        config.check_xla(spec["xla"], spec["custom_op"], routing)
+        config.check_xla(spec["xla"], routing)
         set_autoclustering(spec["xla"] == "autocluster")  # before TensorFlow sets up its devices
         most = max(spec["replicas"] or [1])
         if spec["device"] == "cpu":

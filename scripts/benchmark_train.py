@@ -331,7 +331,7 @@ def worker(spec):
     result = {"variant": spec["variant"], "results": [], "error": None, "tensorflow": tf.__version__}
     try:
         routing = variant_model_cfg(spec["variant"], spec["model"])["routing"]
-        config.check_xla(spec["xla"], spec["custom_op"], routing)
+        config.check_xla(spec["xla"], routing)
         # Before TensorFlow sets up its devices: it reads the XLA flags then (see set_autoclustering).
         set_autoclustering(spec["xla"] == "autocluster")
         if spec["device"] == "gpu" and not tf.config.list_physical_devices("GPU"):

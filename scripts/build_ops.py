@@ -54,6 +54,22 @@ NVCC_FLAGS = ["-x", "cu", "-std=c++17", "-DGOOGLE_CUDA=1", "--expt-relaxed-const
 CXX_FLAGS = ["-std=c++17", "-O3", "-fPIC", "-DNDEBUG", "-Wno-deprecated-declarations"]
 
 
+
+
+def xla_flags(tf):
+    """Compile and link flags the XLA kernels (ops/xla_kernels.cc) need beyond tf.sysconfig's.
+
+    The wheel ships the tf2xla and XLA headers, but two third-party headers they include
+    sit under include/external/ rather than on the include path, and the tf2xla symbols
+    (XlaOpKernel, XlaOpRegistrar) live in libtensorflow_cc, which TensorFlow's Python
+    module has loaded before any op library.
+    """
+    include = tf.sysconfig.get_include()
+    cflags = ["-isystem" + os.path.join(include, "external", "highwayhash"),
+              "-isystem" + os.path.join(include, "external", "farmhash_archive", "src")]
+    return cflags, ["-l:libtensorflow_cc.so.2"]
+
+
 class BuildError(Exception):
     """A build step failed; the message says which and why."""
 
@@ -149,7 +165,7 @@ def digest(paths, extra):
 
 def without_paths(flags):
     """Flags with include/library paths dropped, so the key survives moving the venv."""
-    return [f for f in flags if not f.startswith(("-I", "-L"))]
+    return [f for f in flags if not f.startswith(("-I", "-L", "-isystem"))]
 
 
 def ptxas_summary(output):
@@ -182,8 +198,9 @@ def ptxas_summary(output):
 def build_library(args, tf, nvcc):
     out = os.path.abspath(args.out)
     stamp_path = os.path.splitext(out)[0] + ".json"
-    cflags = tf.sysconfig.get_compile_flags()
-    lflags = tf.sysconfig.get_link_flags()
+    extra_cflags, extra_lflags = xla_flags(tf)
+    cflags = tf.sysconfig.get_compile_flags() + extra_cflags
+    lflags = tf.sysconfig.get_link_flags() + extra_lflags
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise BuildError("no C++ compiler found (install g++, or set CXX)")

@@ -165,7 +165,6 @@ def test_the_cli_prints_a_type_error_as_one_line(tmp_path):
      "distribute.all_reduce must be one of auto, nccl, one_device with distribute=mirrored, got 'ring'"),
     (["distribute.devices=[/cpu:0]"], "distribute.devices applies to distribute=mirrored only"),
     (["distribute=mirrored", "distribute.devices=[/cpu:0,/cpu:0]"], "distribute.devices lists a device more than once"),
-    (["train.xla=jit", "custom_op=true"], "train.xla=jit cannot compile the custom op"),
     (["train.xla=jit", "model.routing=xla"], "model.routing=xla is redundant under train.xla=jit"),
     (["train.xla=fast"], "train.xla must be one of none, autocluster, jit, got 'fast'"),
 ])

@@ -439,7 +439,8 @@ def test_execution_lengths_end_at_log_steps_and_at_the_epoch_end(steps_per_epoch
     assert execution_lengths(steps_per_epoch, start, per_call, log_every) == lengths
 
 
-@pytest.mark.parametrize("extra", [[], ["custom_op=true"], ["train.xla=jit"]], ids=["matmul", "op", "jit"])
+@pytest.mark.parametrize("extra", [[], ["custom_op=true"], ["train.xla=jit"], ["custom_op=true", "train.xla=jit"]],
+                         ids=["matmul", "op", "jit", "op_jit"])
 def test_several_steps_per_call_run_the_same_steps(tiny_config, tmp_path, extra):
     """steps_per_execution=3 loops over the dataset inside one call: the same steps as one
     call each, so the same per-step losses (logged every 2 steps; the epoch's last batch is
@@ -475,18 +476,40 @@ def test_train_with_xla_jit_matches_the_plain_run(trained_run, tiny_config):
     assert abs(ours["test_accuracy"] - theirs["test_accuracy"]) <= 0.02  # 100 test images: 2 at most
 
 
-def test_xla_jit_with_the_custom_op_is_a_config_error(tiny_config):
+@pytest.mark.parametrize("routing", ["auto", "tf"], ids=["fused_op", "op"])
+def test_custom_op_under_xla_jit_trains_as_the_matmul_path(tiny_config, tmp_path, routing):
+    """custom_op=true train.xla=jit compiles the whole step with our kernels in it (XLA
+    custom calls): the same per-step losses and final weights as custom_op=false under
+    jit (same seed, data and initial weights; float tolerance: different summation orders)."""
     from capsnet.model import build_model
     from capsnet.training.optimizer import build_optimizer
+    from capsnet.losses import loss_params
     from capsnet.training.steps import make_train_step
 
-    with pytest.raises(ConfigError, match=r"train\.xla=jit cannot compile the custom op.*use train\.xla=autocluster"):
-        train(tiny_config("custom_op=true", "train.xla=jit"))
+    common = ["data.limit_train=40", "train.epochs=2", "train.log_every_steps=1", "train.xla=jit"]
+    runs = {}
+    for name, extra in (("op", ["custom_op=true", f"model.routing={routing}"]), ("matmul", ["custom_op=false"])):
+        run_dir = tmp_path / name
+        metrics = train(tiny_config(*common, *extra, run_dir=run_dir))
+        assert metrics["global_step"] == 6
+        runs[name] = (run_dir, [float(tf.make_ndarray(v.tensor)) for _, v in read_events(run_dir)["train/loss"]])
+    (op_dir, op_losses), (matmul_dir, matmul_losses) = runs["op"], runs["matmul"]
+    assert len(op_losses) == 6
+    np.testing.assert_allclose(op_losses, matmul_losses, rtol=2e-4)
+    ours = tf.train.load_checkpoint(str(op_dir / "checkpoints" / "latest" / "ckpt-2"))
+    theirs = tf.train.load_checkpoint(str(matmul_dir / "checkpoints" / "latest" / "ckpt-2"))
+    names = set(theirs.get_variable_to_shape_map()) - {"_CHECKPOINTABLE_OBJECT_GRAPH"}
+    for name in sorted(n for n in names if n.startswith("model/")):
+        np.testing.assert_allclose(ours.get_tensor(name), theirs.get_tensor(name), rtol=1e-3, atol=1e-5,
+                                   err_msg=name)
+
+    # make_train_step builds the jit step for an op model made outside a config too.
+    model = build_model(routing="fused_op", conv1_filters=16, primary_caps_types=4, digit_caps_dim=8)
     cfg = tiny_config()
-    model = build_model(routing="op", conv1_filters=16, primary_caps_types=4, digit_caps_dim=8)
     optimizer, _ = build_optimizer(cfg["train"], 20, model)
-    with pytest.raises(ConfigError, match="use train.xla=autocluster"):
-        make_train_step(model, optimizer, input_shape=(28, 28, 1), losses={}, xla="jit")
+    step = make_train_step(model, optimizer, input_shape=(28, 28, 1), losses=loss_params(cfg["train"]), xla="jit")
+    values = step(tf.zeros((2, 28, 28, 1)), tf.constant([1, 2]))
+    assert np.isfinite(float(values["loss"]))
 
 
 def test_jit_routing_inside_xla_jit_is_a_config_error(tiny_config):

@@ -32,8 +32,9 @@ the five ways DigitCaps can run (ROUTING_MODES, what the layer takes):
     true       auto (stop_gradient_routing=false)  op         (the fused op has only the
                                                                 stop-gradient gradient)
 
-Only train.xla=jit still rules some out (it cannot compile the op, and compiles the
-routing already): checked by the train section's rule.
+Only train.xla=jit still rules one out (model.routing=xla: jit compiles the routing
+already): checked by the train section's rule. The compiled ops have XLA kernels
+(ops/xla_kernels.cc), so jit compiles the op modes too.
 
 Schema defaults are also what a run saved before a key existed was trained with (migrate
 fills them in): never change one; change the YAML value instead.

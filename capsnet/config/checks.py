@@ -98,14 +98,11 @@ def check_section(schema, values, prefix=""):
     return checked
 
 
-def check_xla(xla, custom_op, routing):
-    """train.xla against what it would compile: jit cannot compile the custom op, and
-    model.routing=xla (an XLA computation of its own) must not be nested inside jit.
-    `check`'s rule, and make_train_step's guard (a model built outside a config)."""
-    if xla == "jit" and custom_op:
-        # XLA has no kernel for our op: jit_compile would fail on it at the first step.
-        raise ConfigError("train.xla=jit cannot compile the custom op (custom_op=true): use train.xla=autocluster, "
-                          "which compiles the TensorFlow ops around it")
+def check_xla(xla, routing):
+    """train.xla against what it would compile: model.routing=xla (an XLA computation of
+    its own) must not be nested inside jit. `check`'s rule, and make_train_step's guard
+    (a model built outside a config). The compiled ops have XLA kernels (ops/xla_kernels.cc),
+    so jit compiles custom_op=true too."""
     if xla == "jit" and routing == "xla":
         # The whole step is one XLA computation already; the nested jit_compile function
         # aborted the process on an H200 (benchmark_train, 2026-11-21).
@@ -120,7 +117,7 @@ def check(cfg):
     train.py checked already. Rules across sections: train.xla against custom_op and
     model.routing (check_xla); an overlay dataset on one device; run_dir set."""
     checked = check_section(TrainAppConfig, cfg)
-    check_xla(checked["train"]["xla"], checked["custom_op"], checked["model"]["routing"])
+    check_xla(checked["train"]["xla"], checked["model"]["routing"])
     data_name, strategy = checked["data"]["name"], checked["distribute"]["strategy"]
     if is_overlay(data_name) and strategy != "none":
         # Its (B, 2) labels and two reconstructions are not in the distributed step.

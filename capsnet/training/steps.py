@@ -68,8 +68,9 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strate
         optimizer: a built Keras optimizer (build_optimizer).
         input_shape: image shape (H, W, C); the batch size may vary between calls.
         losses: capsnet_losses' keyword arguments (loss_params(train_cfg)).
-        xla: "none"; "jit" compiles the whole step with XLA (tf.function(jit_compile=True),
-            matmul path only); "autocluster" turns on XLA autoclustering for the process
+        xla: "none"; "jit" compiles the whole step with XLA (tf.function(jit_compile=True));
+            with custom_op the compiled ops run inside it as XLA custom calls of our kernels
+            (ops/xla_kernels.cc); "autocluster" turns on XLA autoclustering for the process
             (set_autoclustering), so XLA compiles clusters of plain TF ops around the custom
             op. "none" and "jit" turn autoclustering off: the last step made decides.
         strategy: None (one device), or the tf.distribute strategy that `model` and
@@ -87,7 +88,7 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strate
     if xla not in config.XLA_MODES:
         raise ValueError(f"make_train_step: xla must be one of {', '.join(config.XLA_MODES)}, got {xla!r}")
     # What config.check refuses, for a model built without a config (the rule's words).
-    config.check_xla(xla, model.custom_op, "xla" if model.jit_routing else "auto")
+    config.check_xla(xla, "xla" if model.jit_routing else "auto")
     set_autoclustering(xla == "autocluster")
     if strategy is not None:
         if two_digits:
@@ -278,8 +279,8 @@ def make_eval_step(model, image_shape, *, m_plus, m_minus, lambda_, reconstructi
 
     No labels go into the model, so the decoder reconstructs from the PREDICTED
     class, as at test time in the paper; the reconstruction loss is measured on that.
-    jit_compile=True compiles the step with XLA (train.xla=jit; matmul path only: XLA
-    cannot compile the custom op).
+    jit_compile=True compiles the step with XLA (train.xla=jit; the compiled ops lower to
+    XLA custom calls of our kernels, ops/xla_kernels.cc).
     two_digits=True (MultiMNIST): the step takes (images, labels (B, 2), digits
     (B, 2, H, W, C)); the two longest capsules are the prediction, each reconstructs one
     digit (in the labels' order where it names one) and is compared with that digit.
