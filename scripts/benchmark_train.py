@@ -14,6 +14,8 @@ builds it) and the real compiled step (capsnet.training.steps.make_train_step), 
     op+autocluster         custom_op=true  xla=autocluster
     op+fused               custom_op=true  xla=none         model.routing=auto (the fused op)
     op+fused+autocluster   custom_op=true  xla=autocluster  model.routing=auto (the fused op)
+    op+jit                 custom_op=true  xla=jit          model.routing=tf (the op in the XLA step)
+    op+fused+jit           custom_op=true  xla=jit          model.routing=auto (the fused op in the XLA step)
     matmul                 custom_op=false xla=none         (the baseline of the ratio column)
     matmul+jit             custom_op=false xla=jit
     matmul+autocluster     custom_op=false xla=autocluster
@@ -72,12 +74,14 @@ VARIANTS = {
     "op+autocluster": (True, "autocluster"),
     "op+fused": (True, "none"),
     "op+fused+autocluster": (True, "autocluster"),
+    "op+jit": (True, "jit"),
+    "op+fused+jit": (True, "jit"),
     "matmul": (False, "none"),
     "matmul+jit": (False, "jit"),
     "matmul+autocluster": (False, "autocluster"),
 }
 # Variants whose model routes inside the compiled op (variant_model_cfg).
-FUSED_VARIANTS = ("op+fused", "op+fused+autocluster")
+FUSED_VARIANTS = ("op+fused", "op+fused+autocluster", "op+fused+jit")
 BASELINE = "matmul"
 # The LR schedule decays once per epoch of the full MNIST training set, as in train().
 MNIST_TRAIN_EXAMPLES = 60_000

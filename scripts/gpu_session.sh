@@ -3,7 +3,7 @@
 # parts were received, verify the op on the GPU and measure. Everything lands in $OUT
 # (or ./gpu-out) as logs; the last lines printed are the summaries.
 #   carry: .gpukit/gpukit.sh .gpukit/MANIFEST capsnet/lib build .gpudata
-#   command: bash scripts/gpu_session.sh [verify|bench|train|all|scale|precision|profile]   (scale: on nvidia-h200-x2, not in all)
+#   command: bash scripts/gpu_session.sh [verify|bench|train|all|scale|precision|profile|xla|xla-profile]   (scale: on nvidia-h200-x2, not in all)
 set -uo pipefail
 what="${1:-all}"
 out="${OUT:-gpu-out}"; mkdir -p "$out"
@@ -41,6 +41,25 @@ if [[ $what == profile ]]; then
     python3 scripts/profile_train.py --variant "$1" --precision "$2" --batch-size 512 \
       --json "$out/profile_${1}_${2}.json" 2>&1 | tee "$out/profile_${1}_${2}.log" | grep -v "^W0000\|^I0000" | tail -30
   done
+fi
+if [[ $what == xla ]]; then
+  # [xla-op]: the ops inside XLA on the GPU (forward, gradient, every dtype), then the
+  # whole-step jit with the op against the other paths, float32 and bfloat16, 50 steps per call.
+  python3 -m pytest -q -p no:cacheprovider tests/test_xla_op.py 2>&1 | tee "$out/pytest_xla_gpu.log" | tail -4
+  python3 scripts/benchmark_train.py --precision float32,mixed_bfloat16 --steps-per-execution 50 --repeats 3 \
+    --variants op+fused+jit,op+jit,op+fused,matmul+jit --json "$out/benchmark_xla.json" \
+    2>&1 | tee "$out/benchmark_xla.log" | tail -24
+fi
+if [[ $what == xla-profile ]]; then
+  # Where the jit step's GPU time goes now, then a short real-data run with it.
+  for spec in "op+fused+jit float32 512" "op+fused+jit mixed_bfloat16 512" "op+fused+jit float32 128"; do
+    set -- $spec
+    python3 scripts/profile_train.py --variant "$1" --precision "$2" --batch-size "$3" \
+      --json "$out/profile_${1}_${2}_$3.json" 2>&1 | tee "$out/profile_${1}_${2}_$3.log" | grep -v "^W0000\|^I0000" | tail -22
+  done
+  python3 train.py custom_op=true train.xla=jit data.dir=.gpudata/mnist train.epochs=2 train.batch_size=128 \
+    hydra.run.dir=/tmp/gpu-run-jit 2>&1 | tee "$out/train_gpu_jit.log" | grep -v "^W0000\|^I0000" | tail -6
+  python3 evaluate.py checkpoint=/tmp/gpu-run-jit custom_op=false 2>&1 | tail -1 | cut -c1-200
 fi
 if [[ $what == bench-jit-routing || $what == all ]]; then
   # The op variants with the routing iterations compiled by XLA on their own.

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from capsnet import ops
 from conftest import REPO, entry_point_env, np_capsule_prediction
-from test_routing_op import inputs, np_routing
+from test_routing_op import DEVICES, device, inputs, np_routing  # noqa: F401  (device: a fixture)
 
 
 # (B, I, J, D, K): the paper's DigitCaps in small, odd sizes, a batch of one.
@@ -24,6 +24,7 @@ DTYPES = [(tf.float64, 1e-10), (tf.float32, 2e-5), (tf.bfloat16, 3e-2), (tf.floa
 
 @pytest.fixture(autouse=True)
 def _on_cpu():
+    """Tests without a device parameter run on the CPU, also on a machine with a GPU."""
     with tf.device("/CPU:0"):
         yield
 
@@ -59,7 +60,8 @@ def jit(fn):
 
 @pytest.mark.parametrize("dtype, rtol", DTYPES, ids=lambda v: getattr(v, "name", ""))
 @pytest.mark.parametrize("shape", SHAPES)
-def test_prediction_under_jit_matches_numpy(shape, dtype, rtol):
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_prediction_under_jit_matches_numpy(device, shape, dtype, rtol):
     u, W = inputs(shape, seed=1)
     u, W = tf.cast(u, dtype), tf.cast(W, dtype)
     u64, W64 = u.numpy().astype(np.float64), W.numpy().astype(np.float64)  # what the op sees
@@ -76,7 +78,8 @@ def test_prediction_under_jit_matches_numpy(shape, dtype, rtol):
 @pytest.mark.parametrize("dtype, rtol", DTYPES, ids=lambda v: getattr(v, "name", ""))
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("iterations", [1, 3])
-def test_routing_under_jit_matches_numpy(shape, dtype, rtol, iterations):
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_routing_under_jit_matches_numpy(device, shape, dtype, rtol, iterations):
     u, W = inputs(shape, seed=3)
     u, W = tf.cast(u, dtype), tf.cast(W, dtype)
     u64, W64 = u.numpy().astype(np.float64), W.numpy().astype(np.float64)
@@ -95,7 +98,8 @@ def test_routing_under_jit_matches_numpy(shape, dtype, rtol, iterations):
 
 
 @pytest.mark.parametrize("dtype", [tf.float32, tf.bfloat16])
-def test_jit_runs_the_same_kernels_as_tensorflow(dtype):
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_jit_runs_the_same_kernels_as_tensorflow(device, dtype):
     """Inside XLA the op runs the OpKernel's code and units: the same bits as eager, and the
     same bits on every call (deterministic)."""
     u, W = inputs((5, 11, 10, 16, 8), seed=5)
@@ -110,7 +114,8 @@ def test_jit_runs_the_same_kernels_as_tensorflow(dtype):
     np.testing.assert_array_equal(jit(ops.capsule_prediction)(u, W).numpy(), u_hat.numpy())
 
 
-def test_empty_batch_under_jit():
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_empty_batch_under_jit(device):
     u, W = inputs((0, 3, 2, 4, 5))
     s_j, c_ij = jit(lambda u, W: ops.capsule_routing(u, W, 3))(u, W)
     assert s_j.shape == (0, 2, 4) and c_ij.shape == (0, 3, 2)
