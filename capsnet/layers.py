@@ -139,6 +139,16 @@ class PrimaryCaps(keras.layers.Layer):
 
     def call(self, inputs):
         h, w = self._grid(inputs.shape)
+        if self.padding == "valid":
+            # The rows and columns no window reaches (the paper's 20×20 maps, 9×9 kernel,
+            # stride 2: the 20th) cropped: the same outputs and gradients, but then the
+            # input gradient is a strided convolution XLA hands to cuDNN's backward-data
+            # kernel; with the unused row it lowers it to a forward convolution over a
+            # dilated input, 6.0 of a 12.8 ms bfloat16 step at batch 512 on an H100.
+            used_h = (h - 1) * self.strides[0] + self.kernel_size[0]
+            used_w = (w - 1) * self.strides[1] + self.kernel_size[1]
+            if (used_h, used_w) != tuple(inputs.shape[1:3]):
+                inputs = inputs[:, :used_h, :used_w, :]
         x = self.conv(inputs)                                     # (B, H', W', types*dim)
         u = tf.reshape(x, (-1, h * w * self.num_types, self.dim))  # (B, in_caps, dim)
         return squash(u)

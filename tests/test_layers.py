@@ -297,3 +297,24 @@ def test_decoder_rejects_bad_args(kwargs, match):
 def test_decoder_rejects_bad_labels():
     with pytest.raises(ValueError, match=r"mask_labels must be integer class ids of shape \(batch,\), got float32"):
         Decoder()(V_J, np.array([1.0, 2.0], np.float32))
+
+
+@pytest.mark.parametrize("size", [20, 19, 21])
+def test_primary_caps_crop_keeps_the_convolution_and_its_gradient(size):
+    """PrimaryCaps crops the rows/columns no 'valid' window reaches (20×20, 9×9, stride 2:
+    the last): its output and input gradient are those of the uncropped convolution."""
+    layer = PrimaryCaps(num_types=2, dim=4, kernel_size=9, strides=2)
+    x = tf.random.stateless_normal((2, size, size, 3), seed=(1, 2))
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        u = layer(x)
+        kernel, bias = layer.conv.kernel, layer.conv.bias
+        full = tf.nn.conv2d(x, kernel, strides=2, padding="VALID") + bias  # no crop
+        want = squash(tf.reshape(full, (2, -1, 4)))
+        weights = tf.random.stateless_normal(want.shape, seed=(3, 4))
+        loss_u, loss_want = tf.reduce_sum(u * weights), tf.reduce_sum(want * weights)
+    np.testing.assert_allclose(u.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+    grad, grad_want = tape.gradient(loss_u, x), tape.gradient(loss_want, x)
+    np.testing.assert_allclose(grad.numpy(), grad_want.numpy(), rtol=1e-5, atol=1e-6)
+    if size % 2 == 0:  # the last row and column are outside every window
+        assert not np.any(grad.numpy()[:, -1]) and not np.any(grad.numpy()[:, :, -1])
