@@ -195,6 +195,46 @@ def ptxas_summary(output):
     return rows
 
 
+def installed_tensorflow():
+    """(version, location) of the installed TensorFlow distribution without importing it, or
+    None when no distribution of a known name is installed."""
+    import importlib.metadata
+
+    for name in ("tensorflow", "tensorflow-cpu", "tf-nightly"):
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return dist.version, str(dist.locate_file(""))
+    return None
+
+
+def quick_key(nvcc):
+    """The build key without TensorFlow's flags: sources, compilers and the installed TensorFlow
+    (whose version and location fix its flags). A stamp with this key is up to date without
+    importing TensorFlow, whose import prints its CUDA and oneDNN notices on every `make`."""
+    tf_dist = installed_tensorflow()
+    if tf_dist is None:
+        return None
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    inputs = {"tensorflow": tf_dist, "cxx": tool_version([cxx]) if cxx else None, "cxx_flags": CXX_FLAGS,
+              "nvcc": tool_version([nvcc]) if nvcc else None,
+              "nvcc_flags": NVCC_FLAGS + GENCODE if nvcc else None}
+    return digest(cc_sources() + cu_sources() + headers(), inputs)
+
+
+def stamp_is_current(out, key):
+    """Whether the library `out` exists and its stamp records `key` as its quick key."""
+    stamp_path = os.path.splitext(out)[0] + ".json"
+    if key is None or not os.path.isfile(out):
+        return False
+    try:
+        with open(stamp_path) as f:
+            return json.load(f).get("quick_key") == key
+    except (OSError, ValueError):
+        return False
+
+
 def build_library(args, tf, nvcc):
     out = os.path.abspath(args.out)
     stamp_path = os.path.splitext(out)[0] + ".json"
@@ -226,11 +266,18 @@ def build_library(args, tf, nvcc):
     if not args.force and os.path.isfile(out) and os.path.isfile(stamp_path):
         try:
             with open(stamp_path) as f:
-                if json.load(f).get("key") == key:
-                    log(f"{os.path.relpath(out, ROOT)} is up to date (TensorFlow {tf.__version__}, "
-                        f"{'CPU+CUDA' if cuda else 'CPU only'}); --force rebuilds")
-                    return
-        except (OSError, ValueError):
+                stamp = json.load(f)
+            if stamp.get("key") == key:
+                log(f"{os.path.relpath(out, ROOT)} is up to date (TensorFlow {tf.__version__}, "
+                    f"{'CPU+CUDA' if cuda else 'CPU only'}); --force rebuilds")
+                if stamp.get("quick_key") is None:  # a stamp from before quick keys: add one
+                    stamp["quick_key"] = quick_key(nvcc)
+                    with open(stamp_path + ".tmp", "w") as f:
+                        json.dump(stamp, f, indent=2)
+                        f.write("\n")
+                    os.replace(stamp_path + ".tmp", stamp_path)
+                return
+        except (OSError, ValueError, AttributeError):
             pass
 
     obj_dir = os.path.join(BUILD, "ops", "cuda" if cuda else "cpu")
@@ -267,6 +314,7 @@ def build_library(args, tf, nvcc):
         "cxx": key_inputs["cxx"],
         "built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "key": key,
+        "quick_key": quick_key(nvcc),
     }
     with open(stamp_path + ".tmp", "w") as f:
         json.dump(stamp, f, indent=2)
@@ -321,9 +369,14 @@ def main(argv=None):
             if nvcc is None and not args.cpu_only:
                 log("no CUDA compiler found ($CUDA_HOME/bin, /usr/local/cuda/bin, site-packages/nvidia/*/bin, "
                     "PATH): building the CPU-only library")
-            import tensorflow as tf  # late: --driver-only needs no TensorFlow
+            out = os.path.abspath(args.out)
+            if not args.force and stamp_is_current(out, quick_key(nvcc)):
+                log(f"{os.path.relpath(out, ROOT)} is up to date ({'CPU+CUDA' if nvcc else 'CPU only'}); "
+                    "--force rebuilds")
+            else:
+                import tensorflow as tf  # late: --driver-only and an up-to-date library need none
 
-            build_library(args, tf, nvcc)
+                build_library(args, tf, nvcc)
         if args.driver or args.driver_only:
             build_driver(nvcc, args.force)
     except BuildError as err:

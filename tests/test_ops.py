@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -638,3 +639,25 @@ def test_gpu_kernels_under_compute_sanitizer(tool):
     assert proc.returncode == 0, tail
     summary = {"memcheck": "ERROR SUMMARY: 0 errors", "racecheck": "RACECHECK SUMMARY: 0 hazards"}[tool]
     assert "checks passed" in proc.stdout and summary in proc.stdout + proc.stderr, tail
+
+
+def test_build_up_to_date_check_does_not_import_tensorflow(tmp_path):
+    """`make ops` on a built tree answers from the stamp's quick key: no TensorFlow import,
+    so none of its CUDA/oneDNN notices; a changed source would change the key (the full
+    check then imports TensorFlow)."""
+    lib = tmp_path / "_capsnet_ops.so"
+    shutil.copy(ops.library_path(), lib)
+    stamp = json.loads((Path(ops.library_path()).with_suffix(".json")).read_text())
+    if "quick_key" not in stamp:
+        pytest.skip("the library was built before quick keys (a rebuild adds one)")
+    (tmp_path / "_capsnet_ops.json").write_text(json.dumps(stamp))
+    env = {**os.environ, "PYTHONPATH": ""}
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    variant = [] if stamp.get("cuda") else ["--cpu-only"]  # as it was built (CI tests a CPU-only one too)
+    run = subprocess.run([sys.executable, "-X", "importtime", str(REPO / "scripts" / "build_ops.py"), "--out", str(lib),
+                          *variant],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "is up to date (" in run.stderr + run.stdout
+    assert "| tensorflow" not in run.stderr  # -X importtime lists every module imported
+    assert "cuda drivers" not in run.stderr
