@@ -19,6 +19,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from capsnet import config
+from capsnet.console import say
 from capsnet.errors import CapsnetError
 
 EXIT_USER_ERROR = 2
@@ -33,9 +34,9 @@ def _full_errors_requested():
 
 
 def fail(message):
-    """Print `error: <message>` as one line on stderr and exit with status 2."""
-    sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
-    sys.stderr.flush()
+    """Print `error: <message>` as one line on stderr (and in the run's train.log, if the
+    run dir is kept) and exit with status 2."""
+    say("error: " + " ".join(str(message).split()), stream=sys.stderr)
     sys.exit(EXIT_USER_ERROR)
 
 
@@ -70,8 +71,7 @@ def reports_user_errors(task):
             # Ctrl-C: one line (train()'s says where the run stopped and how to resume), no traceback.
             if _full_errors_requested() or cfg.get("debug", False) is True:
                 raise
-            sys.stderr.write(" ".join((str(exc) or "interrupted").split()) + "\n")
-            sys.stderr.flush()
+            say(" ".join((str(exc) or "interrupted").split()), stream=sys.stderr)
             sys.exit(EXIT_INTERRUPTED)
         except (CapsnetError, OmegaConfBaseException) as exc:
             _remove_unused_run_dir()

@@ -107,6 +107,12 @@ def test_custom_op_true_trains_through_the_cli(tiny_idx_dir, tmp_path):
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["epochs"] == 1
     assert yaml_custom_op(run_dir) is True
+    # train.log holds what the user saw: the epoch lines, as printed.
+    epoch_lines = [line for line in result.stdout.splitlines() if line.startswith("epoch 1")]
+    assert len(epoch_lines) == 2
+    log = (run_dir / "train.log").read_text()
+    for line in epoch_lines:
+        assert line in log
 
 
 def yaml_custom_op(run_dir):

@@ -108,6 +108,8 @@ def test_a_diverging_learning_rate_stops_the_cli_with_one_line_and_a_lower_one_r
     assert errors[0].startswith("error: training diverged at epoch 2, step 2")
     assert "checkpoints/latest/ckpt-1 (epoch 1, untouched)" in errors[0]
     assert "train.learning_rate (now 1e+08" in errors[0]
+    # The job's log (Hydra's run dir, here apart from run_dir) says how the run ended.
+    assert any(errors[0] in log.read_text() for log in tmp_path.rglob("train.log"))
     assert tree_bytes(run_dir / "checkpoints") == before
     # The documented way on: the same command with a lower learning rate resumes from ckpt-1, with a notice.
     result = run_entry_point("train.py", *overrides, "train.epochs=2", "train.learning_rate=0.005", cwd=tmp_path)

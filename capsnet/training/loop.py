@@ -34,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from capsnet import config
+from capsnet.console import say
 from capsnet.data import augmentation_options, example_shape, is_overlay, load_split, make_split_dataset
 from capsnet.errors import Interrupted, TrainingDiverged
 from capsnet.losses import loss_params
@@ -102,7 +103,7 @@ def _train(cfg, progress):
     # By the files, not the state file (which may be lost): recover_latest deals with both below.
     if checkpoint_numbers(latest_dir):
         for change in check_resumable(run_dir, {**cfg, "data": data_cfg}):  # before the data is read
-            print(f"notice: resuming {run_dir} with {change} (from the next step on)", flush=True)
+            say(f"notice: resuming {run_dir} with {change} (from the next step on)")
     # Before anything touches a device: on a CPU-only machine autoclustering needs a
     # TF_XLA_FLAGS flag that TensorFlow reads once, when it sets up its devices.
     set_autoclustering(tcfg["xla"] == "autocluster")
@@ -234,7 +235,7 @@ def _train(cfg, progress):
     progress["done"] = int(epoch)
     for epoch_index in range(int(epoch), tcfg["epochs"]):
         progress["epoch"] = epoch_index + 1
-        print(f"epoch {epoch_index + 1}/{tcfg['epochs']}", flush=True)
+        say(f"epoch {epoch_index + 1}/{tcfg['epochs']}")
         train_ds = make_split_dataset(data_cfg["name"], train_images, train_labels, batch_size=batch_size,
                                       training=True, seed=seed, epoch=epoch_index, **augmentation)
         # On the training devices ahead of the steps (under a strategy: the same global
@@ -283,9 +284,9 @@ def _train(cfg, progress):
             best.commit(epoch_index + 1)
         raw = f" (trained weights: {raw_test['accuracy']:.4f})" if raw_test is not None else ""
         progress["epoch"] = None
-        print(f"epoch {epoch_index + 1}: train loss {train_means['loss']:.4f} acc {train_means['accuracy']:.4f}"
-              f" | test loss {test['loss']:.4f} acc {test['accuracy']:.4f}{raw}"
-              f"{' (best)' if is_best else ''}{f' [COLLAPSED: {collapse}]' if collapse else ''}", flush=True)
+        say(f"epoch {epoch_index + 1}: train loss {train_means['loss']:.4f} acc {train_means['accuracy']:.4f}"
+            f" | test loss {test['loss']:.4f} acc {test['accuracy']:.4f}{raw}"
+            f"{' (best)' if is_best else ''}{f' [COLLAPSED: {collapse}]' if collapse else ''}")
 
     # ---- final metrics
     if test is None:
