@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -437,6 +438,32 @@ def test_execution_lengths_end_at_log_steps_and_at_the_epoch_end(steps_per_epoch
     from capsnet.training.steps import execution_lengths
 
     assert execution_lengths(steps_per_epoch, start, per_call, log_every) == lengths
+
+
+@pytest.mark.parametrize("tty", [True, False], ids=["terminal", "log_file"])
+def test_progress_bar_moves_at_any_steps_per_execution(monkeypatch, capsys, tty):
+    """On a terminal the bar moves ~20 times an epoch even with 50 steps per call (calls of
+    at most 1/20 of the epoch) and never shows images/s as nan; in a log file the calls stay
+    as long as steps_per_execution allows (the bar prints one line per epoch there)."""
+    from capsnet.training.loop import train_epoch
+
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: tty)
+    calls = []
+
+    def train_steps(iterator, batch_sizes):
+        ran = int(tf.math.count_nonzero(batch_sizes))
+        calls.append(ran)
+        time.sleep(0.002 * ran)  # a clock for images/s
+        return {"loss": tf.fill([ran], 0.5), "margin_loss": tf.fill([ran], 0.4),
+                "reconstruction_loss": tf.fill([ran], 0.1), "accuracy": tf.fill([ran], 1.0),
+                "grad_norm": tf.ones([ran])}
+
+    means, step = train_epoch(train_steps, None, global_step=0, num_examples=100, batch_size=1,
+                              steps_per_execution=50, log_every_steps=1000,
+                              writer=tf.summary.create_noop_writer(), schedule=lambda s: 0.001)
+    assert step == 100 and sum(calls) == 100 and means["loss"] == pytest.approx(0.5)
+    assert calls == ([1] + [5] * 19 + [4] if tty else [1, 50, 49])
+    assert "nan" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("extra", [[], ["custom_op=true"], ["train.xla=jit"], ["custom_op=true", "train.xla=jit"]],
