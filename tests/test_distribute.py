@@ -88,9 +88,11 @@ import json, sys
 import tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import numpy as np
 from capsnet import ops
-from capsnet.errors import ConfigError
+from capsnet.errors import ConfigError, TrainingDiverged
 from capsnet.training import train
+from capsnet.training import steps as steps_module
 
 op_devices = []
 
@@ -107,14 +109,32 @@ def spy_on(name):
 
 spy_on("capsule_prediction")  # model.routing=tf
 spy_on("capsule_routing")     # custom_op=true's default
+real_losses = steps_module.capsnet_losses
+
+
+def nan_after(k):
+    # The loss of every replica's capsnet_losses call after the k-th is NaN (the guard's test).
+    calls = tf.Variable(0)
+
+    def poisoned(*args, **kwargs):
+        total, margin, reconstruction = real_losses(*args, **kwargs)
+        calls.assign_add(1)
+        return tf.where(calls > k, np.nan, total), margin, reconstruction
+
+    return poisoned
+
+
 report = {}
 for name, cfg in json.loads(sys.argv[1]):
+    steps_module.capsnet_losses = nan_after(5) if name == "diverging" else real_losses
     try:
         metrics = train(cfg)
         report[name] = {k: metrics[k] for k in ("test_accuracy", "test_loss", "global_step", "epochs", "replicas",
                                                 "distribute", "resumed_from")}
     except ConfigError as exc:
         report[name] = {"error": str(exc)}
+    except TrainingDiverged as exc:
+        report[name] = {"diverged": str(exc)}
 report["op_devices"] = sorted(set(op_devices))
 print(json.dumps(report))
 """
@@ -124,7 +144,8 @@ print(json.dumps(report))
 def mirrored(tiny_idx_dir, tmp_path_factory):
     """The mirrored runs, over /cpu:0 and /cpu:1, in one subprocess:
     indivisible: train.batch_size=15 (a ConfigError); run: 2 epochs, then resumed for a third
-    with custom_op=true; jit: 1 epoch with train.xla=jit; loop: 3 epochs with
+    with custom_op=true; jit: 1 epoch with train.xla=jit (jit_op: with custom_op=true too);
+    diverging: NaN losses from the 6th replica loss call on; loop: 3 epochs with
     train.steps_per_execution=3; ema: 1 epoch with train.ema_decay=0.5; fp16: 1 epoch with
     train.precision=mixed_float16 and custom_op=true."""
     root = tmp_path_factory.mktemp("mirrored")
@@ -138,6 +159,10 @@ def mirrored(tiny_idx_dir, tmp_path_factory):
         ("first", cfg("run", "train.epochs=2")),
         ("resumed", cfg("run", "train.epochs=3", "custom_op=true")),
         ("jit", cfg("jit", "train.epochs=1", "train.xla=jit")),
+        # The whole replica step under jit with the compiled (fused) op in it: XLA custom calls.
+        ("jit_op", cfg("jit_op", "train.epochs=1", "train.xla=jit", "custom_op=true")),
+        # The non-finite guard under the strategy: NaN losses from the 6th replica call on.
+        ("diverging", cfg("diverging", "train.epochs=2")),
         # Several steps per call (a loop over the distributed iterator): calls of 1 + 3 steps
         # an epoch, the 3 ending at the log step.
         ("loop", cfg("loop", "train.epochs=3", "train.steps_per_execution=3", "train.log_every_steps=4")),
@@ -182,6 +207,23 @@ def test_mirrored_with_xla_jit_compiles_each_replica_and_steps_like_one_device(m
     root, report = mirrored
     assert report["jit"]["global_step"] == STEPS_PER_EPOCH
     assert_steps_match(root / "jit", reference, STEPS_PER_EPOCH)
+
+
+@pytest.mark.slow
+def test_mirrored_with_xla_jit_and_the_op_steps_like_one_device(mirrored, reference):
+    root, report = mirrored
+    assert report["jit_op"]["global_step"] == STEPS_PER_EPOCH
+    assert_steps_match(root / "jit_op", reference, STEPS_PER_EPOCH)
+
+
+@pytest.mark.slow
+def test_mirrored_non_finite_guard_stops_at_the_first_nan_step(mirrored):
+    """Each replica's loss call counts: the 6th call is a replica's of step 3, so step 3
+    is the first non-finite one (its sum over the replicas is NaN); nothing is saved."""
+    root, report = mirrored
+    message = report["diverging"]["diverged"]
+    assert message.startswith("training diverged at epoch 1, step 3: the loss is nan"), message
+    assert not list((root / "diverging").glob("checkpoints/latest/ckpt-*.index"))
 
 
 @pytest.mark.slow
