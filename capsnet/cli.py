@@ -19,7 +19,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from capsnet import config
-from capsnet.errors import CapsnetError
+from capsnet.errors import CapsnetError, Interrupted
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a program stopped by Ctrl-C
@@ -149,6 +149,12 @@ def run(hydra_main):
         if _full_errors_requested():
             raise
         fail(exc)
+    except Interrupted as exc:  # Ctrl-C while a launcher waited for its jobs
+        if _full_errors_requested():
+            raise
+        sys.stderr.write(" ".join(str(exc).split()) + "\n")
+        sys.stderr.flush()
+        sys.exit(EXIT_INTERRUPTED)
 
 
 def import_tensorflow_quietly():

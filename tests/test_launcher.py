@@ -1,10 +1,15 @@
 """hydra/launcher=gpus (hydra_plugins/capsnet_launcher/gpus.py): a sweep's jobs in parallel
 processes, one device slot each; on this CPU machine the devices are only slots."""
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from conftest import TINY_MODEL, TINY_TRAIN, run_entry_point
+from conftest import REPO, TINY_MODEL, TINY_TRAIN, entry_point_env, run_entry_point
 from hydra_plugins.capsnet_launcher.gpus import check_devices, config_flags, quoted, visible_gpus
 
 from capsnet.errors import ConfigError
@@ -125,3 +130,24 @@ def test_a_failed_job_is_reported_and_the_others_finish(tiny_idx_dir, tmp_path):
     assert lines[-1].startswith("error: 1 of 2 sweep jobs failed: #1 (train.epochs=0) exit status 2"), result.stderr
     assert (tmp_path / "sweep" / "0_train.epochs=1" / "metrics.json").is_file()
     assert (tmp_path / "sweep" / "1_train.epochs=0" / "output.log").is_file()
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_jobs_and_says_so_in_one_line(tiny_idx_dir, tmp_path):
+    fixed = [*TINY_MODEL, *ONE_EPOCH, f"data.dir={tiny_idx_dir}"]
+    # Its own process group, which the test's Ctrl-C (SIGINT to the group, as a terminal sends it) reaches.
+    process = subprocess.Popen([sys.executable, str(REPO / "train.py"), "-m", "seed=0,1,2", *PARALLEL, *fixed,
+                                f"hydra.sweep.dir={tmp_path / 'sweep'}", "hydra.sweep.subdir=${hydra.job.num}"],
+                               cwd=tmp_path, env=entry_point_env(), start_new_session=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    logs = [tmp_path / "sweep" / str(i) / "train.log" for i in (0, 1)]
+    deadline = time.monotonic() + 120
+    while not all(log.is_file() and "CUDA_VISIBLE_DEVICES" in log.read_text() for log in logs):
+        assert time.monotonic() < deadline and process.poll() is None, process.communicate()
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    assert stderr.strip().splitlines() == [
+        f"sweep interrupted: jobs #0 (seed=0), #1 (seed=1) stopped, 1 not started (job dirs in {tmp_path / 'sweep'})"]
+    assert not (tmp_path / "sweep" / "2").exists()

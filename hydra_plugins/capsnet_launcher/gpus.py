@@ -29,6 +29,7 @@ import copy
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -42,7 +43,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from capsnet.cli import user_environ
-from capsnet.errors import ConfigError, SweepJobsFailed
+from capsnet.errors import ConfigError, Interrupted, SweepJobsFailed
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ _SWEEP_ONLY = ("hydra.mode", "hydra.run.dir", "hydra.job.num", "hydra.job.id", "
 # Flags of Hydra's command line naming the config, which each job needs as the sweep had them.
 _CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
 _POLL_SECONDS = 0.2
+_GRACE_SECONDS = 10
 
 
 def visible_gpus():
@@ -77,7 +79,8 @@ def check_devices(devices, jobs):
         devices = visible_gpus() or [None]
     else:
         if isinstance(devices, (str, int)) or not devices:
-            raise ConfigError(f"hydra.launcher.devices must be a non-empty list of devices, e.g. [0,1], got {devices!r}")
+            raise ConfigError("hydra.launcher.devices must be a non-empty list of devices, e.g. [0,1], "
+                              f"got {devices!r}")
         devices = [str(d).strip() for d in devices]
         if any(not d or "," in d for d in devices):
             raise ConfigError(f"hydra.launcher.devices must name one device per entry, got {devices}")
@@ -137,6 +140,22 @@ class _Job:
         self.name = f"#{self.idx} ({' '.join(own)})" if own else f"#{self.idx}"
 
 
+class _JobReturn(JobReturn):
+    """A JobReturn whose failed return value raises without Hydra's "Error executing job with
+    overrides: [...]" line on stderr: this launcher has reported the job in its own line."""
+
+    @property
+    def return_value(self):
+        assert self.status != JobStatus.UNKNOWN, "return_value not yet available"
+        if self.status == JobStatus.COMPLETED:
+            return self._return_value
+        raise self._return_value
+
+    @return_value.setter
+    def return_value(self, value):
+        self._return_value = value
+
+
 class GpusLauncher(Launcher):
     def __init__(self, devices=None, jobs=None):
         super().__init__()
@@ -160,8 +179,8 @@ class GpusLauncher(Launcher):
         shared = set.intersection(*[set(job.overrides) for job in jobs]) if len(jobs) > 1 else set()
         for job in jobs:
             job.name_by(shared)
-        slots = ", ".join("unpinned" if d is None else d for d in self.devices)
-        log.info(f"Launching {len(jobs)} jobs, {self.jobs} at a time, on devices {slots}")
+        slots = "no GPU found" if self.devices == [None] else "devices " + ", ".join(self.devices)
+        log.info(f"Launching {len(jobs)} jobs, {self.jobs} at a time, {slots}")
         pending, running = list(jobs), []
         try:
             while pending or running:
@@ -172,15 +191,26 @@ class GpusLauncher(Launcher):
                     running.remove(job)
                     self._ended(job)
         except KeyboardInterrupt:
-            # Ctrl-C in a terminal reaches the jobs too (same process group); a signal sent to
-            # this process alone is passed on, so that each job saves where it stopped.
-            for job in running:
-                job.process.send_signal(2)  # SIGINT
-            for job in running:
-                job.process.wait()
-                job.output.close()
-            raise
+            self._stop(running)
+            raise Interrupted(f"sweep interrupted: job{'s' if len(running) > 1 else ''} "
+                              f"{', '.join(job.name for job in running) or 'none'} stopped, {len(pending)} not "
+                              f"started (job dirs in {self.config.hydra.sweep.dir})") from None
         return self._results(jobs)
+
+    @staticmethod
+    def _stop(running):
+        """After Ctrl-C: the jobs, in this process group, had it from the terminal too; any still
+        running after a grace period (a SIGINT sent to this process alone) get it from here.
+        Not at once: a second SIGINT would interrupt a job's own handling of the first."""
+        deadline = time.monotonic() + _GRACE_SECONDS
+        while any(job.process.poll() is None for job in running) and time.monotonic() < deadline:
+            time.sleep(_POLL_SECONDS)
+        for job in running:
+            if job.process.poll() is None:
+                job.process.send_signal(signal.SIGINT)
+        for job in running:
+            job.process.wait()
+            job.output.close()
 
     def _job(self, idx, overrides):
         """A job's config and dir, as Hydra's basic launcher makes them (its run_job)."""
@@ -197,8 +227,9 @@ class GpusLauncher(Launcher):
         # As written: `hydra.sweep.subdir=${hydra.job.num}` is text here, not an interpolation.
         written = OmegaConf.to_container(self.config.hydra.overrides.hydra, resolve=False)
         hydra_overrides = [o for o in written if not o.startswith(_SWEEP_ONLY)]
-        return [sys.executable, os.path.abspath(sys.argv[0]), *config_flags(sys.argv[1:]), *job.overrides, *hydra_overrides,
-                f"hydra.run.dir={quoted(job.dir.resolve())}", f"hydra.job.num={job.idx}", f"hydra.job.id={job.idx}"]
+        return [sys.executable, os.path.abspath(sys.argv[0]), *config_flags(sys.argv[1:]), *job.overrides,
+                *hydra_overrides, f"hydra.run.dir={quoted(job.dir.resolve())}", f"hydra.job.num={job.idx}",
+                f"hydra.job.id={job.idx}"]
 
     def _start(self, job, running):
         # The least busy device: one job each while jobs <= devices.
@@ -212,7 +243,7 @@ class GpusLauncher(Launcher):
             env.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
         job.dir.mkdir(parents=True, exist_ok=True)
         job.output = open(job.dir / "output.log", "w")
-        log.info(f"\t{job.name} on device {'unpinned' if job.device is None else job.device}")
+        log.info(f"\t{job.name}" + ("" if job.device is None else f" on device {job.device}"))
         job.started = time.monotonic()
         job.process = subprocess.Popen(self._command(job), env=env, stdout=job.output, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, cwd=os.getcwd())
@@ -226,7 +257,8 @@ class GpusLauncher(Launcher):
             log.info(f"\t#{job.idx} done in {seconds:.0f} s")
             return
         why = last_error_line(job.dir / "output.log")
-        sys.stderr.write(f"sweep job {job.name} on device {job.device} failed with exit status {status}"
+        where = "" if job.device is None else f" on device {job.device}"
+        sys.stderr.write(f"sweep job {job.name}{where} failed with exit status {status}"
                          f"{': ' + why if why else ''} (its output: {job.dir / 'output.log'})\n")
         sys.stderr.flush()
 
@@ -245,8 +277,9 @@ class GpusLauncher(Launcher):
             task_cfg = copy.deepcopy(job.config)
             with read_write(task_cfg), open_dict(task_cfg):
                 del task_cfg["hydra"]
-            ret = JobReturn(overrides=job.overrides, cfg=task_cfg, hydra_cfg=OmegaConf.masked_copy(job.config, "hydra"),
-                            working_dir=str(job.dir), task_name=job.config.hydra.job.name)
+            ret = _JobReturn(overrides=job.overrides, cfg=task_cfg,
+                             hydra_cfg=OmegaConf.masked_copy(job.config, "hydra"),
+                             working_dir=str(job.dir), task_name=job.config.hydra.job.name)
             if job.process.returncode == 0:
                 ret.status, ret.return_value = JobStatus.COMPLETED, self._return_value(job)
             else:
