@@ -103,6 +103,10 @@ def test_parallel_sweep_matches_the_sequential_one(tiny_idx_dir, tmp_path):
         # TensorBoard event files: events.out.tfevents.<time>.<host>.<pid>.<n>.v2
         pids |= {p.name.split(".")[-3] for p in job.glob("events.out.tfevents.*")}
         spans.append(job_span(job))
+        # The same config as the sequential job's, but for its run dir; the same task overrides.
+        assert (job / "config.yaml").read_text().replace(str(job.resolve()), str(reference.resolve())) == \
+            (reference / "config.yaml").read_text()
+        assert (job / ".hydra" / "overrides.yaml").read_text() == (reference / ".hydra" / "overrides.yaml").read_text()
         got, want = (json.loads((d / "metrics.json").read_text()) for d in (job, reference))
         assert got["run_dir"] == str(job.resolve())
         for key in ("test_loss", "test_accuracy", "train_loss", "global_step"):
