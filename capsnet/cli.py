@@ -20,17 +20,29 @@ from omegaconf.errors import OmegaConfBaseException
 
 from capsnet import config
 from capsnet.console import say
-from capsnet.errors import CapsnetError
+from capsnet.errors import CapsnetError, Interrupted
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a program stopped by Ctrl-C
 
 # The user's own HYDRA_FULL_ERROR, read before run() sets it for its own purposes.
-_user_full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
+_user_full_error_value = os.environ.get("HYDRA_FULL_ERROR")
+_user_full_error = _user_full_error_value == "1"
 
 
 def _full_errors_requested():
     return _user_full_error
+
+
+def user_environ():
+    """This process's environment as the user gave it, without the HYDRA_FULL_ERROR that run()
+    sets for itself: for the processes it starts (a sweep job of hydra/launcher=gpus), which
+    would otherwise print tracebacks instead of one-line errors."""
+    env = dict(os.environ)
+    env.pop("HYDRA_FULL_ERROR", None)
+    if _user_full_error_value is not None:
+        env["HYDRA_FULL_ERROR"] = _user_full_error_value
+    return env
 
 
 def fail(message):
@@ -119,7 +131,8 @@ def _remove_unused_run_dir():
 
 
 def run(hydra_main):
-    """Call a `@hydra.main` function; config composition errors → `error: ...`, exit 2."""
+    """Call a `@hydra.main` function; config composition errors (and a launcher's CapsnetError)
+    → `error: ...`, exit 2."""
     # Hydra prints its own multi-line report for config errors and exits 1, unless
     # HYDRA_FULL_ERROR is set, in which case it re-raises: set it so we get the
     # exception, and honour the user's own setting by re-raising in turn.
@@ -130,6 +143,17 @@ def run(hydra_main):
         if _full_errors_requested():
             raise
         fail(_one_line(exc))
+    except CapsnetError as exc:
+        # Raised outside the task function, by a sweep's launcher (hydra/launcher=gpus: its
+        # config, or jobs that failed in their own processes).
+        if _full_errors_requested():
+            raise
+        fail(exc)
+    except Interrupted as exc:  # Ctrl-C while a launcher waited for its jobs
+        if _full_errors_requested():
+            raise
+        say(" ".join(str(exc).split()), stream=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
 
 
 def import_tensorflow_quietly():

@@ -34,3 +34,7 @@ class Interrupted(KeyboardInterrupt):
 
 class TrainingDiverged(CapsnetError):
     """A training step's loss or gradients were not finite: training stopped, nothing saved."""
+
+
+class SweepJobsFailed(CapsnetError):
+    """Jobs of a parallel sweep (hydra/launcher=gpus) ended with a non-zero exit status."""

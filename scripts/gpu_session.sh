@@ -3,7 +3,7 @@
 # parts were received, verify the op on the GPU and measure. Everything lands in $OUT
 # (or ./gpu-out) as logs; the last lines printed are the summaries.
 #   carry: .gpukit/gpukit.sh .gpukit/MANIFEST capsnet/lib build .gpudata
-#   command: bash scripts/gpu_session.sh [verify|bench|train|all|scale|precision|profile|xla|xla-profile]   (scale: on nvidia-h200-x2, not in all)
+#   command: bash scripts/gpu_session.sh [verify|bench|train|all|scale|precision|profile|xla|xla-profile|sweep]   (scale, sweep: on nvidia-h200-x2, not in all)
 set -uo pipefail
 what="${1:-all}"
 out="${OUT:-gpu-out}"; mkdir -p "$out"
@@ -82,6 +82,24 @@ if [[ $what == scale ]]; then
   # one_device first and a per-variant timeout: should NCCL hang, the rows before it still come back.
   python3 scripts/benchmark_scale.py --replicas 2 --all-reduce one_device,auto --steps-per-execution 1,50 \
     --timeout 300 --json "$out/benchmark_scale.json" 2>&1 | tee "$out/benchmark_scale.log" | tail -30
+fi
+if [[ $what == sweep ]]; then
+  # [multi-gpu]: a 4-seed sweep as before (Hydra's basic launcher: one job after another, one
+  # process) and with hydra/launcher=gpus (the jobs at once, one process per GPU); the wall
+  # time of each, then each job's final accuracy and images/s.
+  args=(seed=0,1,2,3 data.dir=.gpudata/mnist train.epochs="${EPOCHS:-2}" train.batch_size=128 train.progress_bar=false)
+  for mode in sequential parallel; do
+    launcher=(); [[ $mode == parallel ]] && launcher=(hydra/launcher=gpus)
+    start=$(date +%s.%N)
+    python3 train.py -m "${args[@]}" "${launcher[@]}" hydra.sweep.dir="/tmp/sweeps/$mode" > "$out/sweep_$mode.log" 2>&1
+    status=$?
+    echo "$mode: exit $status, $(python3 -c "print(round($(date +%s.%N) - $start, 1))") s wall" | tee -a "$out/sweep.txt"
+    for job in /tmp/sweeps/$mode/*/; do
+      name="$(basename "$job")"
+      cp "$job/output.log" "$out/sweep_${mode}_$name.output.log" 2>/dev/null
+      echo "  $name: $(python3 -c 'import json, sys; m = json.load(open(sys.argv[1])); print("test_accuracy", m["test_accuracy"], "images/s", round(m["images_per_sec"]))' "$job/metrics.json" 2>&1 | tail -1)"
+    done | tee -a "$out/sweep.txt"
+  done
 fi
 if [[ $what == paper_mnist || $what == paper_fashion_mnist ]]; then
   # An [accuracy] run: the experiment preset on the real IDX files (.gpudata = a copy of
