@@ -53,6 +53,7 @@ from capsnet.routing import dynamic_routing, squash  # noqa: E402
 
 SHAPES = {  # name: (batch, in_caps, out_caps, out_dim, in_dim)
     "paper": (128, 1152, 10, 16, 8),
+    "batch16": (16, 1152, 10, 16, 8),  # small batches, where per-call costs weigh most
     "batch512": (512, 1152, 10, 16, 8),
     "large": (128, 4608, 32, 16, 8),
 }
