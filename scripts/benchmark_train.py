@@ -4,6 +4,7 @@
     .venv/bin/python scripts/benchmark_train.py --device cpu --batch-sizes 8 --steps 3 --repeats 1
     .venv/bin/python scripts/benchmark_train.py --json bench.json model.routing_iterations=1
     .venv/bin/python scripts/benchmark_train.py --precision float32,mixed_bfloat16,mixed_float16
+    .venv/bin/python scripts/benchmark_train.py --guard on,off --variants op+fused   # the guard's cost
 
 What it measures (the [speed] issue's benchmark 2): training steps per second of the
 model in configs/ (the paper's CapsNet unless Hydra overrides say otherwise, e.g.
@@ -43,6 +44,10 @@ How:
   same batch size, K and precision.
 - `--precision` (train.precision, default float32; a list measures each, in the same
   process): the model's Keras dtype policy, mixed_float16 with its loss scaling.
+- `--guard on,off` also times each configuration without the non-finite guard (the
+  gradients' global norm and the loop's finiteness check: make_train_step/make_train_loop
+  guard=False; train() always guards), so its cost is the ratio of the two rows; labels
+  and the JSON's "guard" say which.
 - Peak device memory: the allocator's statistics are reset after the warm-up
   (tf.config.experimental.reset_memory_stats), so the peak of the timed steps
   (get_memory_info()["peak"]) is the steady state's, without one-off autotuning
@@ -128,6 +133,13 @@ def _positive_int(text):
         raise argparse.ArgumentTypeError(f"need a positive integer, got {text!r}") from None
 
 
+def _guards(text):
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    if not names or any(v not in ("on", "off") for v in names):
+        raise argparse.ArgumentTypeError(f"--guard takes on, off or on,off, got {text!r}")
+    return [v == "on" for v in dict.fromkeys(names)]
+
+
 def _precisions(text):
     from capsnet.config import PRECISIONS
 
@@ -175,6 +187,8 @@ def add_run_arguments(parser, *, default_variants):
     parser.add_argument("--repeats", type=_positive_int, default=5, help="timed repeats; the median counts (default 5)")
     parser.add_argument("--precision", type=_precisions, default=["float32"],
                         help="comma-separated train.precision values (default float32)")
+    parser.add_argument("--guard", type=_guards, default=[True], metavar="on|off|on,off",
+                        help="with the non-finite guard (on, default), without it (off), or both")
     parser.add_argument("--variants", type=_variants, default=default_variants,
                         help=f"comma-separated, from: {', '.join(VARIANTS)} (default {','.join(default_variants)})")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results here as JSON")
@@ -273,7 +287,7 @@ def time_steps(train_steps, iterator, global_batch, spec, per_call, tf_device="/
     return first_loss, last_loss, seconds, peak
 
 
-def time_training(spec, batch_size, tf_device, per_call=1, precision="float32"):
+def time_training(spec, batch_size, tf_device, per_call=1, precision="float32", guard=True):
     """images/s, ms/step and peak memory of one (variant, batch size, steps per call, precision): a
     fresh model, optimizer and step.
     Running out of device memory is a CapsnetError naming the batch size (the first line of
@@ -297,11 +311,11 @@ def time_training(spec, batch_size, tf_device, per_call=1, precision="float32"):
             model = build_capsnet(model_cfg, spec["custom_op"], precision)
             optimizer, _ = build_optimizer(train_cfg, math.ceil(MNIST_TRAIN_EXAMPLES / batch_size), model)
             step = make_train_step(model, optimizer, input_shape=input_shape, losses=loss_params(train_cfg),
-                                   xla=spec["xla"])
+                                   xla=spec["xla"], guard=guard)
             iterator = input_iterator(synthetic_batches(spec, batch_size, input_shape,
                                                         int(model_cfg["num_classes"])), device=tf_device)
-            first_loss, last_loss, seconds, peak = time_steps(make_train_loop(step), iterator, batch_size, spec,
-                                                              per_call, tf_device)
+            first_loss, last_loss, seconds, peak = time_steps(make_train_loop(step, guard=guard), iterator,
+                                                              batch_size, spec, per_call, tf_device)
     except tf.errors.ResourceExhaustedError as exc:
         raise CapsnetError(f"out of device memory at batch {batch_size}: "
                            f"{str(exc).strip().splitlines()[0]}") from exc
@@ -310,6 +324,7 @@ def time_training(spec, batch_size, tf_device, per_call=1, precision="float32"):
         "batch_size": batch_size,
         "steps_per_execution": per_call,
         "precision": precision,
+        "guard": guard,
         "images_per_sec": spec["steps"] * batch_size / median,
         "peak_memory_mib": None if peak is None else peak / 2**20,
         "ms_per_step": 1000.0 * median / spec["steps"],
@@ -348,9 +363,11 @@ def worker(spec):
         for precision in spec["precisions"]:
             for batch_size in spec["batch_sizes"]:
                 for per_call in spec["steps_per_execution"]:
-                    print(f"  {spec['variant']}: {precision}, batch {batch_size}, {per_call} steps per call",
-                          file=sys.stderr, flush=True)
-                    result["results"].append(time_training(spec, batch_size, tf_device, per_call, precision))
+                    for guard in spec.get("guards", [True]):
+                        print(f"  {spec['variant']}: {precision}, batch {batch_size}, {per_call} steps per call"
+                              + ("" if guard else ", no guard"), file=sys.stderr, flush=True)
+                        result["results"].append(time_training(spec, batch_size, tf_device, per_call, precision,
+                                                               guard))
     except CapsnetError as exc:
         result["error"] = " ".join(str(exc).split())
     print(json.dumps(result))
@@ -362,7 +379,7 @@ def run_variant(variant, args, cfg):
     spec = {"variant": variant, "custom_op": custom_op, "xla": xla, "device": args.device,
             "batch_sizes": args.batch_sizes, "steps": args.steps, "warmup": args.warmup,
             "repeats": args.repeats, "steps_per_execution": args.steps_per_execution, "precisions": args.precision,
-            **cfg}
+            "guards": args.guard, **cfg}
     return run_worker(Path(__file__), spec, device=args.device, timeout=args.timeout)
 
 
@@ -428,7 +445,7 @@ def with_ratios(runs):
     """Flat result rows, each with images/s ÷ the baseline's at the same batch size, steps
     per call and precision (None without one)."""
     def key(r):
-        return r["batch_size"], r["steps_per_execution"], r.get("precision", "float32")
+        return r["batch_size"], r["steps_per_execution"], r.get("precision", "float32"), r.get("guard", True)
 
     baseline = {key(r): r["images_per_sec"] for run in runs if run["variant"] == BASELINE for r in run["results"]}
     rows = []
@@ -443,7 +460,7 @@ def with_ratios(runs):
 
     return sorted(rows, key=lambda row: (row["batch_size"], row["steps_per_execution"],
                                          PRECISIONS.index(row.get("precision", "float32")),
-                                         list(VARIANTS).index(row["variant"])))
+                                         list(VARIANTS).index(row["variant"]), not row.get("guard", True)))
 
 
 def format_table(rows):
@@ -453,7 +470,8 @@ def format_table(rows):
     for row in rows:
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}×"
         peak = row.get("peak_memory_mib")
-        lines.append(f"| {row['label']} | {row.get('precision', 'float32')} | {row['batch_size']} | "
+        name = row["label"] + ("" if row.get("guard", True) else " no_guard")
+        lines.append(f"| {name} | {row.get('precision', 'float32')} | {row['batch_size']} | "
                      f"{row['steps_per_execution']} | {row['images_per_sec']:,.0f} | "
                      f"{row['ms_per_step']:.2f} | {'-' if peak is None else f'{peak:,.0f}'} | {ratio} |")
     return "\n".join(lines)

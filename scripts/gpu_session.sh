@@ -3,7 +3,8 @@
 # parts were received, verify the op on the GPU and measure. Everything lands in $OUT
 # (or ./gpu-out) as logs; the last lines printed are the summaries.
 #   carry: .gpukit/gpukit.sh .gpukit/MANIFEST capsnet/lib build .gpudata
-#   command: bash scripts/gpu_session.sh [verify|bench|train|all|scale|precision|profile|xla|xla-profile|sweep]   (scale, sweep: on nvidia-h200-x2, not in all)
+#   command: bash scripts/gpu_session.sh [verify|bench|train|all|scale|precision|profile|xla|xla-profile|guard|sweep|
+#                                         full_mnist|fast_grid|fast_time]   (scale, sweep: on nvidia-h200-x2, not in all)
 set -uo pipefail
 what="${1:-all}"
 out="${OUT:-gpu-out}"; mkdir -p "$out"
@@ -60,6 +61,13 @@ if [[ $what == xla-profile ]]; then
   python3 train.py custom_op=true train.xla=jit data.dir=.gpudata/mnist train.epochs=2 train.batch_size=128 \
     hydra.run.dir=/tmp/gpu-run-jit 2>&1 | tee "$out/train_gpu_jit.log" | grep -v "^W0000\|^I0000" | tail -6
   python3 evaluate.py checkpoint=/tmp/gpu-run-jit custom_op=false 2>&1 | tail -1 | cut -c1-200
+fi
+if [[ $what == guard ]]; then
+  # [reliability]: what the non-finite guard costs the step (the gradients' global norm and the
+  # loop's check), each row with and without it, in the same process.
+  python3 scripts/benchmark_train.py --precision mixed_bfloat16,float32 --steps-per-execution 50 --repeats 5 \
+    --variants op+fused,op+fused+jit --guard on,off --json "$out/benchmark_guard.json" \
+    2>&1 | tee "$out/benchmark_guard.log" | tail -20
 fi
 if [[ $what == bench-jit-routing || $what == all ]]; then
   # The op variants with the routing iterations compiled by XLA on their own.
@@ -147,5 +155,66 @@ if [[ $what == precision_accuracy ]]; then
         done
       fi
     done
+  done
+fi
+
+# Runs side by side on the one GPU: each line of $RUNS is "name overrides...". Rerunning the same
+# call resumes them (same run dirs, while the machine is held); finished runs are evaluated (final
+# checkpoint, op and matmul path) and their histories and logs come back.
+side_by_side() {
+  # Each process takes GPU memory as it needs it (TensorFlow's default, all of it, leaves the
+  # others "cudaSetDevice() ... out of memory").
+  export TF_FORCE_GPU_ALLOW_GROWTH=true
+  local name args
+  while read -r name args; do
+    [[ -z $name ]] && continue
+    timeout "${TRAIN_TIMEOUT:-540}" python3 train.py $args train.progress_bar=false hydra.run.dir="/tmp/runs/$name" \
+      > "$out/$name.log" 2>&1 &
+  done <<< "$RUNS"
+  wait
+  while read -r name args; do
+    [[ -z $name ]] && continue
+    local run="/tmp/runs/$name"
+    echo "$name: $(grep -c '^epoch [0-9]*:' "$run/train.log" 2>/dev/null || true) epochs; $(grep '^epoch [0-9]*:' "$out/$name.log" | tail -1 | cut -c1-160)"
+    cp "$run/history.jsonl" "$out/$name.history.jsonl" 2>/dev/null
+    if [[ -f "$run/metrics.json" && ${EVALUATE:-1} == 1 ]]; then
+      cp "$run/metrics.json" "$out/$name.metrics.json"
+      for op in true false; do
+        python3 evaluate.py checkpoint="$run" which=latest custom_op=$op output="$out/${name}_eval_op_$op.json" \
+          2>&1 | tail -1 | cut -c1-200
+      done
+    fi
+  done <<< "$RUNS"
+}
+if [[ $what == full_mnist ]]; then
+  # [accuracy-full]: experiment=paper_mnist on all 60,000 training images, seeds 0-4 side by side.
+  RUNS="$(for seed in ${SEEDS:-0 1 2 3 4}; do
+    echo "full_mnist_$seed experiment=paper_mnist data.dir=.gpudata/mnist custom_op=true seed=$seed ${EXTRA:-}"; done)"
+  side_by_side
+fi
+if [[ $what == fast_grid ]]; then
+  # [accuracy-full] time to accuracy: which short schedule reaches 99.6% on MNIST in the fewest
+  # images (epochs), side by side (their speed here says nothing: they share the GPU).
+  EVALUATE=0 RUNS="${GRID:-
+fast_b128_lr2_d80 experiment=paper_mnist data.dir=.gpudata/mnist custom_op=true train.precision=mixed_bfloat16 train.epochs=15 train.batch_size=128 train.learning_rate=0.002 train.lr_decay_rate=0.8
+fast_b256_lr3_d80 experiment=paper_mnist data.dir=.gpudata/mnist custom_op=true train.precision=mixed_bfloat16 train.epochs=15 train.batch_size=256 train.learning_rate=0.003 train.lr_decay_rate=0.8
+fast_b512_lr4_d80 experiment=paper_mnist data.dir=.gpudata/mnist custom_op=true train.precision=mixed_bfloat16 train.epochs=15 train.batch_size=512 train.learning_rate=0.004 train.lr_decay_rate=0.8
+fast_b256_lr2_d85 experiment=paper_mnist data.dir=.gpudata/mnist custom_op=true train.precision=mixed_bfloat16 train.epochs=15 train.batch_size=256 train.learning_rate=0.002 train.lr_decay_rate=0.85}"
+  side_by_side
+fi
+if [[ $what == fast_time ]]; then
+  # Time to accuracy: wall seconds from `python3 train.py` start (imports, data loading and
+  # compilation included) to the end of each epoch, the process alone on the GPU. Each
+  # stdout line is stamped with the seconds since the start.
+  for seed in ${SEEDS:-0}; do
+    run="/tmp/runs/fast_time_$seed"; rm -rf "$run"
+    start=$(date +%s.%N)
+    python3 train.py experiment=${FAST_EXPERIMENT:-fast_mnist} data.dir=.gpudata/mnist seed=$seed ${EXTRA:-} \
+      train.progress_bar=false hydra.run.dir="$run" 2>&1 \
+      | python3 -u -c 'import sys, time
+t0 = float(sys.argv[1])
+for line in sys.stdin: print(f"{time.time() - t0:8.2f} {line}", end="", flush=True)' "$start" > "$out/fast_time_$seed.log"
+    grep "^ *[0-9.]* epoch [0-9]*:" "$out/fast_time_$seed.log" | cut -c1-150
+    cp "$run/history.jsonl" "$out/fast_time_$seed.history.jsonl" 2>/dev/null
   done
 fi

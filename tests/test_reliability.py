@@ -57,6 +57,49 @@ def test_train_loop_stops_at_the_first_non_finite_step_on_the_device():
     out = loop(iterator, tf.constant([2, 2, 0, 0, 0], tf.int32))
     np.testing.assert_array_equal(out["loss"].numpy(), [7, 8])  # finite: all the steps asked for
 
+    # guard=False (scripts/benchmark_train.py --guard off, to time the guard): no stop.
+    unguarded = make_train_loop(fake_step, guard=False)
+    calls.assign(0)
+    out = unguarded(iterator, tf.constant([2] * 7, tf.int32))
+    np.testing.assert_array_equal(out["margin_loss"].numpy(), [1, 2, 3, 4, 5, 6, 7])
+    assert np.isnan(out["loss"].numpy()[2]) and np.isinf(out["grad_norm"].numpy()[5])
+
+
+def test_unguarded_train_step_trains_identically_without_the_gradient_norm(tiny_config):
+    """make_train_step(guard=False), the benchmark's way to time the guard, leaves the
+    training itself alone: the same losses step for step, grad_norm 0 instead of the
+    gradients' global norm (which the guarded step reports, checked against NumPy)."""
+    import keras
+
+    from capsnet.losses import capsnet_losses, loss_params
+    from capsnet.training.model_setup import build_capsnet
+    from capsnet.training.optimizer import build_optimizer
+    from capsnet.training.steps import make_train_step
+
+    cfg = tiny_config()
+    shape = tuple(cfg["model"]["input_shape"])
+    generator = np.random.default_rng(0)
+    images = generator.uniform(size=(8, *shape)).astype(np.float32)
+    labels = generator.integers(0, int(cfg["model"]["num_classes"]), size=8).astype(np.int32)
+    runs = {}
+    for guard in (False, True):  # the guarded model last: the norm below is checked on it
+        keras.utils.set_random_seed(0)
+        model = build_capsnet(cfg["model"], False, "float32")
+        optimizer, _ = build_optimizer(cfg["train"], 10, model)
+        step = make_train_step(model, optimizer, input_shape=shape, losses=loss_params(cfg["train"]), guard=guard)
+        runs[guard] = [{k: float(v) for k, v in step(images, labels).items()} for _ in range(3)]
+    with tf.GradientTape() as tape:
+        outputs = model(images, labels=labels, training=True)
+        loss = tf.reduce_mean(capsnet_losses(images, labels, outputs, **loss_params(cfg["train"]))[0])
+    grads = tape.gradient(loss, model.trainable_variables)
+    expected_norm = np.sqrt(sum(np.sum(np.square(g.numpy().astype(np.float64))) for g in grads))
+    for guarded, unguarded in zip(runs[True], runs[False]):
+        assert unguarded["loss"] == guarded["loss"]
+        assert unguarded["grad_norm"] == 0.0 and guarded["grad_norm"] > 0
+    # The 4th step's norm from outside the step, on the weights the 3 steps left.
+    step4 = make_train_step(model, optimizer, input_shape=shape, losses=loss_params(cfg["train"]))
+    assert float(step4(images, labels)["grad_norm"]) == pytest.approx(expected_norm, rel=1e-4)
+
 
 @pytest.fixture
 def nan_after(monkeypatch):

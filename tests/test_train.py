@@ -655,6 +655,26 @@ def test_benchmark_train_script_times_both_paths_on_the_same_model(tmp_path):
     assert "| custom_op=false xla=none | mixed_bfloat16 | 4 |" in table
 
 
+def test_benchmark_train_times_the_step_with_and_without_the_guard(tmp_path):
+    """--guard on,off: each configuration with train()'s step and without the non-finite
+    guard, the same model and data (the same first loss), the rows told apart."""
+    from conftest import TINY_MODEL
+
+    output = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "benchmark_train.py"), "--device", "cpu", "--batch-sizes", "4",
+         "--steps", "2", "--repeats", "1", "--warmup", "1", "--variants", "matmul", "--guard", "on,off",
+         "--json", str(output), *TINY_MODEL],
+        env=entry_point_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    rows = {row["guard"]: row for row in json.loads(output.read_text())["results"]}
+    assert sorted(rows) == [False, True]
+    assert rows[False]["first_loss"] == pytest.approx(rows[True]["first_loss"], rel=1e-6)
+    assert rows[False]["ratio"] == pytest.approx(1.0)  # each against the baseline of its own guard setting
+    assert "| custom_op=false xla=none no_guard | float32 | 4 |" in result.stdout
+    assert "| custom_op=false xla=none | float32 | 4 |" in result.stdout
+
+
 def test_benchmark_out_of_device_memory_is_one_line_naming_the_batch(monkeypatch):
     """time_training (benchmark_train and benchmark_scale) turns an OOM into a CapsnetError
     with the batch size and the first line of TensorFlow's message, not its allocator dump."""
@@ -685,6 +705,7 @@ def test_benchmark_train_script_rejects_bad_arguments(tmp_path):
                           (["--batch-sizes", "128,0"], "positive integers"),
                           (["custom_op=true"], "custom_op is set by each variant"),
                           (["--precision", "float32,fp8"], "unknown precision(s) fp8"),
+                          (["--guard", "maybe"], "--guard takes on, off or on,off"),
                           (["train.precision=mixed_bfloat16"], "train.precision is set by"),
                           (["model.no_such_key=1"], "error: bad override")):
         result = run_entry_point("scripts/benchmark_train.py", *args, cwd=tmp_path, timeout=120)

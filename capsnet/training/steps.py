@@ -53,7 +53,7 @@ def set_determinism(enabled):
 
 
 def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strategy=None, two_digits=False,
-                    weight_average=None):
+                    weight_average=None, guard=True):
     """The compiled training step: (images, labels) → {loss, margin_loss, reconstruction_loss, accuracy,
     grad_norm} (STEP_VALUES).
 
@@ -84,6 +84,9 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strate
             iff the two longest capsules are its two labels.
         weight_average: a WeightAverage of `model` (train.ema_decay), updated after each
             step; None: none kept.
+        guard: False leaves out what the non-finite guard costs the step (the gradients'
+            global norm: grad_norm is then 0), only to measure that cost
+            (scripts/benchmark_train.py --guard); train() always guards.
     """
     if xla not in config.XLA_MODES:
         raise ValueError(f"make_train_step: xla must be one of {', '.join(config.XLA_MODES)}, got {xla!r}")
@@ -93,6 +96,8 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strate
     if strategy is not None:
         if two_digits:
             raise ConfigError("two-digit data (MultiMNIST) trains on one device only: set distribute=none")
+        if not guard:
+            raise ValueError("make_train_step: guard=False is for one device only")
         return _make_distributed_train_step(model, optimizer, losses=losses, xla=xla, strategy=strategy,
                                             weight_average=weight_average)
     image_spec = tf.TensorSpec([None, *input_shape], tf.float32)
@@ -113,7 +118,8 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strate
             # gradients back), else × 1.
             scaled_loss = optimizer.scale_loss(loss)
         grads = tape.gradient(scaled_loss, model.trainable_variables)
-        grad_norm = gradient_norm(grads, optimizer)  # before apply: that may change the scale
+        # Before apply: that may change the scale.
+        grad_norm = gradient_norm(grads, optimizer) if guard else tf.zeros((), tf.float32)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         if weight_average is not None:
             weight_average.update()
@@ -210,7 +216,7 @@ def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, wei
     return train_step
 
 
-def make_train_loop(train_step, *, strategy=None):
+def make_train_loop(train_step, *, strategy=None, guard=True):
     """Several training steps in one call: (iterator, batch_sizes) → {name: (K,) per-step values}.
 
     Step i takes the next batch of `iterator` (a dataset's, or under `strategy` a
@@ -231,7 +237,8 @@ def make_train_loop(train_step, *, strategy=None):
     not finite, so the call returns fewer than K values (that step's last); the host
     sees it when it next fetches the values (loop.train_epoch: `first_non_finite`).
     Checked here, on the device, it costs no host round trip per step, and nothing runs
-    on the diverged weights after it.
+    on the diverged weights after it. guard=False (with make_train_step's) leaves the
+    check out, only to measure what it costs (scripts/benchmark_train.py --guard).
     """
     names = STEP_VALUES  # the keys of both step kinds' outputs
 
@@ -244,8 +251,8 @@ def make_train_loop(train_step, *, strategy=None):
             batch = next(iterator)  # (images, labels) or (images, labels, digits)
             out = train_step(*batch) if strategy is None else train_step(*batch, batch_sizes[i])
             values = {name: values[name].write(i, tf.cast(out[name], tf.float32)) for name in names}
-            if not (tf.math.is_finite(tf.cast(out["loss"], tf.float32))
-                    and tf.math.is_finite(tf.cast(out["grad_norm"], tf.float32))):
+            if guard and not (tf.math.is_finite(tf.cast(out["loss"], tf.float32))
+                              and tf.math.is_finite(tf.cast(out["grad_norm"], tf.float32))):
                 break
         return {name: values[name].stack() for name in names}
 
