@@ -62,6 +62,17 @@ if [[ $what == xla-profile ]]; then
     hydra.run.dir=/tmp/gpu-run-jit 2>&1 | tee "$out/train_gpu_jit.log" | grep -v "^W0000\|^I0000" | tail -6
   python3 evaluate.py checkpoint=/tmp/gpu-run-jit custom_op=false 2>&1 | tail -1 | cut -c1-200
 fi
+if [[ $what == crop ]]; then
+  # PrimaryCaps' crop of the rows no window reaches (capsnet/layers.py), on and off in one
+  # run: a copy of the package with the crop disabled, then this tree, same variants.
+  rm -rf /tmp/nocrop && mkdir /tmp/nocrop && cp -r capsnet scripts configs hydra_plugins /tmp/nocrop/
+  sed -i 's/if (used_h, used_w) != tuple(inputs.shape\[1:3\]):/if False:  # crop off (A\/B)/' /tmp/nocrop/capsnet/layers.py
+  grep -c "crop off" /tmp/nocrop/capsnet/layers.py
+  for tree in /tmp/nocrop "$PWD"; do
+    (cd "$tree" && python3 scripts/benchmark_train.py --precision float32,mixed_bfloat16 --steps-per-execution 50 \
+      --repeats 5 --variants ${CROP_VARIANTS:-op+fused} --json "$out/crop_$(basename "$tree").json" 2>/dev/null | tail -5)
+  done
+fi
 if [[ $what == guard ]]; then
   # [reliability]: what the non-finite guard costs the step (the gradients' global norm and the
   # loop's check), each row with and without it, in the same process.
@@ -207,14 +218,14 @@ if [[ $what == fast_time ]]; then
   # compilation included) to the end of each epoch, the process alone on the GPU. Each
   # stdout line is stamped with the seconds since the start.
   for seed in ${SEEDS:-0}; do
-    run="/tmp/runs/fast_time_$seed"; rm -rf "$run"
+    name="fast_time_${TAG:-}$seed"; run="/tmp/runs/$name"; rm -rf "$run"
     start=$(date +%s.%N)
     python3 train.py experiment=${FAST_EXPERIMENT:-fast_mnist} data.dir=.gpudata/mnist seed=$seed ${EXTRA:-} \
       train.progress_bar=false hydra.run.dir="$run" 2>&1 \
       | python3 -u -c 'import sys, time
 t0 = float(sys.argv[1])
-for line in sys.stdin: print(f"{time.time() - t0:8.2f} {line}", end="", flush=True)' "$start" > "$out/fast_time_$seed.log"
-    grep "^ *[0-9.]* epoch [0-9]*:" "$out/fast_time_$seed.log" | cut -c1-150
-    cp "$run/history.jsonl" "$out/fast_time_$seed.history.jsonl" 2>/dev/null
+for line in sys.stdin: print(f"{time.time() - t0:8.2f} {line}", end="", flush=True)' "$start" > "$out/$name.log"
+    echo "$name:"; grep "^ *[0-9.]* epoch [0-9]*:" "$out/$name.log" | cut -c1-150
+    cp "$run/history.jsonl" "$out/$name.history.jsonl" 2>/dev/null
   done
 fi

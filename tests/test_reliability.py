@@ -33,8 +33,9 @@ def tree_bytes(directory):
 # --------------------------------------------------------------------------- 1. the non-finite guard
 
 def test_train_loop_stops_at_the_first_non_finite_step_on_the_device():
-    """make_train_loop runs no step after the first whose loss or grad_norm is not finite:
-    the call returns the values up to and including that step."""
+    """make_train_loop returns the values up to and including the first step whose loss or
+    grad_norm is not finite, and runs at most one step after it (its condition reads the
+    step before the last, so the host never waits for the step it just queued)."""
     calls = tf.Variable(0)
 
     @tf.function
@@ -50,10 +51,16 @@ def test_train_loop_stops_at_the_first_non_finite_step_on_the_device():
     iterator = iter(dataset)
     out = loop(iterator, tf.constant([2] * 5, tf.int32))
     assert set(out) == set(STEP_VALUES)
-    np.testing.assert_array_equal(out["margin_loss"].numpy(), [1, 2, 3])  # stopped after step 3: NaN loss
-    assert int(calls.numpy()) == 3
+    np.testing.assert_array_equal(out["margin_loss"].numpy(), [1, 2, 3])  # step 3: a NaN loss
+    assert int(calls.numpy()) == 4  # one step more ran, not five
     out = loop(iterator, tf.constant([2] * 5, tf.int32))
-    np.testing.assert_array_equal(out["margin_loss"].numpy(), [4, 5, 6])  # step 6: an infinite gradient norm
+    np.testing.assert_array_equal(out["margin_loss"].numpy(), [5, 6])  # step 6: an infinite gradient norm
+    assert int(calls.numpy()) == 7
+    calls.assign(2)
+    out = loop(iterator, tf.constant([2, 0, 0, 0, 0], tf.int32))  # the last step of a call is bad
+    np.testing.assert_array_equal(out["margin_loss"].numpy(), [3])
+    assert np.isnan(out["loss"].numpy()[-1])
+    calls.assign(6)
     out = loop(iterator, tf.constant([2, 2, 0, 0, 0], tf.int32))
     np.testing.assert_array_equal(out["loss"].numpy(), [7, 8])  # finite: all the steps asked for
 

@@ -233,28 +233,50 @@ def make_train_loop(train_step, *, strategy=None, guard=True):
     next step's ops are dispatched as soon as their inputs are ready. The steps are the
     same steps: per-step values equal those of K single calls.
 
-    The non-finite guard: the loop stops after the first step whose loss or grad_norm is
-    not finite, so the call returns fewer than K values (that step's last); the host
-    sees it when it next fetches the values (loop.train_epoch: `first_non_finite`).
-    Checked here, on the device, it costs no host round trip per step, and nothing runs
-    on the diverged weights after it. guard=False (with make_train_step's) leaves the
-    check out, only to measure what it costs (scripts/benchmark_train.py --guard).
+    The non-finite guard: the loop stops soon after the first step whose loss or
+    grad_norm is not finite and returns the values up to and including that step (fewer
+    than K, or K whose last is not finite); the host sees it when it next fetches the
+    values (loop.train_epoch: `first_non_finite`). Checked here, on the device, and the
+    host never waits for the step it just dispatched: a loop condition that read step i's
+    finiteness would make it wait for step i to finish before dispatching step i + 1 (a
+    device-to-host copy, the GPU idle meanwhile: 3-14% of an H100's step,
+    docs/benchmarks.md); the condition reads step i - 1's instead, so step i is queued
+    on the device while the host waits for step i - 1. One
+    step more than needed runs after a non-finite one, on weights nobody keeps (train()
+    stops without saving).
+    guard=False (with make_train_step's) leaves the check out, only to measure what it
+    costs (scripts/benchmark_train.py --guard).
     """
     names = STEP_VALUES  # the keys of both step kinds' outputs
+
+    def finite(out):
+        return tf.math.logical_and(tf.math.is_finite(tf.cast(out["loss"], tf.float32)),
+                                   tf.math.is_finite(tf.cast(out["grad_norm"], tf.float32)))
 
     @tf.function
     def train_steps(iterator, batch_sizes):
         count = tf.math.count_nonzero(batch_sizes, dtype=tf.int32)
         # dynamic_size: stack() returns the values of the steps that ran (fewer at a stop).
         values = {name: tf.TensorArray(tf.float32, size=0, dynamic_size=True) for name in names}
+        # Whether the step before this one (previous_finite) and this one were finite.
+        previous_finite, last_finite = tf.constant(True), tf.constant(True)
         for i in tf.range(count):
             batch = next(iterator)  # (images, labels) or (images, labels, digits)
             out = train_step(*batch) if strategy is None else train_step(*batch, batch_sizes[i])
             values = {name: values[name].write(i, tf.cast(out[name], tf.float32)) for name in names}
-            if guard and not (tf.math.is_finite(tf.cast(out["loss"], tf.float32))
-                              and tf.math.is_finite(tf.cast(out["grad_norm"], tf.float32))):
+            previous_finite, last_finite = last_finite, finite(out)
+            # Step i - 1's: the loop goes on while step i runs (a break at the top of the
+            # body would put the whole step inside a tf.cond).
+            if guard and not previous_finite:
                 break
-        return {name: values[name].stack() for name in names}
+        stacked = {name: values[name].stack() for name in names}  # (steps run,) each
+        if not guard:
+            return stacked
+        # Up to and including the first non-finite step (the one or two after it are dropped).
+        bad = tf.math.logical_not(finite(stacked))
+        ran = tf.where(tf.reduce_any(bad), tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int32) + 1,
+                       tf.size(bad, out_type=tf.int32))
+        return {name: value[:ran] for name, value in stacked.items()}
 
     return train_steps
 
