@@ -17,6 +17,7 @@ import math
 
 import keras
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
 
 from capsnet import ops
 from capsnet.config import ROUTING_MODES, routing_from_flags, routing_mode
@@ -139,12 +140,15 @@ class PrimaryCaps(keras.layers.Layer):
 
     def call(self, inputs):
         h, w = self._grid(inputs.shape)
-        if self.padding == "valid":
-            # The rows and columns no window reaches (the paper's 20×20 maps, 9×9 kernel,
-            # stride 2: the 20th) cropped: the same outputs and gradients, but then the
-            # input gradient is a strided convolution XLA hands to cuDNN's backward-data
-            # kernel; with the unused row it lowers it to a forward convolution over a
-            # dilated input, 6.0 of a 12.8 ms bfloat16 step at batch 512 on an H100.
+        if self.padding == "valid" and _in_xla_computation():
+            # Under XLA (train.xla=jit) the rows and columns no window reaches (the
+            # paper's 20×20 maps, 9×9 kernel, stride 2: the 20th) are cropped: the same
+            # outputs and gradients, but then the input gradient is a strided convolution
+            # XLA hands to cuDNN's backward-data kernel; with the unused row it lowers it
+            # to a forward convolution over a dilated input (6.0 of a 12.8 ms bfloat16
+            # step at batch 512 on an H100; with the crop the step took 6.2 ms). Not
+            # outside XLA: TensorFlow's own kernels need no help there, and the crop's
+            # slice cost 8-20% of the step (docs/benchmarks.md, the crop A/B).
             used_h = (h - 1) * self.strides[0] + self.kernel_size[0]
             used_w = (w - 1) * self.strides[1] + self.kernel_size[1]
             if (used_h, used_w) != tuple(inputs.shape[1:3]):
@@ -167,6 +171,15 @@ class PrimaryCaps(keras.layers.Layer):
             "padding": self.padding,
             "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
         }
+
+
+def _in_xla_computation():
+    """Whether the ops being built go into an XLA computation (a jit_compile function,
+    or one nested in it). TensorFlow has no public query for it; its own while_v2 and
+    cond_v2 ask this one."""
+    if tf.executing_eagerly():
+        return False
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
 @keras.saving.register_keras_serializable(package="capsnet")

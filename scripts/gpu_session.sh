@@ -4,7 +4,7 @@
 # (or ./gpu-out) as logs; the last lines printed are the summaries.
 #   carry: .gpukit/gpukit.sh .gpukit/MANIFEST capsnet/lib build .gpudata
 #   command: bash scripts/gpu_session.sh [verify|bench|train|all|scale|precision|profile|xla|xla-profile|guard|sweep|
-#                                         full_mnist|fast_grid|fast_time]   (scale, sweep: on nvidia-h200-x2, not in all)
+#                                         full_mnist|fast_grid|fast_time|crop|runs]   (scale, sweep: on nvidia-h200-x2, not in all)
 set -uo pipefail
 what="${1:-all}"
 out="${OUT:-gpu-out}"; mkdir -p "$out"
@@ -228,4 +228,8 @@ for line in sys.stdin: print(f"{time.time() - t0:8.2f} {line}", end="", flush=Tr
     echo "$name:"; grep "^ *[0-9.]* epoch [0-9]*:" "$out/$name.log" | cut -c1-150
     cp "$run/history.jsonl" "$out/$name.history.jsonl" 2>/dev/null
   done
+fi
+if [[ $what == runs ]]; then
+  # Any runs side by side: RUNS="name overrides...\nname overrides..." (see side_by_side).
+  side_by_side
 fi

@@ -300,21 +300,46 @@ def test_decoder_rejects_bad_labels():
 
 
 @pytest.mark.parametrize("size", [20, 19, 21])
-def test_primary_caps_crop_keeps_the_convolution_and_its_gradient(size):
-    """PrimaryCaps crops the rows/columns no 'valid' window reaches (20×20, 9×9, stride 2:
-    the last): its output and input gradient are those of the uncropped convolution."""
+@pytest.mark.parametrize("mode", ["eager", "function", "jit"])
+def test_primary_caps_crop_keeps_the_convolution_and_its_gradient(size, mode):
+    """Under XLA PrimaryCaps crops the rows/columns no 'valid' window reaches (20×20, 9×9,
+    stride 2: the last); eagerly and in a plain tf.function it does not: in every mode its
+    output and input gradient are those of the uncropped convolution."""
     layer = PrimaryCaps(num_types=2, dim=4, kernel_size=9, strides=2)
     x = tf.random.stateless_normal((2, size, size, 3), seed=(1, 2))
-    with tf.GradientTape(persistent=True) as tape:
+    layer.build(x.shape)
+    weights = tf.random.stateless_normal((2, ((size - 9) // 2 + 1) ** 2 * 2, 4), seed=(3, 4))
+
+    def forward_backward(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            u = layer(x)
+            loss = tf.reduce_sum(u * weights)
+        return u, tape.gradient(loss, x)
+
+    if mode != "eager":
+        forward_backward = tf.function(forward_backward, jit_compile=mode == "jit")
+    u, grad = forward_backward(x)
+    kernel, bias = layer.conv.kernel, layer.conv.bias
+    with tf.GradientTape() as tape:
         tape.watch(x)
-        u = layer(x)
-        kernel, bias = layer.conv.kernel, layer.conv.bias
         full = tf.nn.conv2d(x, kernel, strides=2, padding="VALID") + bias  # no crop
         want = squash(tf.reshape(full, (2, -1, 4)))
-        weights = tf.random.stateless_normal(want.shape, seed=(3, 4))
-        loss_u, loss_want = tf.reduce_sum(u * weights), tf.reduce_sum(want * weights)
+        loss_want = tf.reduce_sum(want * weights)
     np.testing.assert_allclose(u.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
-    grad, grad_want = tape.gradient(loss_u, x), tape.gradient(loss_want, x)
-    np.testing.assert_allclose(grad.numpy(), grad_want.numpy(), rtol=1e-5, atol=1e-6)
+    grad_want = tape.gradient(loss_want, x)
+    np.testing.assert_allclose(grad.numpy(), grad_want.numpy(), rtol=1e-5, atol=1e-5)
     if size % 2 == 0:  # the last row and column are outside every window
         assert not np.any(grad.numpy()[:, -1]) and not np.any(grad.numpy()[:, :, -1])
+
+
+def test_primary_caps_crops_only_inside_xla():
+    """The crop (a slice of the input) is in the XLA computation's graph and not in a plain
+    tf.function's: TensorFlow's own convolution kernels run faster without it."""
+    layer = PrimaryCaps(num_types=2, dim=4, kernel_size=9, strides=2)
+    spec = tf.TensorSpec((2, 20, 20, 3), tf.float32)
+    for jit in (False, True):
+        graph = tf.function(layer, jit_compile=jit).get_concrete_function(spec).graph
+        slices = [op for op in graph.get_operations() if op.type == "StridedSlice"
+                  and op.inputs[0].shape.rank == 4]
+        assert len(slices) == (1 if jit else 0), (jit, [op.name for op in slices])
