@@ -1,7 +1,7 @@
 # capsnet: every target sets up what it needs on a fresh Debian/Ubuntu machine.
 #   make install   .venv with capsnet and its dependencies, then the op library
 #   make ops       build the compiled op (CPU+CUDA when nvcc is found, else CPU only)
-#   make test      install, then run the test suite
+#   make test      install, then run the test suite (in parallel, one worker per core)
 #   make train     install, then train (pass Hydra overrides: make train ARGS="train.epochs=5")
 SHELL := /bin/bash
 VENV ?= .venv
@@ -38,8 +38,13 @@ ops-cpu: $(VENV)/.installed
 ops-cuda: $(VENV)/.installed
 	$(PY) scripts/build_ops.py --require-cuda
 
+# The suite in parallel (pytest-xdist, one worker per core: TEST_WORKERS=1 for one process),
+# then the tests marked serial alone. Exit status 5 is pytest's "nothing selected" (a
+# PYTEST_ARGS selection without serial tests, or with only serial ones).
+TEST_WORKERS ?= auto
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 train: install
 	$(PY) train.py $(ARGS)

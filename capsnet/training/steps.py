@@ -143,19 +143,11 @@ def gradient_norm(grads, optimizer):
     the optimizer skips it and halves the scale (capsnet.training.optimizer), so its norm
     counts as 0; a non-finite loss still stops the run.
     """
-    norm = _global_norm(grads)
+    norm = tf.linalg.global_norm(grads)
     scale = loss_scale(optimizer)
     if scale is None:
         return norm
     return tf.where(tf.math.is_finite(norm), norm / tf.cast(scale, norm.dtype), tf.zeros_like(norm))
-
-
-@tf.function(jit_compile=True)
-def _global_norm(grads):
-    """tf.linalg.global_norm as one XLA computation (a kernel or two), not ~20 TensorFlow
-    ops: outside a jit-compiled step (train.xla=none) dispatching those was most of the
-    guard's 6-12% of an H100 step (docs/benchmarks.md). Inside one it is inlined."""
-    return tf.linalg.global_norm(grads)
 
 
 # The sums each replica returns, in this order (stacked, so one all-reduce carries them).
