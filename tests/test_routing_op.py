@@ -23,7 +23,7 @@ import tensorflow as tf
 from capsnet import ops
 from capsnet.routing import dynamic_routing, squash
 from conftest import REPO, TINY_MODEL, entry_point_env, np_capsule_prediction
-from test_ops import assert_error, run_cases
+from test_ops import assert_error, run_cases, run_each_case
 from test_routing import EPSILON, np_dynamic_routing, np_squash
 
 HAS_GPU = bool(tf.config.list_physical_devices("GPU"))
@@ -582,10 +582,10 @@ def _scratch_cases(dt):
     return [(f"forward-{dt}", forward), (f"gradient-{dt}", gradient)]
 
 
-@pytest.mark.serial  # under an address-space limit: on busy CPUs its own late thread starts can fail (seen under -n 2)
+@pytest.mark.serial  # under an address-space limit: alone, not beside the parallel workers
 @pytest.mark.parametrize("dtype", OVERFLOW_DTYPES)
 def test_failing_scratch_allocation_is_resource_exhausted(dtype):
-    results = run_cases(_scratch_cases(dtype))
+    results = run_each_case(_scratch_cases(dtype))
     for what in ("forward", "gradient"):
         assert_error(results[f"{what}-{dtype}"], "ResourceExhaustedError", "OOM when allocating")
 
