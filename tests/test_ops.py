@@ -390,12 +390,24 @@ def _scratch_cases():
     return cases
 
 
-def run_each_case(cases):
-    """run_cases with a fresh process per case: after one case's refused allocation under
-    an address-space limit, the next case in the same process can die (SIGSEGV, seen on
-    the forward case followed by the gradient case, float32, 2-core VM) where alone it
-    gets its clean ResourceExhaustedError."""
-    return {case_id: result for case in cases for case_id, result in run_cases([case]).items()}
+def run_each_case(cases, attempts=3):
+    """run_cases with a fresh process per case, a case whose process died run again (at
+    most `attempts` times).
+
+    Why: under an address-space limit a process can die outside our kernels. After one
+    case's refused allocation the next case in the same process died (SIGSEGV: the
+    forward case followed by the gradient case, float32, 2-core VM), and even alone a case
+    died now and then (abseil's "low_level_alloc: mmap error", an allocation of
+    TensorFlow's own beside ours; 1 of 8 cases in one CI run) where the other runs gave
+    their clean ResourceExhaustedError. A kernel that cannot refuse cleanly (the old
+    std::vector scratch: a crash every time) still fails: every attempt dies."""
+    results = {}
+    for case in cases:
+        for _ in range(attempts):
+            results.update(run_cases([case]))
+            if "died" not in results[case[0]]:
+                break
+    return results
 
 
 @pytest.mark.serial  # under an address-space limit: alone, not beside the parallel workers
