@@ -12,6 +12,35 @@ source .gpukit/gpukit.sh env >/dev/null || exit 1
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2 PYTHONPATH="$PWD:$PYTHONPATH"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader | tee "$out/device.txt"
 
+# Runs side by side on the one GPU: each line of $RUNS is "name overrides...". Rerunning the same
+# call resumes them (same run dirs, while the machine is held); finished runs are evaluated (final
+# checkpoint, op and matmul path) and their histories and logs come back.
+side_by_side() {
+  # Each process takes GPU memory as it needs it (TensorFlow's default, all of it, leaves the
+  # others "cudaSetDevice() ... out of memory").
+  export TF_FORCE_GPU_ALLOW_GROWTH=true
+  local name args
+  while read -r name args; do
+    [[ -z $name ]] && continue
+    timeout "${TRAIN_TIMEOUT:-540}" python3 train.py $args train.progress_bar=false hydra.run.dir="/tmp/runs/$name" \
+      > "$out/$name.log" 2>&1 &
+  done <<< "$RUNS"
+  wait
+  while read -r name args; do
+    [[ -z $name ]] && continue
+    local run="/tmp/runs/$name"
+    echo "$name: $(cat "$run/history.jsonl" 2>/dev/null | wc -l) epochs; $(grep '^epoch [0-9]*:' "$out/$name.log" | tail -1 | cut -c1-160)"
+    cp "$run/history.jsonl" "$out/$name.history.jsonl" 2>/dev/null
+    if [[ -f "$run/metrics.json" && ${EVALUATE:-1} == 1 ]]; then
+      cp "$run/metrics.json" "$out/$name.metrics.json"
+      for op in true false; do
+        python3 evaluate.py checkpoint="$run" which=latest custom_op=$op output="$out/${name}_eval_op_$op.json" \
+          2>&1 | tail -1 | cut -c1-200
+      done
+    fi
+  done <<< "$RUNS"
+}
+
 if [[ $what == verify || $what == all ]]; then
   # The op tests on the GPU (gpu-marked ones run only here) and the model's op-vs-matmul test.
   python3 -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_routing_op.py tests/test_layers.py tests/test_model.py 2>&1 | tee "$out/pytest_gpu.log" | tail -15
@@ -137,66 +166,14 @@ if [[ $what == paper_mnist || $what == paper_fashion_mnist ]]; then
   tar -czf "$out/${what}_run.tgz" -C "$run" --exclude checkpoints .
 fi
 if [[ $what == precision_accuracy ]]; then
-  # [precision]: experiment=paper_mnist in float32 and in mixed_bfloat16, seeds 0-2, six runs side by
-  # side on the one GPU (each alone leaves it mostly idle at batch 100). Rerunning the same call
-  # resumes them (same run dirs, while the machine is held); finished runs are evaluated (final
-  # checkpoint, op and matmul path) and their histories come back.
-  # Each process takes GPU memory as it needs it (TensorFlow's default, all of it, leaves the
-  # others "cudaSetDevice() ... out of memory").
-  export TF_FORCE_GPU_ALLOW_GROWTH=true
-  for precision in float32 mixed_bfloat16; do
-    for seed in ${SEEDS:-0 1 2}; do
-      run="/tmp/runs/paper_mnist_${precision}_$seed"
-      timeout "${TRAIN_TIMEOUT:-540}" python3 train.py experiment=paper_mnist data.dir=.gpudata/mnist custom_op=true \
-        train.precision=$precision seed=$seed train.progress_bar=false ${EPOCHS:+train.epochs=$EPOCHS} hydra.run.dir="$run" \
-        > "$out/paper_mnist_${precision}_$seed.log" 2>&1 &
-    done
-  done
-  wait
-  for precision in float32 mixed_bfloat16; do
-    for seed in ${SEEDS:-0 1 2}; do
-      run="/tmp/runs/paper_mnist_${precision}_$seed"; name="paper_mnist_${precision}_$seed"
-      echo "$name: $(grep -c '^epoch [0-9]*:' "$run/train.log" 2>/dev/null || true) $(grep '^epoch [0-9]*:' "$out/$name.log" | tail -1)"
-      cp "$run/history.jsonl" "$out/$name.history.jsonl" 2>/dev/null
-      if [[ -f "$run/metrics.json" ]]; then
-        cp "$run/metrics.json" "$out/$name.metrics.json"
-        for op in true false; do
-          python3 evaluate.py checkpoint="$run" which=latest custom_op=$op output="$out/${name}_eval_op_$op.json" \
-            2>&1 | tail -1 | cut -c1-200
-        done
-      fi
-    done
-  done
+  # [precision]: experiment=paper_mnist in float32 and in mixed_bfloat16, seeds 0-2 side by side
+  # on the one GPU (each alone leaves it mostly idle at batch 100).
+  RUNS="$(for precision in float32 mixed_bfloat16; do for seed in ${SEEDS:-0 1 2}; do
+    echo "paper_mnist_${precision}_$seed experiment=paper_mnist data.dir=.gpudata/mnist custom_op=true train.precision=$precision seed=$seed ${EPOCHS:+train.epochs=$EPOCHS}"
+  done; done)"
+  side_by_side
 fi
 
-# Runs side by side on the one GPU: each line of $RUNS is "name overrides...". Rerunning the same
-# call resumes them (same run dirs, while the machine is held); finished runs are evaluated (final
-# checkpoint, op and matmul path) and their histories and logs come back.
-side_by_side() {
-  # Each process takes GPU memory as it needs it (TensorFlow's default, all of it, leaves the
-  # others "cudaSetDevice() ... out of memory").
-  export TF_FORCE_GPU_ALLOW_GROWTH=true
-  local name args
-  while read -r name args; do
-    [[ -z $name ]] && continue
-    timeout "${TRAIN_TIMEOUT:-540}" python3 train.py $args train.progress_bar=false hydra.run.dir="/tmp/runs/$name" \
-      > "$out/$name.log" 2>&1 &
-  done <<< "$RUNS"
-  wait
-  while read -r name args; do
-    [[ -z $name ]] && continue
-    local run="/tmp/runs/$name"
-    echo "$name: $(grep -c '^epoch [0-9]*:' "$run/train.log" 2>/dev/null || true) epochs; $(grep '^epoch [0-9]*:' "$out/$name.log" | tail -1 | cut -c1-160)"
-    cp "$run/history.jsonl" "$out/$name.history.jsonl" 2>/dev/null
-    if [[ -f "$run/metrics.json" && ${EVALUATE:-1} == 1 ]]; then
-      cp "$run/metrics.json" "$out/$name.metrics.json"
-      for op in true false; do
-        python3 evaluate.py checkpoint="$run" which=latest custom_op=$op output="$out/${name}_eval_op_$op.json" \
-          2>&1 | tail -1 | cut -c1-200
-      done
-    fi
-  done <<< "$RUNS"
-}
 if [[ $what == full_mnist ]]; then
   # [accuracy-full]: experiment=paper_mnist on all 60,000 training images, seeds 0-4 side by side.
   RUNS="$(for seed in ${SEEDS:-0 1 2 3 4}; do
