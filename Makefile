@@ -38,13 +38,10 @@ ops-cpu: $(VENV)/.installed
 ops-cuda: $(VENV)/.installed
 	$(PY) scripts/build_ops.py --require-cuda
 
-# The suite in parallel (pytest-xdist, one worker per core: TEST_WORKERS=1 for one process),
-# then the tests marked serial alone. Exit status 5 is pytest's "nothing selected" (a
-# PYTEST_ARGS selection without serial tests, or with only serial ones).
+# The suite in parallel (pytest-xdist, one worker per core: TEST_WORKERS=1 for one process).
 TEST_WORKERS ?= auto
 test: install
-	$(PY) -m pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	$(PY) -m pytest -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 train: install
 	$(PY) train.py $(ARGS)

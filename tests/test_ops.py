@@ -8,6 +8,7 @@ compute-sanitizer over the standalone CUDA driver; they skip without a GPU.
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -237,44 +238,31 @@ def test_unsupported_dtype_is_a_clear_error():
 # exit status and stderr.
 
 _CASE_RUNNER = textwrap.dedent("""
-    import json, os, resource, sys
+    import json, os, sys
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     import numpy as np
     import tensorflow as tf
     from capsnet import ops
     lib = ops.load_op_library()
 
-    def under_memory_limit(extra_bytes, fn):
-        # fn() with at most `extra_bytes` more address space than now.
-        with open("/proc/self/status") as f:
-            vm = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:"))
-        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-        resource.setrlimit(resource.RLIMIT_AS, (vm + extra_bytes, hard))
-        try:
-            return fn()
-        finally:
-            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-
     for case_id, code in json.load(sys.stdin):
         result = {"id": case_id, "error": None, "message": ""}
         try:
             with tf.device("/CPU:0"):
-                exec(code, {"tf": tf, "np": np, "ops": ops, "lib": lib,
-                            "under_memory_limit": under_memory_limit})
+                exec(code, {"tf": tf, "np": np, "ops": ops, "lib": lib})
         except Exception as err:
             result.update(error=type(err).__name__, message=str(getattr(err, "message", err)))
         print(json.dumps(result), flush=True)
 """)
 
 
-def run_cases(cases):
+def run_cases(cases, env=None):
     """{case id: {"error": exception class name or None, "message": ...}} from one
-    subprocess running `cases` ((id, code) pairs); a missing id means it died there,
-    and maps to {"died": its exit status and stderr}."""
-    # GPUs hidden: the cases test the CPU kernels (and checks made before any device code),
-    # and under an address-space limit the CUDA runtime's own reservations fail first.
+    subprocess running `cases` ((id, code) pairs) with `env` added to its environment; a
+    missing id means it died there, and maps to {"died": its exit status and stderr}."""
+    # GPUs hidden: the cases test the CPU kernels (and checks made before any device code).
     proc = subprocess.run([sys.executable, "-c", _CASE_RUNNER], input=json.dumps(cases), capture_output=True,
-                          text=True, env={**repo_env(), "CUDA_VISIBLE_DEVICES": ""}, timeout=600)
+                          text=True, env={**repo_env(), "CUDA_VISIBLE_DEVICES": "", **(env or {})}, timeout=600)
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
@@ -365,57 +353,70 @@ def test_matmul_path_checks_only_what_it_must():
     assert empty.shape == (0, BIG, 1, 1)
 
 
-# A failing scratch allocation: float16, bfloat16, float32 and float64 W of
-# (1, 64, 64, 4096) (32 to 128 MiB) under an address-space limit of half W's
-# bytes (at least 32 MiB) above what the process already uses, plus the outputs'
-# bytes: the outputs fit, the per-thread scratch (W_i transposed in the
-# accumulation type: at least W's bytes; twice that for the gradient) does not.
-SCRATCH_SHAPE = (1, 1, 64, 64, 4096)
+# A failing scratch allocation. The case's process gets TensorFlow's CPU allocator with
+# a memory limit (its BFC allocator: TF_CPU_ALLOCATOR_USE_BFC, TF_CPU_BFC_MEM_LIMIT_IN_MB),
+# which only tensors allocate from: the inputs and outputs fit under it, the kernel's
+# per-thread scratch (allocate_temp) does not. The error must name the scratch: a 1-D
+# tensor of at least `min_values` values of the accumulation type.
+#
+# Why not an address-space limit (RLIMIT_AS, what this test used until 2026-11-24): it
+# refuses every mmap of the process, so threads of TensorFlow's own and abseil's
+# low_level_alloc died beside the refused scratch (SIGSEGV, "mmap error: 12"), in 3 of 3
+# attempts of one CI run; the allocator's limit refuses only tensors, deterministically.
+def scratch_limit_env(limit_bytes):
+    return {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(-(-limit_bytes // 2**20))}
 
 
-def _scratch_cases():
-    cases = []
-    B, I, J, D, K = SCRATCH_SHAPE
-    for dt in OVERFLOW_DTYPES:
-        setup = (f"u = tf.ones({(B, I, K)}, tf.{dt}); W = tf.ones({(I, J, D, K)}, tf.{dt}); "
-                 f"g = tf.ones({(B, I, J, D)}, tf.{dt}); w_bytes = W.numpy().nbytes; "
-                 f"margin = max(w_bytes // 2, 32 << 20)\n"
-                 # Warm up: the thread pools and their malloc arenas exist before the limit.
-                 f"lib.capsnet_capsule_prediction_grad(grad=g[:, :, :1, :1], u=u[:, :, :8], weights=W[:, :1, :1, :8])\n")
-        cases += [
-            (f"forward-{dt}", setup + "under_memory_limit(margin, lambda: ops.capsule_prediction(u, W))"),
-            (f"gradient-{dt}", setup + "under_memory_limit(w_bytes + margin, lambda: "
-                                       "lib.capsnet_capsule_prediction_grad(grad=g, u=u, weights=W))"),
-        ]
-    return cases
+def assert_scratch_refused(result, dtype, min_values):
+    assert_error(result, "ResourceExhaustedError", "OOM when allocating tensor")
+    found = re.search(r"with shape\[(\d+)\] and type (\w+)", result["message"])
+    assert found, result["message"]
+    accumulation = "double" if dtype == "float64" else "float"
+    assert found.group(2) == accumulation and int(found.group(1)) >= min_values, (min_values, result["message"])
 
 
-def run_each_case(cases, attempts=3):
-    """run_cases with a fresh process per case, a case whose process died run again (at
-    most `attempts` times).
-
-    Why: under an address-space limit a process can die outside our kernels. After one
-    case's refused allocation the next case in the same process died (SIGSEGV: the
-    forward case followed by the gradient case, float32, 2-core VM), and even alone a case
-    died now and then (abseil's "low_level_alloc: mmap error", an allocation of
-    TensorFlow's own beside ours; 1 of 8 cases in one CI run) where the other runs gave
-    their clean ResourceExhaustedError. A kernel that cannot refuse cleanly (the old
-    std::vector scratch: a crash every time) still fails: every attempt dies."""
+def run_with_limits(cases):
+    """run_cases for (id, code, limit in bytes) triples, each in its own process (the
+    allocator, and its limit, is the process's)."""
     results = {}
-    for case in cases:
-        for _ in range(attempts):
-            results.update(run_cases([case]))
-            if "died" not in results[case[0]]:
-                break
+    for case_id, code, limit in cases:
+        results.update(run_cases([(case_id, code)], env=scratch_limit_env(limit)))
     return results
 
 
-@pytest.mark.serial  # under an address-space limit: alone, not beside the parallel workers
+# W (1, 64, 64, 4096): 32 to 128 MiB. Forward: the limit holds W and half W's values in
+# the accumulation type; the scratch (W_i transposed in the accumulation type) does not
+# fit. Gradient: the limit holds W, grad_W and W's values in the accumulation type; the
+# scratch (W_i transposed and its gradient: twice that) does not.
+SCRATCH_SHAPE = (1, 1, 64, 64, 4096)
+
+
+def _scratch_cases(dt):
+    B, I, J, D, K = SCRATCH_SHAPE
+    w_values = I * J * D * K
+    w_bytes, acc_bytes = w_values * np.dtype(tf.as_dtype(dt).as_numpy_dtype).itemsize, w_values * (8 if dt == "float64" else 4)
+    setup = (f"u = tf.ones({(B, I, K)}, tf.{dt}); W = tf.ones({(I, J, D, K)}, tf.{dt}); "
+             f"g = tf.ones({(B, I, J, D)}, tf.{dt})\n")
+    return [
+        (f"forward-{dt}", setup + "ops.capsule_prediction(u, W)", w_bytes + acc_bytes // 2),
+        (f"gradient-{dt}", setup + "lib.capsnet_capsule_prediction_grad(grad=g, u=u, weights=W)",
+         2 * w_bytes + acc_bytes),
+    ]
+
+
 @pytest.mark.parametrize("dtype", OVERFLOW_DTYPES)
 def test_failing_scratch_allocation_is_resource_exhausted(dtype):
-    results = run_each_case([case for case in _scratch_cases() if case[0].endswith(dtype)])
-    for what in ("forward", "gradient"):
-        assert_error(results[f"{what}-{dtype}"], "ResourceExhaustedError", "OOM when allocating")
+    results = run_with_limits(_scratch_cases(dtype))
+    B, I, J, D, K = SCRATCH_SHAPE
+    assert_scratch_refused(results[f"forward-{dtype}"], dtype, J * D * K)
+    assert_scratch_refused(results[f"gradient-{dtype}"], dtype, 2 * J * D * K)
+
+
+def test_scratch_limit_is_what_refuses():
+    """The control: the same forward case, the allocator's limit far above it, runs."""
+    code = _scratch_cases("float32")[0][1]
+    result = run_with_limits([("forward", code + "\nassert float(tf.reduce_min(ops.capsule_prediction(u, W))) == 4096", 2**40)])
+    assert result["forward"] == {"error": None, "message": ""}, result
 
 
 # ----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import tensorflow as tf
 from capsnet import ops
 from capsnet.routing import dynamic_routing, squash
 from conftest import REPO, TINY_MODEL, entry_point_env, np_capsule_prediction
-from test_ops import assert_error, run_cases, run_each_case
+from test_ops import assert_error, assert_scratch_refused, run_cases, run_with_limits
 from test_routing import EPSILON, np_dynamic_routing, np_squash
 
 HAS_GPU = bool(tf.config.list_physical_devices("GPU"))
@@ -560,34 +560,30 @@ def test_overflowing_shapes_in_tf_function(overflow_results, n):
         assert _shapes_named(overflow_results[case]["message"], u_shape, w_shape), overflow_results[case]
 
 
-# A failing scratch allocation under an address-space limit above what the process
-# already uses (test_ops.run_cases' under_memory_limit). Forward: u (1, 4096, 1), W
-# (4096, 4096, 1, 1); the limit holds c_ij (I x J values of T) and W transposed (I x J
-# accumulation values) and half as much again, not the per-thread scratch (u_hat, b_ij
-# and c_ij of one sample: 3 x I x J accumulation values). Gradient: W (1, 64, 64, 4096)
-# (32 to 128 MiB); the limit holds grad_W and half W's bytes (at least 32 MiB) more, not
-# the scratch (W_i transposed and its gradient: twice W's values in the accumulation type).
+# A failing scratch allocation under the CPU allocator's limit (test_ops.scratch_limit_env).
+# Forward: u (1, 4096, 1), W (4096, 4096, 1, 1); the limit holds W, c_ij (I x J values of
+# T), W transposed (I x J accumulation values) and half as much again, not the per-thread
+# scratch (u_hat, b_ij and c_ij of one sample: 3 x I x J accumulation values). Gradient: W
+# (1, 64, 64, 4096) (32 to 128 MiB); the limit holds W, grad_W and half W's bytes (at least
+# 32 MiB) more, not the scratch (W_i transposed and its gradient: twice W's values in the
+# accumulation type).
 def _scratch_cases(dt):
-    warm_up = ("lib.capsnet_capsule_routing_grad(u=tf.ones((2, 3, 4), tf.{dt}), weights=tf.ones((3, 2, 5, 4), tf.{dt}), "
-               "c_ij=tf.ones((2, 3, 2), tf.{dt}), grad_s=tf.ones((2, 2, 5), tf.{dt}))\n"
-               "ops.capsule_routing(tf.ones((2, 3, 4), tf.{dt}), tf.ones((3, 2, 5, 4), tf.{dt}), 2)\n").format(dt=dt)
-    acc = 8 if dt == "float64" else 4
-    forward = (warm_up + f"u = tf.ones((1, 4096, 1), tf.{dt}); W = tf.ones((4096, 4096, 1, 1), tf.{dt})\n"
-               f"margin = 4096 * 4096 * (W.dtype.size + {acc} * 3 // 2)\n"
-               "under_memory_limit(margin, lambda: ops.capsule_routing(u, W, 3))")
-    gradient = (warm_up + f"u = tf.ones((1, 1, 4096), tf.{dt}); W = tf.ones((1, 64, 64, 4096), tf.{dt}); "
+    size, acc = tf.as_dtype(dt).size, (8 if dt == "float64" else 4)
+    forward = (f"u = tf.ones((1, 4096, 1), tf.{dt}); W = tf.ones((4096, 4096, 1, 1), tf.{dt})\n"
+               "ops.capsule_routing(u, W, 3)")
+    gradient = (f"u = tf.ones((1, 1, 4096), tf.{dt}); W = tf.ones((1, 64, 64, 4096), tf.{dt}); "
                 f"c = tf.ones((1, 1, 64), tf.{dt}); g = tf.ones((1, 64, 64), tf.{dt})\n"
-                "w_bytes = W.numpy().nbytes; margin = w_bytes + max(w_bytes // 2, 32 << 20)\n"
-                "under_memory_limit(margin, lambda: lib.capsnet_capsule_routing_grad(u=u, weights=W, c_ij=c, grad_s=g))")
-    return [(f"forward-{dt}", forward), (f"gradient-{dt}", gradient)]
+                "lib.capsnet_capsule_routing_grad(u=u, weights=W, c_ij=c, grad_s=g)")
+    ij, w_bytes = 4096 * 4096, 64 * 64 * 4096 * size
+    return [(f"forward-{dt}", forward, ij * (2 * size + acc * 3 // 2)),
+            (f"gradient-{dt}", gradient, 2 * w_bytes + max(w_bytes // 2, 32 << 20))]
 
 
-@pytest.mark.serial  # under an address-space limit: alone, not beside the parallel workers
 @pytest.mark.parametrize("dtype", OVERFLOW_DTYPES)
 def test_failing_scratch_allocation_is_resource_exhausted(dtype):
-    results = run_each_case(_scratch_cases(dtype))
-    for what in ("forward", "gradient"):
-        assert_error(results[f"{what}-{dtype}"], "ResourceExhaustedError", "OOM when allocating")
+    results = run_with_limits(_scratch_cases(dtype))
+    assert_scratch_refused(results[f"forward-{dtype}"], dtype, 3 * 4096 * 4096)
+    assert_scratch_refused(results[f"gradient-{dtype}"], dtype, 2 * 64 * 64 * 4096)
 
 
 def test_numpy_reference_is_procedure_one():
