@@ -44,10 +44,10 @@ How:
   same batch size, K and precision.
 - `--precision` (train.precision, default float32; a list measures each, in the same
   process): the model's Keras dtype policy, mixed_float16 with its loss scaling.
-- `--guard on,off` also times each configuration without the non-finite guard (the
-  gradients' global norm and the loop's finiteness check: make_train_step/make_train_loop
-  guard=False; train() always guards), so its cost is the ratio of the two rows; labels
-  and the JSON's "guard" say which.
+- `--guard on,off` also times each configuration without the non-finite guard's work
+  in the step (the gradients' global norm: make_train_step guard=False; train() always
+  guards; the loop's finiteness check on the stacked values after its K steps stays), so
+  its cost is the ratio of the two rows; labels and the JSON's "guard" say which.
 - Peak device memory: the allocator's statistics are reset after the warm-up
   (tf.config.experimental.reset_memory_stats), so the peak of the timed steps
   (get_memory_info()["peak"]) is the steady state's, without one-off autotuning
@@ -314,7 +314,7 @@ def time_training(spec, batch_size, tf_device, per_call=1, precision="float32", 
                                    xla=spec["xla"], guard=guard)
             iterator = input_iterator(synthetic_batches(spec, batch_size, input_shape,
                                                         int(model_cfg["num_classes"])), device=tf_device)
-            first_loss, last_loss, seconds, peak = time_steps(make_train_loop(step, guard=guard), iterator,
+            first_loss, last_loss, seconds, peak = time_steps(make_train_loop(step), iterator,
                                                               batch_size, spec, per_call, tf_device)
     except tf.errors.ResourceExhaustedError as exc:
         raise CapsnetError(f"out of device memory at batch {batch_size}: "

@@ -410,9 +410,10 @@ def _fetch(pending):
     order: [(outputs, batch sizes, global step before the call)], each output a dict of
     (K,) tensors for the K steps the call ran.
 
-    A call that ran fewer steps than it was given, or whose last step is not finite,
-    was stopped by make_train_loop's non-finite guard: NonFiniteStep names that step
-    (the calls queued after it ran on diverged weights: they are not looked at)."""
+    A call that returned fewer values than it was given steps, or whose last value is not
+    finite, met a non-finite step (make_train_loop cuts its values there): NonFiniteStep
+    names that step (the steps and calls after it ran on diverged weights: they are not
+    looked at)."""
     fetched = []
     for out, sizes, start in pending:
         values = {k: v.numpy() for k, v in out.items()}  # (K,) each: one copy per tensor

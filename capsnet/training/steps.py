@@ -59,8 +59,8 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strate
 
     One Adam step on the mean total loss of the batch; the returned values are batch
     means (tensors still on the device: reading one waits for the step), and grad_norm
-    the global norm of the step's gradients: make_train_loop stops at the first step
-    whose loss or grad_norm is not finite (the non-finite guard), so a step kind that
+    the global norm of the step's gradients: make_train_loop's values stop at the first
+    step whose loss or grad_norm is not finite (the non-finite guard), so a step kind that
     skips bad updates itself (a loss-scaling optimizer) should still report them here.
 
     Args:
@@ -216,7 +216,7 @@ def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, wei
     return train_step
 
 
-def make_train_loop(train_step, *, strategy=None, guard=True):
+def make_train_loop(train_step, *, strategy=None):
     """Several training steps in one call: (iterator, batch_sizes) → {name: (K,) per-step values}.
 
     Step i takes the next batch of `iterator` (a dataset's, or under `strategy` a
@@ -233,49 +233,32 @@ def make_train_loop(train_step, *, strategy=None, guard=True):
     next step's ops are dispatched as soon as their inputs are ready. The steps are the
     same steps: per-step values equal those of K single calls.
 
-    The non-finite guard: the loop stops soon after the first step whose loss or
-    grad_norm is not finite and returns the values up to and including that step (fewer
-    than K, or K whose last is not finite); the host sees it when it next fetches the
-    values (loop.train_epoch: `first_non_finite`). Checked here, on the device, and the
-    host never waits for the step it just dispatched: a loop condition that read step i's
-    finiteness would make it wait for step i to finish before dispatching step i + 1 (a
-    device-to-host copy, the GPU idle meanwhile); the condition reads step i - 1's
-    instead, so step i is queued on the device while the host waits for step i - 1 (on
-    an H100 the jit step's guard cost went from 6.3% to 2.7% at batch 128, from 3.5% to
-    none at 512; docs/benchmarks.md). One step more than needed runs after a non-finite
-    one, on weights nobody keeps (train() stops without saving).
-    guard=False (with make_train_step's) leaves the check out, only to measure what it
-    costs (scripts/benchmark_train.py --guard).
+    The non-finite guard: the values returned stop at the first step whose loss or
+    grad_norm is not finite (that step included: fewer than K values, or K whose last is
+    not finite); the host sees it when it fetches them (loop.train_epoch's _fetch), and
+    train() stops without saving. The loop itself runs all K steps: its condition reads
+    nothing the device computes, so the host never waits for a step to finish before
+    dispatching the next one. (A loop that stopped at the bad step needs its finiteness
+    on the host each iteration, a device-to-host copy per step: on an H100 that cost the
+    jit step 6.3% at batch 128 when it read step i's, 2.7% when it read step i - 1's;
+    docs/benchmarks.md.) The steps after a bad one run on diverged weights that nobody
+    keeps, at most K - 1 of them, as the calls already queued behind it do.
     """
     names = STEP_VALUES  # the keys of both step kinds' outputs
-
-    def finite(out):
-        return tf.math.logical_and(tf.math.is_finite(tf.cast(out["loss"], tf.float32)),
-                                   tf.math.is_finite(tf.cast(out["grad_norm"], tf.float32)))
 
     @tf.function
     def train_steps(iterator, batch_sizes):
         count = tf.math.count_nonzero(batch_sizes, dtype=tf.int32)
-        # dynamic_size: stack() returns the values of the steps that ran (fewer at a stop).
-        values = {name: tf.TensorArray(tf.float32, size=0, dynamic_size=True) for name in names}
-        # Whether the step before this one (previous_finite) and this one were finite.
-        previous_finite, last_finite = tf.constant(True), tf.constant(True)
+        values = {name: tf.TensorArray(tf.float32, size=count) for name in names}
         for i in tf.range(count):
             batch = next(iterator)  # (images, labels) or (images, labels, digits)
             out = train_step(*batch) if strategy is None else train_step(*batch, batch_sizes[i])
             values = {name: values[name].write(i, tf.cast(out[name], tf.float32)) for name in names}
-            previous_finite, last_finite = last_finite, finite(out)
-            # Step i - 1's: the loop goes on while step i runs (a break at the top of the
-            # body would put the whole step inside a tf.cond).
-            if guard and not previous_finite:
-                break
-        stacked = {name: values[name].stack() for name in names}  # (steps run,) each
-        if not guard:
-            return stacked
-        # Up to and including the first non-finite step (the one or two after it are dropped).
-        bad = tf.math.logical_not(finite(stacked))
-        ran = tf.where(tf.reduce_any(bad), tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int32) + 1,
-                       tf.size(bad, out_type=tf.int32))
+        stacked = {name: values[name].stack() for name in names}  # (K,) each
+        # Up to and including the first non-finite step.
+        bad = tf.math.logical_not(tf.math.logical_and(tf.math.is_finite(stacked["loss"]),
+                                                      tf.math.is_finite(stacked["grad_norm"])))
+        ran = tf.where(tf.reduce_any(bad), tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int32) + 1, count)
         return {name: value[:ran] for name, value in stacked.items()}
 
     return train_steps
