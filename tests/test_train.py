@@ -492,11 +492,15 @@ def test_several_steps_per_call_run_the_same_steps(tiny_config, tmp_path, extra)
                                    err_msg=name)
 
 
-def test_train_with_xla_jit_matches_the_plain_run(trained_run, tiny_config):
+def test_train_with_xla_jit_matches_the_plain_run(trained_run, tiny_config, capsys):
     """train() wires xla=jit into both compiled steps: its first epoch measures what the
-    plain run's did (same seed, data order and initial weights)."""
+    plain run's did (same seed, data order and initial weights). On a CPU it says that
+    jit is slow there (XLA's CPU convolution gradients), once."""
     _, plain = trained_run
+    capsys.readouterr()
     jit = train(tiny_config("train.xla=jit", "train.epochs=1"))
+    notices = capsys.readouterr().out.count("notice: train.xla=jit on a CPU")
+    assert notices == (0 if tf.config.list_logical_devices("GPU") else 1)
     ours, theirs = jit["history"][0], plain["history"][0]
     for key in ("train_loss", "test_loss", "test_margin_loss"):
         assert ours[key] == pytest.approx(theirs[key], rel=1e-3), key
@@ -653,6 +657,36 @@ def test_benchmark_train_script_times_both_paths_on_the_same_model(tmp_path):
     table = result.stdout
     assert "| custom_op=true xla=none | float32 | 6 |" in table
     assert "| custom_op=false xla=none | mixed_bfloat16 | 4 |" in table
+
+
+def test_benchmark_conv_times_the_true_gradients(tmp_path):
+    """scripts/benchmark_conv.py's parts are the convolution and its two gradients (against
+    GradientTape's), and a CPU smoke run writes a row per conv, part and XLA setting."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmark_conv", REPO / "scripts" / "benchmark_conv.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for _, in_shape, filter_shape, stride in bench.CONVS:
+        parts = bench.conv_parts(tf, 2, in_shape, filter_shape, stride, tf.float32)
+        x, w, dy = parts["forward"][1]
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch([x, w])
+            y = tf.nn.conv2d(x, w, stride, "VALID")
+        assert y.shape == dy.shape
+        np.testing.assert_allclose(parts["forward"][0](x, w, dy).numpy(), y.numpy(), rtol=1e-5, atol=1e-6)
+        for part, wrt in (("filter_grad", w), ("input_grad", x)):
+            want = tape.gradient(y, wrt, output_gradients=dy).numpy()
+            np.testing.assert_allclose(parts[part][0](x, w, dy).numpy(), want, rtol=1e-4, atol=1e-5, err_msg=part)
+    output = tmp_path / "conv.json"
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark_conv.py"), "--device", "cpu",
+                             "--batch-size", "2", "--repeats", "1", "--xla", "none,jit", "--json", str(output)],
+                            env=entry_point_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads(output.read_text())["rows"]
+    assert [(r["conv"], r["part"]) for r in rows] == [(c[0], p) for c in bench.CONVS for p in bench.PARTS]
+    assert all(r["ms_none"] > 0 and r["ms_jit"] > 0 for r in rows)
+    assert "| primary_caps | input_grad | float32 |" in result.stdout
 
 
 def test_benchmark_train_times_the_step_with_and_without_the_guard(tmp_path):

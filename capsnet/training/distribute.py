@@ -152,6 +152,14 @@ def distribute_dataset(strategy, dataset):
     return strategy.experimental_distribute_dataset(dataset.with_options(options))
 
 
+def trains_on_gpu(strategy=None):
+    """Whether the training steps run on a GPU: a replica's device under `strategy`, else
+    the first GPU TensorFlow sees (the one input_iterator and the steps use)."""
+    devices = strategy.extended.worker_devices if strategy is not None else [
+        d.name for d in tf.config.list_logical_devices("GPU")]
+    return any(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in devices)
+
+
 def input_iterator(dataset, strategy=None, device=None):
     """The iterator make_train_loop's steps read their batches from, the batches already
     on the devices that train on them.

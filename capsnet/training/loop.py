@@ -43,7 +43,7 @@ from capsnet.training.checkpoints import (BestCheckpoint, check_nothing_committe
                                          checkpoint_weights, read_history, recover_latest, resume_from, save_or_fail,
                                          write_run_config)
 from capsnet.training.distribute import (check_global_batch, check_tf_config, check_workers_agree, input_iterator,
-                                         is_chief, make_strategy)
+                                         is_chief, make_strategy, trains_on_gpu)
 from capsnet.training.model_setup import build_capsnet, check_labels, check_op_library
 from capsnet.training.optimizer import build_optimizer, checkpoint_nodes, loss_scale, scaled_learning_rate, steps_done
 from capsnet.training.run_lock import RunLock
@@ -116,6 +116,11 @@ def _train(cfg, progress):
         return strategy.scope() if strategy is not None else contextlib.nullcontext()
 
     chief = is_chief(strategy)
+    if tcfg["xla"] == "jit" and not trains_on_gpu(strategy):
+        # Measured (docs/benchmarks.md, 2026-11-24): XLA's CPU backend runs the strided
+        # PrimaryCaps convolution's input gradient ~70x slower than TensorFlow's kernel.
+        say("notice: train.xla=jit on a CPU: XLA's CPU convolution gradients make each step about 20x slower "
+            "than train.xla=none (docs/benchmarks.md); jit is for GPUs")
     if chief and run_dir.is_dir():
         # A run dir that exists (Hydra's, a resumed run's) is locked at once: a second training
         # fails before it reads the data. A new one is made and locked before its first write.
