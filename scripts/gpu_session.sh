@@ -4,7 +4,7 @@
 # (or ./gpu-out) as logs; the last lines printed are the summaries.
 #   carry: .gpukit/gpukit.sh .gpukit/MANIFEST capsnet/lib build .gpudata
 #   command: bash scripts/gpu_session.sh [verify|bench|train|all|scale|precision|profile|xla|xla-profile|guard|sweep|
-#                                         full_mnist|fast_grid|fast_time|crop|runs]   (scale, sweep: on nvidia-h200-x2, not in all)
+#                                         full_mnist|fast_grid|fast_time|crop|runs|conv]   (scale, sweep: on nvidia-h200-x2, not in all)
 set -uo pipefail
 what="${1:-all}"
 out="${OUT:-gpu-out}"; mkdir -p "$out"
@@ -103,11 +103,19 @@ if [[ $what == crop ]]; then
   done
 fi
 if [[ $what == guard ]]; then
-  # [reliability]: what the non-finite guard costs the step (the gradients' global norm and the
-  # loop's check), each row with and without it, in the same process.
+  # [reliability]: what the non-finite guard costs the step (the gradients' global norm; the loop's
+  # check on the stacked values runs either way), each row with and without it, in the same process.
   python3 scripts/benchmark_train.py --precision mixed_bfloat16,float32 --steps-per-execution 50 --repeats 5 \
     --variants op+fused,op+fused+jit --guard on,off --json "$out/benchmark_guard.json" \
     2>&1 | tee "$out/benchmark_guard.log" | tail -20
+fi
+if [[ $what == conv ]]; then
+  # [precision]/[xla-op]: the two convolutions by part (forward, filter and input gradient), the
+  # larger part of the step, with and without XLA, in both precisions and the benchmark batches.
+  for batch in 128 512; do
+    python3 scripts/benchmark_conv.py --device gpu --dtype float32,bfloat16 --batch-size $batch --repeats 20 \
+      --json "$out/benchmark_conv_$batch.json" 2>&1 | tee "$out/benchmark_conv_$batch.log" | tail -15
+  done
 fi
 if [[ $what == bench-jit-routing || $what == all ]]; then
   # The op variants with the routing iterations compiled by XLA on their own.
