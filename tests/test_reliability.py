@@ -542,3 +542,94 @@ def test_a_run_dir_that_lost_latest_but_has_a_best_checkpoint_is_not_started_ove
     with pytest.raises(CheckpointError, match=f"run dir {run_dir} has a best checkpoint .* not starting over"):
         train(tiny_config(run_dir=run_dir))
     assert tree_bytes(run_dir / "checkpoints" / "best") == best_before
+
+
+# --------------------------------------------------------------------------- best/ shares latest's files
+
+def test_best_checkpoint_is_latest_files_not_a_second_write(trained_run):
+    """best/ckpt-B is the same files as latest/ckpt-B while latest keeps it (hard links: the
+    epoch's checkpoint is written once), and restores the same values."""
+    run_dir, metrics = trained_run
+    best_dir, latest_dir = run_dir / "checkpoints" / "best", run_dir / "checkpoints" / "latest"
+    best = Path(tf.train.latest_checkpoint(str(best_dir)))
+    assert best.name == f"ckpt-{metrics['best_epoch']}"
+    latest = latest_dir / best.name
+    files = [p.name[len(best.name):] for p in best_dir.glob(best.name + ".*")]
+    assert ".index" in files and any(f.startswith(".data-") for f in files)
+    for suffix in files:
+        if (latest_dir / (best.name + suffix)).exists():
+            assert (best_dir / (best.name + suffix)).stat().st_ino == (latest_dir / (best.name + suffix)).stat().st_ino
+        else:  # rotated out of latest/: best's link is the one left
+            assert (best_dir / (best.name + suffix)).stat().st_nlink == 1
+    assert not list(best_dir.glob("*.tmp"))
+    if Path(str(latest) + ".index").exists():
+        ours, theirs = tf.train.load_checkpoint(str(best)), tf.train.load_checkpoint(str(latest))
+        assert sorted(ours.get_variable_to_shape_map()) == sorted(theirs.get_variable_to_shape_map())
+
+
+def _small_checkpoints(directory, numbers, value=1.0):
+    variable = tf.Variable(value)
+    checkpoint = tf.train.Checkpoint(v=variable)
+    manager = tf.train.CheckpointManager(checkpoint, str(directory), max_to_keep=None)
+    for n in numbers:
+        variable.assign(value * n)
+        manager.save(checkpoint_number=n)
+    return checkpoint
+
+
+def test_a_best_epoch_a_crash_kept_out_of_best_is_adopted_on_restart(tmp_path):
+    """A crash after the commit point (latest/ckpt-3) and before best/ adopted it: recover
+    with last_was_best adopts it from latest; without, the older best stays."""
+    from capsnet.training.checkpoints import BestCheckpoint, read_state
+
+    checkpoint = _small_checkpoints(tmp_path / "latest", [1, 2, 3])
+    for last_was_best, kept in ((False, 2), (True, 3)):
+        best_dir = tmp_path / f"best_{last_was_best}"
+        best = BestCheckpoint(checkpoint, best_dir)
+        best.adopt(2, tmp_path / "latest" / "ckpt-2")
+        best.commit(2)
+        (best_dir / "ckpt-3.index.tmp").write_bytes(b"a cut-short adoption")
+        best.recover(3, last_was_best=last_was_best, latest_dir=tmp_path / "latest", announce=pytest.fail)
+        assert best.numbers() == [kept] and not list(best_dir.glob("*.tmp"))
+        assert read_state(best_dir)[0] == str(best_dir / f"ckpt-{kept}")
+        assert tf.train.load_checkpoint(str(best_dir / f"ckpt-{kept}")).get_tensor("v/.ATTRIBUTES/VARIABLE_VALUE") == kept
+    # An epoch to be redone (done = 2) is never adopted, whatever its line said.
+    best = BestCheckpoint(checkpoint, tmp_path / "best_redo")
+    best.recover(2, last_was_best=True, latest_dir=tmp_path / "nothing here", announce=pytest.fail)
+    assert best.numbers() == []
+
+
+def test_adopt_copies_where_links_fail(tmp_path, monkeypatch):
+    from capsnet.training import checkpoints
+
+    checkpoint = _small_checkpoints(tmp_path / "latest", [1])
+
+    def no_links(*args):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(checkpoints.os, "link", no_links)
+    best = checkpoints.BestCheckpoint(checkpoint, tmp_path / "best")
+    best.adopt(1, tmp_path / "latest" / "ckpt-1")
+    for source in (tmp_path / "latest").glob("ckpt-1.*"):
+        copy = tmp_path / "best" / source.name
+        assert copy.read_bytes() == source.read_bytes() and copy.stat().st_ino != source.stat().st_ino
+
+
+def test_benchmark_checkpoint_script_times_the_three_kinds(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark_checkpoint.py"), "--dir", str(tmp_path),
+                             "--repeats", "2", "--parameters", "1000"],
+                            env=entry_point_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| latest")]
+    assert [row.split(" | ")[0] for row in rows] == ["| latest only", "| latest + best written again",
+                                                      "| latest + best as links"]
+    assert list(tmp_path.iterdir()) == []  # its temporary directory removed
+
+
+def test_last_epoch_was_best_is_the_strict_rule():
+    from capsnet.training.loop import last_epoch_was_best
+
+    history = [{"epoch": 1, "test_accuracy": 0.5}, {"epoch": 2, "test_accuracy": 0.7}, {"epoch": 3, "test_accuracy": 0.7}]
+    assert last_epoch_was_best(history[:2], 2) and last_epoch_was_best(history[:1], 1)
+    assert not last_epoch_was_best(history, 3)  # a tie is not a new best (train's rule: >)
+    assert not last_epoch_was_best(history[:2], 3) and not last_epoch_was_best([], 0)

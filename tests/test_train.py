@@ -292,8 +292,8 @@ def test_resume_with_a_corrupt_config_yaml_is_a_checkpoint_error(trained_run, ti
 
 
 def test_a_crash_before_the_epoch_checkpoint_redoes_the_epoch(tiny_config, tmp_path, monkeypatch):
-    """The epoch's checkpoint is its commit point: history line and best checkpoint come first,
-    and a restart discards what an uncommitted epoch left."""
+    """The epoch's checkpoint is its commit point: the history line comes first, the best
+    checkpoint after it, and a restart discards what an uncommitted epoch left."""
     run_dir = tmp_path / "run"
     real_save = tf.train.CheckpointManager.save
 
@@ -303,10 +303,9 @@ def test_a_crash_before_the_epoch_checkpoint_redoes_the_epoch(tiny_config, tmp_p
     monkeypatch.setattr(tf.train.CheckpointManager, "save", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
         train(tiny_config("train.epochs=1"))
-    # Written before the commit point: the history line and (epoch 1 is always the best) best/ckpt-1,
-    # which the state file (what evaluate.py reads) does not name yet.
+    # Written before the commit point: the history line; best/ comes after it.
     assert [json.loads(line)["epoch"] for line in (run_dir / "history.jsonl").read_text().splitlines()] == [1]
-    assert (run_dir / "checkpoints" / "best" / "ckpt-1.index").exists()
+    assert not list(run_dir.glob("checkpoints/best/ckpt-*"))
     assert tf.train.latest_checkpoint(str(run_dir / "checkpoints" / "best")) is None
     assert tf.train.latest_checkpoint(str(run_dir / "checkpoints" / "latest")) is None
 
@@ -322,6 +321,30 @@ def test_a_crash_before_the_epoch_checkpoint_redoes_the_epoch(tiny_config, tmp_p
     committed = tf.train.load_checkpoint(str(run_dir / "checkpoints" / "latest" / "ckpt-1"))
     for name in ("model/digit_caps.SW/.ATTRIBUTES/VARIABLE_VALUE", "epoch/.ATTRIBUTES/VARIABLE_VALUE"):
         np.testing.assert_array_equal(ours.get_tensor(name), committed.get_tensor(name), err_msg=name)
+
+
+def test_a_crash_after_the_commit_point_adopts_the_best_epoch_on_restart(tiny_config, tmp_path, monkeypatch):
+    """Epoch 1 committed (latest/ckpt-1), the crash before best/ took it: the restart (nothing
+    left to train) puts it into best/ from latest's files (the same files: hard links)."""
+    from capsnet.training.checkpoints import BestCheckpoint
+
+    run_dir = tmp_path / "run"
+
+    def crash(self, *args, **kwargs):
+        raise RuntimeError("simulated crash after the commit point")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(BestCheckpoint, "adopt", crash)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            train(tiny_config("train.epochs=1"))
+    latest = run_dir / "checkpoints" / "latest" / "ckpt-1"
+    assert tf.train.latest_checkpoint(str(latest.parent)) == str(latest)
+    assert tf.train.latest_checkpoint(str(run_dir / "checkpoints" / "best")) is None
+    metrics = train(tiny_config("train.epochs=1"))
+    assert metrics["resumed_from"] == str(latest) and metrics["best_epoch"] == 1
+    best = run_dir / "checkpoints" / "best" / "ckpt-1"
+    assert tf.train.latest_checkpoint(str(best.parent)) == str(best)
+    assert Path(f"{best}.index").stat().st_ino == Path(f"{latest}.index").stat().st_ino
 
 
 def test_resume_drops_best_checkpoints_of_epochs_not_done(trained_run, tiny_config, tmp_path):

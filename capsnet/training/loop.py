@@ -202,8 +202,11 @@ def _train(cfg, progress):
                  tcfg["epochs"], steps_done(optimizer))
     if dcfg["strategy"] == "multi_worker":
         check_workers_agree(strategy, int(epoch), steps_done(optimizer))
-    best.recover(int(epoch))  # drops a best checkpoint of an epoch that is to be redone
     history = read_history(history_path, int(epoch), rewrite=chief)
+    # Drops a best checkpoint of an epoch that is to be redone; adopts the last epoch done if
+    # it was a new best that a crash kept out of best/.
+    best.recover(int(epoch), last_was_best=last_epoch_was_best(history, int(epoch)),
+                 latest_dir=checkpoints_dir / "latest")
     if chief:
         write_run_config(run_dir, {**cfg, "run_dir": str(run_dir), "data": data_cfg})
 
@@ -279,13 +282,12 @@ def _train(cfg, progress):
         if chief:
             with history_path.open("a") as f:
                 f.write(json.dumps(entry) + "\n")  # a redone epoch's line supersedes this one (read_history)
-        if is_best:
-            best.save(epoch_index + 1)
         # The commit point: until this checkpoint exists, a restart redoes the epoch.
-        save_or_fail(lambda: latest.save(checkpoint_number=epoch_index + 1), checkpoints_dir / "latest",
-                     epoch_index + 1)
+        saved = save_or_fail(lambda: latest.save(checkpoint_number=epoch_index + 1), checkpoints_dir / "latest",
+                             epoch_index + 1)
         progress["done"] = epoch_index + 1
         if is_best:
+            best.adopt(epoch_index + 1, saved)  # the same files: no second write
             best.commit(epoch_index + 1)
         raw = f" (trained weights: {raw_test['accuracy']:.4f})" if raw_test is not None else ""
         progress["epoch"] = None
@@ -463,6 +465,15 @@ def collapse_reason(test, epoch_number, num_classes):
     if epoch_number > COLLAPSE_AFTER_EPOCHS and test["accuracy"] <= COLLAPSE_CHANCE_FACTOR * chance:
         return f"test accuracy {test['accuracy']:.4f} is at chance ({chance:.4f} for {num_classes} classes)"
     return None
+
+
+def last_epoch_was_best(history, epochs_done):
+    """Whether epoch `epochs_done` was a new best: its history line's test accuracy beats
+    every earlier epoch's (the rule train() saves best/ by)."""
+    if not history or history[-1]["epoch"] != epochs_done:
+        return False
+    earlier = [h["test_accuracy"] for h in history[:-1]]
+    return history[-1]["test_accuracy"] > max(earlier, default=-1.0)
 
 
 def history_entry(epoch, global_step, learning_rate, train_means, test, raw_test=None, collapse=None):
