@@ -15,10 +15,10 @@ with deterministic=true a resumed run ends bitwise equal to an uninterrupted one
 A run killed mid-epoch loses that epoch only. TensorBoard's step is the global step
 (optimizer.iterations), so the curves continue where the checkpoint left them.
 
-An epoch ends with: its history line, its best checkpoint (if it is the best), and
-LAST checkpoints/latest/ckpt-N, the commit point: a run killed before it redoes the
-epoch, and whatever that epoch wrote before (a history line, best/ckpt-N) is
-superseded or deleted on restart (`BestCheckpoint`, `read_history`).
+An epoch ends with: its history line, then checkpoints/latest/ckpt-N, the commit point: a
+run killed before it redoes the epoch, and the history line that epoch wrote is
+superseded on restart (`read_history`). Then, if it is the best, best/ckpt-N as links to
+latest's files (a run killed before that is repaired on restart: `BestCheckpoint`).
 
 Resuming refuses a config that would change the run's trajectory (RESUME_KEYS: the
 model, the data, the seed, the optimizer and loss values; `check_resumable`) and names
@@ -350,8 +350,8 @@ def check_nothing_committed(run_dir):
     """Before a run starts from scratch in run_dir (no latest/ checkpoint): CheckpointError if
     best/ holds a committed checkpoint (its state file names one), which starting over would
     delete (BestCheckpoint.recover(0)): latest/ was lost, not never written. An uncommitted
-    best/ckpt-1 (a crash before the first commit point; no state file) is the first epoch's
-    to redo, and goes."""
+    best/ckpt-1 (no state file: a run dir of a version that wrote best/ before the commit
+    point) is the first epoch's to redo, and goes."""
     best_dir = Path(run_dir) / "checkpoints" / "best"
     named, _ = read_state(best_dir)
     if named is not None and checkpoint_numbers(best_dir):
