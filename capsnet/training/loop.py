@@ -118,7 +118,7 @@ def _train(cfg, progress):
     chief = is_chief(strategy)
     if tcfg["xla"] == "jit" and not trains_on_gpu(strategy):
         # Measured (docs/benchmarks.md, 2026-11-24): XLA's CPU backend runs the strided
-        # PrimaryCaps convolution's input gradient ~70x slower than TensorFlow's kernel.
+        # PrimaryCaps convolution's input gradient ~86x slower than TensorFlow's kernel.
         say("notice: train.xla=jit on a CPU: XLA's CPU convolution gradients make each step about 20x slower "
             "than train.xla=none (docs/benchmarks.md); jit is for GPUs")
     if chief and run_dir.is_dir():
