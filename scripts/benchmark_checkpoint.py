@@ -40,8 +40,8 @@ def main(argv=None):
         # Each kind in a block of its own, the blocks twice (the first round is a warm-up:
         # the page cache and the file system settle), in fresh directories.
         for round_ in (0, 1):
-            for kind in kinds:
-                where = Path(root) / f"{round_}-{kinds.index(kind)}"
+            for number, kind in enumerate(kinds):
+                where = Path(root) / f"{round_}-{number}"
                 latest = tf.train.CheckpointManager(checkpoint, str(where / "latest"), max_to_keep=3)
                 timings[kind] = []
                 for n in range(1, args.repeats + 1):

@@ -367,11 +367,16 @@ def scratch_limit_env(limit_bytes):
     return {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(-(-limit_bytes // 2**20))}
 
 
+def accumulation_dtype(dtype):
+    """The type the CPU kernels accumulate a `dtype` op in (and hold their scratch in)."""
+    return tf.float64 if dtype == "float64" else tf.float32
+
+
 def assert_scratch_refused(result, dtype, min_values):
     assert_error(result, "ResourceExhaustedError", "OOM when allocating tensor")
     found = re.search(r"with shape\[(\d+)\] and type (\w+)", result["message"])
     assert found, result["message"]
-    accumulation = "double" if dtype == "float64" else "float"
+    accumulation = {tf.float64: "double", tf.float32: "float"}[accumulation_dtype(dtype)]
     assert found.group(2) == accumulation and int(found.group(1)) >= min_values, (min_values, result["message"])
 
 
@@ -394,7 +399,7 @@ SCRATCH_SHAPE = (1, 1, 64, 64, 4096)
 def _scratch_cases(dt):
     B, I, J, D, K = SCRATCH_SHAPE
     w_values = I * J * D * K
-    w_bytes, acc_bytes = w_values * np.dtype(tf.as_dtype(dt).as_numpy_dtype).itemsize, w_values * (8 if dt == "float64" else 4)
+    w_bytes, acc_bytes = w_values * tf.as_dtype(dt).size, w_values * accumulation_dtype(dt).size
     setup = (f"u = tf.ones({(B, I, K)}, tf.{dt}); W = tf.ones({(I, J, D, K)}, tf.{dt}); "
              f"g = tf.ones({(B, I, J, D)}, tf.{dt})\n")
     return [

@@ -23,7 +23,7 @@ import tensorflow as tf
 from capsnet import ops
 from capsnet.routing import dynamic_routing, squash
 from conftest import REPO, TINY_MODEL, entry_point_env, np_capsule_prediction
-from test_ops import assert_error, assert_scratch_refused, run_cases, run_with_limits
+from test_ops import accumulation_dtype, assert_error, assert_scratch_refused, run_cases, run_with_limits
 from test_routing import EPSILON, np_dynamic_routing, np_squash
 
 HAS_GPU = bool(tf.config.list_physical_devices("GPU"))
@@ -568,7 +568,7 @@ def test_overflowing_shapes_in_tf_function(overflow_results, n):
 # 32 MiB) more, not the scratch (W_i transposed and its gradient: twice W's values in the
 # accumulation type).
 def _scratch_cases(dt):
-    size, acc = tf.as_dtype(dt).size, (8 if dt == "float64" else 4)
+    size, acc = tf.as_dtype(dt).size, accumulation_dtype(dt).size
     forward = (f"u = tf.ones((1, 4096, 1), tf.{dt}); W = tf.ones((4096, 4096, 1, 1), tf.{dt})\n"
                "ops.capsule_routing(u, W, 3)")
     gradient = (f"u = tf.ones((1, 1, 4096), tf.{dt}); W = tf.ones((1, 64, 64, 4096), tf.{dt}); "

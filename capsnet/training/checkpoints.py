@@ -509,10 +509,10 @@ class BestCheckpoint:
         best (its history line beats every earlier one); if best/ lacks it (a crash between
         the commit point and adopt), it is adopted from `latest_dir`'s ckpt-`epochs_done`."""
         remove_orphans(self.directory)
-        source = Path(latest_dir or "") / f"ckpt-{epochs_done}"
-        if (last_was_best and epochs_done not in self.numbers() and latest_dir is not None
-                and source.with_name(source.name + ".index").is_file()):
-            self.adopt(epochs_done, source)
+        if last_was_best and latest_dir is not None and epochs_done not in self.numbers():
+            source = Path(latest_dir) / f"ckpt-{epochs_done}"
+            if Path(f"{source}.index").is_file():
+                self.adopt(epochs_done, source)
         done = [n for n in self.numbers() if n <= epochs_done]
         while done:
             damage = checkpoint_damage(str(self.directory / f"ckpt-{done[-1]}"))

@@ -152,11 +152,17 @@ def distribute_dataset(strategy, dataset):
     return strategy.experimental_distribute_dataset(dataset.with_options(options))
 
 
+def default_device():
+    """The device one-device training runs on: the first GPU TensorFlow sees, else None
+    (the CPU, where tf.data runs)."""
+    gpus = tf.config.list_logical_devices("GPU")
+    return gpus[0].name if gpus else None
+
+
 def trains_on_gpu(strategy=None):
     """Whether the training steps run on a GPU: a replica's device under `strategy`, else
-    the first GPU TensorFlow sees (the one input_iterator and the steps use)."""
-    devices = strategy.extended.worker_devices if strategy is not None else [
-        d.name for d in tf.config.list_logical_devices("GPU")]
+    default_device()."""
+    devices = strategy.extended.worker_devices if strategy is not None else [default_device() or "/CPU:0"]
     return any(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in devices)
 
 
@@ -172,8 +178,7 @@ def input_iterator(dataset, strategy=None, device=None):
     if strategy is not None:
         return iter(distribute_dataset(strategy, dataset))
     if device is None:
-        gpus = tf.config.list_logical_devices("GPU")
-        device = gpus[0].name if gpus else None
+        device = default_device()
     if device is None or tf.DeviceSpec.from_string(device).device_type != "GPU":
         return iter(dataset)  # the CPU trains where tf.data runs: nothing to copy
     with tf.device(device):  # the iterator of a copy_to_device dataset lives on the target device
