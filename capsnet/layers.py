@@ -21,6 +21,7 @@ from tensorflow.python.ops import control_flow_util
 
 from capsnet import ops
 from capsnet.config import ROUTING_MODES, routing_from_flags, routing_mode
+from capsnet.conv import space_to_depth_conv2d
 from capsnet.errors import CapsnetError
 from capsnet.precision import bias_add, float32_math
 from capsnet.routing import dynamic_routing, squash
@@ -54,15 +55,36 @@ def _known_shape(shape):
 class Conv2D(keras.layers.Conv2D):
     """keras.layers.Conv2D with its bias added by capsnet.precision.bias_add: the same
     values, weights and checkpoint names; under a mixed policy its bias gradient is a
-    matmul, not TensorFlow's slow 16-bit BiasAddGrad (see bias_add)."""
+    matmul, not TensorFlow's slow 16-bit BiasAddGrad (see bias_add).
+
+    `space_to_depth=True` computes a strided "valid" convolution as a stride-1 one on
+    space-to-depth blocks (capsnet.conv): the same values and kernel variable, other
+    kernels; no effect on a stride-1 or "same" convolution.
+    """
+
+    def __init__(self, *args, space_to_depth=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.space_to_depth = boolean(f"{type(self).__name__}: space_to_depth", space_to_depth)
+
+    @property
+    def computes_blocks(self):
+        """Whether call() runs the space-to-depth form (see the class docstring)."""
+        return (self.space_to_depth and self.padding == "valid" and self.strides != (1, 1)
+                and self.strides[0] == self.strides[1] and self.dilation_rate == (1, 1) and self.groups == 1)
 
     def call(self, inputs):
         if self.data_format != "channels_last":
             return super().call(inputs)
-        outputs = self.convolution_op(inputs, self.kernel)
+        if self.computes_blocks:
+            outputs = space_to_depth_conv2d(inputs, self.kernel, self.strides)
+        else:
+            outputs = self.convolution_op(inputs, self.kernel)
         if self.use_bias:
             outputs = bias_add(outputs, self.bias)
         return outputs if self.activation is None else self.activation(outputs)
+
+    def get_config(self):
+        return {**super().get_config(), "space_to_depth": self.space_to_depth}
 
 
 @keras.saving.register_keras_serializable(package="capsnet")
@@ -89,13 +111,16 @@ class PrimaryCaps(keras.layers.Layer):
     row-major, so capsule i = (h·W' + w)·num_types + t holds channels
     [t·dim, (t+1)·dim) at output position (h, w). DigitCaps' W[i] follows this order.
 
+    `space_to_depth`: run the strided convolution as a stride-1 one on 2×2 blocks
+    (capsnet.conv; model.primary_caps_space_to_depth): the same outputs, other kernels.
+
     Input shape: `(batch, H, W, C)` feature maps.
     Output shape: `(batch, H'·W'·num_types, dim)` capsules u, |u_i| < 1, with
     H' = (H − kernel_size) // strides + 1 for "valid" padding (ceil(H / strides) for "same").
     """
 
     def __init__(self, num_types=32, dim=8, kernel_size=9, strides=2, padding="valid",
-                 kernel_initializer="glorot_uniform", **kwargs):
+                 kernel_initializer="glorot_uniform", space_to_depth=False, **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
         self.num_types = positive_int(f"{owner}: num_types", num_types)
@@ -109,7 +134,8 @@ class PrimaryCaps(keras.layers.Layer):
         self.conv = Conv2D(
             self.num_types * self.dim, self.kernel_size, strides=self.strides,
             padding=self.padding, activation=None,
-            kernel_initializer=self.kernel_initializer, name="conv", dtype=self.dtype_policy,
+            kernel_initializer=self.kernel_initializer, space_to_depth=space_to_depth, name="conv",
+            dtype=self.dtype_policy,
         )
 
     def _grid(self, input_shape):
@@ -140,7 +166,7 @@ class PrimaryCaps(keras.layers.Layer):
 
     def call(self, inputs):
         h, w = self._grid(inputs.shape)
-        if self.padding == "valid" and _in_xla_computation():
+        if self.padding == "valid" and not self.conv.computes_blocks and _in_xla_computation():
             # Under XLA (train.xla=jit) the rows and columns no window reaches (the
             # paper's 20×20 maps, 9×9 kernel, stride 2: the 20th) are cropped: the same
             # outputs and gradients, but then the input gradient is a strided convolution
@@ -149,6 +175,7 @@ class PrimaryCaps(keras.layers.Layer):
             # step at batch 512 on an H100; with the crop the step took 6.2 ms). Not
             # outside XLA: TensorFlow's own kernels need no help there, and the crop's
             # slice cost 8-20% of the step (docs/benchmarks.md, the crop A/B).
+            # The space-to-depth form needs no crop: it pads to whole blocks anyway.
             used_h = (h - 1) * self.strides[0] + self.kernel_size[0]
             used_w = (w - 1) * self.strides[1] + self.kernel_size[1]
             if (used_h, used_w) != tuple(inputs.shape[1:3]):
@@ -170,6 +197,7 @@ class PrimaryCaps(keras.layers.Layer):
             "strides": list(self.strides),
             "padding": self.padding,
             "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+            "space_to_depth": self.conv.space_to_depth,
         }
 
 

@@ -4,7 +4,7 @@
 # (or ./gpu-out) as logs; the last lines printed are the summaries.
 #   carry: .gpukit/gpukit.sh .gpukit/MANIFEST capsnet/lib build .gpudata
 #   command: bash scripts/gpu_session.sh [verify|bench|train|all|scale|precision|profile|xla|xla-profile|guard|sweep|
-#                                         full_mnist|fast_grid|fast_time|crop|runs|conv]   (scale, sweep: on nvidia-h200-x2, not in all)
+#                                         full_mnist|fast_grid|fast_time|crop|runs|conv|blocks]   (scale, sweep: on nvidia-h200-x2, not in all)
 set -uo pipefail
 what="${1:-all}"
 out="${OUT:-gpu-out}"; mkdir -p "$out"
@@ -111,10 +111,25 @@ if [[ $what == guard ]]; then
 fi
 if [[ $what == conv ]]; then
   # [precision]/[xla-op]: the two convolutions by part (forward, filter and input gradient), the
-  # larger part of the step, with and without XLA, in both precisions and the benchmark batches.
+  # larger part of the step, with and without XLA, PrimaryCaps' three forms, both precisions and
+  # the benchmark batches; then PyTorch's kernels for the same shapes (its own process).
   for batch in 128 512; do
     python3 scripts/benchmark_conv.py --device gpu --dtype float32,bfloat16 --batch-size $batch --repeats 20 \
-      --json "$out/benchmark_conv_$batch.json" 2>&1 | tee "$out/benchmark_conv_$batch.log" | tail -15
+      --form strided,cropped,space_to_depth --json "$out/benchmark_conv_$batch.json" 2>&1 \
+      | tee "$out/benchmark_conv_$batch.log" | grep "^|"
+    python3 scripts/benchmark_conv.py --device gpu --dtype float32,bfloat16 --batch-size $batch --repeats 20 \
+      --framework torch --json "$out/benchmark_conv_torch_$batch.json" 2>&1 \
+      | tee "$out/benchmark_conv_torch_$batch.log" | grep "^|"
+  done
+fi
+if [[ $what == blocks ]]; then
+  # model.primary_caps_space_to_depth off and on (two processes, one after the other), the
+  # fastest paths, both precisions, 50 steps per call as train() runs.
+  for blocks in false true; do
+    python3 scripts/benchmark_train.py --precision ${PRECISIONS:-mixed_bfloat16,float32} --steps-per-execution 50 \
+      --repeats 3 --variants ${BLOCK_VARIANTS:-op+fused+jit,matmul+jit,op+fused} --timeout 240 \
+      --json "$out/benchmark_blocks_$blocks.json" model.primary_caps_space_to_depth=$blocks 2>&1 \
+      | tee "$out/benchmark_blocks_$blocks.log" | grep "^|"
   done
 fi
 if [[ $what == bench-jit-routing || $what == all ]]; then

@@ -72,6 +72,9 @@ LAYER_CASES = {
     # conv 3×3×6 → 3·4 filters; grid (12 − 3)//2 + 1 = 5 → 5·5·3 capsules
     "primary_caps": (lambda: PrimaryCaps(num_types=3, dim=4, kernel_size=3, strides=2),
                      (FEATURES,), (2, 75, 4), 3 * 3 * 6 * 12 + 12),
+    # the same on space-to-depth blocks (capsnet.conv): same outputs and weights
+    "primary_caps_blocks": (lambda: PrimaryCaps(num_types=3, dim=4, kernel_size=3, strides=2, space_to_depth=True),
+                            (FEATURES,), (2, 75, 4), 3 * 3 * 6 * 12 + 12),
     # 'same': grid ceil(12/2) × ceil(12/3) = 6 × 4, 2 types
     "primary_caps_same": (lambda: PrimaryCaps(num_types=2, dim=5, kernel_size=(3, 5), strides=(2, 3),
                                               padding="same"),

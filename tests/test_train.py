@@ -691,25 +691,40 @@ def test_benchmark_conv_times_the_true_gradients(tmp_path):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     for _, in_shape, filter_shape, stride in bench.CONVS:
-        parts = bench.conv_parts(tf, 2, in_shape, filter_shape, stride, tf.float32)
-        x, w, dy = parts["forward"][1]
+        full = bench.conv_parts(tf, 2, in_shape, filter_shape, stride, tf.float32)
+        x, w, dy = full["forward"][1]
         with tf.GradientTape(persistent=True) as tape:
             tape.watch([x, w])
             y = tf.nn.conv2d(x, w, stride, "VALID")
         assert y.shape == dy.shape
-        np.testing.assert_allclose(parts["forward"][0](x, w, dy).numpy(), y.numpy(), rtol=1e-5, atol=1e-6)
-        for part, wrt in (("filter_grad", w), ("input_grad", x)):
-            want = tape.gradient(y, wrt, output_gradients=dy).numpy()
-            np.testing.assert_allclose(parts[part][0](x, w, dy).numpy(), want, rtol=1e-4, atol=1e-5, err_msg=part)
+        for form in bench.FORMS if stride > 1 else ["strided"]:
+            parts = bench.conv_parts(tf, 2, in_shape, filter_shape, stride, tf.float32, form)
+            # float32 sums of 20,736 products in another order: ~1e-5 apart on values of ~1
+            np.testing.assert_allclose(parts["forward"][0](*parts["forward"][1]).numpy(), y.numpy(),
+                                       rtol=1e-5, atol=5e-5, err_msg=form)
+            for part, wrt in (("filter_grad", w), ("input_grad", x)):
+                want = tape.gradient(y, wrt, output_gradients=dy).numpy()
+                got = parts[part][0](*parts[part][1]).numpy()
+                if form == "cropped" and part == "input_grad":  # of the used rows; the others' is 0
+                    assert not want[:, got.shape[1]:].any() and not want[:, :, got.shape[2]:].any()
+                    want = want[:, :got.shape[1], :got.shape[2]]
+                np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"{form} {part}")
     output = tmp_path / "conv.json"
     result = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark_conv.py"), "--device", "cpu",
-                             "--batch-size", "2", "--repeats", "1", "--xla", "none,jit", "--json", str(output)],
+                             "--batch-size", "2", "--repeats", "1", "--xla", "none,jit",
+                             "--form", "strided,space_to_depth", "--json", str(output)],
                             env=entry_point_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads(output.read_text())["rows"]
-    assert [(r["conv"], r["part"]) for r in rows] == [(c[0], p) for c in bench.CONVS for p in bench.PARTS]
+    assert [(r["conv"], r["form"], r["part"]) for r in rows] == [
+        (c[0], f, p) for c in bench.CONVS for f in (["strided", "space_to_depth"] if c[3] > 1 else ["strided"])
+        for p in bench.PARTS]
     assert all(r["ms_none"] > 0 and r["ms_jit"] > 0 for r in rows)
-    assert "| primary_caps | input_grad | float32 |" in result.stdout
+    assert "| primary_caps | space_to_depth | input_grad | float32 |" in result.stdout
+    refused = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark_conv.py"), "--device", "cpu",
+                              "--framework", "torch"], env=entry_point_env(), capture_output=True, text=True,
+                             timeout=60)
+    assert refused.returncode == 2 and "--framework torch times PyTorch's GPU kernels" in refused.stderr
 
 
 def test_benchmark_train_times_the_step_with_and_without_the_guard(tmp_path):
