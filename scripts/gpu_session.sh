@@ -105,7 +105,7 @@ fi
 if [[ $what == guard ]]; then
   # [reliability]: what the non-finite guard costs the step (the gradients' global norm; the loop's
   # check on the stacked values runs either way), each row with and without it, in the same process.
-  python3 scripts/benchmark_train.py --precision mixed_bfloat16,float32 --steps-per-execution 50 --repeats 5 \
+  python3 scripts/benchmark_train.py --precision ${PRECISIONS:-mixed_bfloat16,float32} --steps-per-execution 50 --repeats 5 \
     --variants op+fused,op+fused+jit --guard on,off --json "$out/benchmark_guard.json" \
     2>&1 | tee "$out/benchmark_guard.log" | tail -20
 fi
