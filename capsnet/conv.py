@@ -18,7 +18,7 @@ back through the regrouping (a pad, reshape and transpose).
 """
 import tensorflow as tf
 
-__all__ = ["space_to_depth", "block_kernel", "space_to_depth_conv2d", "patches_conv2d"]
+__all__ = ["space_to_depth", "block_kernel", "space_to_depth_conv2d"]
 
 
 def _blocks(size, stride):
@@ -61,18 +61,3 @@ def space_to_depth_conv2d(x, kernel, strides):
     y = tf.nn.conv2d(space_to_depth(x, sh), block_kernel(kernel, strides), 1, "VALID")
     # The blocks can reach one output row or column past the strided convolution's last.
     return y[:, :out_h, :out_w, :] if tuple(y.shape[1:3]) != (out_h, out_w) else y
-
-
-def patches_conv2d(x, kernel):
-    """conv2d(x, kernel, 1, "VALID") for NHWC `x` with static H, W, C as one matmul of the
-    image patches (kh·kw·C values each, stacked from kh·kw slices) with the kernel as a
-    (kh·kw·C, O) matrix. For a convolution with few input channels (Conv1: one) the
-    patches are small (81 values a pixel) and the matmul runs on tensor cores, where
-    a convolution kernel with C = 1 cannot use them well. No input gradient is meant to
-    flow through it: that would be kh·kw padded slices (Conv1's input is the data)."""
-    _, h, w, c = x.shape
-    kh, kw, _, o = (int(d) for d in kernel.shape)
-    out_h, out_w = h - kh + 1, w - kw + 1
-    patches = tf.concat([x[:, i:i + out_h, j:j + out_w, :] for i in range(kh) for j in range(kw)], axis=-1)
-    y = tf.matmul(tf.reshape(patches, (-1, kh * kw * c)), tf.reshape(kernel, (kh * kw * c, o)))
-    return tf.reshape(y, (-1, out_h, out_w, o))

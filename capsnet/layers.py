@@ -21,7 +21,7 @@ from tensorflow.python.ops import control_flow_util
 
 from capsnet import ops
 from capsnet.config import ROUTING_MODES, routing_from_flags, routing_mode
-from capsnet.conv import patches_conv2d, space_to_depth_conv2d
+from capsnet.conv import space_to_depth_conv2d
 from capsnet.errors import CapsnetError
 from capsnet.precision import bias_add, float32_math
 from capsnet.routing import dynamic_routing, squash
@@ -62,10 +62,9 @@ class Conv2D(keras.layers.Conv2D):
     kernels; no effect on a stride-1 or "same" convolution.
     """
 
-    def __init__(self, *args, space_to_depth=False, patches=False, **kwargs):
+    def __init__(self, *args, space_to_depth=False, **kwargs):
         super().__init__(*args, **kwargs)
         self.space_to_depth = boolean(f"{type(self).__name__}: space_to_depth", space_to_depth)
-        self.patches = boolean(f"{type(self).__name__}: patches", patches)
 
     @property
     def computes_blocks(self):
@@ -78,8 +77,6 @@ class Conv2D(keras.layers.Conv2D):
             return super().call(inputs)
         if self.computes_blocks:
             outputs = space_to_depth_conv2d(inputs, self.kernel, self.strides)
-        elif self.patches and self.padding == "valid" and self.strides == (1, 1) and self.groups == 1:
-            outputs = patches_conv2d(inputs, self.kernel)
         else:
             outputs = self.convolution_op(inputs, self.kernel)
         if self.use_bias:
@@ -87,7 +84,7 @@ class Conv2D(keras.layers.Conv2D):
         return outputs if self.activation is None else self.activation(outputs)
 
     def get_config(self):
-        return {**super().get_config(), "space_to_depth": self.space_to_depth, "patches": self.patches}
+        return {**super().get_config(), "space_to_depth": self.space_to_depth}
 
 
 @keras.saving.register_keras_serializable(package="capsnet")

@@ -52,7 +52,7 @@ class CapsNet(keras.Model):
                  primary_caps_kernel_size=9, primary_caps_strides=2, digit_caps_dim=16,
                  routing_iterations=3, stop_gradient_routing=True, decoder=True,
                  decoder_units=(512, 1024), routing="matmul", w_init_stddev=0.1,
-                 primary_caps_space_to_depth=False, conv1_patches=False, **kwargs):
+                 primary_caps_space_to_depth=False, **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
         self.image_shape = positive_int_tuple(f"{owner}: input_shape", input_shape, length=3)
@@ -72,7 +72,6 @@ class CapsNet(keras.Model):
         self.w_init_stddev = positive_float(f"{owner}: w_init_stddev", w_init_stddev)
         self.primary_caps_space_to_depth = boolean(
             f"{owner}: primary_caps_space_to_depth", primary_caps_space_to_depth)
-        self.conv1_patches = boolean(f"{owner}: conv1_patches", conv1_patches)
 
         # Both convolutions are 'valid': check now that the image survives them, so a
         # bad config fails here with the numbers rather than inside a conv op.
@@ -87,7 +86,7 @@ class CapsNet(keras.Model):
 
         self.conv1 = Conv2D(
             self.conv1_filters, self.conv1_kernel_size, strides=1, padding="valid",
-            activation="relu", patches=self.conv1_patches, name="conv1", dtype=self.dtype_policy)
+            activation="relu", name="conv1", dtype=self.dtype_policy)
         self.primary_caps = PrimaryCaps(
             num_types=self.primary_caps_types, dim=self.primary_caps_dim,
             kernel_size=self.primary_caps_kernel_size, strides=self.primary_caps_strides,
@@ -194,7 +193,6 @@ class CapsNet(keras.Model):
             **routing_flags(self.routing),  # read-only: what the mode implies
             "w_init_stddev": self.w_init_stddev,
             "primary_caps_space_to_depth": self.primary_caps_space_to_depth,
-            "conv1_patches": self.conv1_patches,
         }
 
     @classmethod

@@ -203,7 +203,6 @@ class ModelConfig:
     decoder_units: List[int] = _checked(check=_int_list, factory=lambda: [512, 1024])
     w_init_stddev: float = _checked(0.1, _positive_float)
     primary_caps_space_to_depth: bool = _checked(False, _boolean)
-    conv1_patches: bool = _checked(False, _boolean)
 
 
 @dataclass

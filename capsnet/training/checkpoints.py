@@ -388,7 +388,7 @@ RESUME_KEYS = {
     "train": ("batch_size", "learning_rate", "lr_decay_rate", "lr_decay_steps", "lr_staircase",
               "m_plus", "m_minus", "lambda_", "reconstruction_weight", "ema_decay"),
 }
-RESUME_FREE_MODEL_KEYS = ("routing", "primary_caps_space_to_depth", "conv1_patches")  # how, not what, it computes
+RESUME_FREE_MODEL_KEYS = ("routing", "primary_caps_space_to_depth")  # how, not what, it computes
 # Of RESUME_KEYS, what a resume may change with a notice: lowering the learning rate is
 # how a run that diverged (TrainingDiverged) continues from its last good checkpoint.
 # The optimizer's schedule is rebuilt from the config (the checkpoint holds Adam's
