@@ -20,7 +20,7 @@ import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
 from capsnet import ops
-from capsnet.config import ROUTING_MODES, routing_from_flags, routing_mode
+from capsnet.config import CONV_FORMS, ROUTING_MODES, routing_from_flags, routing_mode
 from capsnet.conv import space_to_depth_conv2d
 from capsnet.errors import CapsnetError
 from capsnet.precision import bias_add, float32_math
@@ -57,34 +57,21 @@ class Conv2D(keras.layers.Conv2D):
     values, weights and checkpoint names; under a mixed policy its bias gradient is a
     matmul, not TensorFlow's slow 16-bit BiasAddGrad (see bias_add).
 
-    `space_to_depth=True` computes a strided "valid" convolution as a stride-1 one on
-    space-to-depth blocks (capsnet.conv): the same values and kernel variable, other
-    kernels; no effect on a stride-1 or "same" convolution.
+    `call(inputs, space_to_depth=True)` computes a strided "valid" convolution as a
+    stride-1 one on space-to-depth blocks (capsnet.conv, for equal strides): the same
+    values and kernel variable, other kernels (PrimaryCaps' `conv_form` says when).
     """
 
-    def __init__(self, *args, space_to_depth=False, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.space_to_depth = boolean(f"{type(self).__name__}: space_to_depth", space_to_depth)
-
-    @property
-    def computes_blocks(self):
-        """Whether call() runs the space-to-depth form (see the class docstring)."""
-        return (self.space_to_depth and self.padding == "valid" and self.strides != (1, 1)
-                and self.strides[0] == self.strides[1] and self.dilation_rate == (1, 1) and self.groups == 1)
-
-    def call(self, inputs):
+    def call(self, inputs, space_to_depth=False):
         if self.data_format != "channels_last":
             return super().call(inputs)
-        if self.computes_blocks:
+        if space_to_depth:
             outputs = space_to_depth_conv2d(inputs, self.kernel, self.strides)
         else:
             outputs = self.convolution_op(inputs, self.kernel)
         if self.use_bias:
             outputs = bias_add(outputs, self.bias)
         return outputs if self.activation is None else self.activation(outputs)
-
-    def get_config(self):
-        return {**super().get_config(), "space_to_depth": self.space_to_depth}
 
 
 @keras.saving.register_keras_serializable(package="capsnet")
@@ -111,8 +98,12 @@ class PrimaryCaps(keras.layers.Layer):
     row-major, so capsule i = (h·W' + w)·num_types + t holds channels
     [t·dim, (t+1)·dim) at output position (h, w). DigitCaps' W[i] follows this order.
 
-    `space_to_depth`: run the strided convolution as a stride-1 one on 2×2 blocks
-    (capsnet.conv; model.primary_caps_space_to_depth): the same outputs, other kernels.
+    `conv_form` (model.primary_caps_conv; capsnet.config.CONV_FORMS): how the strided
+    convolution is computed, the same outputs and weights in each: "strided", TensorFlow's
+    strided convolution; "space_to_depth", a stride-1 one on 2×2 blocks (capsnet.conv;
+    padding "valid" and equal strides only); "auto", the blocks where the layer's ops go
+    into an XLA computation (train.xla=jit) and the strided one elsewhere, the faster of
+    the two in each place (docs/benchmarks.md, eleventh session).
 
     Input shape: `(batch, H, W, C)` feature maps.
     Output shape: `(batch, H'·W'·num_types, dim)` capsules u, |u_i| < 1, with
@@ -120,7 +111,7 @@ class PrimaryCaps(keras.layers.Layer):
     """
 
     def __init__(self, num_types=32, dim=8, kernel_size=9, strides=2, padding="valid",
-                 kernel_initializer="glorot_uniform", space_to_depth=False, **kwargs):
+                 kernel_initializer="glorot_uniform", conv_form="auto", **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
         self.num_types = positive_int(f"{owner}: num_types", num_types)
@@ -130,12 +121,19 @@ class PrimaryCaps(keras.layers.Layer):
         if padding not in ("valid", "same"):
             raise ValueError(f"{owner}: padding must be 'valid' or 'same', got {padding!r}")
         self.padding = padding
+        if conv_form not in CONV_FORMS:
+            raise ValueError(f"{owner}: conv_form must be one of {', '.join(CONV_FORMS)}, got {conv_form!r}")
+        blocks_apply = padding == "valid" and self.strides[0] == self.strides[1]
+        if conv_form == "space_to_depth" and not blocks_apply:
+            raise ValueError(f"{owner}: conv_form 'space_to_depth' needs padding 'valid' and equal strides, "
+                             f"got padding {padding!r}, strides {self.strides}")
+        self.conv_form = conv_form
+        self._blocks = {"strided": False, "space_to_depth": True, "auto": None if blocks_apply else False}[conv_form]
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.conv = Conv2D(
             self.num_types * self.dim, self.kernel_size, strides=self.strides,
             padding=self.padding, activation=None,
-            kernel_initializer=self.kernel_initializer, space_to_depth=space_to_depth, name="conv",
-            dtype=self.dtype_policy,
+            kernel_initializer=self.kernel_initializer, name="conv", dtype=self.dtype_policy,
         )
 
     def _grid(self, input_shape):
@@ -166,22 +164,30 @@ class PrimaryCaps(keras.layers.Layer):
 
     def call(self, inputs):
         h, w = self._grid(inputs.shape)
-        if self.padding == "valid" and not self.conv.computes_blocks and _in_xla_computation():
-            # Under XLA (train.xla=jit) the rows and columns no window reaches (the
-            # paper's 20×20 maps, 9×9 kernel, stride 2: the 20th) are cropped: the same
-            # outputs and gradients, but then the input gradient is a strided convolution
-            # XLA hands to cuDNN's backward-data kernel; with the unused row it lowers it
-            # to a forward convolution over a dilated input (6.0 of a 12.8 ms bfloat16
-            # step at batch 512 on an H100; with the crop the step took 6.2 ms). Not
-            # outside XLA: TensorFlow's own kernels need no help there, and the crop's
-            # slice cost 8-20% of the step (docs/benchmarks.md, the crop A/B).
-            # The space-to-depth form needs no crop: it pads to whole blocks anyway.
-            used_h = (h - 1) * self.strides[0] + self.kernel_size[0]
-            used_w = (w - 1) * self.strides[1] + self.kernel_size[1]
-            if (used_h, used_w) != tuple(inputs.shape[1:3]):
-                inputs = inputs[:, :used_h, :used_w, :]
-        x = self.conv(inputs)                                     # (B, H', W', types*dim)
-        u = tf.reshape(x, (-1, h * w * self.num_types, self.dim))  # (B, in_caps, dim)
+        in_xla = _in_xla_computation()
+        blocks = in_xla if self._blocks is None else self._blocks
+        if blocks:
+            # Under XLA on an H100 the three parts of this convolution on blocks took
+            # 2.0 of the strided one's 3.1 ms (bfloat16, batch 512) and the whole step
+            # 1.3-1.7× less time; on a CPU XLA's strided input gradient is 86× TensorFlow's
+            # kernel and the blocks' is not. Outside XLA TensorFlow's strided kernels are
+            # the faster ones (docs/benchmarks.md, eleventh session).
+            x = self.conv(inputs, space_to_depth=True)
+        else:
+            if self.padding == "valid" and in_xla:
+                # conv_form="strided" under XLA: the rows and columns no window reaches
+                # (the paper's 20×20 maps, 9×9 kernel, stride 2: the 20th) are cropped: the
+                # same outputs and gradients, but then XLA hands the input gradient to
+                # cuDNN's backward-data kernel; with the unused row it lowers it to a
+                # forward convolution over a dilated input (6.0 of a 12.8 ms bfloat16 step
+                # at batch 512 on an H100; with the crop the step took 6.2 ms). Not outside
+                # XLA: the crop's slice cost 8-20% of the step there (the crop A/B).
+                used_h = (h - 1) * self.strides[0] + self.kernel_size[0]
+                used_w = (w - 1) * self.strides[1] + self.kernel_size[1]
+                if (used_h, used_w) != tuple(inputs.shape[1:3]):
+                    inputs = inputs[:, :used_h, :used_w, :]
+            x = self.conv(inputs)
+        u = tf.reshape(x, (-1, h * w * self.num_types, self.dim))  # x (B, H', W', types·dim) → (B, in_caps, dim)
         return squash(u)
 
     def compute_output_shape(self, input_shape):
@@ -197,7 +203,7 @@ class PrimaryCaps(keras.layers.Layer):
             "strides": list(self.strides),
             "padding": self.padding,
             "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
-            "space_to_depth": self.conv.space_to_depth,
+            "conv_form": self.conv_form,
         }
 
 

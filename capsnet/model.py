@@ -8,6 +8,7 @@ PrimaryCaps 32 types × 8-D @9×9 stride 2 (6·6·32 = 1152 capsules) → DigitC
 import keras
 import tensorflow as tf
 
+from capsnet.config import CONV_FORMS
 from capsnet.layers import Conv2D, Decoder, DigitCaps, PrimaryCaps, capsule_lengths, check_routing, routing_argument, routing_flags
 from capsnet.validation import boolean, positive_float, positive_int, positive_int_tuple
 
@@ -40,8 +41,8 @@ class CapsNet(keras.Model):
     `fused_routing`: read-only, what the mode implies (DigitCaps).
     `w_init_stddev`: DigitCaps' W starts as N(0, w_init_stddev²) per entry (see
     `capsnet.layers.DigitCaps`).
-    `primary_caps_space_to_depth`: PrimaryCaps' strided convolution as a stride-1 one on
-    space-to-depth blocks (capsnet.conv): how it is computed, not what; weights alike.
+    `primary_caps_conv`: how PrimaryCaps computes its strided convolution (auto, strided,
+    space_to_depth: PrimaryCaps' conv_form); the same values and weights in each.
     `dtype`: a Keras dtype policy for every layer: "float32" (the default) or a mixed one,
     "mixed_bfloat16" / "mixed_float16" (train.precision): float32 weights, 16-bit compute,
     float32 where it must be (capsnet.precision); the outputs are float32 in every policy.
@@ -52,7 +53,7 @@ class CapsNet(keras.Model):
                  primary_caps_kernel_size=9, primary_caps_strides=2, digit_caps_dim=16,
                  routing_iterations=3, stop_gradient_routing=True, decoder=True,
                  decoder_units=(512, 1024), routing="matmul", w_init_stddev=0.1,
-                 primary_caps_space_to_depth=False, **kwargs):
+                 primary_caps_conv="auto", **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
         self.image_shape = positive_int_tuple(f"{owner}: input_shape", input_shape, length=3)
@@ -70,8 +71,9 @@ class CapsNet(keras.Model):
         self.decoder_units = positive_int_tuple(f"{owner}: decoder_units", decoder_units)
         self.routing = check_routing(owner, routing, self.stop_gradient_routing)
         self.w_init_stddev = positive_float(f"{owner}: w_init_stddev", w_init_stddev)
-        self.primary_caps_space_to_depth = boolean(
-            f"{owner}: primary_caps_space_to_depth", primary_caps_space_to_depth)
+        if primary_caps_conv not in CONV_FORMS:
+            raise ValueError(f"{owner}: primary_caps_conv must be one of {', '.join(CONV_FORMS)}, "
+                             f"got {primary_caps_conv!r}")
 
         # Both convolutions are 'valid': check now that the image survives them, so a
         # bad config fails here with the numbers rather than inside a conv op.
@@ -90,8 +92,7 @@ class CapsNet(keras.Model):
         self.primary_caps = PrimaryCaps(
             num_types=self.primary_caps_types, dim=self.primary_caps_dim,
             kernel_size=self.primary_caps_kernel_size, strides=self.primary_caps_strides,
-            padding="valid", space_to_depth=self.primary_caps_space_to_depth, name="primary_caps",
-            dtype=self.dtype_policy)
+            padding="valid", conv_form=primary_caps_conv, name="primary_caps", dtype=self.dtype_policy)
         self.digit_caps = DigitCaps(
             num_caps=self.num_classes, dim=self.digit_caps_dim,
             routing_iterations=self.routing_iterations,
@@ -192,7 +193,7 @@ class CapsNet(keras.Model):
             "routing": self.routing,
             **routing_flags(self.routing),  # read-only: what the mode implies
             "w_init_stddev": self.w_init_stddev,
-            "primary_caps_space_to_depth": self.primary_caps_space_to_depth,
+            "primary_caps_conv": self.primary_caps.conv_form,
         }
 
     @classmethod

@@ -9,13 +9,14 @@ on an H100 3.4 of 5.2 busy ms at batch 512 in bfloat16, docs/benchmarks.md), and
 part of them is slow differs by backend: on a CPU, XLA runs PrimaryCaps' strided input
 gradient ~70x slower than TensorFlow's kernel. Each part is one tf.function (jit_compile
 for xla=jit) called once untimed (tracing, compilation, autotuning), then `--repeats`
-times, each call waited for; the median counts. Shapes: Conv1 9x9, 1 -> 256, stride 1 on
+times back to back in each of 5 groups, each group waited for at its end; the median
+group's mean counts. Shapes: Conv1 9x9, 1 -> 256, stride 1 on
 28x28x1; PrimaryCaps 9x9, 256 -> 256, stride 2 on 20x20x256 (its output 6x6).
 
 `--form` says how PrimaryCaps' strided convolution is computed: `strided` as it is,
-`cropped` without the input row and column no window reaches (PrimaryCaps under XLA),
+`cropped` without the input row and column no window reaches (conv_form="strided" under XLA),
 `space_to_depth` as a stride-1 5x5 convolution on 2x2 blocks (capsnet/conv.py,
-model.primary_caps_space_to_depth). `--framework torch` times the strided rows in PyTorch
+model.primary_caps_conv). `--framework torch` times the strided rows in PyTorch
 instead (its own process: cuDNN in benchmark mode, channels_last, TF32 for float32 as
 TensorFlow's default): what the same GPU's best-known kernels do with the same shapes.
 """
@@ -107,14 +108,27 @@ def torch_time(batch, in_shape, filter_shape, stride, dtype, part, repeats):
     return statistics.median(times)
 
 
-def time_call(fn, args, repeats):
-    fn(*args).numpy()  # tracing, compilation, autotuning
+def time_call(fn, args, repeats, groups=5):
+    """Seconds per call: `groups` runs of `repeats` calls queued back to back, each waited
+    for once at its end by reading one value of the last output (reading whole outputs, up
+    to 200 MiB here, would time the copy to the host); the median group's mean counts."""
+    def wait(out):
+        return tf_first_value(out).numpy()
+    wait(fn(*args))  # tracing, compilation, autotuning
     seconds = []
-    for _ in range(repeats):
+    for _ in range(groups):
         start = time.perf_counter()
-        fn(*args).numpy()  # .numpy() waits for the result
-        seconds.append(time.perf_counter() - start)
+        for _ in range(repeats):
+            out = fn(*args)
+        wait(out)
+        seconds.append((time.perf_counter() - start) / repeats)
     return statistics.median(seconds)
+
+
+def tf_first_value(tensor):
+    import tensorflow as tf
+
+    return tf.reshape(tensor, [-1])[0]
 
 
 def main(argv=None):

@@ -123,13 +123,14 @@ if [[ $what == conv ]]; then
   done
 fi
 if [[ $what == blocks ]]; then
-  # model.primary_caps_space_to_depth off and on (two processes, one after the other), the
-  # fastest paths, both precisions, 50 steps per call as train() runs.
-  for blocks in false true; do
+  # model.primary_caps_conv strided and space_to_depth (two processes, one after the other; the
+  # default, auto, is the first without XLA and the second with it), the fastest paths, both
+  # precisions, 50 steps per call as train() runs.
+  for form in strided space_to_depth; do
     python3 scripts/benchmark_train.py --precision ${PRECISIONS:-mixed_bfloat16,float32} --steps-per-execution 50 \
       --repeats 3 --variants ${BLOCK_VARIANTS:-op+fused+jit,matmul+jit,op+fused} --timeout 240 \
-      --json "$out/benchmark_blocks_$blocks.json" model.primary_caps_space_to_depth=$blocks 2>&1 \
-      | tee "$out/benchmark_blocks_$blocks.log" | grep "^|"
+      --json "$out/benchmark_blocks_$form.json" model.primary_caps_conv=$form 2>&1 \
+      | tee "$out/benchmark_blocks_$form.log" | grep "^|"
   done
 fi
 if [[ $what == bench-jit-routing || $what == all ]]; then

@@ -1,6 +1,10 @@
 """capsnet.conv: a strided 'valid' convolution as a stride-1 one on space-to-depth blocks,
 against tf.nn.conv2d (values and both gradients) and a NumPy regrouping of the kernel;
-the layers that use it (Conv2D, PrimaryCaps, CapsNet) and a resume that switches it."""
+PrimaryCaps' conv_form (model.primary_caps_conv) and a resume that switches it.
+
+TF32 is off here: on a GPU TensorFlow runs float32 convolutions and matmuls in TF32 by
+default, whose 10-bit mantissa would hide what these tests compare (the float types are
+compared in their own test)."""
 import shutil
 
 import numpy as np
@@ -8,8 +12,15 @@ import pytest
 import tensorflow as tf
 
 from capsnet.conv import block_kernel, space_to_depth, space_to_depth_conv2d
-from capsnet.layers import Conv2D, PrimaryCaps
+from capsnet.layers import PrimaryCaps
 from capsnet.training import train
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    tf.config.experimental.enable_tensor_float_32_execution(False)
+    yield
+    tf.config.experimental.enable_tensor_float_32_execution(True)
+
 
 # (H, W, kernel, stride): the paper's PrimaryCaps (20×20, 9×9, 2); odd sizes (a padded
 # block row); stride 3 (one output row more on blocks, sliced off); an even kernel; stride 1.
@@ -79,65 +90,88 @@ def test_space_to_depth_conv2d_needs_equal_strides():
         space_to_depth_conv2d(tf.zeros((1, 12, 12, 1)), tf.zeros((3, 3, 1, 1)), (2, 3))
 
 
-def test_conv2d_uses_blocks_only_where_they_apply():
-    """Conv2D(space_to_depth=True) computes blocks for a strided 'valid' convolution only;
-    stride 1, 'same' padding and unequal strides keep the plain one."""
-    def layer(**kwargs):
-        return Conv2D(4, 3, space_to_depth=True, **kwargs)
-    assert layer(strides=2).computes_blocks
-    assert not layer(strides=1).computes_blocks
-    assert not layer(strides=2, padding="same").computes_blocks
-    assert not layer(strides=(2, 3)).computes_blocks
-    assert not Conv2D(4, 3, strides=2).computes_blocks
-    with pytest.raises(ValueError, match="Conv2D: space_to_depth must be true or false"):
-        Conv2D(4, 3, space_to_depth="yes")
+@pytest.mark.parametrize("kwargs, match", [
+    ({"conv_form": "blocks"}, "PrimaryCaps: conv_form must be one of auto, strided, space_to_depth, got 'blocks'"),
+    ({"conv_form": "space_to_depth", "padding": "same"},
+     r"PrimaryCaps: conv_form 'space_to_depth' needs padding 'valid' and equal strides, got padding 'same', "
+     r"strides \(2, 2\)"),
+    ({"conv_form": "space_to_depth", "strides": (2, 3)},
+     r"needs padding 'valid' and equal strides, got padding 'valid', strides \(2, 3\)"),
+])
+def test_primary_caps_rejects_a_conv_form_it_cannot_run(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PrimaryCaps(**kwargs)
+
+
+def _graph_ops(layer, jit):
+    spec = tf.TensorSpec((2, 20, 20, 3), tf.float32)
+    return {op.type for op in tf.function(layer, jit_compile=jit).get_concrete_function(spec).graph.get_operations()}
+
+
+@pytest.mark.parametrize("form, blocks_outside_xla, blocks_inside_xla", [
+    ("auto", False, True), ("strided", False, False), ("space_to_depth", True, True)])
+def test_primary_caps_conv_form_picks_the_kernels(form, blocks_outside_xla, blocks_inside_xla):
+    """Which convolution each form builds, in a plain tf.function and in an XLA one: the
+    blocks' is a stride-1 Conv2D after a Transpose of the input; 'auto' takes it inside XLA
+    only; 'same' padding keeps the strided one under 'auto'."""
+    layer = PrimaryCaps(num_types=2, dim=4, kernel_size=9, strides=2, conv_form=form)
+    for jit, want in ((False, blocks_outside_xla), (True, blocks_inside_xla)):
+        assert ("Transpose" in _graph_ops(layer, jit)) is want, (form, jit)
+    same = PrimaryCaps(num_types=2, dim=4, kernel_size=9, strides=2, padding="same", conv_form="auto")
+    assert "Transpose" not in _graph_ops(same, True)
 
 
 @pytest.mark.parametrize("size", [20, 19, 21])
 @pytest.mark.parametrize("mode", ["eager", "jit"])
-def test_primary_caps_on_blocks_equals_the_strided_layer(size, mode):
-    """PrimaryCaps(space_to_depth=True) with the other's weights: the same capsules and the
-    same gradients for its input and its kernel, eagerly and under XLA (where the other crops)."""
+def test_primary_caps_forms_give_the_same_capsules_and_gradients(size, mode):
+    """Every conv_form with the same weights: the same capsules and the same gradients for
+    the input and the kernel, eagerly and under XLA (where 'strided' crops and 'auto' takes
+    the blocks)."""
     x = tf.random.stateless_normal((2, size, size, 3), seed=(1, 2))
-    layers = [PrimaryCaps(num_types=2, dim=4, kernel_size=9, strides=2, space_to_depth=b) for b in (False, True)]
+    layers = [PrimaryCaps(num_types=2, dim=4, kernel_size=9, strides=2, conv_form=f)
+              for f in ("strided", "space_to_depth", "auto")]
     for layer in layers:
         layer.build(x.shape)
-    layers[1].set_weights(layers[0].get_weights())
+        layer.set_weights(layers[0].get_weights())
     weights = tf.random.stateless_normal((2, ((size - 9) // 2 + 1) ** 2 * 2, 4), seed=(3, 4))
 
     def forward_backward(layer, x):
         with tf.GradientTape() as tape:
             tape.watch(x)
-            loss = tf.reduce_sum(layer(x) * weights)
-        return (layer(x), *tape.gradient(loss, [x, layer.conv.kernel]))
+            u = layer(x)
+            loss = tf.reduce_sum(u * weights)
+        return (u, *tape.gradient(loss, [x, layer.conv.kernel]))
 
     results = []
     for layer in layers:
         fn = (lambda x, layer=layer: forward_backward(layer, x))
         results.append((tf.function(fn, jit_compile=True) if mode == "jit" else fn)(x))
-    for name, a, b in zip(("capsules", "input gradient", "kernel gradient"), *results):
-        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-5, err_msg=name)
+    for other in results[1:]:
+        for name, a, b in zip(("capsules", "input gradient", "kernel gradient"), results[0], other):
+            np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 def test_model_config_reaches_the_layer(tiny_config):
     from capsnet.training.model_setup import build_capsnet
 
-    for value in (False, True):
-        cfg = tiny_config(f"model.primary_caps_space_to_depth={str(value).lower()}")
-        model = build_capsnet(cfg["model"], custom_op=False)
-        assert model.primary_caps.conv.computes_blocks is value
-        assert model.get_config()["primary_caps_space_to_depth"] is value
+    for form in ("auto", "strided", "space_to_depth"):
+        model = build_capsnet(tiny_config(f"model.primary_caps_conv={form}")["model"], custom_op=False)
+        assert model.primary_caps.conv_form == form and model.get_config()["primary_caps_conv"] == form
+    from capsnet.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="model: CapsNet: primary_caps_conv must be one of auto, strided, space_to_depth"):
+        build_capsnet({**tiny_config()["model"], "primary_caps_conv": "blocks"}, custom_op=False)
 
 
-def test_training_on_blocks_matches_and_a_resume_may_switch(trained_run, tiny_config, tmp_path):
-    """A run resumed with model.primary_caps_space_to_depth=true (how PrimaryCaps computes,
+def test_training_with_another_conv_form_matches_and_a_resume_may_switch(trained_run, tiny_config, tmp_path):
+    """A run resumed with model.primary_caps_conv=space_to_depth (how PrimaryCaps computes,
     not what) continues the run; its epoch's loss is the strided run's to float32 rounding."""
     original_dir, original = trained_run
     strided, blocks = tmp_path / "strided", tmp_path / "blocks"
     shutil.copytree(original_dir, strided)
     shutil.copytree(original_dir, blocks)
-    want = train(tiny_config("train.epochs=5", run_dir=strided))
-    got = train(tiny_config("train.epochs=5", "model.primary_caps_space_to_depth=true", run_dir=blocks))
+    want = train(tiny_config("train.epochs=5", "model.primary_caps_conv=strided", run_dir=strided))
+    got = train(tiny_config("train.epochs=5", "model.primary_caps_conv=space_to_depth", run_dir=blocks))
     assert got["resumed_from"].endswith("ckpt-4") and got["history"][:4] == original["history"]
     for key in ("train_loss", "test_loss", "test_accuracy"):
         np.testing.assert_allclose(got["history"][4][key], want["history"][4][key], rtol=1e-3, err_msg=key)

@@ -73,7 +73,8 @@ LAYER_CASES = {
     "primary_caps": (lambda: PrimaryCaps(num_types=3, dim=4, kernel_size=3, strides=2),
                      (FEATURES,), (2, 75, 4), 3 * 3 * 6 * 12 + 12),
     # the same on space-to-depth blocks (capsnet.conv): same outputs and weights
-    "primary_caps_blocks": (lambda: PrimaryCaps(num_types=3, dim=4, kernel_size=3, strides=2, space_to_depth=True),
+    "primary_caps_blocks": (lambda: PrimaryCaps(num_types=3, dim=4, kernel_size=3, strides=2,
+                                                conv_form="space_to_depth"),
                             (FEATURES,), (2, 75, 4), 3 * 3 * 6 * 12 + 12),
     # 'same': grid ceil(12/2) × ceil(12/3) = 6 × 4, 2 types
     "primary_caps_same": (lambda: PrimaryCaps(num_types=2, dim=5, kernel_size=(3, 5), strides=(2, 3),
@@ -305,10 +306,10 @@ def test_decoder_rejects_bad_labels():
 @pytest.mark.parametrize("size", [20, 19, 21])
 @pytest.mark.parametrize("mode", ["eager", "function", "jit"])
 def test_primary_caps_crop_keeps_the_convolution_and_its_gradient(size, mode):
-    """Under XLA PrimaryCaps crops the rows/columns no 'valid' window reaches (20×20, 9×9,
-    stride 2: the last); eagerly and in a plain tf.function it does not: in every mode its
-    output and input gradient are those of the uncropped convolution."""
-    layer = PrimaryCaps(num_types=2, dim=4, kernel_size=9, strides=2)
+    """Under XLA PrimaryCaps(conv_form="strided") crops the rows/columns no 'valid' window
+    reaches (20×20, 9×9, stride 2: the last); eagerly and in a plain tf.function it does not:
+    in every mode its output and input gradient are those of the uncropped convolution."""
+    layer = PrimaryCaps(num_types=2, dim=4, kernel_size=9, strides=2, conv_form="strided")
     x = tf.random.stateless_normal((2, size, size, 3), seed=(1, 2))
     layer.build(x.shape)
     weights = tf.random.stateless_normal((2, ((size - 9) // 2 + 1) ** 2 * 2, 4), seed=(3, 4))
@@ -339,7 +340,7 @@ def test_primary_caps_crop_keeps_the_convolution_and_its_gradient(size, mode):
 def test_primary_caps_crops_only_inside_xla():
     """The crop (a slice of the input) is in the XLA computation's graph and not in a plain
     tf.function's: TensorFlow's own convolution kernels run faster without it."""
-    layer = PrimaryCaps(num_types=2, dim=4, kernel_size=9, strides=2)
+    layer = PrimaryCaps(num_types=2, dim=4, kernel_size=9, strides=2, conv_form="strided")
     spec = tf.TensorSpec((2, 20, 20, 3), tf.float32)
     for jit in (False, True):
         graph = tf.function(layer, jit_compile=jit).get_concrete_function(spec).graph

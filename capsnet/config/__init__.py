@@ -50,7 +50,7 @@ from capsnet.config.checks import check, check_augmentation, check_eval, check_s
 from capsnet.config.hydra import check_overrides, compose, dataset_classes, dataset_shape, explain, register
 from capsnet.config.migrate import migrate
 from capsnet.config.routing import routing_from_flags, routing_mode
-from capsnet.config.schemas import (ALL_REDUCE, APP_SCHEMAS, AUGMENTATION_OFF, GROUP_SCHEMAS, ROUTING, ROUTING_MODES,
+from capsnet.config.schemas import (ALL_REDUCE, APP_SCHEMAS, AUGMENTATION_OFF, CONV_FORMS, GROUP_SCHEMAS, ROUTING, ROUTING_MODES,
                                     SCALE_LR, SHIFT_FILLS, STRATEGIES, WEIGHTS, WHICH, XLA_MODES, PRECISIONS, AugmentationConfig,
                                     DataConfig, DataSourceConfig, DistributeConfig, EvalAppConfig, EvalDataConfig,
                                     ModelConfig, TrainAppConfig, TrainConfig)
@@ -60,7 +60,7 @@ __all__ = [
     "EvalDataConfig", "EvalAppConfig", "register", "check", "check_eval", "check_section", "migrate",
     "routing_mode", "routing_from_flags", "compose", "explain", "check_overrides", "check_augmentation", "check_xla",
     "dataset_shape", "dataset_classes", "GROUP_SCHEMAS", "APP_SCHEMAS",
-    "ROUTING", "ROUTING_MODES", "XLA_MODES", "PRECISIONS", "STRATEGIES", "ALL_REDUCE", "SCALE_LR", "AUGMENTATION_OFF",
+    "ROUTING", "ROUTING_MODES", "CONV_FORMS", "XLA_MODES", "PRECISIONS", "STRATEGIES", "ALL_REDUCE", "SCALE_LR", "AUGMENTATION_OFF",
     "SHIFT_FILLS", "WHICH", "WEIGHTS",
 ]
 

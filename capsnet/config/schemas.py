@@ -23,6 +23,7 @@ from capsnet.validation import (boolean, finite_float, float_in_range, integer, 
 ROUTING = ("auto", "tf", "xla")                                        # model.routing
 ROUTING_MODES = ("matmul", "matmul_xla", "op", "op_xla", "fused_op")  # what DigitCaps takes
 XLA_MODES = ("none", "autocluster", "jit")                              # train.xla
+CONV_FORMS = ("auto", "strided", "space_to_depth")                      # model.primary_caps_conv
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")            # train.precision (Keras policy names)
 STRATEGIES = ("none", "mirrored", "multi_worker")                       # distribute.strategy
 ALL_REDUCE = {                                                          # distribute.all_reduce, per strategy
@@ -202,7 +203,7 @@ class ModelConfig:
     decoder: bool = _checked(True, _boolean)
     decoder_units: List[int] = _checked(check=_int_list, factory=lambda: [512, 1024])
     w_init_stddev: float = _checked(0.1, _positive_float)
-    primary_caps_space_to_depth: bool = _checked(False, _boolean)
+    primary_caps_conv: str = _checked("auto", _one_of(CONV_FORMS))
 
 
 @dataclass

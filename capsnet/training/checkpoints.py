@@ -24,7 +24,7 @@ Resuming refuses a config that would change the run's trajectory (RESUME_KEYS: t
 model, the data, the seed, the optimizer and loss values; `check_resumable`) and names
 what differs, but for train.learning_rate, which may change with a notice (how a
 diverged run continues from its last good checkpoint: RESUME_NOTICE_KEYS); train.epochs (to extend a run), custom_op, train.xla, model.routing,
-model.primary_caps_space_to_depth, deterministic, logging and progress keys may change, and so may the distribute
+model.primary_caps_conv, deterministic, logging and progress keys may change, and so may the distribute
 strategy and devices (a run started on one GPU may continue on two). A saved config is
 read in today's shape (capsnet.config.migrate: keys added since at the defaults it was
 trained with, the old routing flags as model.routing).
@@ -388,7 +388,7 @@ RESUME_KEYS = {
     "train": ("batch_size", "learning_rate", "lr_decay_rate", "lr_decay_steps", "lr_staircase",
               "m_plus", "m_minus", "lambda_", "reconstruction_weight", "ema_decay"),
 }
-RESUME_FREE_MODEL_KEYS = ("routing", "primary_caps_space_to_depth")  # how, not what, it computes
+RESUME_FREE_MODEL_KEYS = ("routing", "primary_caps_conv")  # how, not what, it computes
 # Of RESUME_KEYS, what a resume may change with a notice: lowering the learning rate is
 # how a run that diverged (TrainingDiverged) continues from its last good checkpoint.
 # The optimizer's schedule is rebuilt from the config (the checkpoint holds Adam's
