@@ -4,7 +4,7 @@
 # (or ./gpu-out) as logs; the last lines printed are the summaries.
 #   carry: .gpukit/gpukit.sh .gpukit/MANIFEST capsnet/lib build .gpudata
 #   command: bash scripts/gpu_session.sh [verify|bench|train|all|scale|precision|profile|xla|xla-profile|guard|sweep|
-#                                         full_mnist|fast_grid|fast_time|crop|runs|conv|blocks]   (scale, sweep: on nvidia-h200-x2, not in all)
+#                                         full_mnist|fast_grid|fast_time|crop|runs|conv|blocks|final]   (scale, sweep: on nvidia-h200-x2, not in all)
 set -uo pipefail
 what="${1:-all}"
 out="${OUT:-gpu-out}"; mkdir -p "$out"
@@ -132,6 +132,15 @@ if [[ $what == blocks ]]; then
       --json "$out/benchmark_blocks_$form.json" model.primary_caps_conv=$form 2>&1 \
       | tee "$out/benchmark_blocks_$form.log" | grep "^|"
   done
+fi
+if [[ $what == final ]]; then
+  # The defaults as a user gets them (model.primary_caps_conv=auto), every main path, both
+  # precisions; first the tests of what changed, on the GPU.
+  python3 -m pytest -q -p no:cacheprovider tests/test_conv.py tests/test_layers.py tests/test_xla_op.py 2>&1 \
+    | tee "$out/pytest_final.log" | tail -4
+  python3 scripts/benchmark_train.py --precision mixed_bfloat16,float32 --steps-per-execution 50 --repeats 3 \
+    --variants ${FINAL_VARIANTS:-op+fused+jit,matmul+jit,op+fused,matmul} --timeout 240 --json "$out/benchmark_final.json" \
+    2>&1 | tee "$out/benchmark_final.log" | grep "^|"
 fi
 if [[ $what == bench-jit-routing || $what == all ]]; then
   # The op variants with the routing iterations compiled by XLA on their own.
