@@ -298,3 +298,27 @@ def test_the_guard_norm_of_mixed_float16_is_unscaled_and_ignores_an_overflow_the
     plain = keras.optimizers.Adam()
     assert float(gradient_norm([tf.constant([3.0, 4.0])], plain)) == pytest.approx(5.0)
     assert not np.isfinite(float(gradient_norm([tf.constant([np.nan, 1.0])], plain)))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_the_guard_norm_is_the_norm_of_all_gradients_together(jit):
+    """gradient_norm (one reduction over the gradients end to end) against NumPy's norm of
+    them all: variables of several shapes and dtypes, a missing gradient, sparse rows."""
+    import keras
+
+    from capsnet.training.steps import gradient_norm
+
+    rng = np.random.default_rng(3)
+    dense = [rng.normal(size=s).astype(np.float32) for s in [(9, 9, 1, 16), (16,), (1152, 10, 16, 8), (3, 5)]]
+    rows = rng.normal(size=(2, 4)).astype(np.float32)
+    grads = [tf.constant(dense[0]), None, tf.constant(dense[1]), tf.cast(dense[2], tf.bfloat16),
+             tf.IndexedSlices(tf.constant(rows), tf.constant([0, 3]), tf.constant([5, 4])), tf.constant(dense[3])]
+    values = [*dense[:2], tf.cast(tf.cast(dense[2], tf.bfloat16), tf.float32).numpy(), rows, dense[3]]
+    want = np.sqrt(sum(np.sum(np.square(v.astype(np.float64))) for v in values))
+    optimizer = keras.optimizers.Adam()  # no loss scale: the norm as it is
+
+    def norm():
+        return gradient_norm(grads, optimizer)
+    if jit:
+        norm = tf.function(norm, jit_compile=True)
+    assert float(norm()) == pytest.approx(want, rel=1e-5)

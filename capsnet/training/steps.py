@@ -142,8 +142,14 @@ def gradient_norm(grads, optimizer):
     divided by the scale. A step whose scaled gradients overflowed is not a divergence:
     the optimizer skips it and halves the scale (capsnet.training.optimizer), so its norm
     counts as 0; a non-finite loss still stops the run.
+
+    One reduction over the gradients laid end to end, not tf.linalg.global_norm's one per
+    variable and a sum: inside an XLA step the concatenation fuses into the reduction, one
+    kernel a step instead of ~20 (the guard's cost, docs/benchmarks.md, eleventh session).
     """
-    norm = tf.linalg.global_norm(grads)
+    flat = [tf.reshape(tf.cast(g.values if isinstance(g, tf.IndexedSlices) else g, tf.float32), [-1])
+            for g in grads if g is not None]
+    norm = tf.sqrt(tf.reduce_sum(tf.square(tf.concat(flat, axis=0))))
     scale = loss_scale(optimizer)
     if scale is None:
         return norm
