@@ -2,9 +2,9 @@
 against tf.nn.conv2d (values and both gradients) and a NumPy regrouping of the kernel;
 PrimaryCaps' conv_form (model.primary_caps_conv) and a resume that switches it.
 
-TF32 is off here: on a GPU TensorFlow runs float32 convolutions and matmuls in TF32 by
-default, whose 10-bit mantissa would hide what these tests compare (the float types are
-compared in their own test)."""
+TF32 is off here (conftest.no_tf32): on a GPU TensorFlow runs float32 convolutions in TF32
+by default, whose 10-bit mantissa would hide what these tests compare (the float types
+are compared in their own test)."""
 import shutil
 
 import numpy as np
@@ -15,12 +15,7 @@ from capsnet.conv import block_kernel, space_to_depth, space_to_depth_conv2d
 from capsnet.layers import PrimaryCaps
 from capsnet.training import train
 
-@pytest.fixture(autouse=True)
-def no_tf32():
-    tf.config.experimental.enable_tensor_float_32_execution(False)
-    yield
-    tf.config.experimental.enable_tensor_float_32_execution(True)
-
+pytestmark = pytest.mark.usefixtures("no_tf32")
 
 # (H, W, kernel, stride): the paper's PrimaryCaps (20×20, 9×9, 2); odd sizes (a padded
 # block row); stride 3 (one output row more on blocks, sliced off); an even kernel; stride 1.
