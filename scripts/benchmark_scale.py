@@ -141,8 +141,8 @@ def time_mirrored_training(spec, batch_size, devices, all_reduce, per_call=1):
     # batch split over the replicas as train() splits it.
     batches = bt.synthetic_batches(spec, global_batch, input_shape, int(model_cfg["num_classes"]))
     iterator = input_iterator(batches, strategy)
-    first_loss, last_loss, seconds, _ = bt.time_steps(make_train_loop(step, strategy=strategy), iterator,
-                                                      global_batch, spec, per_call)
+    run = bt.runner(make_train_loop(step, strategy=strategy), iterator, global_batch, per_call)
+    [(first_loss, last_loss, seconds)], _ = bt.time_steps([run], spec)
     median = statistics.median(seconds)
     return {
         "replicas": replicas,
@@ -202,7 +202,7 @@ def worker(spec):
             for per_call in spec["steps_per_execution"]:
                 print(f"  {spec['variant']}: 1 device, batch {batch_size}, {per_call} steps per call",
                       file=sys.stderr, flush=True)
-                row = bt.time_training(spec, batch_size, devices[0], per_call, spec["precision"])
+                [row] = bt.time_training(spec, batch_size, devices[0], per_call, spec["precision"])
                 result["results"].append({"config": "1 device", "replicas": 1, "devices": devices[:1],
                                           "all_reduce": None, "global_batch_size": batch_size,
                                           **{k: row[k] for k in ("batch_size", "steps_per_execution",

@@ -47,7 +47,8 @@ How:
 - `--guard on,off` also times each configuration without the non-finite guard's work
   in the step (the gradients' global norm: make_train_step guard=False; train() always
   guards; the loop's finiteness check on the stacked values after its K steps stays), so
-  its cost is the ratio of the two rows; labels and the JSON's "guard" say which.
+  its cost is the ratio of the two rows; labels and the JSON's "guard" say which. The two
+  are timed taking turns, repeat by repeat, in one process (their peak memory is of both).
 - Peak device memory: the allocator's statistics are reset after the warm-up
   (tf.config.experimental.reset_memory_stats), so the peak of the timed steps
   (get_memory_info()["peak"]) is the steady state's, without one-off autotuning
@@ -257,13 +258,10 @@ def synthetic_batches(spec, batch_size, input_shape, num_classes):
     return tf.data.Dataset.from_tensor_slices((images, labels)).batch(batch_size).cache().repeat()
 
 
-def time_steps(train_steps, iterator, global_batch, spec, per_call, tf_device="/CPU:0"):
-    """Time make_train_loop's `train_steps` as train() calls it, `per_call` steps a call:
-    the first step alone (it traces: never timed), `--warmup` - 1 more, then `--repeats`
-    × `--steps` steps with ONE device sync each (reading the last loss waits for every
-    step, since each reads the weights the previous one wrote).
-    Returns (first loss, last loss, seconds of each repeat, peak bytes of `tf_device`'s
-    allocator over the timed steps, None off a GPU)."""
+def runner(train_steps, iterator, global_batch, per_call):
+    """run(steps) → the last step's loss: `steps` steps of make_train_loop's `train_steps`,
+    `per_call` a call as train() calls it; reading the loss waits for every step (each
+    reads the weights the previous one wrote)."""
     import tensorflow as tf
 
     def run(steps):
@@ -271,25 +269,40 @@ def time_steps(train_steps, iterator, global_batch, spec, per_call, tf_device="/
         for length in lengths:
             out = train_steps(iterator, tf.constant([global_batch] * length + [0] * (per_call - length), tf.int32))
         return float(out["loss"][-1])
+    return run
 
-    first_loss = run(1)
+
+def time_steps(runs, spec, tf_device="/CPU:0"):
+    """Time each of `runs` (runner's): the first step alone (it traces: never timed),
+    `--warmup` - 1 more, then `--repeats` × `--steps` steps with ONE device sync each.
+    Several runs (the guard on and off) take turns, in alternating order from repeat to
+    repeat, so a drift of the GPU's clocks over the run weighs on each alike.
+    Returns per run (first loss, last loss, seconds of each repeat), and the peak bytes of
+    `tf_device`'s allocator over the timed steps (of all runs together; None off a GPU)."""
+    import tensorflow as tf
+
+    first = [run(1) for run in runs]
     if spec["warmup"] > 1:
-        run(spec["warmup"] - 1)  # finished before the clock starts
+        for run in runs:
+            run(spec["warmup"] - 1)  # finished before the clock starts
     memory_device = tf_device.lstrip("/") if "GPU" in tf_device else None
     if memory_device:
         tf.config.experimental.reset_memory_stats(memory_device)  # the steady state's peak, not warm-up's
-    seconds = []
-    for _ in range(spec["repeats"]):
-        start = time.perf_counter()
-        last_loss = run(spec["steps"])
-        seconds.append(time.perf_counter() - start)
+    seconds, last = [[] for _ in runs], [None] * len(runs)
+    for repeat in range(spec["repeats"]):
+        order = range(len(runs)) if repeat % 2 == 0 else reversed(range(len(runs)))
+        for i in order:
+            start = time.perf_counter()
+            last[i] = runs[i](spec["steps"])
+            seconds[i].append(time.perf_counter() - start)
     peak = tf.config.experimental.get_memory_info(memory_device)["peak"] if memory_device else None
-    return first_loss, last_loss, seconds, peak
+    return [(first[i], last[i], seconds[i]) for i in range(len(runs))], peak
 
 
-def time_training(spec, batch_size, tf_device, per_call=1, precision="float32", guard=True):
-    """images/s, ms/step and peak memory of one (variant, batch size, steps per call, precision): a
-    fresh model, optimizer and step.
+def time_training(spec, batch_size, tf_device, per_call=1, precision="float32", guards=(True,)):
+    """images/s, ms/step and peak memory of one (variant, batch size, steps per call, precision),
+    a row per entry of `guards` (with the non-finite guard's norm or without): each a fresh
+    model, optimizer and step, timed taking turns (time_steps).
     Running out of device memory is a CapsnetError naming the batch size (the first line of
     TensorFlow's message, not its allocator dump)."""
     import keras
@@ -305,34 +318,41 @@ def time_training(spec, batch_size, tf_device, per_call=1, precision="float32", 
     model_cfg = variant_model_cfg(spec["variant"], spec["model"])
     train_cfg = {**spec["train"], "precision": precision}
     input_shape = tuple(model_cfg["input_shape"])
-    keras.utils.set_random_seed(spec["seed"])  # the same initial weights for every variant
+    runs, models = [], []
     try:
         with tf.device(tf_device):
-            model = build_capsnet(model_cfg, spec["custom_op"], precision)
-            optimizer, _ = build_optimizer(train_cfg, math.ceil(MNIST_TRAIN_EXAMPLES / batch_size), model)
-            step = make_train_step(model, optimizer, input_shape=input_shape, losses=loss_params(train_cfg),
-                                   xla=spec["xla"], guard=guard)
-            iterator = input_iterator(synthetic_batches(spec, batch_size, input_shape,
-                                                        int(model_cfg["num_classes"])), device=tf_device)
-            first_loss, last_loss, seconds, peak = time_steps(make_train_loop(step), iterator,
-                                                              batch_size, spec, per_call, tf_device)
+            for guard in guards:
+                keras.utils.set_random_seed(spec["seed"])  # the same initial weights for every variant
+                model = build_capsnet(model_cfg, spec["custom_op"], precision)
+                optimizer, _ = build_optimizer(train_cfg, math.ceil(MNIST_TRAIN_EXAMPLES / batch_size), model)
+                step = make_train_step(model, optimizer, input_shape=input_shape, losses=loss_params(train_cfg),
+                                       xla=spec["xla"], guard=guard)
+                iterator = input_iterator(synthetic_batches(spec, batch_size, input_shape,
+                                                            int(model_cfg["num_classes"])), device=tf_device)
+                runs.append(runner(make_train_loop(step), iterator, batch_size, per_call))
+                models.append(model)
+            timed, peak = time_steps(runs, spec, tf_device)
     except tf.errors.ResourceExhaustedError as exc:
         raise CapsnetError(f"out of device memory at batch {batch_size}: "
                            f"{str(exc).strip().splitlines()[0]}") from exc
-    median = statistics.median(seconds)
-    return {
-        "batch_size": batch_size,
-        "steps_per_execution": per_call,
-        "precision": precision,
-        "guard": guard,
-        "images_per_sec": spec["steps"] * batch_size / median,
-        "peak_memory_mib": None if peak is None else peak / 2**20,
-        "ms_per_step": 1000.0 * median / spec["steps"],
-        "repeat_seconds": seconds,
-        "first_loss": first_loss,
-        "last_loss": last_loss,
-        "parameters": int(model.count_params()),
-    }
+    rows = []
+    for guard, model, (first_loss, last_loss, seconds) in zip(guards, models, timed):
+        median = statistics.median(seconds)
+        rows.append({
+            "batch_size": batch_size,
+            "steps_per_execution": per_call,
+            "precision": precision,
+            "guard": guard,
+            "images_per_sec": spec["steps"] * batch_size / median,
+            # Of the rows timed together (--guard on,off: both models at once).
+            "peak_memory_mib": None if peak is None else peak / 2**20,
+            "ms_per_step": 1000.0 * median / spec["steps"],
+            "repeat_seconds": seconds,
+            "first_loss": first_loss,
+            "last_loss": last_loss,
+            "parameters": int(model.count_params()),
+        })
+    return rows
 
 
 def worker(spec):
@@ -363,11 +383,11 @@ def worker(spec):
         for precision in spec["precisions"]:
             for batch_size in spec["batch_sizes"]:
                 for per_call in spec["steps_per_execution"]:
-                    for guard in spec.get("guards", [True]):
-                        print(f"  {spec['variant']}: {precision}, batch {batch_size}, {per_call} steps per call"
-                              + ("" if guard else ", no guard"), file=sys.stderr, flush=True)
-                        result["results"].append(time_training(spec, batch_size, tf_device, per_call, precision,
-                                                               guard))
+                    guards = spec.get("guards", [True])
+                    print(f"  {spec['variant']}: {precision}, batch {batch_size}, {per_call} steps per call"
+                          + ("" if guards == [True] else ", guard " + "/".join("on" if g else "off" for g in guards)),
+                          file=sys.stderr, flush=True)
+                    result["results"].extend(time_training(spec, batch_size, tf_device, per_call, precision, guards))
     except CapsnetError as exc:
         result["error"] = " ".join(str(exc).split())
     print(json.dumps(result))
