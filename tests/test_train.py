@@ -518,7 +518,7 @@ def test_several_steps_per_call_run_the_same_steps(tiny_config, tmp_path, extra)
 def test_train_with_xla_jit_matches_the_plain_run(trained_run, tiny_config, capsys):
     """train() wires xla=jit into both compiled steps: its first epoch measures what the
     plain run's did (same seed, data order and initial weights). On a CPU it says that
-    jit is slow there (XLA's CPU convolution gradients), once."""
+    jit is slower there, once."""
     _, plain = trained_run
     capsys.readouterr()
     jit = train(tiny_config("train.xla=jit", "train.epochs=1"))

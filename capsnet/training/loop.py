@@ -117,10 +117,11 @@ def _train(cfg, progress):
 
     chief = is_chief(strategy)
     if tcfg["xla"] == "jit" and not trains_on_gpu(strategy):
-        # Measured (docs/benchmarks.md, 2026-11-24): XLA's CPU backend runs the strided
-        # PrimaryCaps convolution's input gradient ~86x slower than TensorFlow's kernel.
-        say("notice: train.xla=jit on a CPU: XLA's CPU convolution gradients make each step about 20x slower "
-            "than train.xla=none (docs/benchmarks.md); jit is for GPUs")
+        # Measured (docs/benchmarks.md, eleventh session, paper model, batch 100, 2 cores):
+        # 1,274-1,433 ms a step against 1,203 with train.xla=none (with PrimaryCaps on
+        # blocks under jit; with its strided convolution XLA's CPU input gradient made it ~20x).
+        say("notice: train.xla=jit on a CPU: each step is slower than with train.xla=none "
+            "(1.06-1.19x measured, docs/benchmarks.md); jit is for GPUs")
     if chief and run_dir.is_dir():
         # A run dir that exists (Hydra's, a resumed run's) is locked at once: a second training
         # fails before it reads the data. A new one is made and locked before its first write.
