@@ -9,12 +9,13 @@ zeros: for PrimaryCaps (9×9, stride 2 on 20×20×256) a 5×5 convolution over 1
 (10/9)² = 1.23× the multiply-adds.
 
 Why: a strided convolution's input gradient is a convolution over a dilated input, which
-some backends lower badly (XLA's CPU backend: 86× TensorFlow's kernel, docs/benchmarks.md),
-and its forward and filter gradient are the less tuned kernels of cuDNN's; the stride-1
-form's three parts are the common case every backend tunes. Which is faster where is
-measured by scripts/benchmark_conv.py (`--form`), not assumed. The kernel variable keeps
-its (kh, kw, C, O) shape, so checkpoints do not depend on the form; its gradient flows
-back through the regrouping (a pad, reshape and transpose).
+XLA lowers badly (its CPU backend: 86× TensorFlow's kernel), and under XLA on an H100 all
+three parts of PrimaryCaps' convolution ran faster as stride-1 ones on blocks (2.0 against
+3.1 ms at batch 512 in bfloat16); outside XLA TensorFlow's own strided kernels are the
+faster ones (docs/benchmarks.md, eleventh session; scripts/benchmark_conv.py `--form`).
+PrimaryCaps picks by that (its conv_form). The kernel variable keeps its (kh, kw, C, O)
+shape, so checkpoints do not depend on the form; its gradient flows back through the
+regrouping (a pad, reshape and transpose).
 """
 import tensorflow as tf
 

@@ -128,6 +128,7 @@ class PrimaryCaps(keras.layers.Layer):
             raise ValueError(f"{owner}: conv_form 'space_to_depth' needs padding 'valid' and equal strides, "
                              f"got padding {padding!r}, strides {self.strides}")
         self.conv_form = conv_form
+        # Whether call() runs the blocks: None = decided per trace (inside XLA or not).
         self._blocks = {"strided": False, "space_to_depth": True, "auto": None if blocks_apply else False}[conv_form]
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.conv = Conv2D(

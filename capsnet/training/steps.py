@@ -144,8 +144,9 @@ def gradient_norm(grads, optimizer):
     counts as 0; a non-finite loss still stops the run.
 
     One reduction over the gradients laid end to end, not tf.linalg.global_norm's one per
-    variable and a sum: inside an XLA step the concatenation fuses into the reduction, one
-    kernel a step instead of ~20 (the guard's cost, docs/benchmarks.md, eleventh session).
+    variable and a sum, so that inside an XLA step the concatenation can fuse into one
+    reduction kernel instead of ~20 (a prediction, not timed apart; the guard's measured
+    cost: docs/benchmarks.md, eleventh session).
     """
     flat = [tf.reshape(tf.cast(g.values if isinstance(g, tf.IndexedSlices) else g, tf.float32), [-1])
             for g in grads if g is not None]
