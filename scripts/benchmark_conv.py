@@ -112,8 +112,10 @@ def time_call(fn, args, repeats, groups=5):
     """Seconds per call: `groups` runs of `repeats` calls queued back to back, each waited
     for once at its end by reading one value of the last output (reading whole outputs, up
     to 200 MiB here, would time the copy to the host); the median group's mean counts."""
+    import tensorflow as tf
+
     def wait(out):
-        return tf_first_value(out).numpy()
+        tf.reshape(out, [-1])[0].numpy()
     wait(fn(*args))  # tracing, compilation, autotuning
     seconds = []
     for _ in range(groups):
@@ -123,12 +125,6 @@ def time_call(fn, args, repeats, groups=5):
         wait(out)
         seconds.append((time.perf_counter() - start) / repeats)
     return statistics.median(seconds)
-
-
-def tf_first_value(tensor):
-    import tensorflow as tf
-
-    return tf.reshape(tensor, [-1])[0]
 
 
 def main(argv=None):
@@ -147,13 +143,13 @@ def main(argv=None):
     forms = args.form.split(",")
     if any(f not in FORMS for f in forms):
         parser.error(f"--form: choose from {', '.join(FORMS)}, got {args.form!r}")
-    torch = args.framework == "torch"
-    if torch and args.device != "gpu":
+    use_torch = args.framework == "torch"
+    if use_torch and args.device != "gpu":
         parser.error("--framework torch times PyTorch's GPU kernels: it needs --device gpu")
-    xlas, forms = (["torch"], ["strided"]) if torch else (args.xla.split(","), forms)
+    xlas, forms = (["torch"], ["strided"]) if use_torch else (args.xla.split(","), forms)
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    if not torch:
+    if not use_torch:
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # capsnet, from a clone
         import tensorflow as tf
 
@@ -163,22 +159,23 @@ def main(argv=None):
     for dtype in args.dtype.split(","):
         for name, in_shape, filter_shape, stride in CONVS:
             for form in forms if stride > 1 else ["strided"]:
-                if not torch:
+                if not use_torch:
                     parts = conv_parts(tf, args.batch_size, in_shape, filter_shape, stride, tf.as_dtype(dtype), form)
                 for part in PARTS:
                     row = {"conv": name, "form": form, "part": part, "dtype": dtype, "batch": args.batch_size}
-                    if torch:
+                    if use_torch:
                         row["ms_torch"] = torch_time(args.batch_size, in_shape, filter_shape, stride, dtype, part,
                                                      args.repeats)
-                    for xla in [] if torch else xlas:
+                    for xla in [] if use_torch else xlas:
                         fn, inputs = parts[part]
                         row[f"ms_{xla}"] = 1e3 * time_call(tf.function(fn, jit_compile=xla == "jit"), inputs,
                                                            args.repeats)
                     rows.append(row)
-    print(f"## Convolutions by part, {args.framework}, {args.device}, batch {args.batch_size}, "
-          f"median of {args.repeats}\n")
+    timing = (f"median of {args.repeats} calls (CUDA events)" if use_torch
+              else f"mean of {args.repeats} queued calls, median of 5 such groups")
+    print(f"## Convolutions by part, {args.framework}, {args.device}, batch {args.batch_size}, {timing}\n")
     ratio = xlas == ["none", "jit"]
-    columns = [f"ms {'xla=' * (not torch)}{x}" for x in xlas] + (["jit / none"] if ratio else [])
+    columns = [f"ms {'xla=' * (not use_torch)}{x}" for x in xlas] + (["jit / none"] if ratio else [])
     print("| conv | form | part | dtype | " + " | ".join(columns) + " |")
     print("|---|---|---|---|" + "---:|" * len(columns))
     for row in rows:
@@ -188,7 +185,12 @@ def main(argv=None):
         print(f"| {row['conv']} | {row['form']} | {row['part']} | {row['dtype']} | " + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as f:
-            version = __import__("torch").__version__ if torch else tf.__version__
+            if use_torch:
+                import torch
+
+                version = torch.__version__
+            else:
+                version = tf.__version__
             json.dump({"device": args.device, args.framework: version, "rows": rows}, f, indent=2)
 
 
