@@ -219,3 +219,35 @@ def test_offline_train_fails_short_and_leaves_no_run_dir(tmp_path):
     result = run_entry_point("train.py", "custom_op=no", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert_one_line_error(result, "custom_op must be true or false")
     assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", "checkpoints", "train.log"]
+
+
+def test_xla_cache_dir_is_filled_by_one_run_and_read_by_the_next(tiny_idx_dir, tmp_path):
+    # train.xla_cache_dir: the first run compiles the jit steps (the op's custom call in the
+    # train step) and writes them; a second process with the same config loads them: had it
+    # compiled again, TensorFlow would have written the files anew.
+    cache = tmp_path / "cache"
+    args = [*TINY_MODEL, *TINY_TRAIN, "train.epochs=1", "custom_op=true", "train.xla=jit",
+            f"train.xla_cache_dir={cache}", f"data.dir={tiny_idx_dir}"]
+    first = run_entry_point("train.py", *args, f"hydra.run.dir={tmp_path / 'first'}", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    written = {path.name: path.stat().st_mtime_ns for path in cache.iterdir()}
+    assert len(written) >= 2, written  # the train loop's and the eval step's computations at least
+    second = run_entry_point("train.py", *args, f"hydra.run.dir={tmp_path / 'second'}", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert {path.name: path.stat().st_mtime_ns for path in cache.iterdir()} == written
+    # The loaded steps compute what the compiled ones did.
+    histories = [json.loads((tmp_path / run / "history.jsonl").read_text().splitlines()[-1])
+                 for run in ("first", "second")]
+    for key in ("train_loss", "test_loss", "test_accuracy"):
+        assert histories[1][key] == pytest.approx(histories[0][key], rel=1e-6), key
+    # The epoch's line says where its time went.
+    line = next(line for line in second.stdout.splitlines() if line.startswith("epoch 1:"))
+    assert " s: train " in line and ", test " in line and ", save " in line, line
+
+
+def test_an_xla_cache_dir_that_cannot_be_made_is_a_one_line_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = run_entry_point("train.py", f"train.xla_cache_dir={blocker / 'cache'}",
+                             f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert_one_line_error(result, "train.xla_cache_dir", str(blocker / "cache"))

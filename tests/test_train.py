@@ -2,6 +2,7 @@
 the XLA modes of the train step, the compiled op in training."""
 import inspect
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -447,6 +448,26 @@ def test_xla_train_step_compiles_and_trains_like_none(tiny_idx_dir, tmp_path, mo
     assert losses[mode][0] == pytest.approx(losses["none"][0], rel=1e-5)
     assert losses[mode][-1] < 0.9 * losses[mode][0]
     np.testing.assert_allclose(losses[mode], losses["none"], rtol=1e-3)
+
+
+def test_set_xla_cache_adds_the_flag_and_replaces_another_directory_with_a_notice(tmp_path, monkeypatch):
+    from capsnet.training.steps import set_xla_cache
+
+    monkeypatch.setenv("TF_XLA_FLAGS", "--tf_xla_cpu_global_jit")
+    assert set_xla_cache(None) is None
+    assert os.environ["TF_XLA_FLAGS"] == "--tf_xla_cpu_global_jit"  # None: left alone
+    assert set_xla_cache(tmp_path / "a" / "b") is None
+    assert os.environ["TF_XLA_FLAGS"] == f"--tf_xla_cpu_global_jit --tf_xla_persistent_cache_directory={tmp_path}/a/b"
+    assert (tmp_path / "a" / "b").is_dir()  # made up front: TensorFlow would only log its failure
+    assert set_xla_cache(tmp_path / "a" / "b") is None  # the same again: no notice, one flag
+    assert os.environ["TF_XLA_FLAGS"].count("--tf_xla_persistent_cache_directory") == 1
+    notice = set_xla_cache(tmp_path / "c")
+    assert notice == (f"train.xla_cache_dir={tmp_path}/c replaces TF_XLA_FLAGS' "
+                      f"--tf_xla_persistent_cache_directory={tmp_path}/a/b")
+    assert os.environ["TF_XLA_FLAGS"] == f"--tf_xla_cpu_global_jit --tf_xla_persistent_cache_directory={tmp_path}/c"
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"^train.xla_cache_dir=.*file/d: cannot make the directory"):
+        set_xla_cache(tmp_path / "file" / "d")
 
 
 @pytest.mark.parametrize("steps_per_epoch, start, per_call, log_every, lengths", [

@@ -251,6 +251,7 @@ class TrainConfig:
     lr_staircase: bool = _checked(False, _boolean)
     xla: str = _checked("none", _one_of(XLA_MODES))
     precision: str = _checked("float32", _one_of(PRECISIONS))
+    xla_cache_dir: Optional[str] = _checked(None, _optional_string)
     m_plus: float = _checked(0.9, _finite_float)
     m_minus: float = _checked(0.1, _finite_float)
     lambda_: float = _checked(0.5, _finite_float)

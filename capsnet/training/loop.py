@@ -48,7 +48,7 @@ from capsnet.training.model_setup import build_capsnet, check_labels, check_op_l
 from capsnet.training.optimizer import build_optimizer, checkpoint_nodes, loss_scale, scaled_learning_rate, steps_done
 from capsnet.training.run_lock import RunLock
 from capsnet.training.steps import (evaluate_model, execution_lengths, make_eval_step, make_train_loop,
-                                    make_train_step, set_autoclustering, set_determinism)
+                                    make_train_step, set_autoclustering, set_determinism, set_xla_cache)
 from capsnet.training.summaries import (MetricWindow, write_epoch_summaries, write_hparams,
                                         write_train_scalars)
 from capsnet.training.weight_average import WeightAverage
@@ -105,8 +105,12 @@ def _train(cfg, progress):
         for change in check_resumable(run_dir, {**cfg, "data": data_cfg}):  # before the data is read
             say(f"notice: resuming {run_dir} with {change} (from the next step on)")
     # Before anything touches a device: on a CPU-only machine autoclustering needs a
-    # TF_XLA_FLAGS flag that TensorFlow reads once, when it sets up its devices.
+    # TF_XLA_FLAGS flag, and the XLA cache is one; TensorFlow reads them once, when it sets
+    # up its devices.
     set_autoclustering(tcfg["xla"] == "autocluster")
+    replaced = set_xla_cache(tcfg["xla_cache_dir"])
+    if replaced:
+        say(f"notice: {replaced}")
     set_determinism(cfg["deterministic"])
     # Before the first tensor (multi_worker configures the process's collective ops then);
     # None = one device. Variables made in a scope() are mirrored over the replicas.
@@ -250,6 +254,7 @@ def _train(cfg, progress):
         # On the training devices ahead of the steps (under a strategy: the same global
         # batches, split over the replicas).
         iterator = input_iterator(train_ds, strategy)
+        clock = [time.perf_counter()]  # the epoch's phases end: train, test (with its summaries), save
         try:
             train_means, global_step = train_epoch(
                 train_steps, iterator, global_step=global_step, num_examples=len(train_labels),
@@ -265,6 +270,7 @@ def _train(cfg, progress):
         # Test pass, images and histograms; then the epoch's records, the checkpoint LAST.
         # On every worker (the same weights and data): each decides is_best and saves as the chief does.
         # With a weight average, the test is the average's, and the trained weights' is logged beside it.
+        clock.append(time.perf_counter())
         test, raw_test = test_pass(summaries_step=global_step)
         collapse = collapse_reason(test, epoch_index + 1, model.num_classes)
         if chief:
@@ -283,6 +289,7 @@ def _train(cfg, progress):
         if chief:
             with history_path.open("a") as f:
                 f.write(json.dumps(entry) + "\n")  # a redone epoch's line supersedes this one (read_history)
+        clock.append(time.perf_counter())
         # The commit point: until this checkpoint exists, a restart redoes the epoch.
         saved = save_or_fail(lambda: latest.save(checkpoint_number=epoch_index + 1), checkpoints_dir / "latest",
                              epoch_index + 1)
@@ -290,11 +297,19 @@ def _train(cfg, progress):
         if is_best:
             best.adopt(epoch_index + 1, saved)  # the same files: no second write
             best.commit(epoch_index + 1)
+        clock.append(time.perf_counter())
+        # Where the epoch's wall time went (TensorBoard's time/ scalars and the epoch's line).
+        phases = dict(zip(("train", "test", "save"), np.diff(clock)))
+        if chief:
+            with writer.as_default(step=global_step):
+                for phase, seconds in phases.items():
+                    tf.summary.scalar(f"time/{phase}_seconds", seconds)
         raw = f" (trained weights: {raw_test['accuracy']:.4f})" if raw_test is not None else ""
         progress["epoch"] = None
         say(f"epoch {epoch_index + 1}: train loss {train_means['loss']:.4f} acc {train_means['accuracy']:.4f}"
             f" | test loss {test['loss']:.4f} acc {test['accuracy']:.4f}{raw}"
-            f"{' (best)' if is_best else ''}{f' [COLLAPSED: {collapse}]' if collapse else ''}")
+            f"{' (best)' if is_best else ''}{f' [COLLAPSED: {collapse}]' if collapse else ''}"
+            f" | {clock[-1] - clock[0]:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
 
     # ---- final metrics
     if test is None:

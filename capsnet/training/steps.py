@@ -12,7 +12,9 @@
 scripts/benchmark_train.py times these same steps.
 """
 import os
+import re
 import time
+from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
@@ -41,6 +43,34 @@ def set_autoclustering(enabled):
         if "--tf_xla_cpu_global_jit" not in flags:
             os.environ["TF_XLA_FLAGS"] = (flags + " --tf_xla_cpu_global_jit").strip()
     tf.config.optimizer.set_jit("autoclustering" if enabled else False)
+
+
+XLA_CACHE_FLAG = "--tf_xla_persistent_cache_directory"
+
+
+def set_xla_cache(directory):
+    """XLA's persistent compilation cache (train.xla_cache_dir) for this PROCESS: every
+    XLA computation compiled afterwards is written into `directory`, and one that is
+    there already (the same computation, e.g. the same run config rerun) is loaded
+    instead of compiled and autotuned. None: no cache. TensorFlow reads the flag with the
+    others in TF_XLA_FLAGS, once (see set_autoclustering): call this before the first
+    tensor. Returns the notice to show if the flag replaced another directory, else None.
+    A directory that cannot be made is a ConfigError."""
+    if directory is None:
+        return None
+    path = Path(directory).expanduser().resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"train.xla_cache_dir={directory}: cannot make the directory "
+                          f"({error.strerror or error})") from None
+    flags = os.environ.get("TF_XLA_FLAGS", "")
+    pattern = re.compile(re.escape(XLA_CACHE_FLAG) + r"=(\S*)")
+    existing = pattern.search(flags)
+    os.environ["TF_XLA_FLAGS"] = " ".join([*pattern.sub("", flags).split(), f"{XLA_CACHE_FLAG}={path}"])
+    if existing and existing.group(1) != str(path):
+        return f"train.xla_cache_dir={path} replaces TF_XLA_FLAGS' {existing.group(0)}"
+    return None
 
 
 def set_determinism(enabled):
@@ -342,24 +372,27 @@ def evaluate_model(eval_step, dataset, num_classes, keep_lengths=False):
     keep_lengths=True adds "lengths" (N, classes) and "labels", every example's capsule
     lengths and labels in the dataset's order (an ensemble averages the lengths).
     """
-    sums = {"loss": 0.0, "margin_loss": 0.0, "reconstruction_loss": 0.0}
-    all_labels, all_predictions, all_lengths = [], [], []
-    timed_images, timed_seconds = 0, 0.0
-    start = time.perf_counter()
+    losses = ("loss", "margin_loss", "reconstruction_loss")
+    keys = ("predictions", *losses) + (("lengths",) if keep_lengths else ())
+    all_labels, pending, fetched = [], [], []
+    timed_images, start = 0, None
     for batch, inputs in enumerate(dataset):
+        # Queued without waiting: a read per batch would leave the device idle while the host
+        # dispatches the next one. Only the first batch (tracing/compiling the step) is
+        # waited for, so that the clock leaves it out.
         out = eval_step(*inputs)
-        # .numpy() waits for the step, so the clock below measures finished work.
-        all_predictions.append(out["predictions"].numpy())
+        pending.append({key: out[key] for key in keys})
         all_labels.append(inputs[1].numpy())
-        if keep_lengths:
-            all_lengths.append(out["lengths"].numpy())
-        for key in sums:
-            sums[key] += float(out[key].numpy())
-        now = time.perf_counter()
-        if batch > 0:
-            timed_images += len(all_predictions[-1])
-            timed_seconds += now - start
-        start = now
+        if batch == 0:
+            fetched.append({key: value.numpy() for key, value in pending.pop().items()})
+            start = time.perf_counter()
+        else:
+            timed_images += len(all_labels[-1])
+    fetched += [{key: value.numpy() for key, value in out.items()} for out in pending]  # waits for the last
+    timed_seconds = time.perf_counter() - start if start is not None else 0.0
+    sums = {key: sum(float(out[key]) for out in fetched) for key in losses}
+    all_predictions = [out["predictions"] for out in fetched]
+    all_lengths = [out["lengths"] for out in fetched] if keep_lengths else []
     if not all_labels:
         raise DataError("the test split is empty: nothing to evaluate (check data.limit_test)")
     labels = np.concatenate(all_labels)
