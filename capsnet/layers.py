@@ -21,7 +21,7 @@ from tensorflow.python.ops import control_flow_util
 
 from capsnet import ops
 from capsnet.config import CONV_FORMS, ROUTING_MODES, routing_from_flags, routing_mode
-from capsnet.conv import space_to_depth_conv2d
+from capsnet.conv import conv2d_to_blocks, space_to_depth_conv2d
 from capsnet.errors import CapsnetError
 from capsnet.precision import bias_add, float32_math
 from capsnet.routing import dynamic_routing, squash
@@ -57,20 +57,42 @@ class Conv2D(keras.layers.Conv2D):
     values, weights and checkpoint names; under a mixed policy its bias gradient is a
     matmul, not TensorFlow's slow 16-bit BiasAddGrad (see bias_add).
 
-    `call(inputs, space_to_depth=True)` computes a strided "valid" convolution as a
-    stride-1 one on space-to-depth blocks (capsnet.conv, for equal strides): the same
-    values and kernel variable, other kernels (PrimaryCaps' `conv_form` says when).
+    Space-to-depth blocks (capsnet.conv; the same values and kernel variable, other
+    kernels; PrimaryCaps' `conv_form` says when):
+    - `call(inputs, space_to_depth=True)`: a strided "valid" convolution (equal strides)
+      as a stride-1 one on the input's blocks; with `map_size=(H, W)` the inputs are
+      those blocks already (an (H, W) map's, as `output_blocks` gives them).
+    - `call(inputs, output_blocks=b)`: a stride-1 "valid" convolution whose output comes
+      as its b×b blocks, (B, ⌈H'/b⌉, ⌈W'/b⌉, b·b·filters).
     """
 
-    def call(self, inputs, space_to_depth=False):
+    def build(self, input_shape):
+        super().build(input_shape)
+        if self.data_format == "channels_last":
+            # call() checks the channels: blocks (map_size) have b·b times a map's.
+            self.input_spec = keras.layers.InputSpec(min_ndim=4)
+
+    def call(self, inputs, space_to_depth=False, map_size=None, output_blocks=None):
         if self.data_format != "channels_last":
             return super().call(inputs)
-        if space_to_depth:
-            outputs = space_to_depth_conv2d(inputs, self.kernel, self.strides)
+        channels = int(self.kernel.shape[2]) * (1 if map_size is None else self.strides[0] * self.strides[1])
+        if inputs.shape[-1] != channels:
+            form = "" if map_size is None else f" ({self.strides[0]}x{self.strides[1]} blocks of a {tuple(map_size)} map)"
+            raise ValueError(f"{self.name}: expected axis -1 of the input to have {channels} channels{form}, "
+                             f"got shape {tuple(inputs.shape)}")
+        repeats = 1
+        if output_blocks is not None:
+            if self.strides != (1, 1) or self.padding != "valid":
+                raise ValueError(f"{self.name}: output_blocks needs strides 1 and padding 'valid', "
+                                 f"got strides {self.strides}, padding {self.padding!r}")
+            outputs = conv2d_to_blocks(inputs, self.kernel, output_blocks)
+            repeats = output_blocks * output_blocks  # channel groups of the blocks: one bias each
+        elif space_to_depth:
+            outputs = space_to_depth_conv2d(inputs, self.kernel, self.strides, map_size=map_size)
         else:
             outputs = self.convolution_op(inputs, self.kernel)
         if self.use_bias:
-            outputs = bias_add(outputs, self.bias)
+            outputs = bias_add(outputs, self.bias if repeats == 1 else tf.tile(self.bias, [repeats]))
         return outputs if self.activation is None else self.activation(outputs)
 
 
@@ -161,19 +183,32 @@ class PrimaryCaps(keras.layers.Layer):
     def build(self, input_shape):
         self._grid(input_shape)
         self.conv.build(input_shape)
-        self.input_spec = keras.layers.InputSpec(ndim=4, axes={-1: int(input_shape[-1])})
+        # The channels are checked by self.conv: map_size inputs have b·b times as many.
+        self.input_spec = keras.layers.InputSpec(ndim=4)
 
-    def call(self, inputs):
-        h, w = self._grid(inputs.shape)
+    def uses_blocks(self):
+        """Whether call() computes on space-to-depth blocks in the computation being built
+        (conv_form, and for "auto" whether it goes into XLA): then it also takes its input
+        as blocks (map_size)."""
+        return _in_xla_computation() if self._blocks is None else self._blocks
+
+    def call(self, inputs, map_size=None):
+        """inputs: (B, H, W, C) feature maps, or with map_size=(H, W) (only when
+        uses_blocks()) their b×b space-to-depth blocks (B, ⌈H/b⌉, ⌈W/b⌉, b·b·C), b = the
+        stride, as conv1 delivers them (Conv2D's output_blocks)."""
+        h, w = self._grid(inputs.shape if map_size is None else (inputs.shape[0], *map_size, inputs.shape[-1]))
         in_xla = _in_xla_computation()
-        blocks = in_xla if self._blocks is None else self._blocks
+        blocks = self.uses_blocks()
+        if map_size is not None and not blocks:
+            raise ValueError(f"{self.name}: map_size (blocks as input) needs the blocks form "
+                             f"(conv_form {self.conv_form!r} here computes the strided convolution)")
         if blocks:
             # Under XLA on an H100 the three parts of this convolution on blocks took
             # 2.0 of the strided one's 3.1 ms (bfloat16, batch 512) and the whole step
             # 1.3-1.7× less time; on a CPU XLA's strided input gradient is 86× TensorFlow's
             # kernel and the blocks' is not. Outside XLA TensorFlow's strided kernels are
             # the faster ones (docs/benchmarks.md, eleventh session).
-            x = self.conv(inputs, space_to_depth=True)
+            x = self.conv(inputs, space_to_depth=True, map_size=map_size)
         else:
             if self.padding == "valid" and in_xla:
                 # conv_form="strided" under XLA: the rows and columns no window reaches

@@ -132,8 +132,16 @@ class CapsNet(keras.Model):
             raise ValueError(
                 f"{self.name}: images must be float in [0, 1], got dtype {images.dtype.name} "
                 "(scale integer pixels by 1/255 first)")
-        x = self.conv1(images)                     # (B, H1, W1, conv1_filters)
-        u = self.primary_caps(x)                   # (B, in_caps, primary_caps_dim)
+        if self.primary_caps.uses_blocks():
+            # PrimaryCaps computes on 2×2 blocks of its input: conv1 delivers its maps as
+            # those blocks, so no transpose of the (B, H1, W1, conv1_filters) maps runs
+            # between the two (nor back in the gradient).
+            h1, w1 = (d - self.conv1_kernel_size + 1 for d in self.image_shape[:2])
+            x = self.conv1(images, output_blocks=self.primary_caps_strides)  # (B, ⌈H1/2⌉, ⌈W1/2⌉, 4·filters)
+            u = self.primary_caps(x, map_size=(h1, w1))
+        else:
+            x = self.conv1(images)                 # (B, H1, W1, conv1_filters)
+            u = self.primary_caps(x)               # (B, in_caps, primary_caps_dim)
         v_j, c_ij = self.digit_caps(u)             # (B, classes, dim), (B, in_caps, classes)
         lengths = capsule_lengths(v_j)             # (B, classes)
         outputs = {"lengths": lengths, "v_j": v_j, "c_ij": c_ij}

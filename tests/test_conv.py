@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from capsnet.conv import block_kernel, space_to_depth, space_to_depth_conv2d
+from capsnet.conv import block_kernel, block_output_kernel, conv2d_to_blocks, space_to_depth, space_to_depth_conv2d
 from capsnet.layers import PrimaryCaps
 from capsnet.training import train
 
@@ -78,6 +78,109 @@ def test_space_to_depth_and_block_kernel_against_numpy():
                 for q in range(s):
                     want[a, b, (p * s + q) * c:(p * s + q + 1) * c] = padded[s * a + p, s * b + q]
     np.testing.assert_array_equal(block_kernel(tf.constant(kernel), (2, 2)).numpy(), want)
+
+
+# (H, W, kernel, block): conv1's paper shape (28×28, 9×9: a 20×20 map, 2×2 blocks); odd maps
+# (a last half block past the map); an even kernel; 3×3 blocks; a 1×1 kernel.
+BLOCK_OUTPUT_SHAPES = [(28, 28, 9, 2), (29, 27, 9, 2), (28, 30, 8, 2), (13, 14, 3, 3), (10, 11, 1, 2)]
+
+
+@pytest.mark.parametrize("mode", ["eager", "function", "jit"])
+@pytest.mark.parametrize("h, w, k, b", BLOCK_OUTPUT_SHAPES)
+def test_conv2d_to_blocks_is_the_convolution_in_blocks(h, w, k, b, mode):
+    """Its blocks, put back in place (tf.nn.depth_to_space) and cut to the map, are
+    tf.nn.conv2d's output, and the input and kernel gradients through them equal
+    tf.nn.conv2d's (float64: to rounding)."""
+    rng = np.random.default_rng(h * 100 + k * 10 + b)
+    x = tf.constant(rng.normal(size=(2, h, w, 3)))
+    kernel = tf.constant(rng.normal(size=(k, k, 3, 4)))
+    out_h, out_w = h - k + 1, w - k + 1
+    want = _conv_and_gradients(lambda x, f: tf.nn.conv2d(x, f, 1, "VALID"), x, kernel, None)
+    dy = tf.constant(rng.normal(size=want[0].shape))
+    want = _conv_and_gradients(lambda x, f: tf.nn.conv2d(x, f, 1, "VALID"), x, kernel, dy)
+
+    def in_place(x, f):
+        blocks = conv2d_to_blocks(x, f, b)
+        assert tuple(blocks.shape) == (2, -(-out_h // b), -(-out_w // b), b * b * 4)
+        return tf.nn.depth_to_space(blocks, b)[:, :out_h, :out_w, :]
+
+    fn = lambda x, f, dy: _conv_and_gradients(in_place, x, f, dy)  # noqa: E731
+    if mode != "eager":
+        fn = tf.function(fn, jit_compile=mode == "jit")
+    for name, got, expected in zip(("output", "input gradient", "kernel gradient"), fn(x, kernel, dy), want):
+        assert got.shape == expected.shape, name
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-10, atol=1e-10, err_msg=name)
+
+
+def test_block_output_kernel_against_numpy():
+    """Output channel group (p, q) of block tap (a, c), input group (r, t), holds tap
+    (b·a + r − p, b·c + t − q) of the kernel, or zero where that is outside it (NumPy loops)."""
+    rng = np.random.default_rng(5)
+    kernel = rng.normal(size=(3, 4, 2, 5))
+    b, ci, co = 2, 2, 5
+    got = block_output_kernel(tf.constant(kernel), b).numpy()
+    assert got.shape == (2, 3, b * b * ci, b * b * co)
+    want = np.zeros(got.shape)
+    for a in range(2):
+        for c in range(3):
+            for p in range(b):
+                for q in range(b):
+                    for r in range(b):
+                        for t in range(b):
+                            i, j = b * a + r - p, b * c + t - q
+                            if 0 <= i < 3 and 0 <= j < 4:
+                                want[a, c, (r * b + t) * ci:(r * b + t + 1) * ci,
+                                     (p * b + q) * co:(p * b + q + 1) * co] = kernel[i, j]
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("size", [28, 29])
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_model_on_blocks_gives_the_strided_models_outputs_and_gradients(size, mode):
+    """A CapsNet whose PrimaryCaps computes on blocks takes conv1's output as blocks
+    (conv1's output_blocks): the same outputs and the same gradient for every weight as
+    the strided model's, with an odd conv1 map too (size 29: 21×21, a half block past it)."""
+    from capsnet.model import build_model
+
+    kwargs = {"input_shape": (size, size, 1), "conv1_filters": 8, "primary_caps_types": 2, "digit_caps_dim": 4,
+              "decoder_units": (16, 32)}
+    strided = build_model(**kwargs, primary_caps_conv="strided")
+    blocks = build_model(**kwargs, primary_caps_conv="space_to_depth")
+    blocks.set_weights(strided.get_weights())
+    images = tf.random.stateless_uniform((3, size, size, 1), seed=(5, 6))
+    labels = tf.constant([1, 2, 3])
+
+    def forward_backward(model):
+        with tf.GradientTape() as tape:
+            out = model(images, labels)
+            loss = tf.reduce_sum(out["lengths"] * tf.range(1.0, 11.0)) + tf.reduce_sum(out["reconstructions"])
+        return [out["lengths"], out["reconstructions"], *tape.gradient(loss, model.trainable_variables)]
+
+    results = [(tf.function(lambda m=m: forward_backward(m), jit_compile=True) if mode == "jit"
+                else lambda m=m: forward_backward(m))() for m in (strided, blocks)]
+    names = ["lengths", "reconstructions", *(v.path for v in strided.trainable_variables)]
+    for name, a, b in zip(names, *results):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("form, maps_inside_xla", [("auto", False), ("strided", True)])
+def test_conv1_maps_are_never_formed_on_blocks(form, maps_inside_xla):
+    """On blocks (auto under XLA) no tensor of conv1's (B, 20, 20, 256)-shaped maps is
+    built, forward or backward: conv1 writes the blocks PrimaryCaps reads."""
+    from capsnet.model import build_model
+
+    model = build_model(conv1_filters=16, primary_caps_conv=form)
+    images = tf.TensorSpec((2, 28, 28, 1), tf.float32)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x, tf.constant([1, 2]))["lengths"])
+        return tape.gradient(loss, model.trainable_variables)
+
+    graph = tf.function(step, jit_compile=True).get_concrete_function(images).graph
+    shapes = {tuple(t.shape.as_list()) for op in graph.get_operations() for t in op.outputs if t.shape.rank == 4}
+    assert ((2, 20, 20, 16) in shapes) is maps_inside_xla
+    assert ((2, 10, 10, 64) in shapes) is not maps_inside_xla
 
 
 def test_space_to_depth_conv2d_needs_equal_strides():
