@@ -4,7 +4,7 @@
 # (or ./gpu-out) as logs; the last lines printed are the summaries.
 #   carry: .gpukit/gpukit.sh .gpukit/MANIFEST capsnet/lib build .gpudata
 #   command: bash scripts/gpu_session.sh [verify|bench|train|all|scale|precision|profile|xla|xla-profile|guard|sweep|
-#                                         full_mnist|fast_grid|fast_time|crop|runs|conv|blocks|final]   (scale, sweep: on nvidia-h200-x2, not in all)
+#                                         full_mnist|fast_grid|fast_time|crop|runs|conv|blocks|final|ab]   (scale, sweep: on nvidia-h200-x2, not in all)
 set -uo pipefail
 what="${1:-all}"
 out="${OUT:-gpu-out}"; mkdir -p "$out"
@@ -131,6 +131,26 @@ if [[ $what == blocks ]]; then
       --repeats 3 --variants ${BLOCK_VARIANTS:-op+fused+jit,matmul+jit,op+fused} --timeout 240 \
       --json "$out/benchmark_blocks_$form.json" model.primary_caps_conv=$form 2>&1 \
       | tee "$out/benchmark_blocks_$form.log" | grep "^|"
+  done
+fi
+if [[ $what == ab ]]; then
+  # Two code trees taking turns per variant: $AB_OLD (an earlier commit's capsnet/, scripts/,
+  # configs/, train.py, unpacked there; the same op library) and this one; then each tree's
+  # profile of the bfloat16 jit step at batch 512 (per-kernel GPU time: less noisy than images/s
+  # between processes).
+  lib="$PWD/capsnet/lib/_capsnet_ops.so"
+  for variant in ${AB_VARIANTS:-op+fused+jit matmul+jit}; do
+    for tree in old new; do
+      dir=$([[ $tree == old ]] && echo "${AB_OLD:-ab_old}" || echo .)
+      (cd "$dir" && CAPSNET_OP_LIBRARY="$lib" python3 scripts/benchmark_train.py --precision mixed_bfloat16,float32 \
+        --steps-per-execution 50 --repeats 3 --variants "$variant" --timeout 300 --json "$OLDPWD/$out/ab_${tree}_$variant.json") \
+        2>&1 | tee "$out/ab_${tree}_$variant.log" | grep "^|" | sed "s/^/$tree /"
+    done
+  done
+  for tree in $([[ ${AB_PROFILE:-1} == 1 ]] && echo old new); do
+    dir=$([[ $tree == old ]] && echo "${AB_OLD:-ab_old}" || echo .)
+    (cd "$dir" && CAPSNET_OP_LIBRARY="$lib" python3 scripts/profile_train.py --variant op+fused+jit \
+      --precision mixed_bfloat16 --batch-size 512) 2>&1 | tee "$out/ab_profile_$tree.log" | tail -22 | sed "s/^/$tree /"
   done
 fi
 if [[ $what == final ]]; then
