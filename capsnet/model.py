@@ -133,11 +133,12 @@ class CapsNet(keras.Model):
                 f"{self.name}: images must be float in [0, 1], got dtype {images.dtype.name} "
                 "(scale integer pixels by 1/255 first)")
         if self.primary_caps.uses_blocks():
-            # PrimaryCaps computes on 2×2 blocks of its input: conv1 delivers its maps as
-            # those blocks, so no transpose of the (B, H1, W1, conv1_filters) maps runs
-            # between the two (nor back in the gradient).
+            # PrimaryCaps computes on stride×stride blocks of its input: conv1 delivers its
+            # maps as those blocks, so no transpose of the (B, H1, W1, conv1_filters) maps
+            # runs between the two, nor back in the gradient (1.07-1.11× the bfloat16 and
+            # float32 jit steps at batch 512 on an H100, docs/benchmarks.md, twelfth session).
             h1, w1 = (d - self.conv1_kernel_size + 1 for d in self.image_shape[:2])
-            x = self.conv1(images, output_blocks=self.primary_caps_strides)  # (B, ⌈H1/2⌉, ⌈W1/2⌉, 4·filters)
+            x = self.conv1(images, output_blocks=self.primary_caps_strides)  # (B, ⌈H1/s⌉, ⌈W1/s⌉, s²·filters)
             u = self.primary_caps(x, map_size=(h1, w1))
         else:
             x = self.conv1(images)                 # (B, H1, W1, conv1_filters)

@@ -193,6 +193,12 @@ def test_tensorboard_logs(trained_run):
     last_lr = tf.make_ndarray(events["train/learning_rate"][-1][1].tensor)
     assert last_lr == pytest.approx(0.01 * 0.9 ** 4, rel=1e-5)  # decays once per epoch
 
+    # Where each epoch's wall time went: one value per epoch and phase, each positive.
+    for phase in ("train", "test", "save"):
+        values = events[f"time/{phase}_seconds"]
+        assert [step for step, _ in values] == [STEPS_PER_EPOCH * e for e in (1, 2, 3, 4)]
+        assert all(tf.make_ndarray(v.tensor) > 0 for _, v in values), phase
+
     # The grid: 4 test images over their reconstructions, 28x28 each.
     _, grid = events["reconstructions/inputs_over_reconstructions"][-1]
     width, height = (int(x) for x in grid.tensor.string_val[:2])
