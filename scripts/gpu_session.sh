@@ -14,29 +14,34 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 
 # Runs side by side on the one GPU: each line of $RUNS is "name overrides...". Rerunning the same
 # call resumes them (same run dirs, while the machine is held); finished runs are evaluated (final
-# checkpoint, op and matmul path) and their histories and logs come back.
+# checkpoint, op and matmul path). Their logs, histories and evaluations come back packed in
+# $out/runs.tgz (a call brings back a few files only: nine runs' 45 files did not come back),
+# written after each run's lines, so a call cut short still returns what was packed.
 side_by_side() {
   # Each process takes GPU memory as it needs it (TensorFlow's default, all of it, leaves the
   # others "cudaSetDevice() ... out of memory").
   export TF_FORCE_GPU_ALLOW_GROWTH=true
-  local name args
+  local name args logs=/tmp/runs-out
+  mkdir -p "$logs"
   while read -r name args; do
     [[ -z $name ]] && continue
     timeout "${TRAIN_TIMEOUT:-540}" python3 train.py $args train.progress_bar=false hydra.run.dir="/tmp/runs/$name" \
-      > "$out/$name.log" 2>&1 &
+      > "$logs/$name.log" 2>&1 &
   done <<< "$RUNS"
   wait
   while read -r name args; do
     [[ -z $name ]] && continue
     local run="/tmp/runs/$name"
-    echo "$name: $(cat "$run/history.jsonl" 2>/dev/null | wc -l) epochs; $(grep '^epoch [0-9]*:' "$out/$name.log" | tail -1 | cut -c1-160)"
-    cp "$run/history.jsonl" "$out/$name.history.jsonl" 2>/dev/null
+    echo "$name: $(cat "$run/history.jsonl" 2>/dev/null | wc -l) epochs; $(grep '^epoch [0-9]*:' "$logs/$name.log" | tail -1 | cut -c1-160)"
+    cp "$run/history.jsonl" "$logs/$name.history.jsonl" 2>/dev/null
+    tar czf "$out/runs.tgz" -C "$logs" .
     if [[ -f "$run/metrics.json" && ${EVALUATE:-1} == 1 ]]; then
-      cp "$run/metrics.json" "$out/$name.metrics.json"
+      cp "$run/metrics.json" "$logs/$name.metrics.json"
       for op in true false; do
-        python3 evaluate.py checkpoint="$run" which=latest custom_op=$op output="$out/${name}_eval_op_$op.json" \
+        python3 evaluate.py checkpoint="$run" which=latest custom_op=$op output="$logs/${name}_eval_op_$op.json" \
           2>&1 | tail -1 | cut -c1-200
       done
+      tar czf "$out/runs.tgz" -C "$logs" .
     fi
   done <<< "$RUNS"
 }
