@@ -228,7 +228,7 @@ def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, wei
         # refuses a function that reads variables on another replica's device. So XLA
         # compiles each replica's forward and backward pass; the all-reduce and the Adam
         # update (elementwise, cheap) run outside it.
-        forward_backward = tf.function(forward_backward, jit_compile=True)
+        forward_backward = tf.function(forward_backward, jit_compile=True, autograph=False)
 
     def replica_step(images, labels, global_batch_size):
         grads, sums, grad_norm = forward_backward(images, labels, global_batch_size)
@@ -239,7 +239,7 @@ def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, wei
 
     # reduce_retracing: a short last batch changes the per-replica shapes; the second
     # trace generalises the batch dimension, so there is no third.
-    @tf.function(reduce_retracing=True)
+    @tf.function(reduce_retracing=True, autograph=False)  # as make_train_step's
     def distributed_step(images, labels, global_batch_size):
         sums, grad_norms = strategy.run(replica_step, args=(images, labels, global_batch_size))
         means = strategy.reduce(tf.distribute.ReduceOp.SUM, sums, axis=None) / tf.cast(global_batch_size, tf.float32)
