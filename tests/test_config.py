@@ -38,7 +38,7 @@ def test_importing_config_does_not_import_tensorflow():
     [], ["data=fashion_mnist"], ["data=multimnist"], ["augmentation=fashion"], ["augmentation=none"],
     ["distribute=none"], ["distribute=mirrored"], ["distribute=multi_worker"],
     ["experiment=paper_mnist"], ["experiment=paper_fashion_mnist"], ["experiment=paper_multimnist"],
-    ["model=capsnet", "train=default"], ["custom_op=true"], ["model.routing=xla"], ["model.routing=tf"],
+    ["experiment=fast_mnist"], ["model=capsnet", "train=default"], ["custom_op=true"], ["model.routing=xla"], ["model.routing=tf"],
 ])
 def test_every_config_group_composes_and_checks(overrides):
     cfg = train_cfg(*overrides)
@@ -62,6 +62,13 @@ def test_group_choices_set_what_they_say():
     assert train_cfg("augmentation=fashion")["data"]["flip"] is True
     assert train_cfg("experiment=paper_fashion_mnist")["data"]["flip"] is True
     assert train_cfg("experiment=paper_mnist")["data"]["flip"] is False
+    # fast_mnist: paper_mnist's recipe with the fastest switches and the XLA cache.
+    fast, paper = train_cfg("experiment=fast_mnist"), train_cfg("experiment=paper_mnist")
+    assert fast["custom_op"] is True and fast["model"] == paper["model"] and fast["data"] == paper["data"]
+    assert {k: fast["train"][k] for k in ("epochs", "xla", "precision", "xla_cache_dir")} == {
+        "epochs": 30, "xla": "jit", "precision": "mixed_bfloat16", "xla_cache_dir": "~/.cache/capsnet/xla"}
+    assert {k: v for k, v in fast["train"].items() if k not in ("epochs", "xla", "precision", "xla_cache_dir")} == {
+        k: v for k, v in paper["train"].items() if k not in ("epochs", "xla", "precision", "xla_cache_dir")}
     assert train_cfg("distribute=mirrored")["distribute"]["strategy"] == "mirrored"
     assert train_cfg("distribute=multi_worker")["distribute"]["devices"] is None
 
