@@ -4,7 +4,7 @@
 # (or ./gpu-out) as logs; the last lines printed are the summaries.
 #   carry: .gpukit/gpukit.sh .gpukit/MANIFEST capsnet/lib build .gpudata
 #   command: bash scripts/gpu_session.sh [verify|bench|train|all|scale|precision|profile|xla|xla-profile|guard|sweep|
-#                                         full_mnist|fast_grid|fast_time|crop|runs|conv|blocks|final|ab]   (scale, sweep: on nvidia-h200-x2, not in all)
+#                                         full_mnist|fast_grid|fast_time|crop|runs|conv|blocks|final|ab|memory]   (scale, sweep: on nvidia-h200-x2, not in all)
 set -uo pipefail
 what="${1:-all}"
 out="${OUT:-gpu-out}"; mkdir -p "$out"
@@ -156,6 +156,15 @@ if [[ $what == ab ]]; then
     dir=$([[ $tree == old ]] && echo "${AB_OLD:-ab_old}" || echo .)
     (cd "$dir" && CAPSNET_OP_LIBRARY="$lib" python3 scripts/profile_train.py --variant op+fused+jit \
       --precision mixed_bfloat16 --batch-size 512) 2>&1 | tee "$out/ab_profile_$tree.log" | tail -22 | sed "s/^/$tree /"
+  done
+fi
+if [[ $what == memory ]]; then
+  # What XLA's plan of the jit step holds at its peak (scripts/xla_memory_report.py), batch 512.
+  for spec in "op+fused+jit float32" "matmul+jit float32" "op+fused+jit mixed_bfloat16"; do
+    set -- $spec
+    echo "### $1 $2"
+    python3 scripts/xla_memory_report.py --device gpu --variant "$1" --precision "$2" --batch-size 512 2>&1 \
+      | tee "$out/memory_$1_$2.md" | head -40
   done
 fi
 if [[ $what == final ]]; then
