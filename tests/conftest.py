@@ -164,6 +164,16 @@ def entry_point_env(*paths):
     return env
 
 
+def load_script(name):
+    """scripts/<name>.py as a module, to test its functions in this process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_entry_point(script, *args, cwd, timeout=300):
     """Run a script of the repository (train.py, evaluate.py, scripts/...; path relative to
     the repository) as a user would; returns the CompletedProcess (text)."""

@@ -1,24 +1,19 @@
 """scripts/plot_runs.py: PNGs from a real tiny run's event files, the values it reads against
 the run's history.jsonl, resumed and cut-short event files, and one-line errors."""
-import importlib.util
 import json
 import shutil
 
 import numpy as np
 import pytest
 
-from conftest import REPO, run_entry_point
+from conftest import load_script, run_entry_point
 
-SCRIPT = REPO / "scripts" / "plot_runs.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
 def plot_runs():
-    spec = importlib.util.spec_from_file_location("plot_runs", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("plot_runs")
 
 
 def history(run_dir):

@@ -18,7 +18,7 @@ from capsnet.errors import CheckpointError, ConfigError, DataError, OpLibraryErr
 from capsnet.training import train
 from capsnet.training.optimizer import learning_rate_schedule
 from capsnet.training.summaries import image_grid
-from conftest import REPO, compose_config, entry_point_env, read_events, run_entry_point, tiny_overrides
+from conftest import REPO, compose_config, entry_point_env, load_script, read_events, run_entry_point, tiny_overrides
 
 STEPS_PER_EPOCH = 20  # 320 tiny training images / batch 16
 
@@ -712,11 +712,7 @@ def test_benchmark_train_script_times_both_paths_on_the_same_model(tmp_path):
 def test_benchmark_conv_times_the_true_gradients(tmp_path):
     """scripts/benchmark_conv.py's parts are the convolution and its two gradients (against
     GradientTape's), and a CPU smoke run writes a row per conv, part and XLA setting."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("benchmark_conv", REPO / "scripts" / "benchmark_conv.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("benchmark_conv")
     for _, in_shape, filter_shape, stride in bench.CONVS:
         full = bench.conv_parts(tf, 2, in_shape, filter_shape, stride, tf.float32)
         x, w, dy = full["forward"][1]
@@ -777,15 +773,11 @@ def test_benchmark_train_times_the_step_with_and_without_the_guard(tmp_path):
 def test_benchmark_out_of_device_memory_is_one_line_naming_the_batch(monkeypatch):
     """time_training (benchmark_train and benchmark_scale) turns an OOM into a CapsnetError
     with the batch size and the first line of TensorFlow's message, not its allocator dump."""
-    import importlib.util
-
     from conftest import TINY_MODEL
 
     from capsnet.errors import CapsnetError
 
-    spec = importlib.util.spec_from_file_location("benchmark_train", REPO / "scripts" / "benchmark_train.py")
-    bt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bt)
+    bt = load_script("benchmark_train")
 
     def out_of_memory(*args, **kwargs):
         raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor with shape[4,1152]\n"

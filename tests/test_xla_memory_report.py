@@ -1,14 +1,11 @@
 """scripts/xla_memory_report.py: XLA's peak of a known computation, read from a real dump;
 the whole script on the tiny model (CPU); a dump without a train step is a one-line error."""
-import importlib.util
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, TINY_MODEL, entry_point_env, run_entry_point
-
-SCRIPT = REPO / "scripts" / "xla_memory_report.py"
+from conftest import TINY_MODEL, entry_point_env, load_script, run_entry_point
 
 # A jit-compiled "train_step" whose peak is known: a (512, 512) float32 product (1 MiB) is
 # alive while its square is computed; both are outputs, so both are live at the end.
@@ -26,10 +23,7 @@ train_step(tf.ones((512, 512)))
 
 @pytest.fixture(scope="module")
 def report():
-    spec = importlib.util.spec_from_file_location("xla_memory_report", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("xla_memory_report")
 
 
 def test_the_peak_of_a_known_computation(report, tmp_path):

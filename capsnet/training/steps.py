@@ -376,22 +376,20 @@ def evaluate_model(eval_step, dataset, num_classes, keep_lengths=False):
     """
     losses = ("loss", "margin_loss", "reconstruction_loss")
     keys = ("predictions", *losses) + (("lengths",) if keep_lengths else ())
-    all_labels, pending, fetched = [], [], []
-    timed_images, start = 0, None
+    all_labels, outputs, start = [], [], None
     for batch, inputs in enumerate(dataset):
-        # Queued without waiting: a read per batch would leave the device idle while the host
+        # Queued without reading: a read per batch would leave the device idle while the host
         # dispatches the next one. Only the first batch (tracing/compiling the step) is
         # waited for, so that the clock leaves it out.
         out = eval_step(*inputs)
-        pending.append({key: out[key] for key in keys})
+        outputs.append({key: out[key] for key in keys})
         all_labels.append(inputs[1].numpy())
         if batch == 0:
-            fetched.append({key: value.numpy() for key, value in pending.pop().items()})
+            out["loss"].numpy()
             start = time.perf_counter()
-        else:
-            timed_images += len(all_labels[-1])
-    fetched += [{key: value.numpy() for key, value in out.items()} for out in pending]  # waits for the last
+    fetched = [{key: value.numpy() for key, value in out.items()} for out in outputs]  # waits for the last
     timed_seconds = time.perf_counter() - start if start is not None else 0.0
+    timed_images = sum(len(labels) for labels in all_labels[1:])
     sums = {key: sum(float(out[key]) for out in fetched) for key in losses}
     all_predictions = [out["predictions"] for out in fetched]
     all_lengths = [out["lengths"] for out in fetched] if keep_lengths else []
