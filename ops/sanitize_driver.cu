@@ -7,9 +7,12 @@
 //                              host reference; exit 1 on any mismatch. Small
 //                              enough to run under compute-sanitizer
 //                              memcheck/racecheck.
-//   sanitize_driver --bench [--iters N]
+//   sanitize_driver --bench [--iters N] [--repeats N] [--shape NAME] [--routing]
 //                              time forward/backward at the benchmark shapes
-//                              with CUDA events, next to a device-to-device copy.
+//                              with CUDA events, next to a device-to-device copy;
+//                              --shape keeps one shape (paper, batch512, large),
+//                              --routing only the fused routing op (e.g. under
+//                              ncu: --iters 1 --repeats 1 keeps the launches few).
 //
 // Built by `python scripts/build_ops.py --driver` into build/sanitize_driver.
 // Buffers are allocated at their exact size so memcheck sees any overrun, and
@@ -538,14 +541,22 @@ double TimeUs(F&& f, int iters, int repeats, cudaStream_t stream) {
   return times[times.size() / 2];
 }
 
-int RunBench(int iters) {
+struct BenchOptions {
+  int iters = 50;
+  int repeats = 7;
+  std::string shape;     // empty: every shape
+  bool routing = false;  // only the fused routing op
+};
+
+int RunBench(const BenchOptions& opt) {
+  const int iters = opt.iters;
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaDeviceProp prop;
   int dev = 0;
   CHECK_CUDA(cudaGetDevice(&dev));
   CHECK_CUDA(cudaGetDeviceProperties(&prop, dev));
-  const int repeats = 7;
+  const int repeats = opt.repeats;
   // Copy bandwidth: read + write bytes of a 1 GiB device-to-device copy.
   const int64 copy_bytes = int64(1) << 30;
   void *src = nullptr, *dst = nullptr;
@@ -566,13 +577,23 @@ int RunBench(int iters) {
   std::printf("| shape (B, I, J, D, K) | kernels | pass | us | GB/s | %% of copy | x floor |\n");
   std::printf("|---|---|---|---:|---:|---:|---:|\n");
 
-  const std::vector<std::pair<const char*, CapsuleDims>> shapes = {
+  std::vector<std::pair<const char*, CapsuleDims>> shapes = {
       {"paper", {128, 1152, 10, 16, 8}},
       {"batch512", {512, 1152, 10, 16, 8}},
       {"large", {128, 4608, 32, 16, 8}},
   };
+  if (!opt.shape.empty()) {
+    shapes.erase(std::remove_if(shapes.begin(), shapes.end(),
+                                [&](const auto& s) { return opt.shape != s.first; }),
+                 shapes.end());
+    if (shapes.empty()) {
+      std::fprintf(stderr, "sanitize_driver: unknown --shape %s (paper, batch512, large)\n",
+                   opt.shape.c_str());
+      return 2;
+    }
+  }
   using T = float;
-  for (const auto& named : shapes) {
+  for (const auto& named : opt.routing ? decltype(shapes){} : shapes) {
     const char* name = named.first;
     const CapsuleDims d = named.second;
     DeviceBuffer<T> u(d.u_size()), w(d.w_size()), out(d.u_hat_size());
@@ -610,63 +631,76 @@ int RunBench(int iters) {
     }
   }
 
-  // Fused routing, r = 3, float: the forward (prediction + 3 iterations) and the
-  // gradient. Bytes: the inputs and outputs once (u, W, s_j, c_ij; backward:
+  // Fused routing, r = 3, in float and in bfloat16 (the mixed_bfloat16 step's
+  // type): the forward (prediction + 3 iterations) and the gradient. Bytes: the inputs and outputs once (u, W, s_j, c_ij; backward:
   // u, W, c_ij, grad_s, grad_u, grad_W), for comparison with the unfused path's
   // u_hat of B*I*J*D floats written once and read ~7 times.
   std::printf("\n| shape (B, I, J, D, K) | fused routing, r=3 | pass | us | bytes in+out (MB) | u_hat (MB) |\n");
   std::printf("|---|---|---|---:|---:|---:|\n");
-  for (const auto& named : shapes) {
-    const char* name = named.first;
-    const CapsuleDims d = named.second;
-    const int iterations = 3;
-    const int64 s_size = d.batch * d.rows_per_cap(), c_size = d.batch * d.in_caps * d.out_caps;
-    DeviceBuffer<T> u(d.u_size()), w(d.w_size()), s_j(s_size), c_ij(c_size), g(s_size);
-    DeviceBuffer<T> gu(d.u_size()), gw(d.w_size());
-    CHECK_CUDA(cudaMemset(u.ptr, 0, d.u_size() * sizeof(T)));
-    CHECK_CUDA(cudaMemset(w.ptr, 0, d.w_size() * sizeof(T)));
-    CHECK_CUDA(cudaMemset(g.ptr, 0, s_size * sizeof(T)));
-    const size_t fwd_bytes = capsnet::CapsuleRoutingWorkspaceBytes<T>(d, iterations);
-    const size_t grad_bytes = capsnet::CapsuleRoutingGradWorkspaceBytes<T>(d);
-    void* fwd_ws = nullptr;
-    void* grad_ws = nullptr;
-    if (fwd_bytes > 0) CHECK_CUDA(cudaMalloc(&fwd_ws, fwd_bytes));
-    if (grad_bytes > 0) CHECK_CUDA(cudaMalloc(&grad_ws, grad_bytes));
-    const double fwd_us = TimeUs([&] {
-      CHECK_LAUNCH(capsnet::LaunchCapsuleRoutingForward<T>(u.ptr, w.ptr, s_j.ptr, c_ij.ptr, fwd_ws,
-                                                           fwd_bytes, d, iterations, stream));
-    }, iters, repeats, stream);
-    const double bwd_us = TimeUs([&] {
-      CHECK_LAUNCH(capsnet::LaunchCapsuleRoutingGrad<T>(c_ij.ptr, g.ptr, u.ptr, w.ptr, gu.ptr, gw.ptr,
-                                                        grad_ws, grad_bytes, d, stream));
-    }, iters, repeats, stream);
-    const double small = double(d.u_size() + d.w_size()) * sizeof(T);
-    const double sc = double(s_size + c_size) * sizeof(T);
-    const double u_hat_mb = double(d.u_hat_size()) * sizeof(T) / 1e6;
-    std::printf("| %s (%lld, %lld, %lld, %lld, %lld) | tiled | forward | %.1f | %.1f | %.1f |\n", name,
-                (long long)d.batch, (long long)d.in_caps, (long long)d.out_caps, (long long)d.out_dim,
-                (long long)d.in_dim, fwd_us, (small + sc) / 1e6, u_hat_mb);
-    std::printf("| %s (%lld, %lld, %lld, %lld, %lld) | tiled | backward | %.1f | %.1f | %.1f |\n", name,
-                (long long)d.batch, (long long)d.in_caps, (long long)d.out_caps, (long long)d.out_dim,
-                (long long)d.in_dim, bwd_us, (2 * small + sc) / 1e6, u_hat_mb);
-    if (fwd_ws != nullptr) CHECK_CUDA(cudaFree(fwd_ws));
-    if (grad_ws != nullptr) CHECK_CUDA(cudaFree(grad_ws));
-  }
+  auto bench_routing = [&](auto type_tag, const char* type_name) {
+    using T = decltype(type_tag);
+    for (const auto& named : shapes) {
+      const char* name = named.first;
+      const CapsuleDims d = named.second;
+      const int iterations = 3;
+      const int64 s_size = d.batch * d.rows_per_cap(), c_size = d.batch * d.in_caps * d.out_caps;
+      DeviceBuffer<T> u(d.u_size()), w(d.w_size()), s_j(s_size), c_ij(c_size), g(s_size);
+      DeviceBuffer<T> gu(d.u_size()), gw(d.w_size());
+      CHECK_CUDA(cudaMemset(u.ptr, 0, d.u_size() * sizeof(T)));
+      CHECK_CUDA(cudaMemset(w.ptr, 0, d.w_size() * sizeof(T)));
+      CHECK_CUDA(cudaMemset(g.ptr, 0, s_size * sizeof(T)));
+      const size_t fwd_bytes = capsnet::CapsuleRoutingWorkspaceBytes<T>(d, iterations);
+      const size_t grad_bytes = capsnet::CapsuleRoutingGradWorkspaceBytes<T>(d);
+      void* fwd_ws = nullptr;
+      void* grad_ws = nullptr;
+      if (fwd_bytes > 0) CHECK_CUDA(cudaMalloc(&fwd_ws, fwd_bytes));
+      if (grad_bytes > 0) CHECK_CUDA(cudaMalloc(&grad_ws, grad_bytes));
+      const double fwd_us = TimeUs([&] {
+        CHECK_LAUNCH(capsnet::LaunchCapsuleRoutingForward<T>(u.ptr, w.ptr, s_j.ptr, c_ij.ptr, fwd_ws,
+                                                             fwd_bytes, d, iterations, stream));
+      }, iters, repeats, stream);
+      const double bwd_us = TimeUs([&] {
+        CHECK_LAUNCH(capsnet::LaunchCapsuleRoutingGrad<T>(c_ij.ptr, g.ptr, u.ptr, w.ptr, gu.ptr, gw.ptr,
+                                                          grad_ws, grad_bytes, d, stream));
+      }, iters, repeats, stream);
+      const double small = double(d.u_size() + d.w_size()) * sizeof(T);
+      const double sc = double(s_size + c_size) * sizeof(T);
+      const double u_hat_mb = double(d.u_hat_size()) * sizeof(T) / 1e6;
+      std::printf("| %s (%lld, %lld, %lld, %lld, %lld) | tiled %s | forward | %.1f | %.1f | %.1f |\n", name,
+                  (long long)d.batch, (long long)d.in_caps, (long long)d.out_caps, (long long)d.out_dim,
+                  (long long)d.in_dim, type_name, fwd_us, (small + sc) / 1e6, u_hat_mb);
+      std::printf("| %s (%lld, %lld, %lld, %lld, %lld) | tiled %s | backward | %.1f | %.1f | %.1f |\n", name,
+                  (long long)d.batch, (long long)d.in_caps, (long long)d.out_caps, (long long)d.out_dim,
+                  (long long)d.in_dim, type_name, bwd_us, (2 * small + sc) / 1e6, u_hat_mb);
+      if (fwd_ws != nullptr) CHECK_CUDA(cudaFree(fwd_ws));
+      if (grad_ws != nullptr) CHECK_CUDA(cudaFree(grad_ws));
+    }
+  };
+  bench_routing(float(), "float");
+  bench_routing(capsnet::bfloat16_t(), "bfloat16");
   CHECK_CUDA(cudaStreamDestroy(stream));
   return 0;
 }
 
 int main(int argc, char** argv) {
   bool bench = false;
-  int iters = 50;
+  BenchOptions opt;
   for (int a = 1; a < argc; ++a) {
     const std::string arg = argv[a];
     if (arg == "--bench") {
       bench = true;
     } else if (arg == "--iters" && a + 1 < argc) {
-      iters = std::max(1, std::atoi(argv[++a]));
+      opt.iters = std::max(1, std::atoi(argv[++a]));
+    } else if (arg == "--repeats" && a + 1 < argc) {
+      opt.repeats = std::max(1, std::atoi(argv[++a]));
+    } else if (arg == "--shape" && a + 1 < argc) {
+      opt.shape = argv[++a];
+    } else if (arg == "--routing") {
+      opt.routing = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--bench [--iters N]]\n", argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--bench [--iters N] [--repeats N] [--shape NAME] [--routing]]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -675,5 +709,5 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "sanitize_driver: no CUDA device\n");
     return 2;
   }
-  return bench ? RunBench(iters) : RunChecks();
+  return bench ? RunBench(opt) : RunChecks();
 }

@@ -4,7 +4,7 @@
 # (or ./gpu-out) as logs; the last lines printed are the summaries.
 #   carry: .gpukit/gpukit.sh .gpukit/MANIFEST capsnet/lib build .gpudata
 #   command: bash scripts/gpu_session.sh [verify|bench|train|all|scale|precision|profile|xla|xla-profile|guard|sweep|
-#                                         full_mnist|fast_grid|fast_time|crop|runs|conv|blocks|final|ab|memory]   (scale, sweep: on nvidia-h200-x2, not in all)
+#                                         full_mnist|fast_grid|fast_time|crop|runs|conv|blocks|final|ab|memory|cmdbuf|step_dump|ncu_routing]   (scale, sweep: on nvidia-h200-x2, not in all)
 set -uo pipefail
 what="${1:-all}"
 out="${OUT:-gpu-out}"; mkdir -p "$out"
@@ -166,6 +166,44 @@ if [[ $what == memory ]]; then
     python3 scripts/xla_memory_report.py --device gpu --variant "$1" --precision "$2" --batch-size 512 2>&1 \
       | tee "$out/memory_$1_$2.md" | head -40
   done
+fi
+if [[ $what == cmdbuf ]]; then
+  # XLA's command buffers (CUDA graphs of the step's kernels): TensorFlow's defaults, XLA's list
+  # without custom calls, and none; one process each, taking turns ($CB_ROUNDS). Measured in the
+  # thirteenth session with the op's handlers marked command-buffer compatible: no gain beyond
+  # the spread between processes (docs/benchmarks.md), so the mark was not kept.
+  for round in $(seq ${CB_ROUNDS:-1}); do
+    for spec in "default|" "no_custom_call|--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUDNN" \
+                "none|--xla_gpu_enable_command_buffer="; do
+      name=${spec%%|*}
+      XLA_FLAGS="${spec#*|}" \
+        python3 scripts/benchmark_train.py --precision ${PRECISIONS:-mixed_bfloat16,float32} --steps-per-execution 50 \
+        --repeats 3 --variants ${CB_VARIANTS:-op+fused+jit} --timeout 300 --json "$out/cmdbuf_${name}_$round.json" \
+        2>&1 | tee "$out/cmdbuf_${name}_$round.log" | grep "^|" | sed "s/^/$name /"
+    done
+  done
+  tar czf "$out/cmdbuf.tgz" -C "$out" $(cd "$out" && ls cmdbuf_* 2>/dev/null)
+fi
+if [[ $what == step_dump ]]; then
+  # The jit train step as XLA compiled it on this GPU (after-optimizations HLO, buffer
+  # assignment) for reading elsewhere: who holds the memory at the peak and why.
+  dump=/tmp/step_dump; rm -rf "$dump"
+  XLA_FLAGS="--xla_dump_to=$dump --xla_dump_hlo_as_text" python3 scripts/benchmark_train.py \
+    --variants ${DUMP_VARIANT:-op+fused+jit} --precision ${DUMP_PRECISION:-float32} --batch-sizes ${DUMP_BATCH:-512} \
+    --steps 2 --warmup 1 --repeats 1 --timeout 300 2>&1 | grep "^|"
+  python3 scripts/xla_memory_report.py --dump "$dump" --top 30 > "$out/step_dump_report.md" 2>&1; head -12 "$out/step_dump_report.md"
+  (cd "$dump" && tar czf "$OLDPWD/$out/step_dump.tgz" $(ls | grep train_step | grep -E "after_optimizations.txt|buffer-assignment.txt|memory-usage-report.txt"))
+fi
+if [[ $what == ncu_routing ]]; then
+  # Nsight Compute on the fused routing op's kernels at batch 512, float and bfloat16
+  # (build/sanitize_driver: python scripts/build_ops.py --driver-only; carry build/sanitize_driver).
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  "$ncu" --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+    --print-summary per-kernel build/sanitize_driver --bench --routing --shape batch512 --iters 1 --repeats 1 \
+    > "$out/ncu_routing.txt" 2>&1
+  build/sanitize_driver --bench --routing --shape batch512 | tee "$out/routing_bench.txt"
+  gzip -k "$out/ncu_routing.txt"; grep -E "Routing|Grad|Duration|Achieved Occupancy|Registers Per|Compute \(SM\) Throughput|Memory Throughput|Theoretical Occ|No Eligible|Issued Warp" "$out/ncu_routing.txt" | head -120
 fi
 if [[ $what == final ]]; then
   # The defaults as a user gets them (model.primary_caps_conv=auto), every main path, both
