@@ -4,7 +4,7 @@
 # (or ./gpu-out) as logs; the last lines printed are the summaries.
 #   carry: .gpukit/gpukit.sh .gpukit/MANIFEST capsnet/lib build .gpudata
 #   command: bash scripts/gpu_session.sh [verify|bench|train|all|scale|precision|profile|xla|xla-profile|guard|sweep|
-#                                         full_mnist|fast_grid|fast_time|crop|runs|conv|blocks|final|ab|memory|cmdbuf|step_dump|ncu_routing]   (scale, sweep: on nvidia-h200-x2, not in all)
+#                                         full_mnist|fast_grid|fast_time|crop|runs|conv|blocks|final|ab|memory|cmdbuf|step_dump|ncu_routing|max_batch]   (scale, sweep: on nvidia-h200-x2, not in all)
 set -uo pipefail
 what="${1:-all}"
 out="${OUT:-gpu-out}"; mkdir -p "$out"
@@ -192,7 +192,7 @@ if [[ $what == step_dump ]]; then
     --variants ${DUMP_VARIANT:-op+fused+jit} --precision ${DUMP_PRECISION:-float32} --batch-sizes ${DUMP_BATCH:-512} \
     --steps 2 --warmup 1 --repeats 1 --timeout 300 2>&1 | grep "^|"
   python3 scripts/xla_memory_report.py --dump "$dump" --top 30 > "$out/step_dump_report.md" 2>&1; head -12 "$out/step_dump_report.md"
-  (cd "$dump" && tar czf "$OLDPWD/$out/step_dump.tgz" $(ls | grep train_step | grep -E "after_optimizations.txt|buffer-assignment.txt|memory-usage-report.txt"))
+  tar czf "$out/step_dump.tgz" -C "$dump" $(cd "$dump" && ls | grep train_step | grep -E "after_optimizations.txt|buffer-assignment.txt")
 fi
 if [[ $what == ncu_routing ]]; then
   # Nsight Compute on the fused routing op's kernels at batch 512, float and bfloat16
@@ -204,6 +204,22 @@ if [[ $what == ncu_routing ]]; then
     > "$out/ncu_routing.txt" 2>&1
   build/sanitize_driver --bench --routing --shape batch512 | tee "$out/routing_bench.txt"
   gzip -k "$out/ncu_routing.txt"; grep -E "Routing|Grad|Duration|Achieved Occupancy|Registers Per|Compute \(SM\) Throughput|Memory Throughput|Theoretical Occ|No Eligible|Issued Warp" "$out/ncu_routing.txt" | head -120
+fi
+if [[ $what == max_batch ]]; then
+  # [xla-op]: the largest batch that trains on this GPU, per path (float32, whole-step jit): each
+  # batch of $MAX_BATCHES (ascending) in its own process, two steps; the first failure ends a path.
+  for variant in ${MAX_VARIANTS:-op+fused+jit matmul+jit}; do
+    for batch in ${MAX_BATCHES:-16384 24576 32768 40960}; do
+      if python3 scripts/benchmark_train.py --variants "$variant" --precision ${MAX_PRECISION:-float32} \
+          --batch-sizes "$batch" --steps 2 --warmup 1 --repeats 1 --timeout 240 > "/tmp/max_${variant}_$batch.log" 2>&1 \
+          && grep -q "^| custom_op" "/tmp/max_${variant}_$batch.log"; then
+        echo "max_batch $variant $batch: trains: $(grep "^| custom_op" "/tmp/max_${variant}_$batch.log")"
+      else
+        echo "max_batch $variant $batch: fails: $( (grep -m1 "failed:" "/tmp/max_${variant}_$batch.log" || tail -1 "/tmp/max_${variant}_$batch.log") | cut -c1-240)"
+        break
+      fi
+    done
+  done | tee "$out/max_batch.txt"
 fi
 if [[ $what == final ]]; then
   # The defaults as a user gets them (model.primary_caps_conv=auto), every main path, both

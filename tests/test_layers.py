@@ -8,7 +8,7 @@ import tensorflow as tf
 
 import capsnet.routing
 from capsnet import ops
-from capsnet.layers import Decoder, DigitCaps, PrimaryCaps, capsule_lengths, squash
+from capsnet.layers import Conv2D, Decoder, DigitCaps, PrimaryCaps, capsule_lengths, relu_one_buffer, squash
 from capsnet.model import CapsNet
 from conftest import np_capsule_prediction
 from test_routing import EPSILON, np_dynamic_routing, np_squash
@@ -348,3 +348,45 @@ def test_primary_caps_crops_only_inside_xla():
         slices = [op for op in graph.get_operations() if op.type == "StridedSlice"
                   and op.inputs[0].shape.rank == 4]
         assert len(slices) == (1 if jit else 0), (jit, [op.name for op in slices])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_relu_one_buffer_matches_relu_and_its_gradient(dtype):
+    """Inside an XLA computation conv1's ReLU is relu_one_buffer: the values and the
+    gradient of max(x, 0) (dy where x > 0; 0 at x = 0, as TensorFlow's ReluGrad), checked
+    against NumPy, with exact zeros and negative inputs in the batch."""
+    rng = np.random.RandomState(0)
+    x = rng.randn(3, 5, 5, 8).astype(np.float32)
+    x[0, 0, 0, :4] = 0.0
+    dy = rng.randn(*x.shape).astype(np.float32)
+
+    @tf.function(jit_compile=True)
+    def forward_backward(x, dy):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = relu_one_buffer(x)
+            loss = tf.reduce_sum(tf.cast(y, tf.float32) * dy)
+        return y, tape.gradient(loss, x)
+
+    xt = tf.cast(x, dtype)
+    y, grad = forward_backward(xt, dy)
+    x_seen = tf.cast(xt, tf.float32).numpy()  # x as rounded to dtype
+    np.testing.assert_array_equal(tf.cast(y, tf.float32).numpy(), np.maximum(x_seen, 0))
+    want = np.where(x_seen > 0, tf.cast(tf.cast(dy, dtype), tf.float32).numpy(), 0)
+    np.testing.assert_array_equal(tf.cast(grad, tf.float32).numpy(), want)
+
+
+def test_conv2d_relu_goes_behind_the_barrier_only_under_xla():
+    """Conv2D(activation="relu") computes relu_one_buffer in an XLA computation (the
+    XlaOptimizationBarrier op is in its graph) and tf.nn.relu elsewhere (a plain
+    tf.function has no XLA kernel for the barrier), with the same outputs in both."""
+    layer = Conv2D(4, 3, activation="relu")
+    x = tf.random.stateless_normal((2, 6, 6, 3), seed=(5, 6))
+    layer.build(x.shape)
+    outputs = {}
+    for jit in (True, False):
+        fn = tf.function(lambda x: layer(x), jit_compile=jit)
+        outputs[jit] = fn(x).numpy()
+        op_types = {op.type for op in fn.get_concrete_function(x).graph.get_operations()}
+        assert ("XlaOptimizationBarrier" in op_types) is jit
+    np.testing.assert_allclose(outputs[True], outputs[False], rtol=1e-6, atol=1e-6)
