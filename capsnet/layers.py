@@ -256,12 +256,17 @@ def relu_one_buffer(x):
     to the backward one: for conv1 at batch 512 in float32 two 200 MiB buffers, the
     largest values at the step's memory peak (scripts/xla_memory_report.py on an H100).
     Behind XLA's optimization barrier the mask can only read the output, x dies at the
-    max (which cuDNN can then fuse into the convolution), and the values are the same.
+    max (which cuDNN then fuses into the convolution), and the values are the same.
+    The gradient goes behind one too: XLA otherwise fuses the mask with the bias
+    gradient's reduction, and such a fusion writes a new map-sized buffer; alone, the mask
+    is written over dy, whose last use it is. (GPU only: XLA's CPU compiler drops the
+    barriers before fusing.)
     """
     (y,) = gen_xla_ops.xla_optimization_barrier([tf.nn.relu(x)])
 
     def grad(dy):
-        return tf.where(y > 0, dy, tf.zeros_like(dy))
+        (dx,) = gen_xla_ops.xla_optimization_barrier([tf.where(y > 0, dy, tf.zeros_like(dy))])
+        return dx
 
     return y, grad
 
