@@ -52,16 +52,25 @@ __device__ __forceinline__ double Exp(double x) { return exp(x); }
 // Samples per thread per stage: the size of the register arrays of v_j and s_j
 // rows (2 * kRouteSamples * vec values).
 constexpr int kRouteSamples = 8;
-// Threads per block at most (launch bounds: up to 255 registers per thread).
+// Threads per block at most.
 constexpr int kRouteMaxThreads = 256;
+// Blocks of the iteration kernel resident on one SM, which its launch bounds cap
+// the registers for (65536 / (3 * 256) -> 85 per thread). 3 for in_dim <= 8:
+// at 2 (126 registers, 25% occupancy) Nsight Compute found the warps waiting on
+// each other's latency (0.45 issued per scheduler cycle); at 3, with 112 bytes
+// spilled, the forward at batch 512 took 740 instead of 838 us in float32 and
+// 715 instead of 774 us in bfloat16 on an H100 (docs/benchmarks.md, thirteenth
+// session). 2 above in_dim 8, where 85 registers spill 600 bytes (not measured).
+constexpr int RouteBlocksPerSm(int kmax) { return kmax <= 8 ? 3 : 2; }
 // Capsules staged in shared memory per sub-chunk at most, and the budget (no
 // opt-in above 48 KiB needed).
 constexpr int kRouteMaxCaps = 8;
 constexpr int64 kRouteSmemBudget = 46 * 1024;
-// Blocks the plan aims for: about 2 resident blocks on each of an H100/H200's
-// 132 SMs. Fixed, not queried: the plan (and so the summation order) must depend
-// on the shape only. More blocks mean more partial sums to write and reduce.
-constexpr int64 kRouteTargetBlocks = 264;
+// Blocks the plan aims for: RouteBlocksPerSm resident blocks on each of an
+// H100/H200's 132 SMs. Fixed, not queried: the plan (and so the summation order)
+// must depend on the shape only. More blocks mean more partial sums to write and
+// reduce.
+constexpr int64 kRouteSms = 132;
 constexpr int kReduceThreads = 256;
 
 struct RoutePlan {
@@ -117,7 +126,8 @@ RoutePlan RoutingPlan(const CapsuleDims& d) {
   if (!p.tiled) return p;
   p.batch_blocks = std::min<int64>(CeilDiv(d.batch, p.stage), 65535);
   const int64 subs_total = CeilDiv(d.in_caps, p.ic);
-  const int64 want = std::min(subs_total, std::max<int64>(1, CeilDiv(kRouteTargetBlocks, p.batch_blocks)));
+  const int64 target_blocks = kRouteSms * RouteBlocksPerSm(p.kmax);
+  const int64 want = std::min(subs_total, std::max<int64>(1, CeilDiv(target_blocks, p.batch_blocks)));
   p.subs = CeilDiv(subs_total, want);
   p.cap_blocks = CeilDiv(subs_total, p.subs);  // every block has >= 1 capsule
   return p;
@@ -193,7 +203,7 @@ __device__ __forceinline__ void LoadURow(const Vec<A, 16 / sizeof(A)>* __restric
 // (no agreement yet); read_b / write_b say whether b_ij is read (t >= 2) and
 // stored (t >= 1 and not last); c_out != nullptr at the last iteration.
 template <typename T, int VEC, int KMAX>
-__global__ void __launch_bounds__(kRouteMaxThreads)
+__global__ void __launch_bounds__(kRouteMaxThreads, RouteBlocksPerSm(KMAX))
     RoutingIterationKernel(const T* __restrict__ u, const T* __restrict__ W,
                            const Acc<T>* __restrict__ v, Acc<T>* __restrict__ b_ij,
                            T* __restrict__ c_out, Acc<T>* __restrict__ partials,
