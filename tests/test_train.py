@@ -456,6 +456,18 @@ def test_xla_train_step_compiles_and_trains_like_none(tiny_idx_dir, tmp_path, mo
     np.testing.assert_allclose(losses[mode], losses["none"], rtol=1e-3)
 
 
+def test_set_tf_xla_flag_sets_each_flag_once_and_returns_the_earlier_setting(monkeypatch):
+    from capsnet.training.steps import set_tf_xla_flag
+
+    monkeypatch.setenv("TF_XLA_FLAGS", "--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit_x")
+    assert set_tf_xla_flag("--tf_xla_cpu_global_jit") is None  # a longer flag is another flag
+    assert os.environ["TF_XLA_FLAGS"] == "--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit_x --tf_xla_cpu_global_jit"
+    assert set_tf_xla_flag("--tf_xla_cpu_global_jit") == "--tf_xla_cpu_global_jit"
+    assert os.environ["TF_XLA_FLAGS"].split().count("--tf_xla_cpu_global_jit") == 1
+    assert set_tf_xla_flag("--tf_xla_auto_jit", 1) == "--tf_xla_auto_jit=2"  # replaced where it was
+    assert os.environ["TF_XLA_FLAGS"] == "--tf_xla_auto_jit=1 --tf_xla_cpu_global_jit_x --tf_xla_cpu_global_jit"
+
+
 def test_set_xla_cache_adds_the_flag_and_replaces_another_directory_with_a_notice(tmp_path, monkeypatch):
     from capsnet.training.steps import set_xla_cache
 

@@ -39,10 +39,24 @@ def set_autoclustering(enabled):
     functions instantiated later are clustered.
     """
     if enabled:
-        flags = os.environ.get("TF_XLA_FLAGS", "")
-        if "--tf_xla_cpu_global_jit" not in flags:
-            os.environ["TF_XLA_FLAGS"] = (flags + " --tf_xla_cpu_global_jit").strip()
+        set_tf_xla_flag("--tf_xla_cpu_global_jit")
     tf.config.optimizer.set_jit("autoclustering" if enabled else False)
+
+
+def set_tf_xla_flag(flag, value=None):
+    """Put `flag` (`flag=value` if a value is given) into TF_XLA_FLAGS once, in place of
+    the flag's earlier setting if there is one. Returns that earlier setting as written
+    ("--flag" or "--flag=value"), or None if the flag was absent. TensorFlow reads the
+    variable once (see set_autoclustering)."""
+    flags = os.environ.get("TF_XLA_FLAGS", "")
+    pattern = re.compile(r"(?<!\S)" + re.escape(flag) + r"(=\S*)?(?=\s|$)")
+    existing = pattern.search(flags)
+    setting = flag if value is None else f"{flag}={value}"
+    if existing is None:
+        os.environ["TF_XLA_FLAGS"] = " ".join([*flags.split(), setting])
+    elif existing.group(0) != setting:
+        os.environ["TF_XLA_FLAGS"] = " ".join(pattern.sub(setting, flags, count=1).split())
+    return None if existing is None else existing.group(0)
 
 
 XLA_CACHE_FLAG = "--tf_xla_persistent_cache_directory"
@@ -64,12 +78,9 @@ def set_xla_cache(directory):
     except OSError as error:
         raise ConfigError(f"train.xla_cache_dir={directory}: cannot make the directory "
                           f"({error.strerror or error})") from None
-    flags = os.environ.get("TF_XLA_FLAGS", "")
-    pattern = re.compile(re.escape(XLA_CACHE_FLAG) + r"=(\S*)")
-    existing = pattern.search(flags)
-    os.environ["TF_XLA_FLAGS"] = " ".join([*pattern.sub("", flags).split(), f"{XLA_CACHE_FLAG}={path}"])
-    if existing and existing.group(1) != str(path):
-        return f"train.xla_cache_dir={path} replaces TF_XLA_FLAGS' {existing.group(0)}"
+    earlier = set_tf_xla_flag(XLA_CACHE_FLAG, path)
+    if earlier is not None and earlier != f"{XLA_CACHE_FLAG}={path}":
+        return f"train.xla_cache_dir={path} replaces TF_XLA_FLAGS' {earlier}"
     return None
 
 
