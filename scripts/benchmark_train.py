@@ -52,7 +52,8 @@ How:
 - Peak device memory: the allocator's statistics are reset after the warm-up
   (tf.config.experimental.reset_memory_stats), so the peak of the timed steps
   (get_memory_info()["peak"]) is the steady state's, without one-off autotuning
-  workspaces; GPU only.
+  workspaces; on a CPU (--device cpu) through TensorFlow's BFC allocator, which the
+  workers turn on there (TF_CPU_ALLOCATOR_USE_BFC).
 
 Prints a markdown table (stdout; progress goes to stderr) and with `--json PATH` also
 writes the results as JSON. Exit status 0; 2 if a variant could not run for a reason the
@@ -278,16 +279,16 @@ def time_steps(runs, spec, tf_device="/CPU:0"):
     Several runs (the guard on and off) take turns, in alternating order from repeat to
     repeat, so a drift of the GPU's clocks over the run weighs on each alike.
     Returns per run (first loss, last loss, seconds of each repeat), and the peak bytes of
-    `tf_device`'s allocator over the timed steps (of all runs together; None off a GPU)."""
+    `tf_device`'s allocator over the timed steps (of all runs together; None where the
+    allocator keeps no statistics: a CPU without the BFC allocator reports zeros)."""
     import tensorflow as tf
 
     first = [run(1) for run in runs]
     if spec["warmup"] > 1:
         for run in runs:
             run(spec["warmup"] - 1)  # finished before the clock starts
-    memory_device = tf_device.lstrip("/") if "GPU" in tf_device else None
-    if memory_device:
-        tf.config.experimental.reset_memory_stats(memory_device)  # the steady state's peak, not warm-up's
+    memory_device = tf_device.lstrip("/")
+    tf.config.experimental.reset_memory_stats(memory_device)  # the steady state's peak, not warm-up's
     seconds, last = [[] for _ in runs], [None] * len(runs)
     for repeat in range(spec["repeats"]):
         order = range(len(runs)) if repeat % 2 == 0 else reversed(range(len(runs)))
@@ -295,7 +296,7 @@ def time_steps(runs, spec, tf_device="/CPU:0"):
             start = time.perf_counter()
             last[i] = runs[i](spec["steps"])
             seconds[i].append(time.perf_counter() - start)
-    peak = tf.config.experimental.get_memory_info(memory_device)["peak"] if memory_device else None
+    peak = tf.config.experimental.get_memory_info(memory_device)["peak"] or None
     return [(first[i], last[i], seconds[i]) for i in range(len(runs))], peak
 
 
@@ -417,6 +418,9 @@ def run_worker(script, spec, *, device, timeout, env_defaults=None):
         env.setdefault(key, value)
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = "-1"  # hide GPUs, so nothing runs or allocates there
+        # TensorFlow's CPU allocator keeps memory statistics only as a BFC allocator: with it
+        # the peak column is measured on a CPU too (it matched XLA's CPU plan of the step).
+        env.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     print(f"{label(spec['variant'])} ...", file=sys.stderr, flush=True)
     try:
         proc = subprocess.run([sys.executable, str(Path(script).resolve()), "--worker", json.dumps(spec)],
