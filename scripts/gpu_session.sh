@@ -207,11 +207,13 @@ if [[ $what == ncu_routing ]]; then
 fi
 if [[ $what == max_batch ]]; then
   # [xla-op]: the largest batch that trains on this GPU, per path (float32, whole-step jit): each
-  # batch of $MAX_BATCHES (ascending) in its own process, two steps; the first failure ends a path.
+  # batch of $MAX_BATCHES (ascending) in its own process, two steps; the first failure ends a path,
+  # and its line says why (out of memory, or $MAX_TIMEOUT s: at 16,384 compiling and autotuning
+  # took more than 240 s on an H100, thirteenth session).
   for variant in ${MAX_VARIANTS:-op+fused+jit matmul+jit}; do
     for batch in ${MAX_BATCHES:-16384 24576 32768 40960}; do
       if python3 scripts/benchmark_train.py --variants "$variant" --precision ${MAX_PRECISION:-float32} \
-          --batch-sizes "$batch" --steps 2 --warmup 1 --repeats 1 --timeout 240 > "/tmp/max_${variant}_$batch.log" 2>&1 \
+          --batch-sizes "$batch" --steps 2 --warmup 1 --repeats 1 --timeout ${MAX_TIMEOUT:-540} > "/tmp/max_${variant}_$batch.log" 2>&1 \
           && grep -q "^| custom_op" "/tmp/max_${variant}_$batch.log"; then
         echo "max_batch $variant $batch: trains: $(grep "^| custom_op" "/tmp/max_${variant}_$batch.log")"
       else
