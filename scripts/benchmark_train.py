@@ -273,22 +273,26 @@ def runner(train_steps, iterator, global_batch, per_call):
     return run
 
 
-def time_steps(runs, spec, tf_device="/CPU:0"):
+def time_steps(runs, spec, tf_device=None):
     """Time each of `runs` (runner's): the first step alone (it traces: never timed),
     `--warmup` - 1 more, then `--repeats` × `--steps` steps with ONE device sync each.
     Several runs (the guard on and off) take turns, in alternating order from repeat to
     repeat, so a drift of the GPU's clocks over the run weighs on each alike.
     Returns per run (first loss, last loss, seconds of each repeat), and the peak bytes of
-    `tf_device`'s allocator over the timed steps (of all runs together; None where the
-    allocator keeps no statistics: a CPU without the BFC allocator reports zeros)."""
+    `tf_device`'s allocator over the timed steps (of all runs together; None without a
+    tf_device, or where the allocator keeps no statistics: a CPU without the BFC allocator
+    reports zeros)."""
     import tensorflow as tf
 
     first = [run(1) for run in runs]
     if spec["warmup"] > 1:
         for run in runs:
             run(spec["warmup"] - 1)  # finished before the clock starts
-    memory_device = tf_device.lstrip("/")
-    tf.config.experimental.reset_memory_stats(memory_device)  # the steady state's peak, not warm-up's
+    memory_device = None
+    if tf_device is not None:  # "/cpu:0" -> "CPU:0", the form the memory queries take
+        device = tf.DeviceSpec.from_string(tf_device)
+        memory_device = f"{device.device_type}:{device.device_index or 0}"
+        tf.config.experimental.reset_memory_stats(memory_device)  # the steady state's peak, not warm-up's
     seconds, last = [[] for _ in runs], [None] * len(runs)
     for repeat in range(spec["repeats"]):
         order = range(len(runs)) if repeat % 2 == 0 else reversed(range(len(runs)))
@@ -296,7 +300,7 @@ def time_steps(runs, spec, tf_device="/CPU:0"):
             start = time.perf_counter()
             last[i] = runs[i](spec["steps"])
             seconds[i].append(time.perf_counter() - start)
-    peak = tf.config.experimental.get_memory_info(memory_device)["peak"] or None
+    peak = tf.config.experimental.get_memory_info(memory_device)["peak"] or None if memory_device else None
     return [(first[i], last[i], seconds[i]) for i in range(len(runs))], peak
 
 
