@@ -259,9 +259,10 @@ def relu_one_buffer(x):
     max (which cuDNN then fuses into the convolution), and the values are the same.
     Measured on an H100 (docs/benchmarks.md, thirteenth session): float32 batch 512, the
     plan 790 -> 748 MiB and the step's peak 1,093 -> 1,054 MiB (the matmul path 1,289 ->
-    1,127), in one instance. A second barrier on the gradient's mask, so that XLA would write it over dy,
-    did not shrink the plan: XLA keeps the mask in a buffer of its own either way. (The
-    barrier works on GPUs only: XLA's CPU compiler drops barriers before it fuses.)
+    1,127), in one instance. A second barrier on the gradient's mask, so that XLA would
+    write it over dy, did not shrink the plan: XLA keeps the mask in a buffer of its own
+    either way. (The barrier works on GPUs only: XLA's CPU compiler drops barriers before
+    it fuses.)
     """
     (y,) = gen_xla_ops.xla_optimization_barrier([tf.nn.relu(x)])
 

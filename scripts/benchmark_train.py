@@ -300,7 +300,7 @@ def time_steps(runs, spec, tf_device=None):
             start = time.perf_counter()
             last[i] = runs[i](spec["steps"])
             seconds[i].append(time.perf_counter() - start)
-    peak = tf.config.experimental.get_memory_info(memory_device)["peak"] or None if memory_device else None
+    peak = (tf.config.experimental.get_memory_info(memory_device)["peak"] or None) if memory_device else None
     return [(first[i], last[i], seconds[i]) for i in range(len(runs))], peak
 
 

@@ -186,12 +186,11 @@ if [[ $what == cmdbuf ]]; then
 fi
 if [[ $what == step_dump ]]; then
   # The jit train step as XLA compiled it on this GPU (after-optimizations HLO, buffer
-  # assignment) for reading elsewhere: who holds the memory at the peak and why.
+  # assignment) packed for reading elsewhere, with its memory report.
   dump=/tmp/step_dump; rm -rf "$dump"
-  XLA_FLAGS="--xla_dump_to=$dump --xla_dump_hlo_as_text" python3 scripts/benchmark_train.py \
-    --variants ${DUMP_VARIANT:-op+fused+jit} --precision ${DUMP_PRECISION:-float32} --batch-sizes ${DUMP_BATCH:-512} \
-    --steps 2 --warmup 1 --repeats 1 --timeout 300 2>&1 | grep "^|"
-  python3 scripts/xla_memory_report.py --dump "$dump" --top 30 > "$out/step_dump_report.md" 2>&1; head -12 "$out/step_dump_report.md"
+  python3 scripts/xla_memory_report.py --device gpu --keep "$dump" --variant ${DUMP_VARIANT:-op+fused+jit} \
+    --precision ${DUMP_PRECISION:-float32} --batch-size ${DUMP_BATCH:-512} --top 30 > "$out/step_dump_report.md" 2>&1
+  head -12 "$out/step_dump_report.md"
   tar czf "$out/step_dump.tgz" -C "$dump" $(cd "$dump" && ls | grep train_step | grep -E "after_optimizations.txt|buffer-assignment.txt")
 fi
 if [[ $what == ncu_routing ]]; then

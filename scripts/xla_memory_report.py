@@ -3,12 +3,15 @@
     .venv/bin/python scripts/xla_memory_report.py --device gpu --batch-size 512 [--precision mixed_bfloat16]
         [--variant op+fused+jit] [key=value ...]
     .venv/bin/python scripts/xla_memory_report.py --dump DIR     # a dump made earlier (XLA_FLAGS=--xla_dump_to=DIR)
+    .venv/bin/python scripts/xla_memory_report.py --keep DIR ...  # run, and keep the dump (HLO text too) in DIR
 
 Runs one configuration of scripts/benchmark_train.py (two steps; its own process) with XLA
 dumping its compiled modules, then reads the train step's module (the largest whose name
 holds "train_step"): XLA's buffer assignment lists the values live at the point of peak
-use, and the TensorFlow op each comes from. Prints the module's total, then the top rows
-of both lists as Markdown tables:
+use, and the TensorFlow op each comes from. Prints the module's total and its temp buffer
+(XLA places the step's values in one preallocated buffer; where their live ranges do not
+let them share space it is larger than the peak), then the top rows of both lists as
+Markdown tables:
 - by op: bytes at the peak per TensorFlow op (`XLA_Args`: the step's inputs, i.e. the
   weights, Adam's moments and the batch);
 - by value: the live XLA values, with their shapes.
@@ -29,6 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 _TOTAL = re.compile(r"^Total bytes used: (\d+)", re.M)
+_TEMP = re.compile(r"^allocation \d+: size (\d+), preallocated-temp", re.M)
 _PEAK_VALUES = re.compile(r"^  Live ranges at \d+ \(peak\):\n((?:    .*\n)*)", re.M)
 _PEAK_VALUE = re.compile(r"^    (\S+?)(\{[^}]*\}): (\d+) bytes")  # name{tuple index}: bytes
 _PEAK_OPS = re.compile(r"^  Stack trace breakdown for peak usage: .*\n((?:    .*\n)*)", re.M)
@@ -68,8 +72,10 @@ def markdown(path, top):
     total, ops, values = read_report(text)
     shapes = shapes_of(text)
     mib = 1 << 20
-    lines = [f"{path.name.split('.')[1] if '.' in path.name else path.name}: {total / mib:,.1f} MiB in all "
-             f"(XLA's plan; the peak below)", "",
+    temp = _TEMP.search(text)
+    temp_text = f", {int(temp.group(1)) / mib:,.1f} MiB of it the temp buffer" if temp else ""
+    lines = [f"{path.name.split('.')[1] if '.' in path.name else path.name}: {total / mib:,.1f} MiB in all"
+             f"{temp_text} (XLA's plan; the peak below)", "",
              "| TensorFlow op | MiB at the peak |", "|---|---:|"]
     lines += [f"| `{op}` | {size / mib:,.1f} |" for op, size in ops[:top]]
     lines += ["", f"peak: {sum(s for _, s in values) / mib:,.1f} MiB in {len(values)} live values", "",
@@ -82,6 +88,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dump", type=Path, help="read this XLA dump dir instead of running a step")
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="dump into DIR (made if missing) and keep it, with the step's HLO as text")
     parser.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
     parser.add_argument("--variant", default="op+fused+jit", help="a benchmark_train.py variant (default op+fused+jit)")
     parser.add_argument("--precision", default="float32")
@@ -94,11 +102,13 @@ def main(argv=None):
         return 0
     if "jit" not in args.variant:
         parser.error(f"--variant {args.variant}: only a jit variant is one XLA computation")
-    with tempfile.TemporaryDirectory(prefix="xla-dump-") as dump:
+    with tempfile.TemporaryDirectory(prefix="xla-dump-") as scratch:
+        dump = scratch if args.keep is None else args.keep
         env = dict(os.environ)
-        # Only the buffer assignment after optimization: no per-pass HLO, no LLVM IR.
+        # Only the train step, after optimization: no per-pass HLO, no LLVM IR.
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_pass_re=NONE "
-                            "--xla_dump_hlo_module_re=.*train_step.*").strip()
+                            "--xla_dump_hlo_module_re=.*train_step.*"
+                            + (" --xla_dump_hlo_as_text" if args.keep is not None else "")).strip()
         command = [sys.executable, str(REPO / "scripts" / "benchmark_train.py"), "--device", args.device,
                    "--variants", args.variant, "--precision", args.precision, "--batch-sizes", str(args.batch_size),
                    "--steps", "1", "--warmup", "1", "--repeats", "1", "--steps-per-execution", "1",

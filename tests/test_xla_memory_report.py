@@ -44,9 +44,15 @@ def test_the_peak_of_a_known_computation(report, tmp_path):
 
 
 def test_the_script_on_the_tiny_model(tmp_path):
-    result = run_entry_point("scripts/xla_memory_report.py", "--device", "cpu", "--batch-size", "16", *TINY_MODEL,
-                             cwd=tmp_path)
+    result = run_entry_point("scripts/xla_memory_report.py", "--device", "cpu", "--batch-size", "16",
+                             "--keep", str(tmp_path / "dump"), *TINY_MODEL, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
+    # --keep: the train step's buffer assignment and its HLO text stay, and the report gives
+    # the temp buffer XLA places the step's values in.
+    kept = [p.name for p in (tmp_path / "dump").iterdir() if "train_step" in p.name]
+    assert any(name.endswith("after_optimizations-buffer-assignment.txt") for name in kept), kept
+    assert any(name.endswith("after_optimizations.txt") for name in kept), kept
+    assert "MiB of it the temp buffer (XLA's plan" in result.stdout.splitlines()[0], result.stdout
     # conv1's output (B, 10, 10, 4·16) on blocks is among what is live at the peak, and the
     # step's inputs (weights, Adam's moments, the batch) are.
     assert "| `caps_net_1/conv1_1/Conv2D` |" in result.stdout, result.stdout
