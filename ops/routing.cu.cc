@@ -42,6 +42,7 @@
 #include "capsnet_kernels.h"
 #include "cuda_common.cuh"
 #include "prediction_grad.cuh"
+#include "routing_mma.cuh"
 
 namespace capsnet {
 namespace {
@@ -86,6 +87,7 @@ struct RoutePlan {
   int64 cap_blocks = 1;    // grid.x = partial sums of s_j per sample
   int64 batch_blocks = 1;  // grid.y; blocks stride over further stages
   std::size_t smem = 0;
+  MmaPlan mma;  // the tensor-core iteration kernel's (16-bit types at the paper's dims)
 };
 
 template <typename T>
@@ -130,7 +132,15 @@ RoutePlan RoutingPlan(const CapsuleDims& d) {
   const int64 want = std::min(subs_total, std::max<int64>(1, CeilDiv(target_blocks, p.batch_blocks)));
   p.subs = CeilDiv(subs_total, want);
   p.cap_blocks = CeilDiv(subs_total, p.subs);  // every block has >= 1 capsule
+  p.mma = RoutingMmaPlan<T>(d, kRouteSms * kMmaBlocksPerSm);
   return p;
+}
+
+// Partial sums of s_j per sample the workspace holds: the launch picks the
+// tensor-core kernel only for aligned pointers, so room for either kernel's.
+int64 RouteChunks(const RoutePlan& p, bool tiled) {
+  if (!tiled) return 1;
+  return p.mma.ok ? std::max(p.cap_blocks, p.mma.cap_blocks) : p.cap_blocks;
 }
 
 // The workspace: b_ij (r >= 3), c_ij (generic kernels), the partial sums of s_j,
@@ -566,7 +576,7 @@ template <typename T>
 std::size_t CapsuleRoutingWorkspaceBytes(const CapsuleDims& d, int iterations, GpuAlgo algo) {
   const RoutePlan p = RoutingPlan<T>(d);
   const bool tiled = algo == GpuAlgo::kAuto && p.tiled;
-  return RouteLayout<T>(d, iterations, tiled, tiled ? p.cap_blocks : 1, nullptr).bytes;
+  return RouteLayout<T>(d, iterations, tiled, RouteChunks(p, tiled), nullptr).bytes;
 }
 
 template <typename T>
@@ -589,9 +599,20 @@ int LaunchCapsuleRoutingForward(const T* u, const T* W, T* s_j, T* c_ij, void* w
   }
   const RoutePlan p = RoutingPlan<T>(d);
   const bool tiled = algo == GpuAlgo::kAuto && p.tiled;
-  const int64 chunks = tiled ? p.cap_blocks : 1;
-  const RouteWorkspace<T> ws = RouteLayout<T>(d, iterations, tiled, chunks, workspace);
+  const RouteWorkspace<T> ws = RouteLayout<T>(d, iterations, tiled, RouteChunks(p, tiled), workspace);
   if (workspace == nullptr || workspace_bytes < ws.bytes) return cudaErrorInvalidValue;
+  // The tensor-core kernel loads W in 16-byte and u in 4-byte pieces.
+  const bool mma = tiled && p.mma.ok && reinterpret_cast<std::uintptr_t>(W) % 16 == 0 &&
+                   reinterpret_cast<std::uintptr_t>(u) % 4 == 0;
+  const int64 chunks = !tiled ? 1 : (mma ? p.mma.cap_blocks : p.cap_blocks);
+  if (mma) {
+    if constexpr (kHasMma<T>) {
+      const cudaError_t err = cudaFuncSetAttribute(RoutingIterationMmaKernel<T>,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   static_cast<int>(p.mma.smem));
+      if (err != cudaSuccess) return err;
+    }
+  }
   int dpow = 1;
   while (dpow < d.out_dim && dpow < 32) dpow *= 2;
   const int64 reduce_warps = d.batch * d.out_caps;
@@ -603,8 +624,16 @@ int LaunchCapsuleRoutingForward(const T* u, const T* W, T* s_j, T* c_ij, void* w
     const bool read_b = t >= 2;            // b_ij = sum of the earlier agreements
     const bool write_b = t >= 1 && !last;  // ... needed by the next iteration
     T* c_out = last ? c_ij : nullptr;
-    cudaError_t err;
-    if (tiled) {
+    cudaError_t err = cudaSuccess;
+    if (mma) {
+      if constexpr (kHasMma<T>) {
+        err = Launch(RoutingIterationMmaKernel<T>,
+                     dim3(static_cast<unsigned>(p.mma.cap_blocks), static_cast<unsigned>(p.mma.tiles)),
+                     dim3(kMmaThreads), p.mma.smem, stream, u, W, v, ws.b_ij, c_out, ws.partials,
+                     d.batch, d.in_caps, static_cast<int>(d.out_caps), p.mma.cpb, read_b ? 1 : 0,
+                     write_b ? 1 : 0);
+      }
+    } else if (tiled) {
       err = DispatchVecK(p.vec, p.kmax, [&](auto vec, auto kmax) {
         return LaunchRoutingIteration<T, decltype(vec)::value, decltype(kmax)::value>(
             u, W, v, ws.b_ij, c_out, ws.partials, d, p, read_b, write_b, stream);
@@ -639,6 +668,20 @@ int LaunchCapsuleRoutingGrad(const T* c_ij, const T* grad_s, const T* u, const T
                              T* grad_u, T* grad_W, void* workspace,
                              std::size_t workspace_bytes, const CapsuleDims& d,
                              GpuStream stream, GpuAlgo algo) {
+  if constexpr (kHasMma<T>) {
+    // Tensor cores where the shape and the pointers allow (16-byte g and W rows,
+    // 4-byte pairs of u, grad_u and grad_W).
+    const MmaGradPlan mp = RoutingMmaGradPlan<T>(d);
+    auto aligned = [](const void* p, std::uintptr_t n) {
+      return reinterpret_cast<std::uintptr_t>(p) % n == 0;
+    };
+    if (algo == GpuAlgo::kAuto && mp.ok && aligned(W, 16) && aligned(grad_s, 16) && aligned(u, 4) &&
+        aligned(grad_u, 4) && aligned(grad_W, 4)) {
+      return Launch(RoutingGradMmaKernel<T>, dim3(static_cast<unsigned>(mp.blocks)), dim3(kMmaThreads),
+                    mp.smem, stream, c_ij, grad_s, u, W, grad_u, grad_W, d.batch, d.in_caps,
+                    static_cast<int>(d.out_caps), mp.g_stride);
+    }
+  }
   const GradFromCoupling<T> src{c_ij, grad_s, d.in_caps, d.out_caps, d.out_dim, d.rows_per_cap()};
   return LaunchGradFrom(src, u, W, grad_u, grad_W, workspace, workspace_bytes, d, stream, algo);
 }

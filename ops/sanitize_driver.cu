@@ -485,6 +485,8 @@ int RunChecks() {
       {{2, 4, 3, 3, 11}, 3},     // in_dim padded 11 -> 16
       {{70, 2, 10, 16, 8}, 3},   // two batch stages, b_ij stored and read back
       {{3, 2000, 10, 16, 8}, 3}, // 2 sub-chunks per block, the last one short
+      {{33, 37, 7, 16, 8}, 3},   // 16-bit: tensor cores, partial tiles, odd capsules, J < 10
+      {{17, 1, 10, 16, 8}, 4},   // 16-bit: one capsule (a pair's second is padding), r = 4
       {{9, 6, 33, 2, 4}, 4},     // many output capsules, 4 iterations
       {{3, 2, 2, 4, 17}, 2},     // in_dim > 16: generic kernels
       {{2, 1, 5, 820, 4}, 2},    // J*D too wide for a block: generic kernels

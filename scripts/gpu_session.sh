@@ -4,7 +4,7 @@
 # (or ./gpu-out) as logs; the last lines printed are the summaries.
 #   carry: .gpukit/gpukit.sh .gpukit/MANIFEST capsnet/lib build .gpudata
 #   command: bash scripts/gpu_session.sh [verify|bench|train|all|scale|precision|profile|xla|xla-profile|guard|sweep|
-#                                         full_mnist|fast_grid|fast_time|crop|runs|conv|blocks|final|ab|memory|cmdbuf|step_dump|ncu_routing|max_batch]   (scale, sweep: on nvidia-h200-x2, not in all)
+#                                         full_mnist|fast_grid|fast_time|crop|runs|conv|blocks|final|ab|memory|cmdbuf|step_dump|ncu_routing|max_batch|kernels]   (scale, sweep: on nvidia-h200-x2, not in all)
 set -uo pipefail
 what="${1:-all}"
 out="${OUT:-gpu-out}"; mkdir -p "$out"
@@ -140,21 +140,25 @@ if [[ $what == blocks ]]; then
 fi
 if [[ $what == ab ]]; then
   # Two code trees taking turns per variant: $AB_OLD (an earlier commit's capsnet/, scripts/,
-  # configs/, train.py, unpacked there; the same op library) and this one; then each tree's
+  # configs/, train.py, unpacked there; or . for this tree) and this one; then each tree's
   # profile of the bfloat16 jit step at batch 512 (per-kernel GPU time: less noisy than images/s
-  # between processes).
+  # between processes). The old tree loads $AB_OLD_LIB (an earlier build of the op library,
+  # carried) if given, else the same library.
   lib="$PWD/capsnet/lib/_capsnet_ops.so"
+  old_lib="$PWD/${AB_OLD_LIB:-capsnet/lib/_capsnet_ops.so}"
   for variant in ${AB_VARIANTS:-op+fused+jit matmul+jit}; do
     for tree in old new; do
       dir=$([[ $tree == old ]] && echo "${AB_OLD:-ab_old}" || echo .)
-      (cd "$dir" && CAPSNET_OP_LIBRARY="$lib" python3 scripts/benchmark_train.py --precision mixed_bfloat16,float32 \
+      tree_lib=$([[ $tree == old ]] && echo "$old_lib" || echo "$lib")
+      (cd "$dir" && CAPSNET_OP_LIBRARY="$tree_lib" python3 scripts/benchmark_train.py --precision ${AB_PRECISIONS:-mixed_bfloat16,float32} \
         --steps-per-execution 50 --repeats 3 --variants "$variant" --timeout 300 --json "$OLDPWD/$out/ab_${tree}_$variant.json") \
         2>&1 | tee "$out/ab_${tree}_$variant.log" | grep "^|" | sed "s/^/$tree /"
     done
   done
   for tree in $([[ ${AB_PROFILE:-1} == 1 ]] && echo old new); do
     dir=$([[ $tree == old ]] && echo "${AB_OLD:-ab_old}" || echo .)
-    (cd "$dir" && CAPSNET_OP_LIBRARY="$lib" python3 scripts/profile_train.py --variant op+fused+jit \
+    tree_lib=$([[ $tree == old ]] && echo "$old_lib" || echo "$lib")
+    (cd "$dir" && CAPSNET_OP_LIBRARY="$tree_lib" python3 scripts/profile_train.py --variant op+fused+jit \
       --precision mixed_bfloat16 --batch-size 512) 2>&1 | tee "$out/ab_profile_$tree.log" | tail -22 | sed "s/^/$tree /"
   done
 fi
@@ -192,6 +196,22 @@ if [[ $what == step_dump ]]; then
     --precision ${DUMP_PRECISION:-float32} --batch-size ${DUMP_BATCH:-512} --top 30 > "$out/step_dump_report.md" 2>&1
   head -12 "$out/step_dump_report.md"
   tar czf "$out/step_dump.tgz" -C "$dump" $(cd "$dump" && ls | grep train_step | grep -E "after_optimizations.txt|buffer-assignment.txt")
+fi
+if [[ $what == kernels ]]; then
+  # A kernel change checked on the GPU: the driver's checks against its host reference, the
+  # same under compute-sanitizer (memcheck, racecheck, synccheck), the TensorFlow op tests on
+  # /GPU:0, and the fused routing timed alone (build/sanitize_driver: python
+  # scripts/build_ops.py --driver-only; carry build/sanitize_driver).
+  build/sanitize_driver > "$out/driver_checks.txt" 2>&1; echo "driver exit $?"; tail -1 "$out/driver_checks.txt"
+  grep FAIL "$out/driver_checks.txt" | head -20
+  for tool in memcheck racecheck synccheck; do
+    compute-sanitizer --tool $tool --error-exitcode 3 build/sanitize_driver > "$out/sanitize_$tool.txt" 2>&1
+    echo "compute-sanitizer $tool exit $?: $(tail -1 "$out/sanitize_$tool.txt")"
+  done
+  python3 -m pytest -q -p no:cacheprovider tests/test_routing_op.py tests/test_ops.py 2>&1 | tee "$out/pytest_gpu.log" | tail -5
+  for shape in paper batch512; do
+    build/sanitize_driver --bench --routing --shape $shape | tee -a "$out/routing_bench.txt" | grep "^| $shape"
+  done
 fi
 if [[ $what == ncu_routing ]]; then
   # Nsight Compute on the fused routing op's kernels at batch 512, float and bfloat16

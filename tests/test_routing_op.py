@@ -254,6 +254,44 @@ def test_gpu_paper_shape_matches_unfused_path(no_tf32, batch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU visible to TensorFlow")
+@pytest.mark.parametrize("dtype", [tf.bfloat16, tf.float16])
+@pytest.mark.parametrize("batch", [100, 512])
+def test_gpu_16bit_tensor_cores_keep_float32_sums(dtype, batch):
+    """At the paper shape the 16-bit op runs on tensor cores (ops/routing_mma.cuh), with
+    v_j and c_ij u split into two 16-bit parts so that its sums stay float32-accurate.
+    Against the float32 op on the same 16-bit values (CUDA cores, float32 sums), forward
+    and gradient kernels, its outputs must be that op's results rounded once: equal bits
+    but for the few near a rounding boundary, never more than one unit apart. Sums of
+    16-bit products without the split would differ in a large share of the elements.
+    (The gradient op is called with the same c_ij in both: the op's own gradient feeds
+    it the forward's c_ij output, which is rounded to 16 bits.)"""
+    shape = (batch, 1152, 10, 16, 8)
+    u, W = inputs(shape, np.float32, seed=11)
+    W *= 0.3
+    u16, W16 = tf.cast(u, dtype), tf.cast(W, dtype)
+    grad_s16 = tf.cast(np.random.default_rng(12).standard_normal((batch, 10, 16)), dtype)
+    lib = ops.load_op_library()
+    f32 = lambda x: tf.cast(x, tf.float32)
+    with tf.device("/GPU:0"):
+        s16, c16 = ops.capsule_routing(u16, W16, 3)
+        s32, c32 = ops.capsule_routing(f32(u16), f32(W16), 3)
+        gu16, gw16 = lib.capsnet_capsule_routing_grad(u=u16, weights=W16, c_ij=c16, grad_s=grad_s16)
+        gu32, gw32 = lib.capsnet_capsule_routing_grad(u=f32(u16), weights=f32(W16), c_ij=f32(c16),
+                                                      grad_s=f32(grad_s16))
+    on_device("gpu", s16, c16, gu16, gw16)
+    unit = 2.0 ** (-7 if dtype == tf.bfloat16 else -10)  # one unit in the last place, relative
+    for name, a, b in (("s_j", s16, s32), ("c_ij", c16, c32), ("grad_u", gu16, gu32), ("grad_W", gw16, gw32)):
+        assert a.dtype == dtype, name
+        scale = float(tf.reduce_max(tf.abs(b)))
+        a = tf.cast(a, tf.float64).numpy()
+        b = tf.cast(tf.cast(b, dtype), tf.float64).numpy()  # the float32 result rounded once
+        np.testing.assert_allclose(a, b, rtol=unit, atol=unit * 1e-3 * scale, err_msg=name)
+        differ = np.mean(a != b)
+        assert differ < 0.02, f"{name}: {differ:.1%} of the elements differ from the rounded float32 result"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no GPU visible to TensorFlow")
 @pytest.mark.parametrize("shape", SHAPES + [(2, 1, 5, 820, 4), (3, 2000, 10, 16, 8), (129, 1152, 10, 16, 8)])
 def test_gpu_matches_cpu_op(no_tf32, shape):
     """The CUDA kernels against the C++ ones, forward and gradient, float64 (so any
