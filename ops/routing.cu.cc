@@ -12,7 +12,9 @@
 // H200 does per byte of HBM. So no u_hat ever goes to memory: every iteration
 // recomputes it from u and W in registers.
 //
-// One iteration t = one RoutingIterationKernel + one RoutingReduceKernel.
+// One iteration t = one RoutingIterationKernel + one RoutingReduceKernel. For
+// 16-bit u and W at the paper's dims the iteration kernel and the gradient are
+// the tensor-core ones of routing_mma.cuh (same workspace, same reduce kernel).
 // - Grid (cap_blocks, batch_blocks). A block owns a range of input capsules
 //   (`subs` sub-chunks of `ic` capsules) and strides over batch stages of
 //   `stage` samples. Thread (g, q) owns `vec` rows r = q*vec .. q*vec+vec-1 of a
