@@ -609,6 +609,8 @@ int LaunchCapsuleRoutingForward(const T* u, const T* W, T* s_j, T* c_ij, void* w
   const int64 chunks = !tiled ? 1 : (mma ? p.mma.cap_blocks : p.cap_blocks);
   if (mma) {
     if constexpr (kHasMma<T>) {
+      // Its shared memory (51 KB at J = 10) is above the 48 KB a launch gets without
+      // opting in; set on every call, as the device may differ between calls.
       const cudaError_t err = cudaFuncSetAttribute(RoutingIterationMmaKernel<T>,
                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                    static_cast<int>(p.mma.smem));

@@ -1,7 +1,8 @@
-// One routing iteration on tensor cores, for 16-bit u and W (half, bfloat16) at
+// The fused routing on tensor cores, for 16-bit u and W (half, bfloat16) at
 // in_dim 8, out_dim 16 and up to 10 output capsules (the paper's DigitCaps and
-// MultiMNIST's). Included by routing.cu.cc, which plans and launches it; the
-// CUDA-core RoutingIterationKernel there stays the path of every other shape.
+// MultiMNIST's): one routing iteration, and the gradient further below.
+// Included by routing.cu.cc, which plans and launches them; its CUDA-core
+// kernels stay the path of every other shape and type.
 //
 // Why: at 25% occupancy the CUDA-core kernel waits on latency (Nsight Compute,
 // docs/benchmarks.md, thirteenth session), and in bfloat16 its three iterations
@@ -18,17 +19,20 @@
 // Float32 sums: v and c u are float32 values that the mma takes as 16-bit
 // operands, so each is split into hi = round16(x) and lo = round16(x - hi) and
 // both are multiplied (two mmas, float32 accumulation): the error is that of
-// the lo rounding, ~2^-17 relative in bfloat16 (2^-22 in half), below the
-// float32 sums of the CUDA-core kernel's tolerance. u and W are exact operands.
+// the lo rounding, at most 2^-16 relative in bfloat16 (2^-22 in half), within
+// the tolerance of the CUDA-core kernel's float32 sums (the driver's checks).
+// u, W and grad_s are exact operands.
 //
 // Layout: a block of kMmaWarps warps owns a 16-sample tile (grid.y) and a
 // range of capsule pairs (grid.x), split evenly over its warps. Each warp
 // stages its next pair's W (2 x J x D rows of 8 values, 16 bytes each) in
 // shared memory with cp.async while it works on the current one, and reads the
 // mma's B fragments with ldmatrix (transposed for T). v's A fragments (hi and
-// lo) are built once per block in shared memory. A quad of lanes holds the
-// same rows, so the four lanes compute the same logits and softmax (each
-// stores a quarter of the b_ij / c_ij entries). At the end the warps' s_j
+// lo) are built once per block in shared memory. The mma fragments spread each
+// sample's values over a quad of lanes, and a quad holds two samples of two
+// capsules: each lane routes one of those four (its logits summed over the quad
+// by a reduce-scatter, its softmax, b_ij and c_ij), and shuffles hand the c_ij
+// back to the quad for the s_j products. At the end the warps' s_j
 // fragments are summed in warp order (deterministic) into the block's partial
 // sums, which RoutingReduceKernel adds over the blocks as for the other kernel.
 #ifndef CAPSNET_OPS_ROUTING_MMA_CUH_
