@@ -51,59 +51,52 @@ constexpr int kMmaDim = 16;   // out_dim
 constexpr int kMmaK = 8;      // in_dim
 constexpr int kMmaRows = 16;  // samples per tile (the mma's m)
 
-// The mma's operand type for a storage type: packing two floats into one
-// 32-bit register (the lower column in the low half), the hi/lo split, the
-// unpacking of two stored values, and the mma itself.
+// Two 16-bit values of a storage type in one 32-bit register (the lower column in
+// the low half), as CUDA's paired type: rounding two floats into it and back.
 template <typename T>
-struct MmaOps;
-
+struct Pair16;
 template <>
-struct MmaOps<bfloat16_t> {
-  static __device__ __forceinline__ uint32_t Bits(__nv_bfloat162 h) {
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-  static __device__ __forceinline__ void Split(float a, float b, uint32_t& hi, uint32_t& lo) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    const float2 f = __bfloat1622float2(h);
-    hi = Bits(h);
-    lo = Bits(__floats2bfloat162_rn(a - f.x, b - f.y));
-  }
-  static __device__ __forceinline__ uint32_t Pack(float a, float b) {
-    return Bits(__floats2bfloat162_rn(a, b));
-  }
-  static __device__ __forceinline__ float2 Unpack(uint32_t x) {
-    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&x));
-  }
-  static __device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                             uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
+struct Pair16<bfloat16_t> {
+  using V = __nv_bfloat162;
+  static __device__ __forceinline__ V From(float a, float b) { return __floats2bfloat162_rn(a, b); }
+  static __device__ __forceinline__ float2 To(V v) { return __bfloat1622float2(v); }
+};
+template <>
+struct Pair16<half_t> {
+  using V = __half2;
+  static __device__ __forceinline__ V From(float a, float b) { return __floats2half2_rn(a, b); }
+  static __device__ __forceinline__ float2 To(V v) { return __half22float2(v); }
 };
 
-template <>
-struct MmaOps<half_t> {
-  static __device__ __forceinline__ uint32_t Bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+// What the kernels do with mma operands of a storage type: pack two floats, split
+// them into hi and lo, unpack two stored values, and the mma itself.
+template <typename T>
+struct MmaOps {
+  using P = Pair16<T>;
+  using V = typename P::V;
+  static __device__ __forceinline__ uint32_t Bits(V h) { return *reinterpret_cast<uint32_t*>(&h); }
+  static __device__ __forceinline__ uint32_t Pack(float a, float b) { return Bits(P::From(a, b)); }
   static __device__ __forceinline__ void Split(float a, float b, uint32_t& hi, uint32_t& lo) {
-    const __half2 h = __floats2half2_rn(a, b);
-    const float2 f = __half22float2(h);
+    const V h = P::From(a, b);
+    const float2 f = P::To(h);
     hi = Bits(h);
-    lo = Bits(__floats2half2_rn(a - f.x, b - f.y));
+    lo = Bits(P::From(a - f.x, b - f.y));
   }
-  static __device__ __forceinline__ uint32_t Pack(float a, float b) { return Bits(__floats2half2_rn(a, b)); }
-  static __device__ __forceinline__ float2 Unpack(uint32_t x) {
-    return __half22float2(*reinterpret_cast<__half2*>(&x));
-  }
+  static __device__ __forceinline__ float2 Unpack(uint32_t x) { return P::To(*reinterpret_cast<V*>(&x)); }
+  // c (16 x 8, float) += a (16 x 16, row-major) . b (16 x 8, column-major).
   static __device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                              uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#define CAPSNET_MMA(TYPE)                                                                   \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE                       \
+               ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"              \
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                             \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+    if constexpr (std::is_same<T, bfloat16_t>::value) {
+      CAPSNET_MMA("bf16");
+    } else {
+      CAPSNET_MMA("f16");
+    }
+#undef CAPSNET_MMA
   }
 };
 
