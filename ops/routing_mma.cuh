@@ -132,6 +132,13 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// The shapes and types the tensor-core kernels take (non-empty, too).
+template <typename T>
+bool MmaShape(const CapsuleDims& d) {
+  return kHasMma<T> && d.in_dim == kMmaK && d.out_dim == kMmaDim && d.out_caps >= 1 &&
+         d.out_caps <= kMmaJMax && d.in_caps >= 1 && d.batch >= 1;
+}
+
 // The launch plan (a function of the shape only). ok = false: use the CUDA-core kernel.
 struct MmaPlan {
   bool ok = false;
@@ -144,10 +151,7 @@ struct MmaPlan {
 template <typename T>
 MmaPlan RoutingMmaPlan(const CapsuleDims& d, int64 target_blocks) {
   MmaPlan p;
-  if (!kHasMma<T> || d.in_dim != kMmaK || d.out_dim != kMmaDim || d.out_caps < 1 ||
-      d.out_caps > kMmaJMax || d.in_caps < 1 || d.batch < 1) {
-    return p;
-  }
+  if (!MmaShape<T>(d)) return p;
   p.tiles = CeilDiv(d.batch, kMmaRows);
   if (p.tiles > 65535) return p;
   const int64 pairs = CeilDiv(d.in_caps, 2);
@@ -442,10 +446,7 @@ struct MmaGradPlan {
 template <typename T>
 MmaGradPlan RoutingMmaGradPlan(const CapsuleDims& d) {
   MmaGradPlan p;
-  if (!kHasMma<T> || d.in_dim != kMmaK || d.out_dim != kMmaDim || d.out_caps < 1 ||
-      d.out_caps > kMmaJMax || d.in_caps < 1 || d.batch < 1) {
-    return p;
-  }
+  if (!MmaShape<T>(d)) return p;
   const int64 JD = d.out_caps * kMmaDim;
   p.g_stride = static_cast<int>(JD * 2 + 16);
   p.blocks = CeilDiv(d.in_caps, kMmaWarps);
