@@ -603,9 +603,7 @@ int LaunchCapsuleRoutingForward(const T* u, const T* W, T* s_j, T* c_ij, void* w
   const bool tiled = algo == GpuAlgo::kAuto && p.tiled;
   const RouteWorkspace<T> ws = RouteLayout<T>(d, iterations, tiled, RouteChunks(p, tiled), workspace);
   if (workspace == nullptr || workspace_bytes < ws.bytes) return cudaErrorInvalidValue;
-  // The tensor-core kernel loads W in 16-byte and u in 4-byte pieces.
-  const bool mma = tiled && p.mma.ok && reinterpret_cast<std::uintptr_t>(W) % 16 == 0 &&
-                   reinterpret_cast<std::uintptr_t>(u) % 4 == 0;
+  const bool mma = tiled && p.mma.ok && Aligned(W, 16) && Aligned(u, 4);
   const int64 chunks = !tiled ? 1 : (mma ? p.mma.cap_blocks : p.cap_blocks);
   if (mma) {
     if constexpr (kHasMma<T>) {
@@ -673,14 +671,10 @@ int LaunchCapsuleRoutingGrad(const T* c_ij, const T* grad_s, const T* u, const T
                              std::size_t workspace_bytes, const CapsuleDims& d,
                              GpuStream stream, GpuAlgo algo) {
   if constexpr (kHasMma<T>) {
-    // Tensor cores where the shape and the pointers allow (16-byte g and W rows,
-    // 4-byte pairs of u, grad_u and grad_W).
+    // Tensor cores where the shape and the pointers allow.
     const MmaGradPlan mp = RoutingMmaGradPlan<T>(d);
-    auto aligned = [](const void* p, std::uintptr_t n) {
-      return reinterpret_cast<std::uintptr_t>(p) % n == 0;
-    };
-    if (algo == GpuAlgo::kAuto && mp.ok && aligned(W, 16) && aligned(grad_s, 16) && aligned(u, 4) &&
-        aligned(grad_u, 4) && aligned(grad_W, 4)) {
+    if (algo == GpuAlgo::kAuto && mp.ok && Aligned(W, 16) && Aligned(grad_s, 16) && Aligned(u, 4) &&
+        Aligned(grad_u, 4) && Aligned(grad_W, 4)) {
       return Launch(RoutingGradMmaKernel<T>, dim3(static_cast<unsigned>(mp.blocks)), dim3(kMmaThreads),
                     mp.smem, stream, c_ij, grad_s, u, W, grad_u, grad_W, d.batch, d.in_caps,
                     static_cast<int>(d.out_caps), mp.g_stride);

@@ -132,6 +132,10 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Whether p is a multiple of n bytes: the kernels load W and grad_s rows in 16-byte
+// and u in 4-byte pieces, and store grad_u and grad_W in 4-byte pairs.
+inline bool Aligned(const void* p, std::uintptr_t n) { return reinterpret_cast<std::uintptr_t>(p) % n == 0; }
+
 // The shapes and types the tensor-core kernels take (non-empty, too).
 template <typename T>
 bool MmaShape(const CapsuleDims& d) {
