@@ -280,6 +280,8 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
   const int my_rr = t & 1;
   const int64 my_row = b0 + g + 8 * my_rr;
   const int quad = lane & ~3;
+  const int m8 = lane >> 3;  // the 8x8 matrix whose row this lane addresses in an ldmatrix
+  const int r8 = lane & 7;
 
   uint32_t u_next[2][2] = {{0, 0}, {0, 0}};
   if (p_begin < p_end) {
@@ -319,9 +321,8 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
       float z = 0.0f;
       if (v != nullptr) {
         // B fragments of W_ij^T for both capsules: matrices (c, d 0-7), (c, d 8-15).
-        const int m = lane >> 3;
         uint32_t bt[4];
-        LdMatrixX4Trans(bt, wb + ((((m >> 1) * J + j) * D + (m & 1) * 8 + (lane & 7)) * 16));
+        LdMatrixX4Trans(bt, wb + ((((m8 >> 1) * J + j) * D + (m8 & 1) * 8 + r8) * 16));
         const uint4 vh = vfrag[(j * 2) * 32 + lane];
         const uint4 vl = vfrag[(j * 2 + 1) * 32 + lane];
         const uint32_t ah[4] = {vh.x, vh.y, vh.z, vh.w};
@@ -338,13 +339,13 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
           }
         }
         // Reduce-scatter over the quad: lane t ends with the sum of entry t.
-        const bool b0 = t & 1;
-        const float keep0 = b0 ? x[1] : x[0], send0 = b0 ? x[0] : x[1];
-        const float keep1 = b0 ? x[3] : x[2], send1 = b0 ? x[2] : x[3];
-        const float y0 = keep0 + __shfl_xor_sync(0xffffffffu, send0, 1);  // entry b0
-        const float y1 = keep1 + __shfl_xor_sync(0xffffffffu, send1, 1);  // entry 2 + b0
-        const bool b1 = t & 2;
-        z = (b1 ? y1 : y0) + __shfl_xor_sync(0xffffffffu, b1 ? y0 : y1, 2);
+        const bool t0 = t & 1;
+        const float keep0 = t0 ? x[1] : x[0], send0 = t0 ? x[0] : x[1];
+        const float keep1 = t0 ? x[3] : x[2], send1 = t0 ? x[2] : x[3];
+        const float y0 = keep0 + __shfl_xor_sync(0xffffffffu, send0, 1);  // entry t0
+        const float y1 = keep1 + __shfl_xor_sync(0xffffffffu, send1, 1);  // entry 2 + t0
+        const bool t1 = t & 2;
+        z = (t1 ? y1 : y0) + __shfl_xor_sync(0xffffffffu, t1 ? y0 : y1, 2);
       }
       logit[j] = (read_b && my_ok ? b_ij[my_at + j] : 0.0f) + z;
     }
@@ -377,9 +378,8 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
     for (int j = 0; j < JM; ++j) {
       if (j >= J) break;
       // B fragments: matrices (capsule 0, d 0-7), (capsule 1, d 0-7), (0, d 8-15), (1, d 8-15).
-      const int m4 = lane >> 3;
       uint32_t bw[4];
-      LdMatrixX4(bw, wb + ((((m4 & 1) * J + j) * D + (m4 >> 1) * 8 + (lane & 7)) * 16));
+      LdMatrixX4(bw, wb + ((((m8 & 1) * J + j) * D + (m8 >> 1) * 8 + r8) * 16));
       uint32_t ah[4], al[4];
       // A[m][c * 8 + k] = c_ij[row m, capsule c, j] u[row m, capsule c, k]; c_ij of
       // (capsule c, row rr) is held by quad lane 2c + rr.
