@@ -85,8 +85,25 @@ struct CapsuleDims {
 // Which kernels to use: kAuto picks the tiled register kernels when the shape
 // allows (in_dim <= 16 and out_caps * out_dim / vector width within one block:
 // 256 or 512 threads) and the simple one-thread-per-output kernels otherwise;
-// kGeneric forces the latter (the sanitizer driver tests both).
-enum class GpuAlgo { kAuto = 0, kGeneric = 1 };
+// kGeneric forces the latter (the sanitizer driver tests both). kCudaCores is
+// kAuto without the fused routing's tensor-core kernels: for float32 those take
+// W (and grad_s) as two bfloat16 parts, within 2^-16 of the float32 values,
+// so the TensorFlow glue picks them only while TensorFloat-32 execution is on
+// (TensorFlow's switch for its own float32 matmuls and convolutions, on by
+// default, which round to 2^-11); 16-bit types lose nothing on them. The
+// workspace sizes are the same for kAuto and kCudaCores.
+enum class GpuAlgo { kAuto = 0, kGeneric = 1, kCudaCores = 2 };
+
+// The tiled kernels (kAuto or kCudaCores), as opposed to the generic ones.
+inline bool Tiled(GpuAlgo algo) { return algo != GpuAlgo::kGeneric; }
+
+// The routing launchers' algo on TensorFlow's side (the OpKernels and the XLA
+// handlers), given tensorflow's tensor_float_32_execution_enabled(): kCudaCores
+// for float32 while TensorFloat-32 is off, kAuto otherwise.
+template <typename T>
+GpuAlgo RoutingAlgo(bool tensor_float_32) {
+  return std::is_same<T, float>::value && !tensor_float_32 ? GpuAlgo::kCudaCores : GpuAlgo::kAuto;
+}
 
 template <typename T>
 int LaunchCapsulePredictionForward(const T* u, const T* W, T* u_hat,

@@ -194,7 +194,7 @@ int LaunchCapsulePredictionForward(const T* u, const T* W, T* u_hat,
     return cudaMemsetAsync(u_hat, 0, n * sizeof(T), stream);
   }
   const Plan p = ForwardPlan<T>(d);
-  if (algo == GpuAlgo::kAuto && p.tiled) {
+  if (Tiled(algo) && p.tiled) {
     return DispatchVecK(p, [&](auto vec, auto kmax) {
       return LaunchForwardTiled<T, decltype(vec)::value, decltype(kmax)::value>(
           u, W, u_hat, d, p, stream);

@@ -272,7 +272,7 @@ cudaError_t LaunchGradTiled(const Src& src, const T* u, const T* W, T* grad_u,
 
 template <typename T>
 std::size_t GradWorkspaceBytes(const CapsuleDims& d, GpuAlgo algo, int64 vec_unit) {
-  if (algo != GpuAlgo::kAuto || d.u_hat_size() == 0 || d.in_dim == 0) return 0;
+  if (!Tiled(algo) || d.u_hat_size() == 0 || d.in_dim == 0) return 0;
   const Plan p = GradPlan<T>(d, vec_unit);
   if (!p.tiled || p.chunks <= 1) return 0;
   return static_cast<std::size_t>(p.chunks * d.w_size()) * sizeof(Acc<T>);
@@ -296,7 +296,7 @@ cudaError_t LaunchGradFrom(const Src& src, const T* u, const T* W, T* grad_u, T*
     return err;
   }
   const Plan p = GradPlan<T>(d, Src::VecUnit(d));
-  if (algo == GpuAlgo::kAuto && p.tiled) {
+  if (Tiled(algo) && p.tiled) {
     Acc<T>* partials = nullptr;
     if (p.chunks > 1) {
       if (workspace == nullptr ||

@@ -15,6 +15,7 @@
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
 #include "tensorflow/core/util/work_sharder.h"
+#include "tsl/platform/tensor_float_32_utils.h"
 #include "tf_glue.h"
 
 // ============================================================================
@@ -391,12 +392,13 @@ struct RoutingFunctor<GPUDevice, T> {
   absl::Status operator()(OpKernelContext* ctx, const CapsuleDims& d, int iterations,
                           const Tensor& u, const Tensor& w, Tensor* s_j, Tensor* c_ij) const {
     using G = typename GpuType<T>::type;
-    const std::size_t ws_bytes = capsnet::CapsuleRoutingWorkspaceBytes<G>(d, iterations);
+    const capsnet::GpuAlgo algo = capsnet::RoutingAlgo<G>(tsl::tensor_float_32_execution_enabled());
+    const std::size_t ws_bytes = capsnet::CapsuleRoutingWorkspaceBytes<G>(d, iterations, algo);
     return LaunchOnOpStream(ctx, ws_bytes, "routing", kRoutingOp,
                             [&](void* ws, capsnet::GpuStream stream) {
                               return capsnet::LaunchCapsuleRoutingForward(
                                   DevPtr<T>(u), DevPtr<T>(w), DevPtr<T>(s_j), DevPtr<T>(c_ij),
-                                  ws, ws_bytes, d, iterations, stream);
+                                  ws, ws_bytes, d, iterations, stream, algo);
                             });
   }
 };
@@ -407,12 +409,14 @@ struct RoutingGradFunctor<GPUDevice, T> {
                           const Tensor& w, const Tensor& c_ij, const Tensor& grad_s,
                           Tensor* grad_u, Tensor* grad_w) const {
     using G = typename GpuType<T>::type;
-    const std::size_t ws_bytes = capsnet::CapsuleRoutingGradWorkspaceBytes<G>(d);
+    const capsnet::GpuAlgo algo = capsnet::RoutingAlgo<G>(tsl::tensor_float_32_execution_enabled());
+    const std::size_t ws_bytes = capsnet::CapsuleRoutingGradWorkspaceBytes<G>(d, algo);
     return LaunchOnOpStream(ctx, ws_bytes, "routing gradient", kRoutingOp,
                             [&](void* ws, capsnet::GpuStream stream) {
                               return capsnet::LaunchCapsuleRoutingGrad(
                                   DevPtr<T>(c_ij), DevPtr<T>(grad_s), DevPtr<T>(u), DevPtr<T>(w),
-                                  DevPtr<T>(grad_u), DevPtr<T>(grad_w), ws, ws_bytes, d, stream);
+                                  DevPtr<T>(grad_u), DevPtr<T>(grad_w), ws, ws_bytes, d, stream,
+                                  algo);
                             });
   }
 };

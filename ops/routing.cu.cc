@@ -134,7 +134,7 @@ RoutePlan RoutingPlan(const CapsuleDims& d) {
   const int64 want = std::min(subs_total, std::max<int64>(1, CeilDiv(target_blocks, p.batch_blocks)));
   p.subs = CeilDiv(subs_total, want);
   p.cap_blocks = CeilDiv(subs_total, p.subs);  // every block has >= 1 capsule
-  p.mma = RoutingMmaPlan<T>(d, kRouteSms * kMmaBlocksPerSm);
+  p.mma = RoutingMmaPlan<T>(d, kRouteSms);
   return p;
 }
 
@@ -146,37 +146,51 @@ int64 RouteChunks(const RoutePlan& p, bool tiled) {
 }
 
 // The workspace: b_ij (r >= 3), c_ij (generic kernels), the partial sums of s_j,
-// v_j (r >= 2), each in Acc<T> and 256-byte aligned. With base == nullptr only
-// `bytes` is meaningful.
+// v_j (r >= 2), each in Acc<T>, and W's split parts for the float32 tensor-core
+// kernels, each 256-byte aligned. With base == nullptr only `bytes` is meaningful.
 template <typename T>
 struct RouteWorkspace {
+  using S = typename MmaIo<T>::S;
   Acc<T>* b_ij = nullptr;
   Acc<T>* c_ij = nullptr;
   Acc<T>* partials = nullptr;
   Acc<T>* v_j = nullptr;
+  S* w_hi = nullptr;
+  S* w_lo = nullptr;
   std::size_t bytes = 0;
 };
+
+// Whether the tensor-core kernels take W split into the workspace (float32 at
+// their shapes), for either tiled algo: kAuto and kCudaCores size the same.
+template <typename T>
+bool SplitsW(const CapsuleDims& d, GpuAlgo algo) {
+  return MmaIo<T>::kSplit && Tiled(algo) && MmaShape<T>(d);
+}
 
 bool RoutingIsEmpty(const CapsuleDims& d) { return d.u_hat_size() == 0 || d.in_dim == 0; }
 
 template <typename T>
-RouteWorkspace<T> RouteLayout(const CapsuleDims& d, int iterations, bool tiled, int64 chunks,
+RouteWorkspace<T> RouteLayout(const CapsuleDims& d, int iterations, GpuAlgo algo, bool tiled, int64 chunks,
                               void* base) {
   RouteWorkspace<T> w;
   if (RoutingIsEmpty(d)) return w;
-  auto carve = [&](int64 count) -> Acc<T>* {
-    if (count <= 0) return nullptr;
+  auto carve = [&](auto type_tag, int64 count) {
+    using E = decltype(type_tag);
+    if (count <= 0) return static_cast<E*>(nullptr);
     const std::size_t offset = w.bytes;
-    w.bytes += (static_cast<std::size_t>(count) * sizeof(Acc<T>) + 255) / 256 * 256;
-    return base == nullptr ? nullptr
-                           : reinterpret_cast<Acc<T>*>(static_cast<unsigned char*>(base) + offset);
+    w.bytes += (static_cast<std::size_t>(count) * sizeof(E) + 255) / 256 * 256;
+    return base == nullptr ? nullptr : reinterpret_cast<E*>(static_cast<unsigned char*>(base) + offset);
   };
   const int64 bij = d.batch * d.in_caps * d.out_caps;
   const int64 sj = d.batch * d.rows_per_cap();
-  w.b_ij = carve(iterations >= 3 ? bij : 0);
-  w.c_ij = carve(tiled ? 0 : bij);
-  w.partials = carve(chunks * sj);
-  w.v_j = carve(iterations >= 2 ? sj : 0);
+  w.b_ij = carve(Acc<T>(), iterations >= 3 ? bij : 0);
+  w.c_ij = carve(Acc<T>(), tiled ? 0 : bij);
+  w.partials = carve(Acc<T>(), chunks * sj);
+  w.v_j = carve(Acc<T>(), iterations >= 2 ? sj : 0);
+  using S = typename MmaIo<T>::S;
+  const int64 split = SplitsW<T>(d, algo) ? d.w_size() : 0;
+  w.w_hi = carve(S(), split);
+  w.w_lo = carve(S(), split);
   return w;
 }
 
@@ -577,8 +591,8 @@ struct GradFromCoupling {
 template <typename T>
 std::size_t CapsuleRoutingWorkspaceBytes(const CapsuleDims& d, int iterations, GpuAlgo algo) {
   const RoutePlan p = RoutingPlan<T>(d);
-  const bool tiled = algo == GpuAlgo::kAuto && p.tiled;
-  return RouteLayout<T>(d, iterations, tiled, RouteChunks(p, tiled), nullptr).bytes;
+  const bool tiled = Tiled(algo) && p.tiled;
+  return RouteLayout<T>(d, iterations, algo, tiled, RouteChunks(p, tiled), nullptr).bytes;
 }
 
 template <typename T>
@@ -600,19 +614,32 @@ int LaunchCapsuleRoutingForward(const T* u, const T* W, T* s_j, T* c_ij, void* w
     return err;
   }
   const RoutePlan p = RoutingPlan<T>(d);
-  const bool tiled = algo == GpuAlgo::kAuto && p.tiled;
-  const RouteWorkspace<T> ws = RouteLayout<T>(d, iterations, tiled, RouteChunks(p, tiled), workspace);
+  const bool tiled = Tiled(algo) && p.tiled;
+  const RouteWorkspace<T> ws = RouteLayout<T>(d, iterations, algo, tiled, RouteChunks(p, tiled), workspace);
   if (workspace == nullptr || workspace_bytes < ws.bytes) return cudaErrorInvalidValue;
-  const bool mma = tiled && p.mma.ok && Aligned(W, 16) && Aligned(u, 4);
+  using S = typename MmaIo<T>::S;
+  const bool mma = tiled && algo == GpuAlgo::kAuto && p.mma.ok && Aligned(u, 2 * sizeof(T)) &&
+                   (MmaIo<T>::kSplit || Aligned(W, 16));
   const int64 chunks = !tiled ? 1 : (mma ? p.mma.cap_blocks : p.cap_blocks);
+  // The tensor-core kernel's W: W itself, or its split parts.
+  const S* w_hi = reinterpret_cast<const S*>(W);
+  const S* w_lo = nullptr;
   if (mma) {
     if constexpr (kHasMma<T>) {
-      // Its shared memory (51 KB at J = 10) is above the 48 KB a launch gets without
-      // opting in; set on every call, as the device may differ between calls.
-      const cudaError_t err = cudaFuncSetAttribute(RoutingIterationMmaKernel<T>,
-                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                   static_cast<int>(p.mma.smem));
+      // Its shared memory (51 KB at J = 10; 92 KB in float32) is above the 48 KB a
+      // launch gets without opting in; set on every call, as the device may differ
+      // between calls.
+      cudaError_t err = cudaFuncSetAttribute(RoutingIterationMmaKernel<T>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(p.mma.smem));
       if (err != cudaSuccess) return err;
+      if constexpr (MmaIo<T>::kSplit) {
+        err = Launch(SplitKernel<S>, GenericGrid(d.w_size()), dim3(kGenericThreads), 0, stream, W,
+                     ws.w_hi, ws.w_lo, d.w_size());
+        if (err != cudaSuccess) return err;
+        w_hi = ws.w_hi;
+        w_lo = ws.w_lo;
+      }
     }
   }
   int dpow = 1;
@@ -631,7 +658,7 @@ int LaunchCapsuleRoutingForward(const T* u, const T* W, T* s_j, T* c_ij, void* w
       if constexpr (kHasMma<T>) {
         err = Launch(RoutingIterationMmaKernel<T>,
                      dim3(static_cast<unsigned>(p.mma.cap_blocks), static_cast<unsigned>(p.mma.tiles)),
-                     dim3(kMmaThreads), p.mma.smem, stream, u, W, v, ws.b_ij, c_out, ws.partials,
+                     dim3(kMmaThreads), p.mma.smem, stream, u, w_hi, w_lo, v, ws.b_ij, c_out, ws.partials,
                      d.batch, d.in_caps, static_cast<int>(d.out_caps), p.mma.cpb, read_b ? 1 : 0,
                      write_b ? 1 : 0);
       }
@@ -660,9 +687,17 @@ int LaunchCapsuleRoutingForward(const T* u, const T* W, T* s_j, T* c_ij, void* w
   return cudaSuccess;
 }
 
+// The gradient's workspace: W's split parts for the float32 tensor-core kernel
+// first (their bytes: SplitBytes), then the CUDA-core kernels' partials.
+template <typename T>
+std::size_t SplitBytes(const CapsuleDims& d, GpuAlgo algo) {
+  if (!SplitsW<T>(d, algo)) return 0;
+  return 2 * ((static_cast<std::size_t>(d.w_size()) * sizeof(typename MmaIo<T>::S) + 255) / 256 * 256);
+}
+
 template <typename T>
 std::size_t CapsuleRoutingGradWorkspaceBytes(const CapsuleDims& d, GpuAlgo algo) {
-  return GradWorkspaceBytes<T>(d, algo, GradFromCoupling<T>::VecUnit(d));
+  return SplitBytes<T>(d, algo) + GradWorkspaceBytes<T>(d, algo, GradFromCoupling<T>::VecUnit(d));
 }
 
 template <typename T>
@@ -670,18 +705,36 @@ int LaunchCapsuleRoutingGrad(const T* c_ij, const T* grad_s, const T* u, const T
                              T* grad_u, T* grad_W, void* workspace,
                              std::size_t workspace_bytes, const CapsuleDims& d,
                              GpuStream stream, GpuAlgo algo) {
+  const std::size_t split_bytes = SplitBytes<T>(d, algo);
   if constexpr (kHasMma<T>) {
     // Tensor cores where the shape and the pointers allow.
+    using Io = MmaIo<T>;
+    using S = typename Io::S;
     const MmaGradPlan mp = RoutingMmaGradPlan<T>(d);
-    if (algo == GpuAlgo::kAuto && mp.ok && Aligned(W, 16) && Aligned(grad_s, 16) && Aligned(u, 4) &&
-        Aligned(grad_u, 4) && Aligned(grad_W, 4)) {
+    const std::uintptr_t pair = 2 * sizeof(T);
+    if (algo == GpuAlgo::kAuto && mp.ok && (Io::kSplit || Aligned(W, 16)) && Aligned(grad_s, 16) &&
+        Aligned(u, pair) && Aligned(grad_u, pair) && Aligned(grad_W, pair)) {
+      const S* w_hi = reinterpret_cast<const S*>(W);
+      const S* w_lo = nullptr;
+      if constexpr (Io::kSplit) {
+        if (workspace == nullptr || workspace_bytes < split_bytes) return cudaErrorInvalidValue;
+        S* hi = static_cast<S*>(workspace);
+        S* lo = reinterpret_cast<S*>(static_cast<unsigned char*>(workspace) + split_bytes / 2);
+        const cudaError_t err = Launch(SplitKernel<S>, GenericGrid(d.w_size()), dim3(kGenericThreads), 0,
+                                       stream, W, hi, lo, d.w_size());
+        if (err != cudaSuccess) return err;
+        w_hi = hi;
+        w_lo = lo;
+      }
       return Launch(RoutingGradMmaKernel<T>, dim3(static_cast<unsigned>(mp.blocks)), dim3(kMmaThreads),
-                    mp.smem, stream, c_ij, grad_s, u, W, grad_u, grad_W, d.batch, d.in_caps,
+                    mp.smem, stream, c_ij, grad_s, u, w_hi, w_lo, grad_u, grad_W, d.batch, d.in_caps,
                     static_cast<int>(d.out_caps), mp.g_stride);
     }
   }
   const GradFromCoupling<T> src{c_ij, grad_s, d.in_caps, d.out_caps, d.out_dim, d.rows_per_cap()};
-  return LaunchGradFrom(src, u, W, grad_u, grad_W, workspace, workspace_bytes, d, stream, algo);
+  void* rest = workspace == nullptr ? nullptr : static_cast<unsigned char*>(workspace) + split_bytes;
+  return LaunchGradFrom(src, u, W, grad_u, grad_W, rest, workspace_bytes - std::min(split_bytes, workspace_bytes),
+                        d, stream, algo);
 }
 
 #define CAPSNET_INSTANTIATE_ROUTING(T)                                                   \

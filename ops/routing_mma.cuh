@@ -1,6 +1,7 @@
-// The fused routing on tensor cores, for 16-bit u and W (half, bfloat16) at
-// in_dim 8, out_dim 16 and up to 10 output capsules (the paper's DigitCaps and
-// MultiMNIST's): one routing iteration, and the gradient further below.
+// The fused routing on tensor cores, for 16-bit u and W (half, bfloat16) and
+// for float32 at in_dim 8, out_dim 16 and up to 10 output capsules (the paper's
+// DigitCaps and MultiMNIST's): one routing iteration, and the gradient further
+// below.
 // Included by routing.cu.cc, which plans and launches them; its CUDA-core
 // kernels stay the path of every other shape and type.
 //
@@ -22,6 +23,14 @@
 // the lo rounding, at most 2^-16 relative in bfloat16 (2^-22 in half), within
 // the tolerance of the CUDA-core kernel's float32 sums (the driver's checks).
 // u, W and grad_s are exact operands.
+//
+// Float32: the mma has no float32 operands, so W (split once per call by
+// SplitKernel) and the staged grad_s enter as bfloat16 hi + lo too, and each
+// product of two split operands takes three mmas (hi hi, lo hi, hi lo; lo lo
+// is below 2^-16): within ~2^-15 of float32 products, against TensorFloat-32's
+// 2^-11 for TensorFlow's own float32 matmuls, which is why the glue runs these
+// only while TensorFloat-32 is on (GpuAlgo::kCudaCores otherwise). u stays a
+// float32 register operand in the forward (the agreement's last sum over k).
 //
 // Layout: a block of kMmaWarps warps owns a 16-sample tile (grid.y) and a
 // range of capsule pairs (grid.x), split evenly over its warps. Each warp
@@ -45,7 +54,6 @@ namespace {
 
 constexpr int kMmaWarps = 4;
 constexpr int kMmaThreads = 32 * kMmaWarps;
-constexpr int kMmaBlocksPerSm = 3;
 constexpr int kMmaJMax = 10;  // output capsules at most (s_j fragments: 8 * J registers)
 constexpr int kMmaDim = 16;   // out_dim
 constexpr int kMmaK = 8;      // in_dim
@@ -100,8 +108,52 @@ struct MmaOps {
   }
 };
 
+// What the kernels need of a storage type T: the mma's operand type S, whether
+// W and grad_s are split into S parts (float32), u's loads (raw, converted only
+// when used, so that a load issued one pair ahead stays in flight), and the
+// resident blocks per SM their launch bounds size the registers for. float32
+// runs 2 forward blocks: its double W buffers (hi and lo) make 92 KB a block.
 template <typename T>
-constexpr bool kHasMma = std::is_same<T, bfloat16_t>::value || std::is_same<T, half_t>::value;
+struct MmaIo {
+  using S = T;
+  static constexpr bool kSplit = false;
+  static constexpr int kBlocksPerSm = 3;      // 168 registers (4 was slower: 328 against 294 us)
+  static constexpr int kGradBlocksPerSm = 4;  // 128 registers
+  using URaw = uint32_t;                      // two values
+  static __device__ __forceinline__ URaw Load(const T* p) { return *reinterpret_cast<const uint32_t*>(p); }
+  static __device__ __forceinline__ float2 Unraw(URaw x) { return MmaOps<T>::Unpack(x); }
+  static __device__ __forceinline__ void Store(T* p, float a, float b) {
+    *reinterpret_cast<uint32_t*>(p) = MmaOps<T>::Pack(a, b);
+  }
+};
+template <>
+struct MmaIo<float> {
+  using S = bfloat16_t;
+  static constexpr bool kSplit = true;
+  static constexpr int kBlocksPerSm = 2;
+  static constexpr int kGradBlocksPerSm = 3;  // W's lo fragments: 20 more registers
+  using URaw = float2;
+  static __device__ __forceinline__ URaw Load(const float* p) { return *reinterpret_cast<const float2*>(p); }
+  static __device__ __forceinline__ float2 Unraw(URaw x) { return x; }
+  static __device__ __forceinline__ void Store(float* p, float a, float b) {
+    *reinterpret_cast<float2*>(p) = make_float2(a, b);
+  }
+};
+
+template <typename T>
+constexpr bool kHasMma = std::is_same<T, bfloat16_t>::value || std::is_same<T, half_t>::value ||
+                         std::is_same<T, float>::value;
+
+// hi = round(x), lo = round(x - hi) in S, for float32 W: the kernels' split operand.
+template <typename S>
+__global__ void SplitKernel(const float* __restrict__ x, S* __restrict__ hi, S* __restrict__ lo, int64 n) {
+  for (const int64 i : GridStride(n)) {
+    const float v = x[i];
+    const S h = FromAcc<S>(v);
+    hi[i] = h;
+    lo[i] = FromAcc<S>(v - ToAcc(h));
+  }
+}
 
 __device__ __forceinline__ uint32_t SharedAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -132,8 +184,8 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// Whether p is a multiple of n bytes: the kernels load W and grad_s rows in 16-byte
-// and u in 4-byte pieces, and store grad_u and grad_W in 4-byte pairs.
+// Whether p is a multiple of n bytes: the kernels load W (16-bit) and grad_s rows in
+// 16-byte pieces, and load u and store grad_u and grad_W two values at a time.
 inline bool Aligned(const void* p, std::uintptr_t n) { return reinterpret_cast<std::uintptr_t>(p) % n == 0; }
 
 // The shapes and types the tensor-core kernels take (non-empty, too).
@@ -152,8 +204,16 @@ struct MmaPlan {
   std::size_t smem = 0;
 };
 
+// Bytes of one capsule pair's W rows in shared memory: 2 capsules x J x D rows of
+// 16 bytes, twice (hi, lo) when split.
 template <typename T>
-MmaPlan RoutingMmaPlan(const CapsuleDims& d, int64 target_blocks) {
+constexpr int MmaPairBytes(int J) {
+  return (MmaIo<T>::kSplit ? 2 : 1) * 2 * J * kMmaDim * 16;
+}
+
+// sms: the SMs the plan fills (a constant, so the plan depends on the shape only).
+template <typename T>
+MmaPlan RoutingMmaPlan(const CapsuleDims& d, int64 sms) {
   MmaPlan p;
   if (!MmaShape<T>(d)) return p;
   p.tiles = CeilDiv(d.batch, kMmaRows);
@@ -161,25 +221,30 @@ MmaPlan RoutingMmaPlan(const CapsuleDims& d, int64 target_blocks) {
   const int64 pairs = CeilDiv(d.in_caps, 2);
   // Blocks per tile such that one wave holds them all (396 blocks on an H100: 13 per
   // tile at batch 512 would make a second wave of 20 blocks).
+  const int64 target_blocks = sms * MmaIo<T>::kBlocksPerSm;
   const int64 want = std::min(pairs, std::max<int64>(1, target_blocks / p.tiles));
   p.cpb = 2 * CeilDiv(pairs, want);
   p.cap_blocks = CeilDiv(d.in_caps, p.cpb);
-  const int64 J = d.out_caps;
+  const int J = static_cast<int>(d.out_caps);
   // v's fragments (J x hi/lo x 32 lanes x 16 bytes) and two W pair buffers per
-  // warp (2 capsules x J x D rows x 16 bytes), which the end reuses for the
-  // warps' s_j (16 x J x D floats each: the same size).
-  p.smem = static_cast<std::size_t>(J * 2 * 32 * 16 + kMmaWarps * 2 * (2 * J * kMmaDim * 16));
+  // warp, which the end reuses for the warps' s_j (16 x J x D floats each: no
+  // more than the buffers).
+  p.smem = static_cast<std::size_t>(J * 2 * 32 * 16 + kMmaWarps * 2 * MmaPairBytes<T>(J));
   p.ok = true;
   return p;
 }
 
+// W: W_hi = W for 16-bit T (W_lo unused), its split parts for float32.
 template <typename T>
-__global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
-    RoutingIterationMmaKernel(const T* __restrict__ u, const T* __restrict__ W,
+__global__ void __launch_bounds__(kMmaThreads, MmaIo<T>::kBlocksPerSm)
+    RoutingIterationMmaKernel(const T* __restrict__ u, const typename MmaIo<T>::S* __restrict__ W_hi,
+                              const typename MmaIo<T>::S* __restrict__ W_lo,
                               const float* __restrict__ v, float* __restrict__ b_ij,
                               T* __restrict__ c_out, float* __restrict__ partials, int64 batch,
                               int64 in_caps, int out_caps, int64 cpb, int read_b, int write_b) {
-  using Ops = MmaOps<T>;
+  using Io = MmaIo<T>;
+  using S = typename Io::S;
+  using Ops = MmaOps<S>;
   constexpr int JM = kMmaJMax;
   constexpr int D = kMmaDim;
   constexpr int K = kMmaK;
@@ -187,8 +252,10 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
   const int JD = J * D;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   uint4* vfrag = reinterpret_cast<uint4*>(smem_raw);  // [J][hi, lo][32 lanes]
-  unsigned char* wbase = smem_raw + J * 2 * 32 * 16;  // [warp][2 buffers][2 caps][J][D][16 B]
-  const int pair_bytes = 2 * J * D * 16;
+  // [warp][2 buffers][hi, lo when split][2 caps][J][D][16 B]
+  unsigned char* wbase = smem_raw + J * 2 * 32 * 16;
+  const int lo_bytes = 2 * J * D * 16;  // offset of a buffer's lo rows
+  const int pair_bytes = MmaPairBytes<T>(J);
 
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -241,10 +308,12 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
   auto stage = [&](int64 p, int buf) {
     const int64 i0 = cap_begin + 2 * p;
     const int chunks_per_cap = J * D;  // 16-byte rows
-    const T* src0 = W + i0 * JD * K;
+    const int64 at = i0 * JD * K;
+    const uint32_t dst = wbuf_s + buf * pair_bytes;
     for (int x = lane; x < 2 * chunks_per_cap; x += 32) {
       const bool ok = i0 + x / chunks_per_cap < in_caps;
-      CpAsync16(wbuf_s + buf * pair_bytes + x * 16, ok ? src0 + x * K : W, ok ? 16 : 0);
+      CpAsync16(dst + x * 16, ok ? W_hi + at + x * K : W_hi, ok ? 16 : 0);
+      if constexpr (Io::kSplit) CpAsync16(dst + lo_bytes + x * 16, ok ? W_lo + at + x * K : W_lo, ok ? 16 : 0);
     }
     CpAsyncCommit();
   };
@@ -259,18 +328,17 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
     }
   }
 
-  // u[row, capsule, 2t .. 2t + 1] of a pair, two 16-bit values per register
-  // (zero outside the batch or the capsules); loaded one pair ahead.
-  auto load_u = [&](int64 p, uint32_t (&bits)[2][2]) {
+  // u[row, capsule, 2t .. 2t + 1] of a pair, as stored (zero outside the batch
+  // or the capsules); loaded one pair ahead.
+  using URaw = typename Io::URaw;
+  auto load_u = [&](int64 p, URaw (&raw)[2][2]) {
     const int64 i0 = cap_begin + 2 * p;
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
-        bits[c][rr] = 0;
-        if (i0 + c < in_caps && row_ok[rr]) {
-          bits[c][rr] = *reinterpret_cast<const uint32_t*>(u + ((rows[rr] * in_caps + i0 + c) * K + 2 * t));
-        }
+        raw[c][rr] = URaw{};
+        if (i0 + c < in_caps && row_ok[rr]) raw[c][rr] = Io::Load(u + ((rows[rr] * in_caps + i0 + c) * K + 2 * t));
       }
     }
   };
@@ -283,7 +351,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
   const int m8 = lane >> 3;  // the 8x8 matrix whose row this lane addresses in an ldmatrix
   const int r8 = lane & 7;
 
-  uint32_t u_next[2][2] = {{0, 0}, {0, 0}};
+  URaw u_next[2][2] = {};
   if (p_begin < p_end) {
     stage(p_begin, 0);
     load_u(p_begin, u_next);
@@ -295,7 +363,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
     for (int c = 0; c < 2; ++c) {
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
-        const float2 f = Ops::Unpack(u_next[c][rr]);
+        const float2 f = Io::Unraw(u_next[c][rr]);
         uf[c][rr][0] = f.x;
         uf[c][rr][1] = f.y;
       }
@@ -321,8 +389,10 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
       float z = 0.0f;
       if (v != nullptr) {
         // B fragments of W_ij^T for both capsules: matrices (c, d 0-7), (c, d 8-15).
-        uint32_t bt[4];
-        LdMatrixX4Trans(bt, wb + ((((m8 >> 1) * J + j) * D + (m8 & 1) * 8 + r8) * 16));
+        const uint32_t at = wb + ((((m8 >> 1) * J + j) * D + (m8 & 1) * 8 + r8) * 16);
+        uint32_t bt[4], btl[4];
+        LdMatrixX4Trans(bt, at);
+        if constexpr (Io::kSplit) LdMatrixX4Trans(btl, at + lo_bytes);
         const uint4 vh = vfrag[(j * 2) * 32 + lane];
         const uint4 vl = vfrag[(j * 2 + 1) * 32 + lane];
         const uint32_t ah[4] = {vh.x, vh.y, vh.z, vh.w};
@@ -333,6 +403,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
           float tk[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // T[g][2t..], T[g + 8][2t..]
           Ops::Mma(tk, ah, bt[2 * c], bt[2 * c + 1]);
           Ops::Mma(tk, al, bt[2 * c], bt[2 * c + 1]);
+          if constexpr (Io::kSplit) Ops::Mma(tk, ah, btl[2 * c], btl[2 * c + 1]);
 #pragma unroll
           for (int rr = 0; rr < 2; ++rr) {
             x[2 * c + rr] = fmaf(tk[2 * rr], uf[c][rr][0], tk[2 * rr + 1] * uf[c][rr][1]);
@@ -378,8 +449,10 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
     for (int j = 0; j < JM; ++j) {
       if (j >= J) break;
       // B fragments: matrices (capsule 0, d 0-7), (capsule 1, d 0-7), (0, d 8-15), (1, d 8-15).
-      uint32_t bw[4];
-      LdMatrixX4(bw, wb + ((((m8 & 1) * J + j) * D + (m8 >> 1) * 8 + r8) * 16));
+      const uint32_t at = wb + ((((m8 & 1) * J + j) * D + (m8 >> 1) * 8 + r8) * 16);
+      uint32_t bw[4], bwl[4];
+      LdMatrixX4(bw, at);
+      if constexpr (Io::kSplit) LdMatrixX4(bwl, at + lo_bytes);
       uint32_t ah[4], al[4];
       // A[m][c * 8 + k] = c_ij[row m, capsule c, j] u[row m, capsule c, k]; c_ij of
       // (capsule c, row rr) is held by quad lane 2c + rr.
@@ -395,6 +468,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
       for (int h = 0; h < 2; ++h) {
         Ops::Mma(s_acc[j][h], ah, bw[2 * h], bw[2 * h + 1]);
         Ops::Mma(s_acc[j][h], al, bw[2 * h], bw[2 * h + 1]);
+        if constexpr (Io::kSplit) Ops::Mma(s_acc[j][h], ah, bwl[2 * h], bwl[2 * h + 1]);
       }
     }
     __syncwarp();  // every lane is done with this buffer before it is staged again
@@ -436,9 +510,8 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
 // One warp owns one capsule for the whole batch (W_ij's fragments stay in
 // registers, grad_W's sums too: no partials, no atomics); the block's warps
 // share each tile's g in shared memory. g, u and W are exact 16-bit operands;
-// c u is split into hi and lo as in the forward.
-
-constexpr int kMmaGradBlocksPerSm = 4;
+// c u is split into hi and lo as in the forward. In float32, W and g are split
+// too: three mmas per product, as in the forward.
 
 struct MmaGradPlan {
   bool ok = false;
@@ -455,8 +528,9 @@ MmaGradPlan RoutingMmaGradPlan(const CapsuleDims& d) {
   p.g_stride = static_cast<int>(JD * 2 + 16);
   p.blocks = CeilDiv(d.in_caps, kMmaWarps);
   if (p.blocks > 0x7fffffff) return p;
-  // g tile, then per warp: W_i (J x D rows of 16 bytes), c (16 x J floats), u (16 x K floats).
-  p.smem = static_cast<std::size_t>(kMmaRows * p.g_stride +
+  // g tile (hi and lo when split), then per warp: W_i (J x D rows of 16 bytes; its
+  // lo part follows the hi part through the same space), c (16 x J floats), u (16 x K floats).
+  p.smem = static_cast<std::size_t>((MmaIo<T>::kSplit ? 2 : 1) * kMmaRows * p.g_stride +
                                     kMmaWarps * (JD * 16 + kMmaRows * d.out_caps * 4 + kMmaRows * kMmaK * 4));
   p.ok = true;
   return p;
@@ -468,22 +542,28 @@ __device__ __forceinline__ void LdMatrixX2Trans(uint32_t (&r)[2], uint32_t addr)
                : "r"(addr));
 }
 
+// W: as for the forward kernel.
 template <typename T>
-__global__ void __launch_bounds__(kMmaThreads, kMmaGradBlocksPerSm)
+__global__ void __launch_bounds__(kMmaThreads, MmaIo<T>::kGradBlocksPerSm)
     RoutingGradMmaKernel(const T* __restrict__ c_ij, const T* __restrict__ grad_s,
-                         const T* __restrict__ u, const T* __restrict__ W, T* __restrict__ grad_u,
+                         const T* __restrict__ u, const typename MmaIo<T>::S* __restrict__ W_hi,
+                         const typename MmaIo<T>::S* __restrict__ W_lo, T* __restrict__ grad_u,
                          T* __restrict__ grad_W, int64 batch, int64 in_caps, int out_caps,
                          int g_stride) {
-  using Ops = MmaOps<T>;
+  using Io = MmaIo<T>;
+  using S = typename Io::S;
+  using Ops = MmaOps<S>;
   constexpr int JM = kMmaJMax;
   constexpr int D = kMmaDim;
   constexpr int K = kMmaK;
+  constexpr int kParts = Io::kSplit ? 2 : 1;
   const int J = out_caps;
   const int JD = J * D;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  unsigned char* g_s = smem_raw;  // [16 samples][g_stride bytes]
+  unsigned char* g_s = smem_raw;  // [hi, lo when split][16 samples][g_stride bytes]
+  const int g_lo = kMmaRows * g_stride;  // offset of the lo tile
   const int warp_bytes = JD * 16 + kMmaRows * J * 4 + kMmaRows * K * 4;
-  unsigned char* wsm = smem_raw + kMmaRows * g_stride + warp_bytes * (threadIdx.x >> 5);
+  unsigned char* wsm = smem_raw + kParts * kMmaRows * g_stride + warp_bytes * (threadIdx.x >> 5);
   float* c_s = reinterpret_cast<float*>(wsm + JD * 16);  // [16][J]
   float* u_s = c_s + kMmaRows * J;                         // [16][K]
 
@@ -494,21 +574,26 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaGradBlocksPerSm)
   const int64 i = static_cast<int64>(blockIdx.x) * kMmaWarps + warp;
   const bool cap_ok = i < in_caps;
 
-  // W_ij^T's B fragments for every j (the agreement's, transposed load), kept.
-  uint32_t wf[JM][2];
-  if (cap_ok) {
-    const T* wi = W + i * JD * K;
-    for (int x = lane; x < JD; x += 32) {
-      *reinterpret_cast<uint4*>(wsm + x * 16) = *reinterpret_cast<const uint4*>(wi + x * K);
-    }
-  }
-  __syncwarp();
+  // W_ij^T's B fragments for every j (the agreement's, transposed load), kept
+  // (part 1: W's lo part, when split).
+  uint32_t wf[kParts][JM][2];
   const uint32_t wsm_s = SharedAddress(wsm);
 #pragma unroll
-  for (int j = 0; j < JM; ++j) {
-    wf[j][0] = wf[j][1] = 0;
-    // Lanes 0-15 address rows d = lane of W_ij (matrices d 0-7, 8-15).
-    if (j < J && cap_ok) LdMatrixX2Trans(wf[j], wsm_s + ((j * D + (lane & 15)) * 16));
+  for (int part = 0; part < kParts; ++part) {
+    __syncwarp();  // the previous part's fragments are read
+    if (cap_ok) {
+      const S* wi = (part == 0 ? W_hi : W_lo) + i * JD * K;
+      for (int x = lane; x < JD; x += 32) {
+        *reinterpret_cast<uint4*>(wsm + x * 16) = *reinterpret_cast<const uint4*>(wi + x * K);
+      }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < JM; ++j) {
+      wf[part][j][0] = wf[part][j][1] = 0;
+      // Lanes 0-15 address rows d = lane of W_ij (matrices d 0-7, 8-15).
+      if (j < J && cap_ok) LdMatrixX2Trans(wf[part][j], wsm_s + ((j * D + (lane & 15)) * 16));
+    }
   }
 
   float gw[JM][4];  // grad_W[i, j, g (+8), 2t .. 2t + 1]
@@ -523,14 +608,29 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaGradBlocksPerSm)
 
   for (int64 b0 = 0; b0 < batch; b0 += kMmaRows) {
     __syncthreads();  // the previous tile's g is read by all warps
-    // g tile: 16 rows of JD values (16-byte pieces), zero past the batch.
-    const int pieces = JD * 2 / 16;
+    // g tile: 16 rows of JD values (pieces of 8), zero past the batch.
+    const int pieces = JD / 8;
     for (int x = threadIdx.x; x < kMmaRows * pieces; x += blockDim.x) {
       const int r = x / pieces;
       const int q = x - r * pieces;
-      uint4 val = make_uint4(0, 0, 0, 0);
-      if (b0 + r < batch) val = *reinterpret_cast<const uint4*>(grad_s + (b0 + r) * JD + q * 8);
-      *reinterpret_cast<uint4*>(g_s + r * g_stride + q * 16) = val;
+      unsigned char* dst = g_s + r * g_stride + q * 16;
+      const bool ok = b0 + r < batch;
+      if constexpr (Io::kSplit) {
+        const float4* src = reinterpret_cast<const float4*>(grad_s + (b0 + r) * JD + q * 8);
+        const float4 e0 = ok ? src[0] : make_float4(0, 0, 0, 0);
+        const float4 e1 = ok ? src[1] : make_float4(0, 0, 0, 0);
+        uint4 hi, lo;
+        Ops::Split(e0.x, e0.y, hi.x, lo.x);
+        Ops::Split(e0.z, e0.w, hi.y, lo.y);
+        Ops::Split(e1.x, e1.y, hi.z, lo.z);
+        Ops::Split(e1.z, e1.w, hi.w, lo.w);
+        *reinterpret_cast<uint4*>(dst) = hi;
+        *reinterpret_cast<uint4*>(dst + g_lo) = lo;
+      } else {
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (ok) val = *reinterpret_cast<const uint4*>(grad_s + (b0 + r) * JD + q * 8);
+        *reinterpret_cast<uint4*>(dst) = val;
+      }
     }
     // This warp's c[b, i, :] and u[b, i, :] as floats.
     for (int x = lane; x < kMmaRows * J; x += 32) {
@@ -553,12 +653,22 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaGradBlocksPerSm)
       // The tile's four 8x8 blocks of g_j: lane group m8 addresses block
       // (samples 8 (m8 & 1) .., d 8 (m8 >> 1) ..) for the A of grad_u, and
       // (samples 8 (m8 >> 1) .., d 8 (m8 & 1) ..) transposed for the A of grad_W.
-      uint32_t ga[4], gt[4];
-      LdMatrixX4(ga, g_s_addr + (8 * (m8 & 1) + r8) * g_stride + (j * D + 8 * (m8 >> 1)) * 2);
-      LdMatrixX4Trans(gt, g_s_addr + (8 * (m8 >> 1) + r8) * g_stride + (j * D + 8 * (m8 & 1)) * 2);
+      const uint32_t a_at = g_s_addr + (8 * (m8 & 1) + r8) * g_stride + (j * D + 8 * (m8 >> 1)) * 2;
+      const uint32_t t_at = g_s_addr + (8 * (m8 >> 1) + r8) * g_stride + (j * D + 8 * (m8 & 1)) * 2;
+      uint32_t ga[4], gt[4], gal[4], gtl[4];
+      LdMatrixX4(ga, a_at);
+      LdMatrixX4Trans(gt, t_at);
+      if constexpr (Io::kSplit) {
+        LdMatrixX4(gal, a_at + g_lo);
+        LdMatrixX4Trans(gtl, t_at + g_lo);
+      }
       // grad_u: T = g_j . W_ij, then c_ij T summed over j.
       float tk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      Ops::Mma(tk, ga, wf[j][0], wf[j][1]);
+      Ops::Mma(tk, ga, wf[0][j][0], wf[0][j][1]);
+      if constexpr (Io::kSplit) {
+        Ops::Mma(tk, gal, wf[0][j][0], wf[0][j][1]);
+        Ops::Mma(tk, ga, wf[1][j][0], wf[1][j][1]);
+      }
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
         const float cv = c_s[(g + 8 * rr) * J + j];
@@ -575,13 +685,12 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaGradBlocksPerSm)
       }
       Ops::Mma(gw[j], gt, bh[0], bh[1]);
       Ops::Mma(gw[j], gt, bl[0], bl[1]);
+      if constexpr (Io::kSplit) Ops::Mma(gw[j], gtl, bh[0], bh[1]);
     }
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       const int64 b = b0 + g + 8 * rr;
-      if (b < batch) {
-        *reinterpret_cast<uint32_t*>(grad_u + (b * in_caps + i) * K + 2 * t) = Ops::Pack(gu[rr][0], gu[rr][1]);
-      }
+      if (b < batch) Io::Store(grad_u + (b * in_caps + i) * K + 2 * t, gu[rr][0], gu[rr][1]);
     }
   }
   if (!cap_ok) return;
@@ -590,8 +699,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaGradBlocksPerSm)
     if (j >= J) break;
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
-      *reinterpret_cast<uint32_t*>(grad_W + ((i * J + j) * D + g + 8 * rr) * K + 2 * t) =
-          Ops::Pack(gw[j][2 * rr], gw[j][2 * rr + 1]);
+      Io::Store(grad_W + ((i * J + j) * D + g + 8 * rr) * K + 2 * t, gw[j][2 * rr], gw[j][2 * rr + 1]);
     }
   }
 }

@@ -19,6 +19,7 @@
 #include "Eigen/Core"
 #include "capsnet_kernels.h"
 #include "cpu_kernels.h"
+#include "tsl/platform/tensor_float_32_utils.h"
 #include "xla/ffi/api/ffi.h"
 
 // xla/ffi/ffi_api.h declares this but includes MLIR headers the pip wheel does
@@ -232,7 +233,7 @@ ffi::Error RoutingCuda(GpuStream stream, ffi::AnyBuffer u, ffi::AnyBuffer w,
     return LaunchError(
         LaunchCapsuleRoutingForward(In<T>(u), In<T>(w), Out<T>(s_j), Out<T>(c_ij),
                                     workspace->untyped_data(), workspace->size_bytes(), d,
-                                    iterations, stream),
+                                    iterations, stream, RoutingAlgo<T>(tsl::tensor_float_32_execution_enabled())),
         "capsule_routing");
   });
 }
@@ -248,7 +249,8 @@ ffi::Error RoutingGradCuda(GpuStream stream, ffi::AnyBuffer u, ffi::AnyBuffer w,
     return LaunchError(
         LaunchCapsuleRoutingGrad(In<T>(c_ij), In<T>(grad_s), In<T>(u), In<T>(w),
                                  Out<T>(grad_u), Out<T>(grad_w), workspace->untyped_data(),
-                                 workspace->size_bytes(), d, stream),
+                                 workspace->size_bytes(), d, stream,
+                                 RoutingAlgo<T>(tsl::tensor_float_32_execution_enabled())),
         "capsule_routing gradient");
   });
 }

@@ -141,8 +141,8 @@ fi
 if [[ $what == ab ]]; then
   # Two code trees taking turns per variant: $AB_OLD (an earlier commit's capsnet/, scripts/,
   # configs/, train.py, unpacked there; or . for this tree) and this one; then each tree's
-  # profile of the bfloat16 jit step at batch 512 (per-kernel GPU time: less noisy than images/s
-  # between processes). The old tree loads $AB_OLD_LIB (an earlier build of the op library,
+  # profile of the jit step at batch 512 in $AB_PROFILE_PRECISION (default mixed_bfloat16; per-kernel
+  # GPU time: less noisy than images/s between processes). The old tree loads $AB_OLD_LIB (an earlier build of the op library,
   # carried) if given, else the same library.
   lib="$PWD/capsnet/lib/_capsnet_ops.so"
   old_lib="$PWD/${AB_OLD_LIB:-capsnet/lib/_capsnet_ops.so}"
@@ -159,7 +159,7 @@ if [[ $what == ab ]]; then
     dir=$([[ $tree == old ]] && echo "${AB_OLD:-ab_old}" || echo .)
     tree_lib=$([[ $tree == old ]] && echo "$old_lib" || echo "$lib")
     (cd "$dir" && CAPSNET_OP_LIBRARY="$tree_lib" python3 scripts/profile_train.py --variant op+fused+jit \
-      --precision mixed_bfloat16 --batch-size 512) 2>&1 | tee "$out/ab_profile_$tree.log" | tail -22 | sed "s/^/$tree /"
+      --precision ${AB_PROFILE_PRECISION:-mixed_bfloat16} --batch-size 512) 2>&1 | tee "$out/ab_profile_$tree.log" | tail -22 | sed "s/^/$tree /"
   done
 fi
 if [[ $what == memory ]]; then

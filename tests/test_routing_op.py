@@ -256,10 +256,10 @@ def test_gpu_paper_shape_matches_unfused_path(no_tf32, batch):
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU visible to TensorFlow")
 @pytest.mark.parametrize("dtype", [tf.bfloat16, tf.float16])
 @pytest.mark.parametrize("batch", [100, 512])
-def test_gpu_16bit_tensor_cores_keep_float32_sums(dtype, batch):
+def test_gpu_16bit_tensor_cores_keep_float32_sums(no_tf32, dtype, batch):
     """At the paper shape the 16-bit op runs on tensor cores (ops/routing_mma.cuh), with
     v_j and c_ij u split into two 16-bit parts so that its sums stay float32-accurate.
-    Against the float32 op on the same 16-bit values (CUDA cores, float32 sums), forward
+    Against the float32 op on the same 16-bit values (CUDA cores with TF32 off, float32 sums), forward
     and gradient kernels, its outputs must be that op's results rounded once: equal bits
     but for the few near a rounding boundary, never more than one unit apart. Sums of
     16-bit products without the split would differ in a large share of the elements.
@@ -288,6 +288,59 @@ def test_gpu_16bit_tensor_cores_keep_float32_sums(dtype, batch):
         np.testing.assert_allclose(a, b, rtol=unit, atol=unit * 1e-3 * scale, err_msg=name)
         differ = np.mean(a != b)
         assert differ < 0.02, f"{name}: {differ:.1%} of the elements differ from the rounded float32 result"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no GPU visible to TensorFlow")
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("shape", [(40, 6, 10, 16, 8), (33, 37, 7, 16, 8), (512, 1152, 10, 16, 8)])
+def test_gpu_float32_tensor_cores_follow_tf32(shape, jit):
+    """With TensorFloat-32 on (TensorFlow's default) the float32 op runs on tensor cores
+    at these shapes, W and grad_s split into two bfloat16 parts (ops/routing_mma.cuh):
+    products within ~3·2^-16 instead of float32's 2^-24. With TF32 off it keeps the
+    float32 CUDA-core kernels. Forward and gradient op (the same c_ij in both), eager and
+    under XLA: the two settings must differ (the switch works), and every element must be
+    within 2^-13 of the sum of its terms' magnitudes of the other. TF32's own rounding
+    (2^-11) or bfloat16 products without the split (2^-9) exceed that on the small shapes,
+    where few terms average their errors out."""
+    B, I, J, D, K = shape
+    u, W = inputs(shape, np.float32, seed=13)
+    W *= 0.3
+    grad_s = np.random.default_rng(14).standard_normal((B, J, D)).astype(np.float32)
+    _, c_ref, _ = np_routing(u.astype(np.float64), W.astype(np.float64), 3)
+    c_in = c_ref.astype(np.float32)
+    lib = ops.load_op_library()
+
+    def route(u, W, c_ij, grad_s):
+        s_j, c_out = ops.capsule_routing(u, W, 3)
+        grad_u, grad_W = lib.capsnet_capsule_routing_grad(u=u, weights=W, c_ij=c_ij, grad_s=grad_s)
+        return s_j, c_out, grad_u, grad_W
+
+    if jit:
+        route = tf.function(route, jit_compile=True)
+    results = {}
+    was = tf.config.experimental.tensor_float_32_execution_enabled()
+    try:
+        for tf32 in (True, False):
+            tf.config.experimental.enable_tensor_float_32_execution(tf32)
+            with tf.device("/GPU:0"):
+                got = route(tf.constant(u), tf.constant(W), tf.constant(c_in), tf.constant(grad_s))
+            on_device("gpu", *got)
+            results[tf32] = [t.numpy().astype(np.float64) for t in got]
+    finally:
+        tf.config.experimental.enable_tensor_float_32_execution(was)
+    # Each element's sum of term magnitudes (float64).
+    u64, w64, g64 = np.abs(u).astype(np.float64), np.abs(W).astype(np.float64), np.abs(grad_s).astype(np.float64)
+    scales = {
+        "s_j": np.einsum("bij,bik,ijdk->bjd", c_ref, u64, w64),
+        "c_ij": np.ones_like(c_ref),  # probabilities: an absolute bound
+        "grad_u": np.einsum("bij,bjd,ijdk->bik", c_in, g64, w64),
+        "grad_W": np.einsum("bij,bjd,bik->ijdk", c_in, g64, u64),
+    }
+    for (name, scale), on, off in zip(scales.items(), results[True], results[False]):
+        ratio = np.abs(on - off) / (scale + 1e-30)
+        assert ratio.max() <= 2.0 ** -13, f"{name}: |TF32 on - off| reaches {ratio.max():.2e} of the terms' sum"
+    assert np.any(results[True][0] != results[False][0]), "s_j: TF32 on and off gave the same bits"
 
 
 @pytest.mark.gpu
