@@ -4,7 +4,7 @@
 # (or ./gpu-out) as logs; the last lines printed are the summaries.
 #   carry: .gpukit/gpukit.sh .gpukit/MANIFEST capsnet/lib build .gpudata
 #   command: bash scripts/gpu_session.sh [verify|bench|train|all|scale|precision|profile|xla|xla-profile|guard|sweep|
-#                                         full_mnist|fast_grid|fast_time|crop|runs|conv|blocks|final|ab|memory|cmdbuf|step_dump|ncu_routing|max_batch|kernels]   (scale, sweep: on nvidia-h200-x2, not in all)
+#                                         full_mnist|fast_grid|fast_time|crop|runs|conv|blocks|final|ab|memory|cmdbuf|step_dump|ncu_routing|max_batch|kernels|ratio]   (scale, sweep: on nvidia-h200-x2, not in all)
 set -uo pipefail
 what="${1:-all}"
 out="${OUT:-gpu-out}"; mkdir -p "$out"
@@ -223,6 +223,20 @@ if [[ $what == ncu_routing ]]; then
     > "$out/ncu_routing.txt" 2>&1
   build/sanitize_driver --bench --routing --shape batch512 | tee "$out/routing_bench.txt"
   gzip -k "$out/ncu_routing.txt"; grep -E "Routing|Grad|Duration|Achieved Occupancy|Registers Per|Compute \(SM\) Throughput|Memory Throughput|Theoretical Occ|No Eligible|Issued Warp" "$out/ncu_routing.txt" | head -120
+fi
+if [[ $what == ratio ]]; then
+  # [xla-op]: custom_op=true against custom_op=false, both whole-step jit, in $RATIO_PRECISION
+  # (default float32): $ROUNDS rounds of one benchmark process per path and batch (the paths take
+  # turns, so the spread between processes shows), then where each path's step at batch 128 goes.
+  for round in $(seq ${ROUNDS:-2}); do
+    python3 scripts/benchmark_train.py --precision ${RATIO_PRECISION:-float32} --steps-per-execution 50 --repeats 3 \
+      --variants op+fused+jit,matmul+jit --batch-sizes 128,512 --timeout 300 --json "$out/ratio_round$round.json" \
+      2>&1 | tee "$out/ratio_round$round.log" | grep "^|" | sed "s/^/round $round /"
+  done
+  for variant in op+fused+jit matmul+jit; do
+    python3 scripts/profile_train.py --variant $variant --precision ${RATIO_PRECISION:-float32} --batch-size 128 \
+      --json "$out/ratio_profile_${variant//+/_}.json" 2>&1 | grep -v "^W0000\|^I0000" | tail -24
+  done
 fi
 if [[ $what == max_batch ]]; then
   # [xla-op]: the largest batch that trains on this GPU, per path (float32, whole-step jit): each
