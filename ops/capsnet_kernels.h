@@ -145,10 +145,11 @@ const char* GpuErrorString(int status);
 //   grad_u_hat[b, i, j, d] = c_ij[b, i, j] * g[b, j, d]
 // goes through the capsule-prediction gradient kernels (prediction_grad.cuh on
 // the GPU, RunGradUnits in cpu_kernels.h on the CPU), which compute c_ij * g on
-// the fly instead of reading a u_hat-sized gradient. On the GPU, 16-bit u and W
-// at in_dim 8, out_dim 16 and out_caps <= 10 take tensor-core kernels instead,
-// forward and gradient (routing_mma.cuh), with float32-accurate sums too. The gradient with respect
-// to the c_ij output is zero by that same rule.
+// the fly instead of reading a u_hat-sized gradient. On the GPU, u and W at
+// in_dim 8, out_dim 16 and out_caps <= 10 take tensor-core kernels instead,
+// forward and gradient (routing_mma.cuh): 16-bit types with float32-accurate sums,
+// float32 within ~2^-15 (kAuto; kCudaCores keeps float32 rounding). The gradient
+// with respect to the c_ij output is zero by that same rule.
 //
 // Empty sums follow the math: with in_dim, out_dim or in_caps 0, u_hat is
 // empty or zero, so s_j = 0 and c_ij = 1 / out_caps.
