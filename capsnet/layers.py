@@ -249,25 +249,32 @@ class PrimaryCaps(keras.layers.Layer):
 @tf.custom_gradient
 def relu_one_buffer(x):
     """max(x, 0) inside an XLA computation, with the gradient TensorFlow's Relu has
-    (dy where the output is > 0), keeping one map-sized buffer of x and relu(x), not two.
+    (dy where the output is > 0), keeping one map-sized buffer of x and relu(x), not two,
+    and giving the backward pass a one-byte mask (y > 0) instead of the map itself.
 
     Why: with tf.nn.relu, XLA fuses a copy of the cheap max(x, 0) into the gradient's
     mask (x > 0 read from x) and so keeps both x and relu(x) alive from the forward pass
     to the backward one: for conv1 at batch 512 in float32 two 200 MiB buffers, the
     largest values at the step's memory peak (scripts/xla_memory_report.py on an H100).
-    Behind XLA's optimization barrier the mask can only read the output, x dies at the
-    max (which cuDNN then fuses into the convolution), and the values are the same.
-    Measured on an H100 (docs/benchmarks.md, thirteenth session): float32 batch 512, the
-    plan 790 -> 748 MiB and the step's peak 1,093 -> 1,054 MiB (the matmul path 1,289 ->
-    1,127), in one instance. A second barrier on the gradient's mask, so that XLA would
-    write it over dy, did not shrink the plan: XLA keeps the mask in a buffer of its own
-    either way. (The barrier works on GPUs only: XLA's CPU compiler drops barriers before
-    it fuses.)
+    Behind XLA's optimization barrier the mask can only read what the barrier returns, x
+    dies at the max (which cuDNN then fuses into the convolution), and the values are the
+    same. Measured on an H100 (docs/benchmarks.md, thirteenth session): float32 batch 512,
+    the plan 790 -> 748 MiB and the step's peak 1,093 -> 1,054 MiB (the matmul path 1,289
+    -> 1,127), in one instance.
+    The mask: when the gradient read y > 0 from y, y stayed alive until the gradient's
+    mask ran, next to PrimaryCaps' input gradient dy and the masked gradient (three
+    map-sized buffers side by side in XLA's plan; XLA does not write the masked
+    gradient over dy). With the mask computed in the forward pass (1 byte an element,
+    a quarter of float32's map) y dies once PrimaryCaps' weight gradient has read it,
+    so at most two maps and the mask are live at once (sixteenth session, measured in
+    docs/benchmarks.md). (The barrier works on GPUs only: XLA's CPU compiler drops
+    barriers before it fuses, and there it recomputes the mask from y.)
     """
-    (y,) = gen_xla_ops.xla_optimization_barrier([tf.nn.relu(x)])
+    y = tf.nn.relu(x)
+    y, positive = gen_xla_ops.xla_optimization_barrier([y, y > 0])
 
     def grad(dy):
-        return tf.where(y > 0, dy, tf.zeros_like(dy))
+        return tf.where(positive, dy, tf.zeros_like(dy))
 
     return y, grad
 

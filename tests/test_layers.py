@@ -374,6 +374,13 @@ def test_relu_one_buffer_matches_relu_and_its_gradient(dtype):
     np.testing.assert_array_equal(tf.cast(y, tf.float32).numpy(), np.maximum(x_seen, 0))
     want = np.where(x_seen > 0, tf.cast(tf.cast(dy, dtype), tf.float32).numpy(), 0)
     np.testing.assert_array_equal(tf.cast(grad, tf.float32).numpy(), want)
+    # The backward pass reads a boolean mask that passed the barrier, not y: the barrier
+    # returns (y, y > 0) and the gradient's select takes its condition from there.
+    graph = forward_backward.get_concrete_function(xt, dy).graph
+    barrier, = [op for op in graph.get_operations() if op.type == "XlaOptimizationBarrier"]
+    assert [t.dtype for t in barrier.outputs] == [tf.as_dtype(dtype), tf.bool]
+    selects = [op for op in graph.get_operations() if op.type in ("Select", "SelectV2")]
+    assert selects and all(op.inputs[0] is barrier.outputs[1] for op in selects)
 
 
 def test_conv2d_relu_goes_behind_the_barrier_only_under_xla():
