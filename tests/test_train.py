@@ -247,6 +247,29 @@ def test_resume_continues_where_the_checkpoint_left_off(trained_run, tiny_config
     assert again["test_accuracy"] == metrics["test_accuracy"]
 
 
+def test_test_batch_size_sets_the_test_pass_batches_not_its_scores(trained_run, tiny_config, tmp_path, monkeypatch):
+    """train.test_batch_size batches the per-epoch test pass differently (a finished run,
+    rerun, measures its checkpoint again) and scores it the same: each example on its own."""
+    import capsnet.training.loop as loop
+
+    original_dir, original = trained_run
+    run_dir = tmp_path / "rerun"
+    shutil.copytree(original_dir, run_dir)
+    test_batches = []
+    make = loop.make_split_dataset
+
+    def recording(*args, batch_size, training, **kwargs):
+        if not training:
+            test_batches.append(batch_size)
+        return make(*args, batch_size=batch_size, training=training, **kwargs)
+
+    monkeypatch.setattr(loop, "make_split_dataset", recording)
+    again = train(tiny_config("train.test_batch_size=7", run_dir=run_dir))
+    assert test_batches == [7]
+    assert again["test_accuracy"] == original["test_accuracy"]
+    np.testing.assert_allclose(again["test_loss"], original["test_loss"], rtol=1e-4)
+
+
 @pytest.mark.parametrize("overrides, differences", [
     (["seed=1"], ["seed: 0 -> 1"]),
     (["model.conv1_filters=8"], ["model.conv1_filters: 16 -> 8"]),

@@ -245,6 +245,7 @@ class TrainConfig:
     """configs/train/: optimisation, losses, checkpoints, logging."""
     epochs: int = _checked(50, _positive_int)
     batch_size: int = _checked(100, _positive_int)
+    test_batch_size: Optional[int] = _checked(None, _optional_positive_int)
     learning_rate: float = _checked(0.001, _positive_float)
     lr_decay_rate: float = _checked(0.9, _positive_float)
     lr_decay_steps: Optional[int] = _checked(None, _optional_positive_int)

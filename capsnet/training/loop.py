@@ -159,8 +159,9 @@ def _train(cfg, progress):
     steps_per_epoch = math.ceil(len(train_labels) / batch_size)
     augmentation = {"shift_pixels": data_cfg["shift_pixels"], **augmentation_options(data_cfg)}
     # The test split: no augmentation (MultiMNIST: shift_pixels sets its fixed pairs' shifts).
-    test_ds = make_split_dataset(data_cfg["name"], test_images, test_labels, batch_size=batch_size,
-                                 training=False, shift_pixels=data_cfg["shift_pixels"])
+    test_ds = make_split_dataset(data_cfg["name"], test_images, test_labels,
+                                 batch_size=tcfg["test_batch_size"] or batch_size, training=False,
+                                 shift_pixels=data_cfg["shift_pixels"])
     # A fixed set of test images for the reconstruction grid and the histograms, every epoch
     # (MultiMNIST: the first test pairs, made from the whole test split as in test_ds).
     n_show = min(len(test_labels), max(tcfg["num_images"], tcfg["histogram_examples"]))
