@@ -4,7 +4,7 @@
 # (or ./gpu-out) as logs; the last lines printed are the summaries.
 #   carry: .gpukit/gpukit.sh .gpukit/MANIFEST capsnet/lib build .gpudata
 #   command: bash scripts/gpu_session.sh [verify|bench|train|all|scale|precision|profile|xla|xla-profile|guard|sweep|
-#                                         full_mnist|fast_grid|fast_time|crop|runs|conv|blocks|final|ab|memory|cmdbuf|step_dump|ncu_routing|max_batch|kernels|ratio]   (scale, sweep: on nvidia-h200-x2, not in all)
+#                                         full_mnist|fast_grid|fast_time|crop|runs|conv|blocks|final|ab|memory|memory_ab|cmdbuf|step_dump|ncu_routing|max_batch|kernels|ratio]   (scale, sweep: on nvidia-h200-x2, not in all)
 set -uo pipefail
 what="${1:-all}"
 out="${OUT:-gpu-out}"; mkdir -p "$out"
@@ -169,6 +169,19 @@ if [[ $what == memory ]]; then
     echo "### $1 $2"
     python3 scripts/xla_memory_report.py --device gpu --variant "$1" --precision "$2" --batch-size 512 2>&1 \
       | tee "$out/memory_$1_$2.md" | head -40
+  done
+fi
+if [[ $what == memory_ab ]]; then
+  # XLA's plan of the jit step (scripts/xla_memory_report.py) in $AB_OLD's tree and this one,
+  # for $MEMORY_VARIANTS in $MEMORY_PRECISION at batch 512: what a change did to the plan.
+  for variant in ${MEMORY_VARIANTS:-op+fused+jit matmul+jit}; do
+    for tree in old new; do
+      dir=$([[ $tree == old ]] && echo "${AB_OLD:-ab_old}" || echo .)
+      echo "### $tree $variant ${MEMORY_PRECISION:-float32}"
+      (cd "$dir" && python3 scripts/xla_memory_report.py --device gpu --variant "$variant" \
+        --precision ${MEMORY_PRECISION:-float32} --batch-size 512 --top 12) > "$out/memory_${tree}_$variant.md" 2>&1
+      head -${MEMORY_LINES:-8} "$out/memory_${tree}_$variant.md"
+    done
   done
 fi
 if [[ $what == cmdbuf ]]; then
