@@ -151,8 +151,8 @@ if [[ $what == ab ]]; then
       dir=$([[ $tree == old ]] && echo "${AB_OLD:-ab_old}" || echo .)
       tree_lib=$([[ $tree == old ]] && echo "$old_lib" || echo "$lib")
       (cd "$dir" && CAPSNET_OP_LIBRARY="$tree_lib" python3 scripts/benchmark_train.py --precision ${AB_PRECISIONS:-mixed_bfloat16,float32} \
-        --steps-per-execution 50 --repeats 3 --variants "$variant" --timeout 300 --json "$OLDPWD/$out/ab_${tree}_$variant.json") \
-        2>&1 | tee "$out/ab_${tree}_$variant.log" | grep "^|" | sed "s/^/$tree /"
+        --steps-per-execution 50 --repeats 3 --variants "$variant" --timeout 300 --json "$OLDPWD/$out/ab_${tree}_${variant//+/_}.json") \
+        2>&1 | tee "$out/ab_${tree}_${variant//+/_}.log" | grep "^|" | sed "s/^/$tree /"
     done
   done
   for tree in $([[ ${AB_PROFILE:-1} == 1 ]] && echo old new); do
@@ -179,8 +179,8 @@ if [[ $what == memory_ab ]]; then
       dir=$([[ $tree == old ]] && echo "${AB_OLD:-ab_old}" || echo .)
       echo "### $tree $variant ${MEMORY_PRECISION:-float32}"
       (cd "$dir" && python3 scripts/xla_memory_report.py --device gpu --variant "$variant" \
-        --precision ${MEMORY_PRECISION:-float32} --batch-size 512 --top 12) > "$out/memory_${tree}_$variant.md" 2>&1
-      head -${MEMORY_LINES:-8} "$out/memory_${tree}_$variant.md"
+        --precision ${MEMORY_PRECISION:-float32} --batch-size 512 --top 12) > "$out/memory_${tree}_${variant//+/_}.md" 2>&1
+      head -${MEMORY_LINES:-8} "$out/memory_${tree}_${variant//+/_}.md"
     done
   done
 fi
