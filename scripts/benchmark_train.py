@@ -19,8 +19,6 @@ builds it) and the real compiled step (capsnet.training.steps.make_train_step), 
     op+fused+jit           custom_op=true  xla=jit          model.routing=auto (the fused op in the XLA step)
     matmul                 custom_op=false xla=none         (the baseline of the ratio column)
     matmul+jit             custom_op=false xla=jit
-    op+fused+jit+loop      op+fused+jit with train.xla_loop=true (a call's steps in one XLA loop)
-    matmul+jit+loop        matmul+jit with train.xla_loop=true
     matmul+autocluster     custom_op=false xla=autocluster
 
 The fused variants route inside the compiled op (capsnet.ops.capsule_routing):
@@ -88,25 +86,20 @@ VARIANTS = {
     "matmul": (False, "none"),
     "matmul+jit": (False, "jit"),
     "matmul+autocluster": (False, "autocluster"),
-    "op+fused+jit+loop": (True, "jit"),
-    "matmul+jit+loop": (False, "jit"),
 }
 # Variants whose model routes inside the compiled op (variant_model_cfg).
-FUSED_VARIANTS = ("op+fused", "op+fused+autocluster", "op+fused+jit", "op+fused+jit+loop")
-# Variants whose calls run their steps in one XLA loop (train.xla_loop=true).
-LOOP_VARIANTS = ("op+fused+jit+loop", "matmul+jit+loop")
+FUSED_VARIANTS = ("op+fused", "op+fused+autocluster", "op+fused+jit")
 BASELINE = "matmul"
 # The LR schedule decays once per epoch of the full MNIST training set, as in train().
 MNIST_TRAIN_EXAMPLES = 60_000
 # Set by the variant, not by an override: an override would be silently ignored.
-RESERVED_KEYS = ("custom_op", "train.xla", "train.xla_loop", "train.batch_size", "train.steps_per_execution", "train.precision",
+RESERVED_KEYS = ("custom_op", "train.xla", "train.batch_size", "train.steps_per_execution", "train.precision",
                  "deterministic", "model.routing")
 
 
 def label(variant):
     custom_op, xla = VARIANTS[variant]
-    return (f"custom_op={str(custom_op).lower()} xla={xla}" + (" fused_routing" if variant in FUSED_VARIANTS else "")
-            + (" xla_loop" if variant in LOOP_VARIANTS else ""))
+    return f"custom_op={str(custom_op).lower()} xla={xla}" + (" fused_routing" if variant in FUSED_VARIANTS else "")
 
 
 def variant_model_cfg(variant, model_cfg):
@@ -275,9 +268,7 @@ def runner(train_steps, iterator, global_batch, per_call):
     def run(steps):
         lengths = [per_call] * (steps // per_call) + ([steps % per_call] if steps % per_call else [])
         for length in lengths:
-            with tf.device("/CPU:0"):  # as train_epoch's: read on the host by the XLA loop
-                sizes = tf.constant([global_batch] * length + [0] * (per_call - length), tf.int32)
-            out = train_steps(iterator, sizes)
+            out = train_steps(iterator, tf.constant([global_batch] * length + [0] * (per_call - length), tf.int32))
         return float(out["loss"][-1])
     return run
 
@@ -343,8 +334,7 @@ def time_training(spec, batch_size, tf_device, per_call=1, precision="float32", 
                                        xla=spec["xla"], guard=guard)
                 iterator = input_iterator(synthetic_batches(spec, batch_size, input_shape,
                                                             int(model_cfg["num_classes"])), device=tf_device)
-                runs.append(runner(make_train_loop(step, in_xla=spec["variant"] in LOOP_VARIANTS), iterator,
-                                   batch_size, per_call))
+                runs.append(runner(make_train_loop(step), iterator, batch_size, per_call))
                 models.append(model)
             timed, peak = time_steps(runs, spec, tf_device)
     except tf.errors.ResourceExhaustedError as exc:

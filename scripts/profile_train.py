@@ -122,9 +122,8 @@ def profile(args, cfg):
         spec = {"seed": cfg["seed"]}
         iterator = input_iterator(bt.synthetic_batches(spec, batch, tuple(model_cfg["input_shape"]),
                                                        int(model_cfg["num_classes"])), device="/GPU:0")
-        train_steps = make_train_loop(step, in_xla=args.variant in bt.LOOP_VARIANTS)
-        with tf.device("/CPU:0"):  # as train_epoch's
-            sizes = tf.constant([batch] * per_call, tf.int32)
+        train_steps = make_train_loop(step)
+        sizes = tf.constant([batch] * per_call, tf.int32)
         calls = max(1, args.steps // per_call)
         for _ in range(args.warmup):
             out = train_steps(iterator, sizes)

@@ -115,15 +115,10 @@ def check(cfg):
     naming the first bad key, else the checked dict with plain types (lists for sequences)
     and a section's missing keys at their schema defaults. Idempotent: train() checks what
     train.py checked already. Rules across sections: train.xla against custom_op and
-    model.routing (check_xla); train.xla_loop on one device under jit; an overlay dataset
-    on one device; run_dir set."""
+    model.routing (check_xla); an overlay dataset on one device; run_dir set."""
     checked = check_section(TrainAppConfig, cfg)
     check_xla(checked["train"]["xla"], checked["model"]["routing"])
     data_name, strategy = checked["data"]["name"], checked["distribute"]["strategy"]
-    if checked["train"]["xla_loop"] and (checked["train"]["xla"] != "jit" or strategy != "none"):
-        # The loop goes inside the step's XLA computation: there must be one, on one device.
-        raise ConfigError(f"train.xla_loop=true needs train.xla=jit and distribute=none "
-                          f"(got train.xla={checked['train']['xla']}, distribute={strategy})")
     if is_overlay(data_name) and strategy != "none":
         # Its (B, 2) labels and two reconstructions are not in the distributed step.
         raise ConfigError(f"data.name={data_name} trains on one device only: set distribute=none")

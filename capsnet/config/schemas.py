@@ -251,7 +251,6 @@ class TrainConfig:
     lr_decay_steps: Optional[int] = _checked(None, _optional_positive_int)
     lr_staircase: bool = _checked(False, _boolean)
     xla: str = _checked("none", _one_of(XLA_MODES))
-    xla_loop: bool = _checked(False, _boolean)
     precision: str = _checked("float32", _one_of(PRECISIONS))
     xla_cache_dir: Optional[str] = _checked(None, _optional_string)
     m_plus: float = _checked(0.9, _finite_float)

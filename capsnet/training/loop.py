@@ -225,7 +225,7 @@ def _train(cfg, progress):
     losses = loss_params(tcfg)
     train_step = make_train_step(model, optimizer, input_shape=model.image_shape, losses=losses, xla=tcfg["xla"],
                                  strategy=strategy, two_digits=two_digits, weight_average=average)
-    train_steps = make_train_loop(train_step, strategy=strategy, in_xla=tcfg["xla_loop"])
+    train_steps = make_train_loop(train_step, strategy=strategy)
     eval_step = make_eval_step(model, model.image_shape, jit_compile=tcfg["xla"] == "jit", two_digits=two_digits,
                                **losses)
 
@@ -375,8 +375,7 @@ def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size,
         # The global batch of each step: full but for an epoch's last (counted here: under
         # a strategy, a replica's batch holds only its slice of it).
         sizes = [min(batch_size, num_examples - (step_in_epoch + i) * batch_size) for i in range(length)]
-        with tf.device("/CPU:0"):  # read on the host by an XLA loop (make_xla_train_loop): no device copy
-            batch_sizes = tf.constant(sizes + [0] * (steps_per_execution - length), tf.int32)  # (steps_per_execution,)
+        batch_sizes = tf.constant(sizes + [0] * (steps_per_execution - length), tf.int32)  # (steps_per_execution,)
         pending.append((train_steps(iterator, batch_sizes), sizes, global_step))
         first = step_in_epoch == 0
         step_in_epoch += length

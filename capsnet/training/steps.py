@@ -266,7 +266,7 @@ def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, wei
     return train_step
 
 
-def make_train_loop(train_step, *, strategy=None, in_xla=False):
+def make_train_loop(train_step, *, strategy=None):
     """Several training steps in one call: (iterator, batch_sizes) → {name: (K,) per-step values}.
 
     Step i takes the next batch of `iterator` (a dataset's, or under `strategy` a
@@ -293,14 +293,7 @@ def make_train_loop(train_step, *, strategy=None, in_xla=False):
     jit step 6.3% at batch 128 when it read step i's, 2.7% when it read step i - 1's;
     docs/benchmarks.md.) The steps after a bad one run on diverged weights that nobody
     keeps, at most K - 1 of them, as the calls already queued behind it do.
-
-    in_xla=True (train.xla_loop; one device, a make_train_step(xla="jit") step): the loop
-    itself runs inside XLA (make_xla_train_loop), one XLA launch for the call's steps.
     """
-    if in_xla:
-        if strategy is not None:
-            raise ValueError("make_train_loop: in_xla is for one device (a strategy's step is not one XLA computation)")
-        return make_xla_train_loop(train_step)
     names = STEP_VALUES  # the keys of both step kinds' outputs
 
     @tf.function
@@ -312,78 +305,11 @@ def make_train_loop(train_step, *, strategy=None, in_xla=False):
             out = train_step(*batch) if strategy is None else train_step(*batch, batch_sizes[i])
             values = {name: values[name].write(i, tf.cast(out[name], tf.float32)) for name in names}
         stacked = {name: values[name].stack() for name in names}  # (K,) each
-        ran = _first_non_finite(stacked, count)  # up to and including the first non-finite step
+        # Up to and including the first non-finite step.
+        bad = tf.math.logical_not(tf.math.logical_and(tf.math.is_finite(stacked["loss"]),
+                                                      tf.math.is_finite(stacked["grad_norm"])))
+        ran = tf.where(tf.reduce_any(bad), tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int32) + 1, count)
         return {name: value[:ran] for name, value in stacked.items()}
-
-    return train_steps
-
-
-def _first_non_finite(stacked, count):
-    """How many of the (K,) per-step values to keep: up to and including the first step whose
-    loss or grad_norm is not finite, else `count` (the non-finite guard; make_train_loop)."""
-    bad = tf.math.logical_not(tf.math.logical_and(tf.math.is_finite(stacked["loss"]),
-                                                  tf.math.is_finite(stacked["grad_norm"])))
-    return tf.where(tf.reduce_any(bad), tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int32) + 1, count)
-
-
-def make_xla_train_loop(train_step):
-    """make_train_loop with the loop inside XLA: (iterator, batch_sizes) → the same values.
-
-    Why: with the loop in TensorFlow, each step is its own XLA launch, and on an H100 the
-    host's work per launch (the executor, the launch of the step's ~90 kernels, its ~100
-    variables) took longer than the GPU's work at batch 128: the GPU idled 0.83 of each
-    2.57 ms float32 step (docs/benchmarks.md, sixteenth session). Here a call gathers its K
-    batches (TensorFlow ops, queued ahead) into one (K, B, ...) stack per input and runs
-    all its steps in one XLA computation, a while loop over the stack whose body is the
-    step (`train_step`'s Python function: the same ops, inlined).
-
-    The loop runs `count` steps (the non-zero entries of batch_sizes) of a stack padded
-    to K = len(batch_sizes), so one compilation serves every call length of a batch
-    shape. A call whose batches differ in size (an epoch's short last batch) cannot be
-    stacked: it runs through make_train_loop's TensorFlow loop, the step compiled on its
-    own. The non-finite guard is make_train_loop's: all `count` steps run, the values
-    stop at the first bad one.
-    """
-    step_body = train_step.python_function  # make_train_step's step, before tf.function
-    tf_loop = make_train_loop(train_step)  # for calls with a short batch
-    names = STEP_VALUES
-
-    @tf.function(jit_compile=True, autograph=False)
-    def xla_steps(count, *stacked):
-        """count steps over the (K, B, ...) stacks → {name: (K,) float32}, zero past count."""
-        steps = stacked[0].shape[0]
-
-        def body(i, *values):
-            out = step_body(*(component[i] for component in stacked))
-            return (i + 1, *(value.write(i, tf.cast(out[name], tf.float32)) for value, name in zip(values, names)))
-
-        values = [tf.TensorArray(tf.float32, size=steps) for _ in names]
-        _, *values = tf.while_loop(lambda i, *_: i < count, body, (tf.constant(0), *values),
-                                   maximum_iterations=steps)
-        return {name: value.stack() for name, value in zip(names, values)}
-
-    @tf.function(autograph=False)
-    def gather_and_run(iterator, count, steps):
-        # The call's batches, each component stacked and zero-padded to `steps` (a Python int).
-        first = next(iterator)
-        arrays = [tf.TensorArray(c.dtype, size=count, element_shape=c.shape).write(0, c) for c in first]
-
-        def gather(i, *arrays):
-            return (i + 1, *(array.write(i, c) for array, c in zip(arrays, next(iterator))))
-
-        _, *arrays = tf.while_loop(lambda i, *_: i < count, gather, (tf.constant(1), *arrays))
-        stacked = [tf.ensure_shape(tf.pad(array.stack(), [[0, steps - count]] + [[0, 0]] * c.shape.rank),
-                                   [steps, *c.shape]) for array, c in zip(arrays, first)]
-        values = xla_steps(count, *stacked)
-        ran = _first_non_finite({name: value[:count] for name, value in values.items()}, count)
-        return {name: value[:ran] for name, value in values.items()}
-
-    def train_steps(iterator, batch_sizes):
-        sizes = np.asarray(batch_sizes)
-        count = int(np.count_nonzero(sizes))
-        if len(set(sizes[:count].tolist())) > 1:
-            return tf_loop(iterator, batch_sizes)
-        return gather_and_run(iterator, tf.constant(count, tf.int32), len(sizes))
 
     return train_steps
 
