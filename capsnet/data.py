@@ -22,7 +22,7 @@ import socket
 import numpy as np
 import tensorflow as tf
 
-from capsnet.augment import elastic_distort, random_flip, random_rotate_zoom, random_shift
+from capsnet.augment import elastic_distort, random_flip, random_rotate_zoom, random_shift, shift_batch, shift_corners
 from capsnet.config import AUGMENTATION_OFF, SHIFT_FILLS, check_augmentation  # noqa: F401  (re-exported)
 from capsnet.datasets import DATASETS, DatasetSpec, example_shape, is_overlay  # noqa: F401  (re-exported)
 from capsnet.errors import ConfigError, DataError
@@ -321,6 +321,21 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
             flip_key, affine_key = tf.unstack(
                 tf.random.experimental.stateless_split(shift_key, 2, alg="philox"))
             elastic_key = tf.random.experimental.stateless_fold_in(key, _ELASTIC_STREAM, alg="philox")
+        if not (training and (flip or rotate_degrees > 0 or zoom > 0 or elastic_alpha > 0)):
+            # Shifts only (the paper's augmentation) or none: whole batches at once, the
+            # same values as the per-example map below (shift_corners draws what
+            # random_shift draws per example) at ~5x its speed (shift_corners: why).
+            def load_batch(indices):
+                batch = tf.gather(images_t, indices)  # (b, H, W, C) uint8
+                if training and shift_pixels > 0:
+                    corners = shift_corners(shift_key, indices, shift_pixels)  # (b, 2)
+                    batch = shift_batch(batch, corners, shift_pixels, fill=shift_fill)
+                return tf.cast(batch, tf.float32) / 255.0, tf.gather(labels_t, indices)
+
+            dataset = tf.data.Dataset.from_tensor_slices(order).batch(batch_size, drop_remainder=drop_remainder)
+            dataset = dataset.map(load_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            return dataset.prefetch(tf.data.AUTOTUNE)
+
         def example_key(stream_key, index):
             # Keyed by the example's index in `images`, not by its position in a batch
             # or thread, so its augmentation is the same however the map runs.

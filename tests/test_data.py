@@ -18,7 +18,7 @@ from capsnet.augment import elastic_distort, rotate_zoom
 from capsnet.data import load_split, make_dataset
 from capsnet.errors import ConfigError, DataError
 from capsnet.idx import read_idx, write_idx
-from conftest import collect, numpy_shift
+from conftest import collect, load_script, numpy_shift
 
 REAL_MNIST = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mnist"
 
@@ -641,3 +641,58 @@ def test_make_dataset_rejects_bad_arrays(images, labels, words):
     with pytest.raises(DataError) as err:
         make_dataset(images, labels, batch_size=2, training=False)
     assert words in str(err.value)
+
+
+@pytest.mark.parametrize("seed, epoch", [(0, 0), (5, 3), (-7, 2**33)])
+def test_shift_corners_draw_what_the_per_example_ops_draw(seed, epoch):
+    """shift_corners computes Philox in TensorFlow ops: for any stream key and example
+    index (beyond 2^32 too) it returns the corners random_shift's per-example draw gives,
+    tf.random.stateless_uniform under stateless_fold_in(key, index)."""
+    from capsnet.augment import shift_corners
+
+    key = tf.constant([seed, epoch], tf.int64)
+    indices = np.concatenate([np.arange(5), np.random.RandomState(seed % 97).randint(0, 2**62, size=60)])
+    for shift in (1, 2, 4):
+        got = shift_corners(key, tf.constant(indices, tf.int64), shift).numpy()
+        want = [tf.random.stateless_uniform([2], seed=tf.random.experimental.stateless_fold_in(
+                    key, tf.constant(i, tf.int64), alg="philox"), minval=0, maxval=2 * shift + 1,
+                    dtype=tf.int32, alg="philox").numpy() for i in indices]
+        np.testing.assert_array_equal(got, np.stack(want))
+
+
+@pytest.mark.parametrize("shift, fill", [(2, "zero"), (3, "edge"), (0, "zero")])
+def test_batched_pipeline_gives_the_per_example_shifts(shift, fill):
+    """With shifts only, make_dataset draws and crops whole batches at once: the same
+    images and labels, bit for bit, as random_shift applied to each example with its own
+    key (the per-example pipeline's ops), in the epoch's order, the short last batch too."""
+    from capsnet.augment import random_shift
+    from capsnet.data import _epoch_order
+
+    rng = np.random.RandomState(1)
+    images = rng.randint(0, 256, (37, 28, 28, 1)).astype(np.uint8)
+    labels = rng.randint(0, 10, 37)
+    batches = list(make_dataset(images, labels, batch_size=8, training=True, seed=5, epoch=3, shift_pixels=shift,
+                                shift_fill=fill))
+    assert [len(y) for _, y in batches] == [8, 8, 8, 8, 5]
+    got_x = np.concatenate([x.numpy() for x, _ in batches])
+    got_y = np.concatenate([y.numpy() for _, y in batches])
+    order, _, shift_key = _epoch_order(37, True, 5, 3)
+    want = []
+    for i in order.numpy():
+        image = tf.constant(images[i])
+        if shift:
+            image = random_shift(image, shift, tf.random.experimental.stateless_fold_in(shift_key, i, alg="philox"),
+                                 fill=fill)
+        want.append(tf.cast(image, tf.float32).numpy() / 255.0)
+    np.testing.assert_array_equal(got_y, labels[order.numpy()])
+    np.testing.assert_array_equal(got_x, np.stack(want))
+
+
+def test_benchmark_input_times_every_image_of_each_epoch(tiny_idx_dir, capsys):
+    """scripts/benchmark_input.py runs the epochs train() builds and counts every training
+    image of each (320 here), with a rate per epoch."""
+    script = load_script("benchmark_input")
+    assert script.main(["--data-dir", str(tiny_idx_dir), "--batch-size", "32", "--epochs", "2"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch")]
+    assert [line.split(":")[0] for line in lines] == ["epoch 1", "epoch 2"]
+    assert all(" 320 images in " in line and line.endswith("images/s") for line in lines)

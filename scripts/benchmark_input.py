@@ -1,0 +1,49 @@
+"""Time the training input pipeline alone: images/s of capsnet.data's epochs, as train()
+builds them (make_split_dataset per epoch, shuffled and augmented by (seed, epoch)).
+
+    python scripts/benchmark_input.py --data-dir ../shared/data/mnist [--dataset mnist]
+        [--batch-size 100] [--epochs 3] [--shift-pixels 2] [--flip]
+
+Each epoch is timed from building its dataset to its last batch (on the host, nothing
+else running), so the per-epoch tracing of the pipeline's functions counts; the first
+epoch also builds the in-memory arrays. A training step that consumes batches faster
+than this rate waits on its input.
+"""
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a clone without `pip install -e .` too
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", required=True, help="the dataset's IDX files")
+    parser.add_argument("--dataset", default="mnist", help="mnist | fashion_mnist (default mnist)")
+    parser.add_argument("--batch-size", type=int, default=100)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--shift-pixels", type=int, default=2)
+    parser.add_argument("--flip", action="store_true", help="also mirror (the per-example pipeline)")
+    args = parser.parse_args(argv)
+
+    from capsnet.data import load_split, make_split_dataset
+
+    images, labels = load_split(args.dataset, "train", data_dir=args.data_dir)
+    print(f"{args.dataset}: {len(labels)} training images, batch {args.batch_size}, shift {args.shift_pixels}"
+          f"{', flips' if args.flip else ''}; {os.cpu_count()} cores visible")
+    for epoch in range(args.epochs):
+        start = time.perf_counter()
+        dataset = make_split_dataset(args.dataset, images, labels, batch_size=args.batch_size, training=True,
+                                     seed=0, epoch=epoch, shift_pixels=args.shift_pixels, flip=args.flip)
+        count = sum(len(y) for _, y in dataset)
+        seconds = time.perf_counter() - start
+        print(f"epoch {epoch + 1}: {count} images in {seconds:.2f} s: {count / seconds:,.0f} images/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
