@@ -50,17 +50,35 @@ def shift_corners(stream_key, indices, shift_pixels):
     the stream key `stream_key` (int64 (2,)): (B, 2) int32, equal to
         tf.random.stateless_uniform([2], seed=tf.random.experimental.stateless_fold_in(
             stream_key, index), minval=0, maxval=2 * shift_pixels + 1, dtype=tf.int32, alg="philox")
-    for each index, in one pass over the batch instead of a few ops per example.
+    for each index (example_words: how), for a whole batch at once."""
+    words = example_words(stream_key, indices)
+    span = tf.constant(2 * shift_pixels + 1, tf.uint64)  # int32 draws: lo + word % (hi - lo)
+    return tf.stack([tf.cast(words[0] % span, tf.int32), tf.cast(words[1] % span, tf.int32)], axis=1)
 
-    Why: drawn per example, these ops were most of the input pipeline's work (the map
-    over single examples ran at ~25,000 images/s on this project's 2-core machine, the
-    batched pipeline ~140,000). TensorFlow has no batched form of the per-example draw
-    (tf.vectorized_map has no rule for its ops), so this computes what those ops compute:
-    fold_in(key, index) is the seed (c, index) with c = a full-range int64 draw from key;
-    TensorFlow turns a seed into Philox's key and counter by one Philox-4x32-10 block
-    (StatelessRandomGetKeyCounter), and the int32 draws are lo + (word % range) of the next
-    block's first two words (StatelessRandomUniformIntV2). Philox on uint32 words held in
-    uint64 (TensorFlow's uint32 has no multiply-high); tests check it against the ops.
+
+def flip_mask(stream_key, indices):
+    """Which of the examples `indices` random_flip mirrors under `stream_key`: (B,) bool,
+    equal to tf.random.stateless_uniform([], seed=stateless_fold_in(stream_key, index),
+    alg="philox") < 0.5 per index (example_words), for a whole batch at once."""
+    # A float32 draw is 1.m - 1 with m the word's low 23 bits: < 0.5 iff m < 2^22.
+    mantissa = tf.bitwise.bitwise_and(example_words(stream_key, indices)[0], tf.constant(0x7FFFFF, tf.uint64))
+    return mantissa < tf.constant(0x400000, tf.uint64)
+
+
+def example_words(stream_key, indices):
+    """The four 32-bit words (uint64 (B,) each) that TensorFlow's stateless draws start from
+    for the seeds stateless_fold_in(stream_key, index), index in `indices` (int64 (B,)).
+
+    Why: the input pipeline drew each example's augmentation with a few ops per example,
+    most of its work (the map over single examples ran at ~17,000 images/s on this
+    project's 2-core machine, whole batches ~90,000: docs/benchmarks.md). TensorFlow has
+    no batched form of a per-example stateless draw (tf.vectorized_map has no rule for its
+    ops), so this computes what those ops compute: fold_in(key, index) is the seed
+    (c, index) with c a full-range int64 draw from key; a seed becomes Philox's key and
+    counter by one Philox-4x32-10 block (StatelessRandomGetKeyCounter), and a draw takes
+    the words of the next block (StatelessRandomUniform*V2). Philox runs on uint32 words
+    held in uint64 (TensorFlow's uint32 has no multiply-high); tests check it against the
+    ops.
     """
     c = tf.random.stateless_uniform([], seed=stream_key, dtype=tf.int64, minval=None, maxval=None, alg="philox")
     seed0 = tf.bitcast(tf.fill(tf.shape(indices), c), tf.uint64)
@@ -68,9 +86,7 @@ def shift_corners(stream_key, indices, shift_pixels):
     counter = [_low32(seed0), _high32(seed0), _low32(seed1), _high32(seed1)]
     mix = _philox4x32(counter, [_word(0x3EC8F720, seed0), _word(0x02461E29, seed0)])
     zero = tf.zeros_like(seed0)
-    words = _philox4x32([zero, zero, mix[2], mix[3]], [mix[0], mix[1]])
-    span = tf.constant(2 * shift_pixels + 1, tf.uint64)
-    return tf.stack([tf.cast(words[0] % span, tf.int32), tf.cast(words[1] % span, tf.int32)], axis=1)
+    return _philox4x32([zero, zero, mix[2], mix[3]], [mix[0], mix[1]])
 
 
 # Philox-4x32-10 (Salmon et al. 2011), as TensorFlow's random::PhiloxRandom computes it.

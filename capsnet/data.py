@@ -22,7 +22,8 @@ import socket
 import numpy as np
 import tensorflow as tf
 
-from capsnet.augment import elastic_distort, random_flip, random_rotate_zoom, random_shift, shift_batch, shift_corners
+from capsnet.augment import (elastic_distort, flip_mask, random_flip, random_rotate_zoom, random_shift, shift_batch,
+                             shift_corners)
 from capsnet.config import AUGMENTATION_OFF, SHIFT_FILLS, check_augmentation  # noqa: F401  (re-exported)
 from capsnet.datasets import DATASETS, DatasetSpec, example_shape, is_overlay  # noqa: F401  (re-exported)
 from capsnet.errors import ConfigError, DataError
@@ -321,12 +322,16 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
             flip_key, affine_key = tf.unstack(
                 tf.random.experimental.stateless_split(shift_key, 2, alg="philox"))
             elastic_key = tf.random.experimental.stateless_fold_in(key, _ELASTIC_STREAM, alg="philox")
-        if not (training and (flip or rotate_degrees > 0 or zoom > 0 or elastic_alpha > 0)):
-            # Shifts only (the paper's augmentation) or none: whole batches at once, the
-            # same values as the per-example map below (shift_corners draws what
-            # random_shift draws per example) at ~5x its speed (shift_corners: why).
+        if not (training and (rotate_degrees > 0 or zoom > 0 or elastic_alpha > 0)):
+            # Flips and shifts (the presets' augmentations) or none: whole batches at once,
+            # the same values as the per-example map below (flip_mask and shift_corners draw
+            # what random_flip and random_shift draw per example) at ~5x its speed
+            # (capsnet.augment.example_words: why).
             def load_batch(indices):
                 batch = tf.gather(images_t, indices)  # (b, H, W, C) uint8
+                if training and flip:
+                    mirror = flip_mask(flip_key, indices)[:, None, None, None]
+                    batch = tf.where(mirror, tf.reverse(batch, axis=[2]), batch)
                 if training and shift_pixels > 0:
                     corners = shift_corners(shift_key, indices, shift_pixels)  # (b, 2)
                     batch = shift_batch(batch, corners, shift_pixels, fill=shift_fill)

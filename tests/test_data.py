@@ -644,11 +644,11 @@ def test_make_dataset_rejects_bad_arrays(images, labels, words):
 
 
 @pytest.mark.parametrize("seed, epoch", [(0, 0), (5, 3), (-7, 2**33)])
-def test_shift_corners_draw_what_the_per_example_ops_draw(seed, epoch):
-    """shift_corners computes Philox in TensorFlow ops: for any stream key and example
-    index (beyond 2^32 too) it returns the corners random_shift's per-example draw gives,
-    tf.random.stateless_uniform under stateless_fold_in(key, index)."""
-    from capsnet.augment import shift_corners
+def test_shift_corners_and_flip_mask_draw_what_the_per_example_ops_draw(seed, epoch):
+    """shift_corners and flip_mask compute Philox in TensorFlow ops: for any stream key and
+    example index (beyond 2^32 too) they return what random_shift's and random_flip's
+    per-example draws give, tf.random.stateless_uniform under stateless_fold_in(key, index)."""
+    from capsnet.augment import flip_mask, shift_corners
 
     key = tf.constant([seed, epoch], tf.int64)
     indices = np.concatenate([np.arange(5), np.random.RandomState(seed % 97).randint(0, 2**62, size=60)])
@@ -658,28 +658,38 @@ def test_shift_corners_draw_what_the_per_example_ops_draw(seed, epoch):
                     key, tf.constant(i, tf.int64), alg="philox"), minval=0, maxval=2 * shift + 1,
                     dtype=tf.int32, alg="philox").numpy() for i in indices]
         np.testing.assert_array_equal(got, np.stack(want))
+    mirrors = flip_mask(key, tf.constant(indices, tf.int64)).numpy()
+    want = [tf.random.stateless_uniform([], seed=tf.random.experimental.stateless_fold_in(
+                key, tf.constant(i, tf.int64), alg="philox"), alg="philox").numpy() < 0.5 for i in indices]
+    np.testing.assert_array_equal(mirrors, want)
+    assert 0 < mirrors.sum() < len(mirrors)
 
 
-@pytest.mark.parametrize("shift, fill", [(2, "zero"), (3, "edge"), (0, "zero")])
-def test_batched_pipeline_gives_the_per_example_shifts(shift, fill):
-    """With shifts only, make_dataset draws and crops whole batches at once: the same
-    images and labels, bit for bit, as random_shift applied to each example with its own
-    key (the per-example pipeline's ops), in the epoch's order, the short last batch too."""
-    from capsnet.augment import random_shift
+@pytest.mark.parametrize("shift, fill, flip", [(2, "zero", False), (3, "edge", False), (0, "zero", False),
+                                               (2, "zero", True)])
+def test_batched_pipeline_gives_the_per_example_augmentation(shift, fill, flip):
+    """With flips and shifts, make_dataset draws and transforms whole batches at once: the
+    same images and labels, bit for bit, as random_flip then random_shift applied to each
+    example with its own keys (the per-example pipeline's ops), in the epoch's order, the
+    short last batch too."""
+    from capsnet.augment import random_flip, random_shift
     from capsnet.data import _epoch_order
 
     rng = np.random.RandomState(1)
     images = rng.randint(0, 256, (37, 28, 28, 1)).astype(np.uint8)
     labels = rng.randint(0, 10, 37)
     batches = list(make_dataset(images, labels, batch_size=8, training=True, seed=5, epoch=3, shift_pixels=shift,
-                                shift_fill=fill))
+                                shift_fill=fill, flip=flip))
     assert [len(y) for _, y in batches] == [8, 8, 8, 8, 5]
     got_x = np.concatenate([x.numpy() for x, _ in batches])
     got_y = np.concatenate([y.numpy() for _, y in batches])
     order, _, shift_key = _epoch_order(37, True, 5, 3)
+    flip_key = tf.unstack(tf.random.experimental.stateless_split(shift_key, 2, alg="philox"))[0]  # as make_dataset
     want = []
     for i in order.numpy():
         image = tf.constant(images[i])
+        if flip:
+            image = random_flip(image, tf.random.experimental.stateless_fold_in(flip_key, i, alg="philox"))
         if shift:
             image = random_shift(image, shift, tf.random.experimental.stateless_fold_in(shift_key, i, alg="philox"),
                                  fill=fill)
