@@ -1,7 +1,9 @@
 """Augmentation math on single images or batches, stateless-RNG keyed: random shifts
 (the paper's), flips, rotation and zoom, elastic distortion (Simard et al. 2003). Pure
 TensorFlow functions without a pipeline: capsnet.data.make_dataset and
-make_multimnist_dataset apply them with per-example keys.
+make_multimnist_dataset apply them with per-example keys. For shifts and flips, the
+per-example draws also exist for a whole epoch at once (`example_words`, `seed_words`:
+the same values from TensorFlow's Philox computed in vectorised ops).
 """
 import math
 
@@ -51,8 +53,13 @@ def shift_corners(stream_key, indices, shift_pixels):
         tf.random.stateless_uniform([2], seed=tf.random.experimental.stateless_fold_in(
             stream_key, index), minval=0, maxval=2 * shift_pixels + 1, dtype=tf.int32, alg="philox")
     for each index (example_words: how), for a whole batch at once."""
-    words = example_words(stream_key, indices)
-    span = tf.constant(2 * shift_pixels + 1, tf.uint64)  # int32 draws: lo + word % (hi - lo)
+    return corners_from_words(example_words(stream_key, indices), shift_pixels)
+
+
+def corners_from_words(words, shift_pixels):
+    """random_shift's crop corners from the Philox block its draw reads (seed_words'):
+    (B, 2) int32. An int32 draw in [lo, hi) is lo + word % (hi - lo)."""
+    span = tf.constant(2 * shift_pixels + 1, tf.uint64)
     return tf.stack([tf.cast(words[0] % span, tf.int32), tf.cast(words[1] % span, tf.int32)], axis=1)
 
 
@@ -81,12 +88,28 @@ def example_words(stream_key, indices):
     ops.
     """
     c = tf.random.stateless_uniform([], seed=stream_key, dtype=tf.int64, minval=None, maxval=None, alg="philox")
-    seed0 = tf.bitcast(tf.fill(tf.shape(indices), c), tf.uint64)
-    seed1 = tf.bitcast(tf.cast(indices, tf.int64), tf.uint64)
+    return seed_words(tf.fill(tf.shape(indices), c), indices)[0]
+
+
+def seed_words(seed0, seed1, blocks=1):
+    """What TensorFlow's stateless draws read for the seeds (seed0, seed1) (int64 (B,)
+    each, or uint64 holding their bits): `blocks` consecutive Philox-4x32-10 blocks, each four 32-bit words (uint64
+    (B,)), from the key and counter the seed gives (StatelessRandomGetKeyCounter). A draw
+    of k values takes the words in order, a block after another (example_words: why)."""
+    seed0, seed1 = (seed if seed.dtype == tf.uint64 else tf.bitcast(tf.cast(seed, tf.int64), tf.uint64)
+                    for seed in (tf.convert_to_tensor(seed0), tf.convert_to_tensor(seed1)))
     counter = [_low32(seed0), _high32(seed0), _low32(seed1), _high32(seed1)]
     mix = _philox4x32(counter, [_word(0x3EC8F720, seed0), _word(0x02461E29, seed0)])
     zero = tf.zeros_like(seed0)
-    return _philox4x32([zero, zero, mix[2], mix[3]], [mix[0], mix[1]])
+    # The counter's low word counts the blocks (from 0: no carry for the few drawn here).
+    return [_philox4x32([zero + tf.constant(block, tf.uint64), zero, mix[2], mix[3]], [mix[0], mix[1]])
+            for block in range(blocks)]
+
+
+def words_to_int64(low, high):
+    """One 64-bit draw from two 32-bit words (low first), as TensorFlow's 64-bit
+    distributions combine them: uint64 (B,)."""
+    return tf.bitwise.bitwise_or(low, tf.bitwise.left_shift(high, tf.constant(32, tf.uint64)))
 
 
 # Philox-4x32-10 (Salmon et al. 2011), as TensorFlow's random::PhiloxRandom computes it.

@@ -22,8 +22,8 @@ import socket
 import numpy as np
 import tensorflow as tf
 
-from capsnet.augment import (elastic_distort, flip_mask, random_flip, random_rotate_zoom, random_shift, shift_batch,
-                             shift_corners)
+from capsnet.augment import (corners_from_words, elastic_distort, flip_mask, random_flip, random_rotate_zoom,
+                             random_shift, seed_words, shift_batch, shift_corners, words_to_int64)
 from capsnet.config import AUGMENTATION_OFF, SHIFT_FILLS, check_augmentation  # noqa: F401  (re-exported)
 from capsnet.datasets import DATASETS, DatasetSpec, example_shape, is_overlay  # noqa: F401  (re-exported)
 from capsnet.errors import ConfigError, DataError
@@ -324,20 +324,25 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
             elastic_key = tf.random.experimental.stateless_fold_in(key, _ELASTIC_STREAM, alg="philox")
         if not (training and (rotate_degrees > 0 or zoom > 0 or elastic_alpha > 0)):
             # Flips and shifts (the presets' augmentations) or none: whole batches at once,
-            # the same values as the per-example map below (flip_mask and shift_corners draw
-            # what random_flip and random_shift draw per example) at ~5x its speed
-            # (capsnet.augment.example_words: why).
-            def load_batch(indices):
-                batch = tf.gather(images_t, indices)  # (b, H, W, C) uint8
-                if training and flip:
-                    mirror = flip_mask(flip_key, indices)[:, None, None, None]
-                    batch = tf.where(mirror, tf.reverse(batch, axis=[2]), batch)
-                if training and shift_pixels > 0:
-                    corners = shift_corners(shift_key, indices, shift_pixels)  # (b, 2)
-                    batch = shift_batch(batch, corners, shift_pixels, fill=shift_fill)
-                return tf.cast(batch, tf.float32) / 255.0, tf.gather(labels_t, indices)
+            # the same values as the per-example map below. The epoch's draws are made up
+            # front for every example in one pass (flip_mask and shift_corners compute what
+            # random_flip and random_shift draw per example; capsnet.augment.example_words:
+            # why), and the map only gathers and crops: ~5x the per-example map's speed.
+            draws = {"index": order}
+            if training and flip:
+                draws["mirror"] = flip_mask(flip_key, order)                      # (N,) bool
+            if training and shift_pixels > 0:
+                draws["corner"] = shift_corners(shift_key, order, shift_pixels)   # (N, 2) int32
 
-            dataset = tf.data.Dataset.from_tensor_slices(order).batch(batch_size, drop_remainder=drop_remainder)
+            def load_batch(draws):
+                batch = tf.gather(images_t, draws["index"])  # (b, H, W, C) uint8
+                if "mirror" in draws:
+                    batch = tf.where(draws["mirror"][:, None, None, None], tf.reverse(batch, axis=[2]), batch)
+                if "corner" in draws:
+                    batch = shift_batch(batch, draws["corner"], shift_pixels, fill=shift_fill)
+                return tf.cast(batch, tf.float32) / 255.0, tf.gather(labels_t, draws["index"])
+
+            dataset = tf.data.Dataset.from_tensor_slices(draws).batch(batch_size, drop_remainder=drop_remainder)
             dataset = dataset.map(load_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
             return dataset.prefetch(tf.data.AUTOTUNE)
 
@@ -453,31 +458,46 @@ def make_multimnist_dataset(images, labels, *, batch_size, training, seed=0, epo
         if not training:
             pair_key = tf.constant(MULTIMNIST_TEST_KEY, tf.int64)
 
-        def load_pair(index):
-            # Keyed by the base example's index: the same pair however the map runs.
-            key = tf.random.experimental.stateless_fold_in(pair_key, index, alg="philox")
-            partner_key, shift_a_key, shift_b_key = tf.unstack(
-                tf.random.experimental.stateless_split(key, 3, alg="philox"))
-            label = tf.gather(labels_t, index)
-            k = tf.cast(label, tf.int64) - low
-            # Uniform over the N - count[k] examples of the other classes: the j-th of
-            # by_class with class k's block cut out.
-            j = tf.random.stateless_uniform([], seed=partner_key, minval=0, maxval=n - count_t[k],
-                                            dtype=tf.int64, alg="philox")
-            partner = tf.gather(by_class_t, j + tf.where(j >= start_t[k], count_t[k], 0))
-            digits = []
-            for source, shift_key in ((index, shift_a_key), (partner, shift_b_key)):
-                canvas = tf.pad(tf.gather(images_t, source), [[s, s], [s, s], [0, 0]])  # (H', W', C) uint8
-                digits.append(tf.cast(random_shift(canvas, s, shift_key), tf.int32) if s else
-                              tf.cast(canvas, tf.int32))
-            overlay = tf.minimum(digits[0] + digits[1], 255)                            # clipped sum
-            pair_labels = tf.stack([label, tf.gather(labels_t, partner)])               # (2,)
-            return (tf.cast(overlay, tf.float32) / 255.0, pair_labels,
-                    tf.cast(tf.stack(digits), tf.float32) / 255.0)                      # (2, H', W', C)
+        # Every pair's draws, made up front for the whole epoch in one pass: what these
+        # per-example draws give (keyed by the base example's index: the same pair however
+        # the map runs),
+        #   key = stateless_fold_in(pair_key, index)
+        #   partner_key, shift_a_key, shift_b_key = stateless_split(key, 3)
+        #   j = stateless_uniform([], partner_key, 0, N - count[k], int64)
+        #   corners = stateless_uniform([2], shift_key, 0, 2s + 1, int32)   (random_shift)
+        # computed from their Philox words (capsnet.augment.seed_words; fold_in(pair_key,
+        # index) is the seed (c, index) with c drawn from pair_key; tests/test_multimnist.py
+        # checks them against the per-example ops). The map then only gathers and crops.
+        fold_c = tf.random.stateless_uniform([], seed=pair_key, dtype=tf.int64, minval=None, maxval=None,
+                                             alg="philox")
+        split = seed_words(tf.fill(tf.shape(order), fold_c), order, blocks=3)  # three int64 seeds an example
+        keys = [(words_to_int64(w[0], w[1]), words_to_int64(w[2], w[3])) for w in split]
+        k = tf.cast(tf.gather(labels_t, order), tf.int64) - low
+        count_k, start_k = tf.gather(count_t, k), tf.gather(start_t, k)
+        # Uniform over the N - count[k] examples of the other classes: the j-th of by_class
+        # with class k's block cut out.
+        partner_words = seed_words(*keys[0])[0]
+        j = tf.cast(words_to_int64(partner_words[0], partner_words[1]) % tf.cast(n - count_k, tf.uint64), tf.int64)
+        draws = {"index": order, "partner": tf.gather(by_class_t, j + tf.where(j >= start_k, count_k, 0))}
+        if s:
+            draws["corner_a"] = corners_from_words(seed_words(*keys[1])[0], s)  # (N, 2) int32
+            draws["corner_b"] = corners_from_words(seed_words(*keys[2])[0], s)
 
-        dataset = tf.data.Dataset.from_tensor_slices(order)
-        dataset = dataset.map(load_pair, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
+        def load_pairs(draws):
+            digits = []
+            for source, corner in (("index", "corner_a"), ("partner", "corner_b")):
+                canvas = tf.pad(tf.gather(images_t, draws[source]), [[0, 0], [s, s], [s, s], [0, 0]])  # (b, H', W', C)
+                if s:
+                    canvas = shift_batch(canvas, draws[corner], s)
+                digits.append(tf.cast(canvas, tf.int32))
+            overlay = tf.minimum(digits[0] + digits[1], 255)                            # clipped sum
+            pair_labels = tf.stack([tf.gather(labels_t, draws["index"]), tf.gather(labels_t, draws["partner"])],
+                                   axis=1)                                              # (b, 2)
+            return (tf.cast(overlay, tf.float32) / 255.0, pair_labels,
+                    tf.cast(tf.stack(digits, axis=1), tf.float32) / 255.0)              # (b, 2, H', W', C)
+
+        dataset = tf.data.Dataset.from_tensor_slices(draws).batch(batch_size, drop_remainder=drop_remainder)
+        dataset = dataset.map(load_pairs, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         return dataset.prefetch(tf.data.AUTOTUNE)
 
 def _check_examples(images, labels):

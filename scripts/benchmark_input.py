@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))  # run from a clone without `pip install -e .` too
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", required=True, help="the dataset's IDX files")
-    parser.add_argument("--dataset", default="mnist", help="mnist | fashion_mnist (default mnist)")
+    parser.add_argument("--dataset", default="mnist", help="mnist | fashion_mnist | multimnist (default mnist)")
     parser.add_argument("--batch-size", type=int, default=100)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--shift-pixels", type=int, default=2)
@@ -39,7 +39,7 @@ def main(argv=None):
         start = time.perf_counter()
         dataset = make_split_dataset(args.dataset, images, labels, batch_size=args.batch_size, training=True,
                                      seed=0, epoch=epoch, shift_pixels=args.shift_pixels, flip=args.flip)
-        count = sum(len(y) for _, y in dataset)
+        count = sum(len(batch[1]) for batch in dataset)  # (images, labels[, digits])
         seconds = time.perf_counter() - start
         print(f"epoch {epoch + 1}: {count} images in {seconds:.2f} s: {count / seconds:,.0f} images/s")
     return 0

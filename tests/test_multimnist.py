@@ -225,3 +225,44 @@ def test_multimnist_config_errors(tiny_idx_dir, tmp_path):
         train(compose_config("train", multimnist_overrides(tiny_idx_dir, tmp_path / "b", "data.rotate_degrees=5")))
     with pytest.raises(ConfigError, match="one device only: set distribute=none"):
         train(compose_config("train", multimnist_overrides(tiny_idx_dir, tmp_path / "c", "distribute=mirrored")))
+
+
+@pytest.mark.parametrize("training, shift", [(True, 4), (False, 4), (True, 0)])
+def test_batched_pairs_are_the_per_example_draws(sources, training, shift):
+    """make_multimnist_dataset builds whole batches from the Philox words of its draws
+    (capsnet.augment.seed_words): every pair, label and digit is, bit for bit, what the
+    per-example draws give (fold_in, split, the partner's int64 draw, random_shift's
+    corners: the ops the pipeline ran per example before), the short last batch too."""
+    from capsnet.augment import random_shift
+    from capsnet.data import _epoch_order
+
+    images, labels = sources
+    n, s = len(labels), shift
+    batches = list(make_multimnist_dataset(images, labels, batch_size=16, training=training, seed=3, epoch=2,
+                                           shift_pixels=shift))
+    got = [np.concatenate([b[i].numpy() for b in batches]) for i in range(3)]
+    order, _, pair_key = _epoch_order(n, training, 3, 2)
+    if not training:
+        pair_key = tf.constant(MULTIMNIST_TEST_KEY, tf.int64)
+    by_class = np.argsort(labels, kind="stable")
+    classes = np.arange(labels.min(), labels.max() + 1)
+    count = np.array([np.sum(labels == k) for k in classes])
+    start = np.concatenate([[0], np.cumsum(count)[:-1]])
+    want = ([], [], [])
+    for index in order.numpy():
+        key = tf.random.experimental.stateless_fold_in(pair_key, tf.constant(index, tf.int64), alg="philox")
+        partner_key, shift_a_key, shift_b_key = tf.unstack(tf.random.experimental.stateless_split(key, 3, alg="philox"))
+        k = labels[index] - classes[0]
+        j = int(tf.random.stateless_uniform([], seed=partner_key, minval=0, maxval=n - count[k], dtype=tf.int64,
+                                            alg="philox"))
+        partner = by_class[j + (count[k] if j >= start[k] else 0)]
+        digits = []
+        for source, shift_key in ((index, shift_a_key), (partner, shift_b_key)):
+            canvas = tf.pad(tf.constant(images[source]), [[s, s], [s, s], [0, 0]])
+            digits.append((random_shift(canvas, s, shift_key) if s else canvas).numpy().astype(np.int32))
+        want[0].append(np.minimum(digits[0] + digits[1], 255).astype(np.float32) / np.float32(255))
+        want[1].append([labels[index], labels[partner]])
+        want[2].append(np.stack(digits).astype(np.float32) / np.float32(255))
+    assert len(got[1]) == n and [len(b[1]) for b in batches][-1] == n - 16 * (len(batches) - 1)
+    for got_part, want_part in zip(got, want):
+        np.testing.assert_array_equal(got_part, np.stack(want_part))
