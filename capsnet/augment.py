@@ -77,8 +77,9 @@ def example_words(stream_key, indices):
     for the seeds stateless_fold_in(stream_key, index), index in `indices` (int64 (B,)).
 
     Why: the input pipeline drew each example's augmentation with a few ops per example,
-    most of its work (the map over single examples ran at ~17,000 images/s on this
-    project's 2-core machine, whole batches ~90,000: docs/benchmarks.md). TensorFlow has
+    most of its work (the map over single examples ran at ~24,000 MNIST images/s on this
+    project's 2-core machine; with the epoch's draws made at once and whole batches
+    cropped, ~150,000: docs/benchmarks.md, sixteenth session). TensorFlow has
     no batched form of a per-example stateless draw (tf.vectorized_map has no rule for its
     ops), so this computes what those ops compute: fold_in(key, index) is the seed
     (c, index) with c a full-range int64 draw from key; a seed becomes Philox's key and
