@@ -94,9 +94,10 @@ def example_words(stream_key, indices):
 
 def seed_words(seed0, seed1, blocks=1):
     """What TensorFlow's stateless draws read for the seeds (seed0, seed1) (int64 (B,)
-    each, or uint64 holding their bits): `blocks` consecutive Philox-4x32-10 blocks, each four 32-bit words (uint64
-    (B,)), from the key and counter the seed gives (StatelessRandomGetKeyCounter). A draw
-    of k values takes the words in order, a block after another (example_words: why)."""
+    each, or uint64 holding their bits): `blocks` consecutive Philox-4x32-10 blocks, each
+    four 32-bit words (uint64 (B,)), from the key and counter the seed gives
+    (StatelessRandomGetKeyCounter). A draw of k values takes the words in order, a block
+    after another (example_words: why)."""
     seed0, seed1 = (seed if seed.dtype == tf.uint64 else tf.bitcast(tf.cast(seed, tf.int64), tf.uint64)
                     for seed in (tf.convert_to_tensor(seed0), tf.convert_to_tensor(seed1)))
     counter = [_low32(seed0), _high32(seed0), _low32(seed1), _high32(seed1)]
