@@ -88,6 +88,10 @@ def example_words(stream_key, indices):
     held in uint64 (TensorFlow's uint32 has no multiply-high); tests check it against the
     ops.
     """
+    indices = tf.convert_to_tensor(indices)
+    if indices.dtype != tf.int64:
+        # fold_in draws c in the data's dtype: only int64 indices give the seeds computed here.
+        raise TypeError(f"example_words: indices must be int64 (as the pipelines' example order), got {indices.dtype}")
     c = tf.random.stateless_uniform([], seed=stream_key, dtype=tf.int64, minval=None, maxval=None, alg="philox")
     return seed_words(tf.fill(tf.shape(indices), c), indices)[0]
 

@@ -91,7 +91,8 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
             data_name without data_dir reads tensorflow-datasets (the run's data.dir
             holds the other dataset's files).
         custom_op: None = as trained; True/False picks the capsule-prediction path.
-        batch_size: None = the (first) run's train.batch_size.
+        batch_size: None = the (first) run's test pass batch: its train.test_batch_size, or
+            train.batch_size where that is null.
         weights: None = the run's moving average of the weights if it kept one
             (train.ema_decay > 0), else the trained weights; "ema" or "raw" to choose.
         precision: None = the run's train.precision; or one of config.PRECISIONS (the
@@ -132,7 +133,8 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     if data_args["name"] is not None and data_args["name"] != data_cfg["name"] and data_args["dir"] is None:
         data_cfg["dir"] = None
     data_cfg.update({key: value for key, value in data_args.items() if value is not None})
-    batch_size = first["cfg"]["train"]["batch_size"] if args["batch_size"] is None else args["batch_size"]
+    run_train = first["cfg"]["train"]
+    batch_size = args["batch_size"] or run_train.get("test_batch_size") or run_train["batch_size"]
     # One test split for all (data.name may pick another): members trained for different
     # datasets have capsules that mean different things, whatever split they are scored on.
     trained_on = [member["cfg"]["data"]["name"] for member in members]

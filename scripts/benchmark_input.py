@@ -27,7 +27,7 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=100)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--shift-pixels", type=int, default=2)
-    parser.add_argument("--flip", action="store_true", help="also mirror (the per-example pipeline)")
+    parser.add_argument("--flip", action="store_true", help="also mirror left-right (as paper_fashion_mnist)")
     args = parser.parse_args(argv)
 
     from capsnet.data import load_split, make_split_dataset

@@ -658,6 +658,8 @@ def test_shift_corners_and_flip_mask_draw_what_the_per_example_ops_draw(seed, ep
                     key, tf.constant(i, tf.int64), alg="philox"), minval=0, maxval=2 * shift + 1,
                     dtype=tf.int32, alg="philox").numpy() for i in indices]
         np.testing.assert_array_equal(got, np.stack(want))
+    with pytest.raises(TypeError, match="int64"):  # fold_in's draw depends on the index dtype
+        shift_corners(key, tf.constant([1, 2], tf.int32), 2)
     mirrors = flip_mask(key, tf.constant(indices, tf.int64)).numpy()
     want = [tf.random.stateless_uniform([], seed=tf.random.experimental.stateless_fold_in(
                 key, tf.constant(i, tf.int64), alg="philox"), alg="philox").numpy() < 0.5 for i in indices]

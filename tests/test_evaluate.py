@@ -70,6 +70,21 @@ def test_evaluate_latest_and_a_checkpoint_path(trained_run, tmp_path):
     assert json.loads(output.read_text())["accuracy"] == report["accuracy"]
 
 
+def test_evaluate_batches_as_the_run_tested_unless_told(trained_run, tmp_path):
+    """batch_size=None is the run's test pass batch: train.test_batch_size where the run set
+    one, else train.batch_size; an explicit batch_size wins. The scores do not depend on it."""
+    run_dir, metrics = trained_run
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    config = yaml.safe_load((copy / "config.yaml").read_text())
+    assert evaluate(copy, which="latest", output=tmp_path / "a.json")["batch_size"] == config["train"]["batch_size"]
+    config["train"]["test_batch_size"] = 7
+    (copy / "config.yaml").write_text(yaml.safe_dump(config))
+    report = evaluate(copy, which="latest", output=tmp_path / "b.json")
+    assert report["batch_size"] == 7 and report["accuracy"] == metrics["test_accuracy"]
+    assert evaluate(copy, which="latest", batch_size=5, output=tmp_path / "c.json")["batch_size"] == 5
+
+
 def test_missing_checkpoints_name_the_path(trained_run, tmp_path):
     with pytest.raises(CheckpointError, match=f"checkpoint not found: {tmp_path}/nope"):
         evaluate(tmp_path / "nope")
