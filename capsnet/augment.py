@@ -1,9 +1,9 @@
 """Augmentation math on single images or batches, stateless-RNG keyed: random shifts
 (the paper's), flips, rotation and zoom, elastic distortion (Simard et al. 2003). Pure
 TensorFlow functions without a pipeline: capsnet.data.make_dataset and
-make_multimnist_dataset apply them with per-example keys. For shifts and flips, the
-per-example draws also exist for a whole epoch at once (`example_words`, `seed_words`:
-the same values from TensorFlow's Philox computed in vectorised ops).
+make_multimnist_dataset apply them. Shifts and flips are drawn for a whole epoch at once
+(`flip_mask`, `shift_corners`: per-example draws keyed by each example's index, from
+TensorFlow's Philox computed in vectorised ops) and applied to batches (`shift_batch`).
 """
 import math
 
@@ -11,29 +11,11 @@ import numpy as np
 import tensorflow as tf
 
 
-def random_shift(image, shift_pixels, key, fill="zero"):
-    """Shifts one (H, W, C) image by (dy, dx), each uniform in [-shift_pixels, shift_pixels],
-    drawn from the stateless RNG `key` (int64 (2,)); the uncovered border is zero
-    (fill="zero") or repeats the nearest border pixel (fill="edge"). Both fills draw the
-    same shift from the same key."""
-    h, w, c = image.shape
-    s = shift_pixels
-    # A crop at corner (oy, ox) of the image padded by s is the image shifted by (s - oy, s - ox).
-    corner = tf.random.stateless_uniform([2], seed=key, minval=0, maxval=2 * s + 1,
-                                         dtype=tf.int32, alg="philox")
-    if fill == "edge":
-        # out[y, x] = image[clip(y - dy), clip(x - dx)] with (dy, dx) = s - corner.
-        rows = tf.clip_by_value(tf.range(h) + corner[0] - s, 0, h - 1)
-        cols = tf.clip_by_value(tf.range(w) + corner[1] - s, 0, w - 1)
-        return tf.gather(tf.gather(image, rows, axis=0), cols, axis=1)  # (H, W, C)
-    padded = tf.pad(image, [[s, s], [s, s], [0, 0]])  # (H + 2s, W + 2s, C), zero border
-    return tf.slice(padded, [corner[0], corner[1], 0], [h, w, c])  # (H, W, C)
-
-
 def shift_batch(images, corners, shift_pixels, fill="zero"):
-    """random_shift for a batch: (B, H, W, C) images, each cropped at its own corner of
-    `corners` (B, 2) int32 (shift_corners' draws), the same values as random_shift per
-    image with the same draws, in a few ops for the whole batch."""
+    """Shifts a batch: (B, H, W, C) images, each cropped at its own corner of `corners`
+    (B, 2) int32 (shift_corners' draws) in the image padded by shift_pixels, i.e. shifted by
+    (shift_pixels - corner): the uncovered border zero (fill="zero") or the nearest border
+    pixel repeated (fill="edge"). A few ops for the whole batch."""
     _, h, w, _ = images.shape
     s = shift_pixels
     rows = corners[:, :1] + tf.range(h)[None, :]  # (B, H): rows of the padded image
@@ -48,33 +30,36 @@ def shift_batch(images, corners, shift_pixels, fill="zero"):
 
 
 def shift_corners(stream_key, indices, shift_pixels):
-    """The crop corners random_shift draws for the examples `indices` (int64 (B,)) under
-    the stream key `stream_key` (int64 (2,)): (B, 2) int32, equal to
+    """The crop corners of the examples `indices` (int64 (B,)) under the stream key
+    `stream_key` (int64 (2,)), each shift uniform in [-shift_pixels, shift_pixels]: (B, 2)
+    int32, equal to the per-example draws
         tf.random.stateless_uniform([2], seed=tf.random.experimental.stateless_fold_in(
             stream_key, index), minval=0, maxval=2 * shift_pixels + 1, dtype=tf.int32, alg="philox")
     for each index (example_words: how), for a whole batch at once."""
-    return corners_from_words(example_words(stream_key, indices), shift_pixels)
+    return corners_from_words(example_words(stream_key, indices)[0], shift_pixels)
 
 
 def corners_from_words(words, shift_pixels):
-    """random_shift's crop corners from the Philox block its draw reads (seed_words'):
+    """A shift's crop corners from the Philox block its draw reads (seed_words'):
     (B, 2) int32. An int32 draw in [lo, hi) is lo + word % (hi - lo)."""
     span = tf.constant(2 * shift_pixels + 1, tf.uint64)
     return tf.stack([tf.cast(words[0] % span, tf.int32), tf.cast(words[1] % span, tf.int32)], axis=1)
 
 
 def flip_mask(stream_key, indices):
-    """Which of the examples `indices` random_flip mirrors under `stream_key`: (B,) bool,
-    equal to tf.random.stateless_uniform([], seed=stateless_fold_in(stream_key, index),
-    alg="philox") < 0.5 per index (example_words), for a whole batch at once."""
+    """Which of the examples `indices` are mirrored left-right (probability 1/2) under
+    `stream_key`: (B,) bool, equal to the per-example draws
+        tf.random.stateless_uniform([], seed=stateless_fold_in(stream_key, index), alg="philox") < 0.5
+    for each index (example_words), for a whole batch at once."""
     # A float32 draw is 1.m - 1 with m the word's low 23 bits: < 0.5 iff m < 2^22.
-    mantissa = tf.bitwise.bitwise_and(example_words(stream_key, indices)[0], tf.constant(0x7FFFFF, tf.uint64))
+    mantissa = tf.bitwise.bitwise_and(example_words(stream_key, indices)[0][0], tf.constant(0x7FFFFF, tf.uint64))
     return mantissa < tf.constant(0x400000, tf.uint64)
 
 
-def example_words(stream_key, indices):
-    """The four 32-bit words (uint64 (B,) each) that TensorFlow's stateless draws start from
-    for the seeds stateless_fold_in(stream_key, index), index in `indices` (int64 (B,)).
+def example_words(stream_key, indices, blocks=1):
+    """The Philox blocks (seed_words': `blocks` lists of four 32-bit words, uint64 (B,)
+    each) that TensorFlow's stateless draws read for the seeds
+    stateless_fold_in(stream_key, index), index in `indices` (int64 (B,)).
 
     Why: the input pipeline drew each example's augmentation with a few ops per example,
     most of its work (the map over single examples ran at ~24,000 MNIST images/s on this
@@ -93,7 +78,7 @@ def example_words(stream_key, indices):
         # fold_in draws c in the data's dtype: only int64 indices give the seeds computed here.
         raise TypeError(f"example_words: indices must be int64 (as the pipelines' example order), got {indices.dtype}")
     c = tf.random.stateless_uniform([], seed=stream_key, dtype=tf.int64, minval=None, maxval=None, alg="philox")
-    return seed_words(tf.fill(tf.shape(indices), c), indices)[0]
+    return seed_words(tf.fill(tf.shape(indices), c), indices, blocks)
 
 
 def seed_words(seed0, seed1, blocks=1):
@@ -148,12 +133,6 @@ def _philox4x32(counter, key):
             key = [_low32(key[0] + tf.constant(_PHILOX_W[0], tf.uint64)),
                    _low32(key[1] + tf.constant(_PHILOX_W[1], tf.uint64))]
     return counter
-
-
-def random_flip(image, key):
-    """Mirrors one (H, W, C) image left-right with probability 1/2 (stateless RNG `key`)."""
-    mirror = tf.random.stateless_uniform([], seed=key, alg="philox") < 0.5
-    return tf.cond(mirror, lambda: tf.reverse(image, axis=[1]), lambda: image)
 
 
 def random_rotate_zoom(image, rotate_degrees, zoom, key):

@@ -22,8 +22,8 @@ import socket
 import numpy as np
 import tensorflow as tf
 
-from capsnet.augment import (corners_from_words, elastic_distort, flip_mask, random_flip, random_rotate_zoom,
-                             random_shift, seed_words, shift_batch, shift_corners, words_to_int64)
+from capsnet.augment import (corners_from_words, elastic_distort, example_words, flip_mask, random_rotate_zoom,
+                             seed_words, shift_batch, shift_corners, words_to_int64)
 from capsnet.config import AUGMENTATION_OFF, SHIFT_FILLS, check_augmentation  # noqa: F401  (re-exported)
 from capsnet.datasets import DATASETS, DatasetSpec, example_shape, is_overlay  # noqa: F401  (re-exported)
 from capsnet.errors import ConfigError, DataError
@@ -322,18 +322,20 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
             flip_key, affine_key = tf.unstack(
                 tf.random.experimental.stateless_split(shift_key, 2, alg="philox"))
             elastic_key = tf.random.experimental.stateless_fold_in(key, _ELASTIC_STREAM, alg="philox")
-        if not (training and (rotate_degrees > 0 or zoom > 0 or elastic_alpha > 0)):
-            # Flips and shifts (the presets' augmentations) or none: whole batches at once,
-            # the same values as the per-example map below. The epoch's draws are made up
-            # front for every example in one pass (flip_mask and shift_corners compute what
-            # random_flip and random_shift draw per example; capsnet.augment.example_words:
-            # why), and the map only gathers and crops: ~6x the per-example map's speed (MNIST, 2 cores).
-            draws = {"index": order}
-            if training and flip:
-                draws["mirror"] = flip_mask(flip_key, order)                      # (N,) bool
-            if training and shift_pixels > 0:
-                draws["corner"] = shift_corners(shift_key, order, shift_pixels)   # (N, 2) int32
+        # The epoch's flips and shifts, drawn up front for every example in one pass:
+        # flip_mask and shift_corners give what a per-example draw keyed by the example's
+        # index gives (stateless_fold_in(flip_key / shift_key, index); capsnet.augment.
+        # example_words: why), so the batches do not depend on how the map runs.
+        draws = {"index": order}
+        if training and flip:
+            draws["mirror"] = flip_mask(flip_key, order)                      # (N,) bool
+        if training and shift_pixels > 0:
+            draws["corner"] = shift_corners(shift_key, order, shift_pixels)   # (N, 2) int32
+        dataset = tf.data.Dataset.from_tensor_slices(draws)
 
+        if not (training and (rotate_degrees > 0 or zoom > 0 or elastic_alpha > 0)):
+            # Flips and shifts (the presets' augmentations) or none: the map gathers and
+            # crops whole batches, ~6x the per-example map's speed (MNIST, 2 cores).
             def load_batch(draws):
                 batch = tf.gather(images_t, draws["index"])  # (b, H, W, C) uint8
                 if "mirror" in draws:
@@ -345,7 +347,7 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
             # Batched, then mapped: tf.distribute cannot read the batch size through the map
             # and splits the batches over replicas by its older rebatching; the slices are
             # the same (tests/test_distribute.py).
-            dataset = tf.data.Dataset.from_tensor_slices(draws).batch(batch_size, drop_remainder=drop_remainder)
+            dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
             dataset = dataset.map(load_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
             return dataset.prefetch(tf.data.AUTOTUNE)
 
@@ -354,17 +356,20 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
             # or thread, so its augmentation is the same however the map runs.
             return tf.random.experimental.stateless_fold_in(stream_key, index, alg="philox")
 
-        def load_example(index):
+        def load_example(draws):
+            # Rotation, zoom or elastic distortion: one example at a time, in the order
+            # flip, rotate/zoom, shift (the elastic distortion on whole batches below).
+            index = draws["index"]
             image = tf.gather(images_t, index)  # (H, W, C) uint8
-            if training and flip:
-                image = random_flip(image, example_key(flip_key, index))
-            if training and (rotate_degrees > 0 or zoom > 0):
+            if "mirror" in draws:
+                image = tf.where(draws["mirror"], tf.reverse(image, axis=[1]), image)
+            if rotate_degrees > 0 or zoom > 0:
                 image = random_rotate_zoom(tf.cast(image, tf.float32), rotate_degrees, zoom,
                                            example_key(affine_key, index))
-            if training and shift_pixels > 0:
-                image = random_shift(image, shift_pixels, example_key(shift_key, index), fill=shift_fill)
+            if "corner" in draws:
+                image = shift_batch(image[None], draws["corner"][None], shift_pixels, fill=shift_fill)[0]
             example = (tf.cast(image, tf.float32) / 255.0, tf.gather(labels_t, index))
-            if training and elastic_alpha > 0:
+            if elastic_alpha > 0:
                 # The example's displacement noise (keyed by its index, like the other
                 # draws), applied below to whole batches: one chain of ops per batch
                 # instead of one per image.
@@ -372,9 +377,7 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
                                                         minval=-1.0, maxval=1.0, alg="philox"),)
             return example
 
-        dataset = tf.data.Dataset.from_tensor_slices(order)
-        dataset = dataset.map(load_example, num_parallel_calls=tf.data.AUTOTUNE,
-                              deterministic=True)
+        dataset = dataset.map(load_example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
         if training and elastic_alpha > 0:
             dataset = dataset.map(
@@ -467,13 +470,11 @@ def make_multimnist_dataset(images, labels, *, batch_size, training, seed=0, epo
         #   key = stateless_fold_in(pair_key, index)
         #   partner_key, shift_a_key, shift_b_key = stateless_split(key, 3)
         #   j = stateless_uniform([], partner_key, 0, N - count[k], int64)
-        #   corners = stateless_uniform([2], shift_key, 0, 2s + 1, int32)   (random_shift)
-        # computed from their Philox words (capsnet.augment.seed_words; fold_in(pair_key,
-        # index) is the seed (c, index) with c drawn from pair_key; tests/test_multimnist.py
-        # checks them against the per-example ops). The map then only gathers and crops.
-        fold_c = tf.random.stateless_uniform([], seed=pair_key, dtype=tf.int64, minval=None, maxval=None,
-                                             alg="philox")
-        split = seed_words(tf.fill(tf.shape(order), fold_c), order, blocks=3)  # three int64 seeds an example
+        #   corners = stateless_uniform([2], shift_key, 0, 2s + 1, int32)   (each digit's shift)
+        # computed from their Philox words (capsnet.augment.example_words, seed_words;
+        # tests/test_multimnist.py checks them against the per-example ops). The map then
+        # only gathers and crops.
+        split = example_words(pair_key, order, blocks=3)  # three int64 seeds an example
         keys = [(words_to_int64(w[0], w[1]), words_to_int64(w[2], w[3])) for w in split]
         k = tf.cast(tf.gather(labels_t, order), tf.int64) - low
         count_k, start_k = tf.gather(count_t, k), tf.gather(start_t, k)
@@ -502,6 +503,7 @@ def make_multimnist_dataset(images, labels, *, batch_size, training, seed=0, epo
         dataset = tf.data.Dataset.from_tensor_slices(draws).batch(batch_size, drop_remainder=drop_remainder)
         dataset = dataset.map(load_pairs, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         return dataset.prefetch(tf.data.AUTOTUNE)
+
 
 def _check_examples(images, labels):
     images, labels = np.asarray(images), np.asarray(labels)

@@ -89,6 +89,39 @@ def numpy_shift(image, dy, dx):
     return out
 
 
+# The per-example augmentation draws, as the input pipeline made them before it drew
+# whole epochs at once (capsnet.augment.flip_mask, shift_corners): the references its
+# batches are checked against.
+def random_shift(image, shift_pixels, key, fill="zero"):
+    """Shifts one (H, W, C) image by (dy, dx), each uniform in [-shift_pixels, shift_pixels],
+    drawn from the stateless RNG `key` (int64 (2,)); the uncovered border is zero
+    (fill="zero") or repeats the nearest border pixel (fill="edge"). Both fills draw the
+    same shift from the same key."""
+    import tensorflow as tf
+
+    h, w, c = image.shape
+    s = shift_pixels
+    # A crop at corner (oy, ox) of the image padded by s is the image shifted by (s - oy, s - ox).
+    corner = tf.random.stateless_uniform([2], seed=key, minval=0, maxval=2 * s + 1,
+                                         dtype=tf.int32, alg="philox")
+    if fill == "edge":
+        # out[y, x] = image[clip(y - dy), clip(x - dx)] with (dy, dx) = s - corner.
+        rows = tf.clip_by_value(tf.range(h) + corner[0] - s, 0, h - 1)
+        cols = tf.clip_by_value(tf.range(w) + corner[1] - s, 0, w - 1)
+        return tf.gather(tf.gather(image, rows, axis=0), cols, axis=1)  # (H, W, C)
+    padded = tf.pad(image, [[s, s], [s, s], [0, 0]])  # (H + 2s, W + 2s, C), zero border
+    return tf.slice(padded, [corner[0], corner[1], 0], [h, w, c])  # (H, W, C)
+
+
+
+def random_flip(image, key):
+    """Mirrors one (H, W, C) image left-right with probability 1/2 (stateless RNG `key`)."""
+    import tensorflow as tf
+
+    mirror = tf.random.stateless_uniform([], seed=key, alg="philox") < 0.5
+    return tf.cond(mirror, lambda: tf.reverse(image, axis=[1]), lambda: image)
+
+
 def collect(dataset):
     """A finite tf.data dataset of tuples as one NumPy array per tuple element, the
     batches concatenated."""

@@ -667,31 +667,37 @@ def test_shift_corners_and_flip_mask_draw_what_the_per_example_ops_draw(seed, ep
     assert 0 < mirrors.sum() < len(mirrors)
 
 
-@pytest.mark.parametrize("shift, fill, flip", [(2, "zero", False), (3, "edge", False), (0, "zero", False),
-                                               (2, "zero", True)])
-def test_batched_pipeline_gives_the_per_example_augmentation(shift, fill, flip):
+@pytest.mark.parametrize("shift, fill, flip, rotate", [(2, "zero", False, 0), (3, "edge", False, 0),
+                                                       (0, "zero", False, 0), (2, "zero", True, 0),
+                                                       (2, "edge", True, 10)])
+def test_batched_pipeline_gives_the_per_example_augmentation(shift, fill, flip, rotate):
     """With flips and shifts, make_dataset draws and transforms whole batches at once: the
     same images and labels, bit for bit, as random_flip then random_shift applied to each
     example with its own keys (the per-example pipeline's ops), in the epoch's order, the
-    short last batch too."""
-    from capsnet.augment import random_flip, random_shift
+    short last batch too. With a rotation (one example at a time, between the flip and the
+    shift) the epoch's flip and shift draws are the same too."""
+    from conftest import random_flip, random_shift
+    from capsnet.augment import random_rotate_zoom
     from capsnet.data import _epoch_order
 
     rng = np.random.RandomState(1)
     images = rng.randint(0, 256, (37, 28, 28, 1)).astype(np.uint8)
     labels = rng.randint(0, 10, 37)
     batches = list(make_dataset(images, labels, batch_size=8, training=True, seed=5, epoch=3, shift_pixels=shift,
-                                shift_fill=fill, flip=flip))
+                                shift_fill=fill, flip=flip, rotate_degrees=rotate))
     assert [len(y) for _, y in batches] == [8, 8, 8, 8, 5]
     got_x = np.concatenate([x.numpy() for x, _ in batches])
     got_y = np.concatenate([y.numpy() for _, y in batches])
     order, _, shift_key = _epoch_order(37, True, 5, 3)
-    flip_key = tf.unstack(tf.random.experimental.stateless_split(shift_key, 2, alg="philox"))[0]  # as make_dataset
+    flip_key, affine_key = tf.unstack(tf.random.experimental.stateless_split(shift_key, 2, alg="philox"))  # as make_dataset
     want = []
     for i in order.numpy():
         image = tf.constant(images[i])
         if flip:
             image = random_flip(image, tf.random.experimental.stateless_fold_in(flip_key, i, alg="philox"))
+        if rotate:
+            image = random_rotate_zoom(tf.cast(image, tf.float32), rotate, 0.0,
+                                       tf.random.experimental.stateless_fold_in(affine_key, i, alg="philox"))
         if shift:
             image = random_shift(image, shift, tf.random.experimental.stateless_fold_in(shift_key, i, alg="philox"),
                                  fill=fill)

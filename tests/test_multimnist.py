@@ -233,7 +233,7 @@ def test_batched_pairs_are_the_per_example_draws(sources, training, shift):
     (capsnet.augment.seed_words): every pair, label and digit is, bit for bit, what the
     per-example draws give (fold_in, split, the partner's int64 draw, random_shift's
     corners: the ops the pipeline ran per example before), the short last batch too."""
-    from capsnet.augment import random_shift
+    from conftest import random_shift
     from capsnet.data import _epoch_order
 
     images, labels = sources
