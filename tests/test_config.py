@@ -166,7 +166,7 @@ def test_the_cli_prints_a_type_error_as_one_line(tmp_path):
     (["train.ema_decay=1.0"], "train.ema_decay must be a number in [0, 1)"),
     (["data.rotate_degrees=200"], "data.rotate_degrees must be a number in [0, 180], got 200"),
     (["data.shift_fill=reflect"], "data.shift_fill must be one of zero, edge, got 'reflect'"),
-    (["data=multimnist", "augmentation=fashion"], "multimnist takes no flip/rotate/zoom/elastic/shift_fill"),
+    (["data=multimnist", "augmentation=fashion"], "multimnist takes no flip/rotate/zoom/elastic/erase/shift_fill"),
     (["distribute.strategy=horovod"], "distribute.strategy must be one of none, mirrored, multi_worker"),
     (["distribute=mirrored", "distribute.all_reduce=ring"],
      "distribute.all_reduce must be one of auto, nccl, one_device with distribute=mirrored, got 'ring'"),
