@@ -166,6 +166,13 @@ def test_the_cli_prints_a_type_error_as_one_line(tmp_path):
     (["train.ema_decay=1.0"], "train.ema_decay must be a number in [0, 1)"),
     (["data.rotate_degrees=200"], "data.rotate_degrees must be a number in [0, 180], got 200"),
     (["data.shift_fill=reflect"], "data.shift_fill must be one of zero, edge, got 'reflect'"),
+    (["data.erase_probability=1.5"], "data.erase_probability must be a number in [0, 1], got 1.5"),
+    (["data.erase_probability=-0.1"], "data.erase_probability must be a number in [0, 1], got -0.1"),
+    (["data.erase_max_area=0.01"], "data.erase_max_area must be a number in [0.02, 1], got 0.01"),
+    (["data.erase_max_area=2"], "data.erase_max_area must be a number in [0.02, 1], got 2"),
+    (["data=multimnist", "data.erase_probability=0.5"],
+     "multimnist takes no flip/rotate/zoom/elastic/erase/shift_fill augmentation (its digits are shifted by "
+     "data.shift_pixels on a zero canvas): set data.erase_probability=0.5 to the default"),
     (["data=multimnist", "augmentation=fashion"], "multimnist takes no flip/rotate/zoom/elastic/erase/shift_fill"),
     (["distribute.strategy=horovod"], "distribute.strategy must be one of none, mirrored, multi_worker"),
     (["distribute=mirrored", "distribute.all_reduce=ring"],
