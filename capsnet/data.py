@@ -6,9 +6,9 @@
 - `make_dataset(images, labels, ...)`: batches of (float32 images in [0, 1], int32
   labels). Training batches are shuffled and augmented (the paper's random shifts;
   optionally flips, rotations and zoom, elastic distortions, random erasing) with
-  stateless RNG keyed by (seed, epoch), so
-  an epoch's batches depend on nothing else: a run resumed at epoch e sees exactly
-  what an uninterrupted run saw, whatever the parallelism. The per-image augmentation
+  stateless RNG keyed by (seed, epoch), so an epoch's batches depend on nothing else: a
+  run resumed at epoch e sees exactly what an uninterrupted run saw, whatever the
+  parallelism. The per-image augmentation
   math is capsnet.augment's; this module keys and applies it.
 - `make_multimnist_dataset(images, labels, ...)`: MultiMNIST (paper Sec. 6), pairs of
   shifted digits of different classes overlaid on a 36×36 canvas, generated on the fly
@@ -336,8 +336,9 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
             erase_key = tf.random.experimental.stateless_fold_in(key, _ERASE_STREAM, alg="philox")
         # The epoch's flips, shifts and erased boxes, drawn up front for every example in
         # one pass: flip_mask, shift_corners and erase_boxes give what a per-example draw
-        # keyed by the example's index gives (stateless_fold_in(flip_key / shift_key, index); capsnet.augment.
-        # example_words: why), so the batches do not depend on how the map runs.
+        # keyed by the example's index gives (stateless_fold_in(flip_key / shift_key /
+        # erase_key, index); capsnet.augment.example_words: why), so the batches do not
+        # depend on how the map runs.
         draws = {"index": order}
         if training and flip:
             draws["mirror"] = flip_mask(flip_key, order)                      # (N,) bool
