@@ -1,9 +1,10 @@
 """Augmentation math on single images or batches, stateless-RNG keyed: random shifts
-(the paper's), flips, rotation and zoom, elastic distortion (Simard et al. 2003). Pure
-TensorFlow functions without a pipeline: capsnet.data.make_dataset and
-make_multimnist_dataset apply them. Shifts and flips are drawn for a whole epoch at once
-(`flip_mask`, `shift_corners`: per-example draws keyed by each example's index, from
-TensorFlow's Philox computed in vectorised ops) and applied to batches (`shift_batch`).
+(the paper's), flips, rotation and zoom, elastic distortion (Simard et al. 2003), random
+erasing (Zhong et al. 2017). Pure TensorFlow functions without a pipeline:
+capsnet.data.make_dataset and make_multimnist_dataset apply them. Shifts, flips and erased
+boxes are drawn for a whole epoch at once (`flip_mask`, `shift_corners`, `erase_boxes`:
+per-example draws keyed by each example's index, from TensorFlow's Philox computed in
+vectorised ops) and applied to batches (`shift_batch`, `erase_batch`).
 """
 import math
 
@@ -54,6 +55,59 @@ def flip_mask(stream_key, indices):
     # A float32 draw is 1.m - 1 with m the word's low 23 bits: < 0.5 iff m < 2^22.
     mantissa = tf.bitwise.bitwise_and(example_words(stream_key, indices)[0][0], tf.constant(0x7FFFFF, tf.uint64))
     return mantissa < tf.constant(0x400000, tf.uint64)
+
+
+# Random erasing's box shapes (Zhong et al. 2017, sec. 3.1): area at least s_l = 0.02 of
+# the image, aspect ratio log-uniform in [r1, 1/r1] with r1 = 0.3 (as torchvision draws it).
+ERASE_MIN_AREA = 0.02
+ERASE_MIN_ASPECT = 0.3
+
+
+def erase_boxes(stream_key, indices, height, width, probability, max_area):
+    """Random erasing's rectangles (Zhong et al. 2017) for the examples `indices` (int64
+    (B,)) of `height` x `width` images under `stream_key`: (B, 4) int32 [top, left, h, w],
+    all four 0 for an example not erased. From five uniforms u0..u4 per example, equal to
+    the per-example draw
+        tf.random.stateless_uniform([5], seed=stateless_fold_in(stream_key, index), alg="philox")
+    (example_words: words 0-3 of the first Philox block, word 0 of the second):
+      erased iff u0 < probability;
+      area = H·W·(0.02 + u1·(max_area − 0.02)), aspect = exp(log 0.3 + u2·(log(1/0.3) − log 0.3));
+      h = clip(round(√(area·aspect)), 1, H), w = clip(round(√(area/aspect)), 1, W);
+      top = floor(u3·(H − h + 1)), left = floor(u4·(W − w + 1)).
+    One attempt, clipped to the image, where Zhong et al. redraw until the box fits: no
+    loop of data-dependent length, and a box too tall or wide for the image (a large area
+    with an extreme aspect) is cut to it instead, so its area can fall below the drawn one.
+    The box math runs in float64 on the float32 uniforms (exact there)."""
+    blocks = example_words(stream_key, indices, blocks=2)
+    # A float32 draw is 1.m - 1 with m the word's low 23 bits: m / 2^23, exact in float64.
+    u0, u1, u2, u3, u4 = (tf.cast(tf.bitwise.bitwise_and(word, tf.constant(0x7FFFFF, tf.uint64)), tf.float64)
+                          / 2.0**23 for word in (*blocks[0], blocks[1][0]))
+    log_low, log_high = math.log(ERASE_MIN_ASPECT), math.log(1 / ERASE_MIN_ASPECT)
+    area = float(height * width) * (ERASE_MIN_AREA + u1 * (float(max_area) - ERASE_MIN_AREA))
+    aspect = tf.exp(log_low + u2 * (log_high - log_low))
+    h = tf.clip_by_value(tf.round(tf.sqrt(area * aspect)), 1.0, float(height))
+    w = tf.clip_by_value(tf.round(tf.sqrt(area / aspect)), 1.0, float(width))
+    top = tf.clip_by_value(tf.floor(u3 * (height - h + 1.0)), 0.0, height - h)
+    left = tf.clip_by_value(tf.floor(u4 * (width - w + 1.0)), 0.0, width - w)
+    boxes = tf.cast(tf.stack([top, left, h, w], axis=1), tf.int32)      # (B, 4)
+    return tf.where((u0 < float(probability))[:, None], boxes, tf.zeros_like(boxes))
+
+
+def erase_batch(images, boxes):
+    """`images` (B, H, W, C), any dtype, with the pixels inside each example's box of
+    `boxes` (B, 4) int32 [top, left, h, w] (erase_boxes') set to 0: a few comparisons for
+    the whole batch. Zero, not Zhong et al.'s per-pixel random values: zero is the
+    background of MNIST and Fashion-MNIST (an erased patch reads as a missing part, as
+    an occlusion would), random values would need H·W draws per image, and Zhong et al.
+    found the fill value to matter little (random, mean, 0 and 255 fills within about half
+    a point of each other on CIFAR-10; random best)."""
+    _, h, w, _ = images.shape
+    top, left, height, width = tf.unstack(boxes[:, :, None], axis=1)    # (B, 1) each
+    rows, cols = tf.range(h)[None, :], tf.range(w)[None, :]
+    in_rows = (rows >= top) & (rows < top + height)                     # (B, H)
+    in_cols = (cols >= left) & (cols < left + width)                    # (B, W)
+    inside = in_rows[:, :, None, None] & in_cols[:, None, :, None]       # (B, H, W, 1)
+    return tf.where(inside, tf.zeros_like(images), images)
 
 
 def example_words(stream_key, indices, blocks=1):

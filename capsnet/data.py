@@ -5,9 +5,10 @@
   (the online default).
 - `make_dataset(images, labels, ...)`: batches of (float32 images in [0, 1], int32
   labels). Training batches are shuffled and augmented (the paper's random shifts;
-  optionally flips, rotations and zoom, elastic distortions) with stateless RNG keyed by (seed, epoch), so
-  an epoch's batches depend on nothing else: a run resumed at epoch e sees exactly
-  what an uninterrupted run saw, whatever the parallelism. The per-image augmentation
+  optionally flips, rotations and zoom, elastic distortions, random erasing) with
+  stateless RNG keyed by (seed, epoch), so an epoch's batches depend on nothing else: a
+  run resumed at epoch e sees exactly what an uninterrupted run saw, whatever the
+  parallelism. The per-image augmentation
   math is capsnet.augment's; this module keys and applies it.
 - `make_multimnist_dataset(images, labels, ...)`: MultiMNIST (paper Sec. 6), pairs of
   shifted digits of different classes overlaid on a 36×36 canvas, generated on the fly
@@ -22,8 +23,8 @@ import socket
 import numpy as np
 import tensorflow as tf
 
-from capsnet.augment import (corners_from_words, elastic_distort, example_words, flip_mask, random_rotate_zoom,
-                             seed_words, shift_batch, shift_corners, words_to_int64)
+from capsnet.augment import (corners_from_words, elastic_distort, erase_batch, erase_boxes, example_words, flip_mask,
+                             random_rotate_zoom, seed_words, shift_batch, shift_corners, words_to_int64)
 from capsnet.config import AUGMENTATION_OFF, SHIFT_FILLS, check_augmentation  # noqa: F401  (re-exported)
 from capsnet.datasets import DATASETS, DatasetSpec, example_shape, is_overlay  # noqa: F401  (re-exported)
 from capsnet.errors import ConfigError, DataError
@@ -229,7 +230,9 @@ def _check_split(name, spec, images, labels, images_src, labels_src):
 # the augmentation config group's schema, as does check_augmentation.
 # The elastic draws' stream: folded into the (seed, epoch) key, so the streams before it
 # (order, shifts, flips, rotation/zoom) are what they were, and old runs replay unchanged.
+# The erased boxes' stream likewise, after it.
 _ELASTIC_STREAM = 3
+_ERASE_STREAM = 4
 AUGMENTATION_KEYS = ("shift_pixels", *AUGMENTATION_OFF)
 
 
@@ -269,7 +272,7 @@ def _epoch_order(n, training, seed, epoch):
 
 def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift_pixels=2,
                  flip=False, rotate_degrees=0.0, zoom=0.0, elastic_alpha=0.0, elastic_sigma=4.0,
-                 shift_fill="zero", drop_remainder=False):
+                 shift_fill="zero", erase_probability=0.0, erase_max_area=0.4, drop_remainder=False):
     """Builds one epoch of batches.
 
     Args:
@@ -294,8 +297,14 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
         (`elastic_distort`): a random displacement field, uniform in [-1, 1] per pixel,
         smoothed by a Gaussian of elastic_sigma pixels and scaled by elastic_alpha
         (Simard: 34 and 4), bilinear, zero outside. elastic_alpha 0 (default): none.
-      Augmentations apply in the order flip, rotate/zoom, shift, elastic (the last on
-        whole batches: its noise is drawn per example, so batching does not change it).
+      erase_probability, erase_max_area: random erasing (Zhong et al. 2017;
+        capsnet.augment.erase_boxes): with probability erase_probability an image gets one
+        zero rectangle, its area uniform in [0.02, erase_max_area] of the image, its
+        aspect ratio log-uniform in [0.3, 1/0.3] (Zhong: 0.5 and 0.4). erase_probability
+        0 (default): none.
+      Augmentations apply in the order flip, rotate/zoom, shift, elastic, erase (the last
+        two on whole batches: their draws are per example, so batching does not change
+        them).
 
     Returns:
       A `tf.data.Dataset` of (images float32 (B, H, W, C) in [0, 1], labels int32 (B,)).
@@ -306,9 +315,10 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
     n, h, w, c = images.shape
     # Named as the config key: that is where a user sets it (train.py, evaluate.py).
     shift_pixels = integer("data.shift_pixels", shift_pixels, minimum=0, maximum=min(h, w) - 1, error=ConfigError)
-    flip, rotate_degrees, zoom, elastic_alpha, elastic_sigma, shift_fill = check_augmentation(
-        flip=flip, rotate_degrees=rotate_degrees, zoom=zoom, elastic_alpha=elastic_alpha,
-        elastic_sigma=elastic_sigma, shift_fill=shift_fill).values()
+    flip, rotate_degrees, zoom, elastic_alpha, elastic_sigma, shift_fill, erase_probability, erase_max_area = (
+        check_augmentation(flip=flip, rotate_degrees=rotate_degrees, zoom=zoom, elastic_alpha=elastic_alpha,
+                           elastic_sigma=elastic_sigma, shift_fill=shift_fill,
+                           erase_probability=erase_probability, erase_max_area=erase_max_area).values())
 
     # Pinned to the CPU: the arrays stay in host memory (tf.data runs there anyway) and
     # the shuffle is computed by the same kernel whether or not a GPU is visible.
@@ -318,19 +328,24 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
         order, key, shift_key = _epoch_order(n, training, seed, epoch)
         if training:
             # More independent streams from the (seed, epoch) key: the flips and the
-            # rotation/zoom split from the shifts' key, the elastic noise folded into it.
+            # rotation/zoom split from the shifts' key, the elastic noise and the erased
+            # boxes folded into it.
             flip_key, affine_key = tf.unstack(
                 tf.random.experimental.stateless_split(shift_key, 2, alg="philox"))
             elastic_key = tf.random.experimental.stateless_fold_in(key, _ELASTIC_STREAM, alg="philox")
-        # The epoch's flips and shifts, drawn up front for every example in one pass:
-        # flip_mask and shift_corners give what a per-example draw keyed by the example's
-        # index gives (stateless_fold_in(flip_key / shift_key, index); capsnet.augment.
-        # example_words: why), so the batches do not depend on how the map runs.
+            erase_key = tf.random.experimental.stateless_fold_in(key, _ERASE_STREAM, alg="philox")
+        # The epoch's flips, shifts and erased boxes, drawn up front for every example in
+        # one pass: flip_mask, shift_corners and erase_boxes give what a per-example draw
+        # keyed by the example's index gives (stateless_fold_in(flip_key / shift_key /
+        # erase_key, index); capsnet.augment.example_words: why), so the batches do not
+        # depend on how the map runs.
         draws = {"index": order}
         if training and flip:
             draws["mirror"] = flip_mask(flip_key, order)                      # (N,) bool
         if training and shift_pixels > 0:
             draws["corner"] = shift_corners(shift_key, order, shift_pixels)   # (N, 2) int32
+        if training and erase_probability > 0:
+            draws["erase"] = erase_boxes(erase_key, order, h, w, erase_probability, erase_max_area)  # (N, 4) int32
         dataset = tf.data.Dataset.from_tensor_slices(draws)
 
         if not (training and (rotate_degrees > 0 or zoom > 0 or elastic_alpha > 0)):
@@ -342,6 +357,8 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
                     batch = tf.where(draws["mirror"][:, None, None, None], tf.reverse(batch, axis=[2]), batch)
                 if "corner" in draws:
                     batch = shift_batch(batch, draws["corner"], shift_pixels, fill=shift_fill)
+                if "erase" in draws:
+                    batch = erase_batch(batch, draws["erase"])
                 return tf.cast(batch, tf.float32) / 255.0, tf.gather(labels_t, draws["index"])
 
             # Batched, then mapped: tf.distribute cannot read the batch size through the map
@@ -358,7 +375,8 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
 
         def load_example(draws):
             # Rotation, zoom or elastic distortion: one example at a time, in the order
-            # flip, rotate/zoom, shift (the elastic distortion on whole batches below).
+            # flip, rotate/zoom, shift (the elastic distortion and the erasing on whole
+            # batches below, in that order: what they need rides along in `later`).
             index = draws["index"]
             image = tf.gather(images_t, index)  # (H, W, C) uint8
             if "mirror" in draws:
@@ -369,20 +387,28 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
             if "corner" in draws:
                 image = shift_batch(image[None], draws["corner"][None], shift_pixels, fill=shift_fill)[0]
             example = (tf.cast(image, tf.float32) / 255.0, tf.gather(labels_t, index))
+            later = {}
             if elastic_alpha > 0:
                 # The example's displacement noise (keyed by its index, like the other
                 # draws), applied below to whole batches: one chain of ops per batch
                 # instead of one per image.
-                example += (tf.random.stateless_uniform([h, w, 2], seed=example_key(elastic_key, index),
-                                                        minval=-1.0, maxval=1.0, alg="philox"),)
-            return example
+                later["noise"] = tf.random.stateless_uniform([h, w, 2], seed=example_key(elastic_key, index),
+                                                             minval=-1.0, maxval=1.0, alg="philox")
+            if "erase" in draws:
+                later["erase"] = draws["erase"]
+            return (*example, later) if later else example
+
+        def finish_batch(x, y, later):
+            if "noise" in later:
+                x = elastic_distort(x, later["noise"], elastic_alpha, elastic_sigma)
+            if "erase" in later:
+                x = erase_batch(x, later["erase"])  # last: after the elastic distortion
+            return x, y
 
         dataset = dataset.map(load_example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
-        if training and elastic_alpha > 0:
-            dataset = dataset.map(
-                lambda x, y, noise: (elastic_distort(x, noise, elastic_alpha, elastic_sigma), y),
-                num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        if training and (elastic_alpha > 0 or erase_probability > 0):
+            dataset = dataset.map(finish_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         # Prefetch the next batches while the model trains on this one.
         return dataset.prefetch(tf.data.AUTOTUNE)
 
@@ -406,7 +432,7 @@ def make_split_dataset(name, images, labels, *, batch_size, training, seed=0, ep
                             shift_pixels=shift_pixels, drop_remainder=drop_remainder, **augmentation)
     on = [f"data.{k}={v}" for k, v in augmentation.items() if v != AUGMENTATION_OFF[k]]
     if on:
-        raise ConfigError(f"{name} takes no flip/rotate/zoom/elastic/shift_fill augmentation (its digits are "
+        raise ConfigError(f"{name} takes no flip/rotate/zoom/elastic/erase/shift_fill augmentation (its digits are "
                           f"shifted by data.shift_pixels on a zero canvas): set {', '.join(on)} to the default")
     return make_multimnist_dataset(images, labels, batch_size=batch_size, training=training, seed=seed,
                                    epoch=epoch, shift_pixels=shift_pixels, drop_remainder=drop_remainder)

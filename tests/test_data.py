@@ -590,13 +590,14 @@ def test_augmentations_reproducible_and_independent_of_batching(examples):
 
 
 def test_default_augmentation_unchanged_by_the_new_options(examples):
-    """flip/rotate/zoom/elastic off and zero fill must replay the shift-only pipeline bit
+    """flip/rotate/zoom/elastic/erase off and zero fill must replay the shift-only pipeline bit
     for bit: runs made before these options existed resume onto the same batches."""
     images, labels = examples
     x_default, y_default = collect(make_dataset(images, labels, batch_size=16, training=True, seed=9))
     x_off, y_off = collect(make_dataset(images, labels, batch_size=16, training=True, seed=9,
                                         flip=False, rotate_degrees=0, zoom=0.0, elastic_alpha=0,
-                                        elastic_sigma=2.5, shift_fill="zero"))
+                                        elastic_sigma=2.5, shift_fill="zero", erase_probability=0,
+                                        erase_max_area=0.9))
     np.testing.assert_array_equal(y_off, y_default)
     np.testing.assert_array_equal(x_off, x_default)
     for augmented, index in zip(x_default, y_default):
@@ -611,6 +612,9 @@ def test_default_augmentation_unchanged_by_the_new_options(examples):
     (dict(batch_size=8, elastic_alpha=-1), ConfigError, "elastic_alpha must be a number in [0, 100], got -1"),
     (dict(batch_size=8, elastic_sigma=0), ConfigError, "elastic_sigma must be a number in [0.5, 10], got 0"),
     (dict(batch_size=8, shift_fill="reflect"), ConfigError, "shift_fill must be one of zero, edge, got 'reflect'"),
+    (dict(batch_size=8, erase_probability=1.5), ConfigError, "erase_probability must be a number in [0, 1], got 1.5"),
+    (dict(batch_size=8, erase_probability=True), ConfigError, "erase_probability"),
+    (dict(batch_size=8, erase_max_area=0), ConfigError, "erase_max_area must be a number in [0.02, 1], got 0"),
     (dict(batch_size=0), ConfigError, "batch_size must be ≥ 1, got 0"),
     (dict(batch_size=-4), ConfigError, "batch_size"),
     (dict(batch_size=2.0), ConfigError, "batch_size must be an integer"),
@@ -704,6 +708,151 @@ def test_batched_pipeline_gives_the_per_example_augmentation(shift, fill, flip, 
         want.append(tf.cast(image, tf.float32).numpy() / 255.0)
     np.testing.assert_array_equal(got_y, labels[order.numpy()])
     np.testing.assert_array_equal(got_x, np.stack(want))
+
+
+# ----------------------------------------------------------------------------- random erasing
+
+def op_uniforms(key, index):
+    """The five float32 uniforms erase_boxes reads for one example: the per-example op."""
+    return tf.random.stateless_uniform([5], seed=tf.random.experimental.stateless_fold_in(
+        key, tf.constant(index, tf.int64), alg="philox"), alg="philox").numpy()
+
+
+def numpy_erase_box(u, height, width, probability, max_area):
+    """Zhong et al.'s box, one attempt clipped (erase_boxes' docstring), from the uniforms
+    u (float32 (5,)) in float64 NumPy: [top, left, h, w], zeros when not erased."""
+    u = u.astype(np.float64)
+    if not u[0] < probability:
+        return [0, 0, 0, 0]
+    area = height * width * (0.02 + u[1] * (max_area - 0.02))
+    aspect = np.exp(np.log(0.3) + u[2] * (np.log(1 / 0.3) - np.log(0.3)))
+    h = int(np.clip(np.round(np.sqrt(area * aspect)), 1, height))
+    w = int(np.clip(np.round(np.sqrt(area / aspect)), 1, width))
+    return [min(int(np.floor(u[3] * (height - h + 1))), height - h),
+            min(int(np.floor(u[4] * (width - w + 1))), width - w), h, w]
+
+
+def numpy_erase(images, boxes):
+    """images (B, H, W, C) with each box [top, left, h, w] set to 0, slice by slice."""
+    out = images.copy()
+    for image, (top, left, h, w) in zip(out, boxes):
+        image[top:top + h, left:left + w] = 0
+    return out
+
+
+@pytest.mark.parametrize("seed, epoch", [(0, 0), (5, 3), (-7, 2**33)])
+def test_erase_boxes_draw_what_the_per_example_op_draws(seed, epoch):
+    """erase_boxes reads the five float32 uniforms of stateless_uniform([5]) under
+    stateless_fold_in(key, index) (bit for bit: each is (word & 0x7FFFFF) / 2^23 of
+    example_words' blocks) and makes Zhong et al.'s box of them, for any index (beyond
+    2^32 too) and any image size."""
+    from capsnet.augment import erase_boxes, example_words
+
+    key = tf.constant([seed, epoch], tf.int64)
+    indices = np.concatenate([np.arange(5), np.random.RandomState(seed % 97).randint(0, 2**62, size=200)])
+    uniforms = np.stack([op_uniforms(key, i) for i in indices])  # (B, 5) float32
+    blocks = [[word.numpy() for word in block] for block in example_words(key, tf.constant(indices, tf.int64), 2)]
+    words = np.stack([*blocks[0], blocks[1][0]], axis=1)
+    np.testing.assert_array_equal((words & 0x7FFFFF).astype(np.float32) / np.float32(2**23), uniforms)
+    for height, width, probability, max_area in [(28, 28, 0.5, 0.4), (36, 20, 1.0, 1.0), (28, 28, 0.3, 0.02),
+                                                 (5, 40, 0.9, 0.7)]:
+        got = erase_boxes(key, tf.constant(indices, tf.int64), height, width, probability, max_area).numpy()
+        assert got.dtype == np.int32 and got.shape == (len(indices), 4)
+        want = [numpy_erase_box(u, height, width, probability, max_area) for u in uniforms]
+        np.testing.assert_array_equal(got, np.array(want))
+        erased = got[:, 2] > 0
+        assert 0 < erased.sum() <= len(indices) and (got[~erased] == 0).all()
+        assert (got[erased, :2] >= 0).all() and (got[erased, 2:] >= 1).all()
+        assert (got[erased, 0] + got[erased, 2] <= height).all() and (got[erased, 1] + got[erased, 3] <= width).all()
+    with pytest.raises(TypeError, match="int64"):
+        erase_boxes(key, tf.constant([1, 2], tf.int32), 28, 28, 0.5, 0.4)
+
+
+def test_erase_batch_zeroes_exactly_the_boxes():
+    from capsnet.augment import erase_batch
+
+    rng = np.random.default_rng(0)
+    boxes = np.array([[0, 0, 0, 0], [3, 5, 10, 2], [0, 0, 28, 28], [27, 27, 1, 1], [20, 0, 8, 28]], np.int32)
+    for dtype in (np.uint8, np.float32):
+        images = rng.integers(1, 256, (5, 28, 28, 3)).astype(dtype)
+        got = erase_batch(tf.constant(images), tf.constant(boxes)).numpy()
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(got, numpy_erase(images, boxes))
+
+
+ERASE_SEED, ERASE_EPOCH = 2, 5
+
+
+@pytest.fixture(scope="module")
+def erase_examples():
+    """2000 images of pixels 1..255 (an erased pixel is a new zero) and the epoch's
+    reference boxes (op uniforms + NumPy box math) by example index, for probability 0.5
+    and area up to 0.4 (Zhong's)."""
+    from capsnet.data import _ERASE_STREAM
+
+    n = 2000
+    images = np.random.default_rng(7).integers(1, 256, (n, 28, 28, 1), dtype=np.uint8)
+    labels = np.arange(n, dtype=np.int64) % 10
+    erase_key = tf.random.experimental.stateless_fold_in(
+        tf.constant([ERASE_SEED, ERASE_EPOCH], tf.int64), _ERASE_STREAM, alg="philox")  # as make_dataset
+    boxes = np.array([numpy_erase_box(op_uniforms(erase_key, i), 28, 28, 0.5, 0.4) for i in range(n)])
+    return images, labels, boxes
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(flip=True, shift_fill="edge"), dict(shift_pixels=0),
+                                    dict(rotate_degrees=10, zoom=0.1), dict(elastic_alpha=20, elastic_sigma=3)])
+def test_erasing_zeroes_each_images_box_after_the_other_augmentations(erase_examples, kwargs):
+    """Training with random erasing: every image is what the same epoch gives without it
+    (same order, same flips, shifts, rotations, elastic fields), with exactly its
+    reference box zeroed, last, in the batched and the per-example (rotation, elastic)
+    pipelines; about half the images erased, the boxes inside the image, their area in
+    [0.02, 0.4] of it up to rounding."""
+    images, labels, boxes = erase_examples
+    n = len(labels)
+    if kwargs.get("rotate_degrees") or kwargs.get("elastic_alpha"):  # the per-example map: slower
+        n = 500
+        images, labels = images[:n], labels[:n]
+    kwargs = dict(batch_size=128, training=True, seed=ERASE_SEED, epoch=ERASE_EPOCH, **kwargs)
+    plain_x, _ = collect(make_dataset(images, labels, **kwargs))
+    batches = list(make_dataset(images, labels, erase_probability=0.5, erase_max_area=0.4, **kwargs))
+    got_x = np.concatenate([x.numpy() for x, _ in batches])
+    got_y = np.concatenate([y.numpy() for _, y in batches])
+    order = _epoch_order_indices(n)
+    np.testing.assert_array_equal(got_y, labels[order])
+    np.testing.assert_array_equal(got_x, numpy_erase(plain_x, boxes[order]))
+    if n == len(boxes):
+        erased = boxes[:, 2] > 0
+        # 2000 fair coins: the mean within 4 standard deviations (0.011) of 1/2.
+        assert abs(erased.mean() - 0.5) < 4 * np.sqrt(0.25 / n)
+        top, left, h, w = boxes[erased].T
+        assert (top >= 0).all() and (left >= 0).all() and (top + h <= 28).all() and (left + w <= 28).all()
+        # Rounding h and w (each ≥ 2 at the smallest area) moves the area by < 25%.
+        fraction = h * w / 784
+        assert fraction.min() >= 0.02 * 0.75 and fraction.max() <= 0.4 * 1.15
+        assert fraction.min() < 0.04 and fraction.max() > 0.3  # the range is covered
+    if kwargs.get("shift_pixels") == 0 or kwargs.get("shift_fill") == "edge":
+        # No zero fill, pixels 1..255: the zero pixels are the boxes'.
+        np.testing.assert_array_equal((got_x == 0).sum(axis=(1, 2, 3)), boxes[order, 2] * boxes[order, 3])
+
+
+def _epoch_order_indices(n):
+    from capsnet.data import _epoch_order
+
+    return _epoch_order(n, True, ERASE_SEED, ERASE_EPOCH)[0].numpy()
+
+
+def test_erasing_changes_with_the_epoch_and_not_with_batching(examples):
+    images, labels = examples
+    kwargs = dict(training=True, seed=4, epoch=1, flip=True, erase_probability=1.0, erase_max_area=0.6)
+    x16, y16 = collect(make_dataset(images, labels, batch_size=16, **kwargs))
+    x7, y7 = collect(make_dataset(images, labels, batch_size=7, **kwargs))
+    np.testing.assert_array_equal(y7, y16)
+    np.testing.assert_array_equal(x7, x16)
+    x_next, y_next = collect(make_dataset(images, labels, batch_size=16, **{**kwargs, "epoch": 2}))
+    by_index = lambda x, y: (x[np.argsort(y)] == 0).reshape(len(y), -1)  # noqa: E731  the zero pixels
+    assert (by_index(x16, y16) != by_index(x_next, y_next)).any(axis=1).mean() > 0.9
+    x_eval, _ = collect(make_dataset(images, labels, batch_size=16, training=False, erase_probability=1.0))
+    np.testing.assert_array_equal(x_eval, images.astype(np.float32) / np.float32(255))  # not in evaluation
 
 
 def test_benchmark_input_times_every_image_of_each_epoch(tiny_idx_dir, capsys):

@@ -102,6 +102,8 @@ def test_partners_cover_the_other_classes_and_data_errors(sources):
         make_multimnist_dataset(images[:3], np.zeros(3, int), batch_size=2, training=True)
     with pytest.raises(ConfigError, match="data.flip=True"):
         make_split_dataset("multimnist", images, labels, batch_size=2, training=True, flip=True)
+    with pytest.raises(ConfigError, match="no flip/rotate/zoom/elastic/erase/shift_fill.*data.erase_probability=0.5"):
+        make_split_dataset("multimnist", images, labels, batch_size=2, training=True, erase_probability=0.5)
 
 
 # --------------------------------------------------------------------------- losses and scoring

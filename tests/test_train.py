@@ -121,6 +121,7 @@ def test_bad_train_values_raise_config_error(tiny_config, override, key):
     ("data.shift_fill=reflect", "data.shift_fill must be one of zero, edge, got 'reflect'"),
     ("data.elastic_alpha=-3", r"data\.elastic_alpha must be a number in \[0, 100\], got -3"),
     ("data.rotate_degrees=200", r"data\.rotate_degrees must be a number in \[0, 180\]"),
+    ("data.erase_max_area=0", r"data\.erase_max_area must be a number in \[0\.02, 1\], got 0"),
 ])
 def test_bad_values_raise_one_line_config_errors_before_any_work(tiny_config, tmp_path, override, message):
     with pytest.raises(ConfigError, match=message) as err:
@@ -292,15 +293,16 @@ def test_resume_with_a_config_that_changes_the_run_says_what_differs(trained_run
 
 
 @pytest.mark.parametrize("changed", ["data.zoom=0.1", "data.elastic_alpha=30", "data.shift_fill=edge",
-                                     "model.w_init_stddev=0.01", "train.ema_decay=0.9"])
+                                     "data.erase_probability=0.5", "model.w_init_stddev=0.01", "train.ema_decay=0.9"])
 def test_resume_of_a_run_saved_before_the_later_options(trained_run, tiny_config, tmp_path, changed):
     """A config.yaml without the options added later (data.flip / rotate_degrees / zoom /
-    elastic_* / shift_fill, model.w_init_stddev, train.ema_decay) was trained with their
+    elastic_* / shift_fill / erase_*, model.w_init_stddev, train.ema_decay) was trained with their
     defaults: resuming with the defaults continues, changing one is refused."""
     run_dir = tmp_path / "old"
     shutil.copytree(trained_run[0], run_dir)
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    for key in ("flip", "rotate_degrees", "zoom", "elastic_alpha", "elastic_sigma", "shift_fill"):
+    for key in ("flip", "rotate_degrees", "zoom", "elastic_alpha", "elastic_sigma", "shift_fill", "erase_probability",
+                "erase_max_area"):
         del saved["data"][key]
     del saved["model"]["w_init_stddev"]
     del saved["train"]["ema_decay"]

@@ -51,7 +51,7 @@ def _data_rule(dcfg, prefix):
     if is_overlay(dcfg["name"]):
         on = [f"{prefix}{k}={v}" for k, v in AUGMENTATION_OFF.items() if dcfg[k] != v]
         if on:
-            raise ConfigError(f"{dcfg['name']} takes no flip/rotate/zoom/elastic/shift_fill augmentation (its digits "
+            raise ConfigError(f"{dcfg['name']} takes no flip/rotate/zoom/elastic/erase/shift_fill augmentation (its digits "
                               f"are shifted by data.shift_pixels on a zero canvas): set {', '.join(on)} to the "
                               "default (augmentation=none)")
 

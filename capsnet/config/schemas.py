@@ -221,7 +221,7 @@ class AugmentationConfig:
     """configs/augmentation/ (mounted in `data`: data.flip, ...): training augmentation
     beyond data.shift_pixels. The defaults are off: the first release's pipeline.
 
-    The four numbers are typed Any, checked by _in_range (a real number in its range, no
+    The numbers are typed Any, checked by _in_range (a real number in its range, no
     bool): a float field would store `rotate_degrees: 0` as 0.0, and run configs and a
     refused resume's differences ("data.rotate_degrees: 0 -> 5") show them as written."""
     flip: bool = _checked(False, _boolean)
@@ -230,6 +230,8 @@ class AugmentationConfig:
     elastic_alpha: Any = _checked(0.0, _in_range(0, 100))
     elastic_sigma: Any = _checked(4.0, _in_range(0.5, 10))
     shift_fill: str = _checked("zero", _one_of(SHIFT_FILLS))
+    erase_probability: Any = _checked(0.0, _in_range(0, 1))
+    erase_max_area: Any = _checked(0.4, _in_range(0.02, 1))
 
 
 @dataclass
