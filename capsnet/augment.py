@@ -96,11 +96,10 @@ def erase_boxes(stream_key, indices, height, width, probability, max_area):
 def erase_batch(images, boxes):
     """`images` (B, H, W, C), any dtype, with the pixels inside each example's box of
     `boxes` (B, 4) int32 [top, left, h, w] (erase_boxes') set to 0: a few comparisons for
-    the whole batch. Zero, not Zhong et al.'s per-pixel random values: zero is the
-    background of MNIST and Fashion-MNIST (an erased patch reads as a missing part, as
-    an occlusion would), random values would need H·W draws per image, and Zhong et al.
-    found the fill value to matter little (random, mean, 0 and 255 fills within about half
-    a point of each other on CIFAR-10; random best)."""
+    the whole batch. Zero, not Zhong et al.'s per-pixel random values (their default):
+    zero is the background of MNIST and Fashion-MNIST, so an erased patch reads as a
+    missing part, as an occlusion would, and random values would need H·W draws per
+    image. Whether the fill matters here was not measured."""
     _, h, w, _ = images.shape
     top, left, height, width = tf.unstack(boxes[:, :, None], axis=1)    # (B, 1) each
     rows, cols = tf.range(h)[None, :], tf.range(w)[None, :]
