@@ -80,15 +80,25 @@ def dynamic_routing(u_hat, iterations=3, stop_gradient=True):
     # c_ij come out float32 (capsnet.precision). Under XLA the cast fuses into the reductions.
     u_hat = float32_math(u_hat)
     u_hat_routing = tf.stop_gradient(u_hat) if stop_gradient else u_hat
-    # b_ij starts at zero for every sample: routing is per example, never learned.
-    b_ij = tf.zeros(tf.shape(u_hat)[:3], dtype=u_hat.dtype)          # (B, in_caps, out_caps)
+    # b_ij starts at zero for every sample (routing is per example, never learned), so the
+    # first round's c_ij = softmax_j(0) = 1/out_caps: written as that constant, not as the
+    # softmax of a zero tensor, which XLA constant-folds element by element at compile time
+    # (a step's compile grew with the batch: 1.7 s at 128, 13.6 s at 1,024 on a CPU;
+    # docs/benchmarks.md, seventeenth session).
+    out_caps = u_hat.shape[2] if u_hat.shape[2] is not None else tf.shape(u_hat)[2]
+    uniform = tf.constant(1.0, u_hat.dtype) / tf.cast(out_caps, u_hat.dtype)  # softmax of J zeros, as it rounds
+    b_ij = None
     for r in range(iterations):
         last = r == iterations - 1
         votes = u_hat if last else u_hat_routing
-        c_ij = tf.nn.softmax(b_ij, axis=-1)                           # (B, in_caps, out_caps)
+        if b_ij is None:
+            c_ij = tf.fill(tf.shape(u_hat)[:3], uniform)              # (B, in_caps, out_caps)
+        else:
+            c_ij = tf.nn.softmax(b_ij, axis=-1)                       # (B, in_caps, out_caps)
         s_j = tf.reduce_sum(c_ij[..., None] * votes, axis=1)          # (B, out_caps, out_dim)
         v_j = squash(s_j)                                             # (B, out_caps, out_dim)
         if not last:
             # Agreement u_hat_j|i · v_j: predictions that match the output gain weight.
-            b_ij = b_ij + tf.reduce_sum(votes * v_j[:, None], axis=-1)  # (B, in_caps, out_caps)
+            agreement = tf.reduce_sum(votes * v_j[:, None], axis=-1)  # (B, in_caps, out_caps)
+            b_ij = agreement if b_ij is None else b_ij + agreement
     return v_j, c_ij

@@ -179,6 +179,20 @@ def test_routing_compiles_with_xla_and_unknown_batch():
     np.testing.assert_allclose(c_ij.numpy(), c_ref, rtol=1e-4, atol=1e-6)
 
 
+def test_routing_first_round_is_no_softmax_of_a_constant():
+    # A softmax over the zero b_ij is constant-folded, element by element, when XLA
+    # compiles the step, so a step's compile time grew with the batch (docs/benchmarks.md,
+    # seventeenth session): the first round's c_ij must be the constant 1/out_caps and
+    # only the later rounds a softmax (of the agreement).
+    graph = tf.function(lambda x: dynamic_routing(x, 3)).get_concrete_function(
+        tf.TensorSpec((None, 7, 4, 5), tf.float32)).graph
+    assert [op.type for op in graph.get_operations()].count("Softmax") == 2  # rounds 2 and 3
+    # ... with the softmax's value: exactly what it gives for zeros, float32 and float64.
+    for dtype in (np.float32, np.float64):
+        _, c_ij = dynamic_routing(tf.constant(random_u_hat().astype(dtype)), 1)
+        np.testing.assert_array_equal(c_ij.numpy(), tf.nn.softmax(tf.zeros(c_ij.shape, dtype)).numpy())
+
+
 # ----------------------------------------------------------------- routing gradients
 
 def routing_gradients(u_hat, weights, iterations, stop_gradient):
