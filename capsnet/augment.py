@@ -52,9 +52,15 @@ def flip_mask(stream_key, indices):
     `stream_key`: (B,) bool, equal to the per-example draws
         tf.random.stateless_uniform([], seed=stateless_fold_in(stream_key, index), alg="philox") < 0.5
     for each index (example_words), for a whole batch at once."""
-    # A float32 draw is 1.m - 1 with m the word's low 23 bits: < 0.5 iff m < 2^22.
-    mantissa = tf.bitwise.bitwise_and(example_words(stream_key, indices)[0][0], tf.constant(0x7FFFFF, tf.uint64))
-    return mantissa < tf.constant(0x400000, tf.uint64)
+    return float_draws(example_words(stream_key, indices)[0][:1])[0] < 0.5
+
+
+def float_draws(words):
+    """The float32 uniform draws in [0, 1) that TensorFlow makes of Philox words (a list of
+    uint64 (B,)), one a word: 1.m − 1 with m the word's low 23 bits, i.e. m / 2^23, here
+    as float64 (exact)."""
+    return [tf.cast(tf.bitwise.bitwise_and(word, tf.constant(0x7FFFFF, tf.uint64)), tf.float64) / 2.0**23
+            for word in words]
 
 
 # Random erasing's box shapes (Zhong et al. 2017, sec. 3.1): area at least s_l = 0.02 of
@@ -79,9 +85,7 @@ def erase_boxes(stream_key, indices, height, width, probability, max_area):
     with an extreme aspect) is cut to it instead, so its area can fall below the drawn one.
     The box math runs in float64 on the float32 uniforms (exact there)."""
     blocks = example_words(stream_key, indices, blocks=2)
-    # A float32 draw is 1.m - 1 with m the word's low 23 bits: m / 2^23, exact in float64.
-    u0, u1, u2, u3, u4 = (tf.cast(tf.bitwise.bitwise_and(word, tf.constant(0x7FFFFF, tf.uint64)), tf.float64)
-                          / 2.0**23 for word in (*blocks[0], blocks[1][0]))
+    u0, u1, u2, u3, u4 = float_draws([*blocks[0], blocks[1][0]])
     log_low, log_high = math.log(ERASE_MIN_ASPECT), math.log(1 / ERASE_MIN_ASPECT)
     area = float(height * width) * (ERASE_MIN_AREA + u1 * (float(max_area) - ERASE_MIN_AREA))
     aspect = tf.exp(log_low + u2 * (log_high - log_low))

@@ -85,20 +85,16 @@ def dynamic_routing(u_hat, iterations=3, stop_gradient=True):
     # softmax of a zero tensor, which XLA constant-folds element by element at compile time
     # (a step's compile grew with the batch: 1.7 s at 128, 13.6 s at 1,024 on a CPU;
     # docs/benchmarks.md, seventeenth session).
-    out_caps = u_hat.shape[2] if u_hat.shape[2] is not None else tf.shape(u_hat)[2]
-    uniform = tf.constant(1.0, u_hat.dtype) / tf.cast(out_caps, u_hat.dtype)  # softmax of J zeros, as it rounds
-    b_ij = None
+    uniform = tf.constant(1.0, u_hat.dtype) / tf.cast(tf.shape(u_hat)[2], u_hat.dtype)  # as softmax rounds it
+    c_ij = tf.fill(tf.shape(u_hat)[:3], uniform)                     # (B, in_caps, out_caps)
     for r in range(iterations):
         last = r == iterations - 1
         votes = u_hat if last else u_hat_routing
-        if b_ij is None:
-            c_ij = tf.fill(tf.shape(u_hat)[:3], uniform)              # (B, in_caps, out_caps)
-        else:
-            c_ij = tf.nn.softmax(b_ij, axis=-1)                       # (B, in_caps, out_caps)
         s_j = tf.reduce_sum(c_ij[..., None] * votes, axis=1)          # (B, out_caps, out_dim)
         v_j = squash(s_j)                                             # (B, out_caps, out_dim)
         if not last:
             # Agreement u_hat_j|i · v_j: predictions that match the output gain weight.
             agreement = tf.reduce_sum(votes * v_j[:, None], axis=-1)  # (B, in_caps, out_caps)
-            b_ij = agreement if b_ij is None else b_ij + agreement
+            b_ij = agreement if r == 0 else b_ij + agreement
+            c_ij = tf.nn.softmax(b_ij, axis=-1)                       # the next round's
     return v_j, c_ij
