@@ -16,7 +16,7 @@ import yaml
 
 from capsnet.errors import CheckpointError, ConfigError, DataError, OpLibraryError
 from capsnet.training import train
-from capsnet.training.optimizer import learning_rate_schedule
+from capsnet.training.optimizer import cosine_decay, exponential_decay
 from capsnet.training.summaries import image_grid
 from conftest import REPO, compose_config, entry_point_env, load_script, read_events, run_entry_point, tiny_overrides
 
@@ -43,11 +43,63 @@ def test_image_grid_clips_and_rejects_mismatched_shapes():
 
 
 @pytest.mark.parametrize("staircase", [False, True])
-def test_learning_rate_schedule_matches_the_formula(staircase):
-    schedule = learning_rate_schedule(0.001, 0.9, 50, staircase)
+def test_exponential_decay_matches_the_formula(staircase):
+    schedule = exponential_decay(0.001, 0.9, 50, staircase)
     for step in (0, 1, 49, 50, 51, 777):
         exponent = step // 50 if staircase else step / 50
         assert float(schedule(step)) == pytest.approx(0.001 * 0.9 ** exponent, rel=1e-6)
+
+
+def cosine_reference(step, peak, total, warmup):
+    """The warm-up and cosine decay, written out: linear 0 → peak, then half a cosine to 0."""
+    if step < warmup:
+        return peak * step / warmup
+    progress = min(step - warmup, total - warmup) / (total - warmup)
+    return 0.5 * peak * (1 + np.cos(np.pi * progress))
+
+
+@pytest.mark.parametrize("warmup", [0, 30])
+def test_cosine_decay_matches_the_formula(warmup):
+    schedule = cosine_decay(0.002, 300, warmup)
+    for step in (0, 1, 15, 29, 30, 31, 100, 165, 299, 300, 301, 1000):
+        assert float(schedule(step)) == pytest.approx(cosine_reference(step, 0.002, 300, warmup), rel=1e-5, abs=1e-10)
+    assert float(schedule(300)) == pytest.approx(0.0, abs=1e-10)  # the run ends at a rate of 0
+    with pytest.raises(ValueError, match="0 <= warmup_steps < total_steps, got 300 and 300"):
+        cosine_decay(0.002, 300, 300)
+
+
+def test_a_cosine_run_follows_its_schedule_and_cannot_be_extended(tiny_config, tmp_path):
+    """train.lr_schedule=cosine: the learning rate each epoch's line records is the
+    formula's at that step (a warm-up epoch, then down to 0 at the last step), and a
+    resume that moves the end (train.epochs) is refused: the LR would jump."""
+    run_dir = tmp_path / "cosine"
+    cfg = tiny_config("train.lr_schedule=cosine", "train.warmup_epochs=0.5", "train.epochs=3", run_dir=run_dir)
+    train(cfg)
+    lines = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
+    steps_per_epoch = lines[0]["global_step"]
+    assert [line["global_step"] for line in lines] == [steps_per_epoch * e for e in (1, 2, 3)]
+    peak = cfg["train"]["learning_rate"]
+    for line in lines:
+        assert line["learning_rate"] == pytest.approx(
+            cosine_reference(line["global_step"], peak, 3 * steps_per_epoch, round(0.5 * steps_per_epoch)),
+            rel=1e-5, abs=1e-10)
+    assert lines[-1]["learning_rate"] == pytest.approx(0.0, abs=1e-10)
+    with pytest.raises(CheckpointError, match=r"\(train\.epochs: 3 -> 4\)"):
+        train(tiny_config("train.lr_schedule=cosine", "train.warmup_epochs=0.5", "train.epochs=4", run_dir=run_dir))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.warmup_epochs=1"], "train.warmup_epochs=1 needs train.lr_schedule=cosine"),
+    (["train.lr_schedule=cosine", "train.warmup_epochs=4", "train.epochs=4"],
+     "train.warmup_epochs=4 must be fewer than train.epochs=4"),
+    (["train.lr_schedule=linear"], "train.lr_schedule must be one of exponential, cosine, got 'linear'"),
+    (["train.warmup_epochs=-1"], r"train.warmup_epochs must be a number in \[0, 1000\], got -1"),
+])
+def test_bad_schedule_values_are_one_line_config_errors(tiny_config, tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        train(tiny_config(*overrides))
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "run").exists()
 
 
 # --------------------------------------------------------------------------- configs
@@ -279,6 +331,8 @@ def test_test_batch_size_sets_the_test_pass_batches_not_its_scores(trained_run, 
      ["data.shift_pixels: 2 -> 0", "train.batch_size: 16 -> 32", "train.lr_staircase: False -> True"]),
     (["data.rotate_degrees=5", "data.flip=true"], ["data.flip: False -> True", "data.rotate_degrees: 0 -> 5"]),
     (["train.ema_decay=0.99"], ["train.ema_decay: 0.0 -> 0.99"]),  # the run kept no average to continue
+    # A cosine schedule's end is part of the run: train.epochs is compared only then.
+    (["train.lr_schedule=cosine"], ["train.epochs: (absent) -> 5", "train.lr_schedule: 'exponential' -> 'cosine'"]),
 ])
 def test_resume_with_a_config_that_changes_the_run_says_what_differs(trained_run, tiny_config, tmp_path,
                                                                      overrides, differences):
@@ -296,7 +350,8 @@ def test_resume_with_a_config_that_changes_the_run_says_what_differs(trained_run
                                      "data.erase_probability=0.5", "model.w_init_stddev=0.01", "train.ema_decay=0.9"])
 def test_resume_of_a_run_saved_before_the_later_options(trained_run, tiny_config, tmp_path, changed):
     """A config.yaml without the options added later (data.flip / rotate_degrees / zoom /
-    elastic_* / shift_fill / erase_*, model.w_init_stddev, train.ema_decay) was trained with their
+    elastic_* / shift_fill / erase_*, model.w_init_stddev, train.ema_decay / lr_schedule / warmup_epochs)
+    was trained with their
     defaults: resuming with the defaults continues, changing one is refused."""
     run_dir = tmp_path / "old"
     shutil.copytree(trained_run[0], run_dir)
@@ -306,6 +361,7 @@ def test_resume_of_a_run_saved_before_the_later_options(trained_run, tiny_config
         del saved["data"][key]
     del saved["model"]["w_init_stddev"]
     del saved["train"]["ema_decay"]
+    del saved["train"]["lr_schedule"], saved["train"]["warmup_epochs"]
     (run_dir / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
     key, value = changed.split("=")
     with pytest.raises(CheckpointError, match=rf"\({key}: \S+ -> '?{value}'?\)"):

@@ -57,11 +57,19 @@ def _data_rule(dcfg, prefix):
 
 
 def _train_rule(tcfg, prefix):
-    """The margin loss's rule, and a finite learning rate: the field's check passes inf
-    (a positive number), which would turn the first step's weights into NaN."""
+    """The margin loss's rule, a finite learning rate (the field's check passes inf, a
+    positive number, which would turn the first step's weights into NaN), and a warm-up
+    that the schedule has and that leaves it steps to decay over."""
     _margin_rule(tcfg, prefix)
     if not math.isfinite(tcfg["learning_rate"]):
         raise ConfigError(f"{prefix}learning_rate must be a finite positive number, got {tcfg['learning_rate']!r}")
+    warmup = tcfg["warmup_epochs"]
+    if warmup and tcfg["lr_schedule"] != "cosine":
+        raise ConfigError(f"{prefix}warmup_epochs={warmup:g} needs {prefix}lr_schedule=cosine "
+                          f"(the exponential schedule starts at the full rate), got lr_schedule={tcfg['lr_schedule']!r}")
+    if warmup and warmup >= tcfg["epochs"]:
+        raise ConfigError(f"{prefix}warmup_epochs={warmup:g} must be fewer than {prefix}epochs={tcfg['epochs']} "
+                          "(the cosine decay follows the warm-up)")
 
 
 _SECTION_RULES = {DataConfig: _data_rule, TrainConfig: _train_rule, DistributeConfig: _distribute_rule}

@@ -32,6 +32,7 @@ ALL_REDUCE = {                                                          # distri
     "multi_worker": ("auto", "nccl", "ring"),
 }
 SCALE_LR = ("none", "linear", "sqrt")                                   # distribute.scale_lr
+LR_SCHEDULES = ("exponential", "cosine")                                # train.lr_schedule
 SHIFT_FILLS = ("zero", "edge")                                          # data.shift_fill
 WHICH = ("best", "latest")                                              # eval: which
 WEIGHTS = ("raw", "ema")                                                # eval: weights
@@ -111,6 +112,10 @@ def _ema_decay(name, value):
         raise ConfigError(f"{name} must be a number in [0, 1) (0: no average; 0.999 averages over "
                           f"~1000 steps), got {value!r}")
     return decay
+
+
+def _warmup_epochs(name, value):
+    return float_in_range(name, value, 0, 1000, error=ConfigError)
 
 
 def _reconstruction_weight(name, value):
@@ -249,9 +254,11 @@ class TrainConfig:
     batch_size: int = _checked(100, _positive_int)
     test_batch_size: Optional[int] = _checked(None, _optional_positive_int)
     learning_rate: float = _checked(0.001, _positive_float)
+    lr_schedule: str = _checked("exponential", _one_of(LR_SCHEDULES))
     lr_decay_rate: float = _checked(0.9, _positive_float)
     lr_decay_steps: Optional[int] = _checked(None, _optional_positive_int)
     lr_staircase: bool = _checked(False, _boolean)
+    warmup_epochs: float = _checked(0.0, _warmup_epochs)
     xla: str = _checked("none", _one_of(XLA_MODES))
     precision: str = _checked("float32", _one_of(PRECISIONS))
     xla_cache_dir: Optional[str] = _checked(None, _optional_string)

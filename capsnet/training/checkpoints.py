@@ -385,8 +385,8 @@ def save_or_fail(save, directory, number):
 # (how routing is computed, not what: the same W and the same math).
 RESUME_KEYS = {
     "data": ("name", "dir", "limit_train", "limit_test", *AUGMENTATION_KEYS),
-    "train": ("batch_size", "learning_rate", "lr_decay_rate", "lr_decay_steps", "lr_staircase",
-              "m_plus", "m_minus", "lambda_", "reconstruction_weight", "ema_decay"),
+    "train": ("batch_size", "learning_rate", "lr_schedule", "lr_decay_rate", "lr_decay_steps", "lr_staircase",
+              "warmup_epochs", "m_plus", "m_minus", "lambda_", "reconstruction_weight", "ema_decay"),
 }
 RESUME_FREE_MODEL_KEYS = ("routing", "primary_caps_conv")  # how, not what, it computes
 # Of RESUME_KEYS, what a resume may change with a notice: lowering the learning rate is
@@ -410,6 +410,10 @@ def _resume_values(cfg):
     values.update({f"model.{k}": v for k, v in section("model").items() if k not in RESUME_FREE_MODEL_KEYS})
     for name, keys in RESUME_KEYS.items():
         values.update({f"{name}.{k}": section(name).get(k) for k in keys})
+    # The cosine schedule ends at train.epochs: a resume that moved the end would jump
+    # the LR (the exponential one has no end, so a run may be extended).
+    if section("train").get("lr_schedule") == "cosine":
+        values["train.epochs"] = section("train").get("epochs")
     # Of distribute, only what sets the learning rate: the strategy, devices and all-reduce
     # do not change the trajectory (a run may move from one GPU to several and back).
     distribute = section("distribute")

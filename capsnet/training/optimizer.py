@@ -1,7 +1,9 @@
-"""The paper's optimizer: Adam on an exponentially decaying learning rate.
+"""The paper's optimizer: Adam on a decaying learning rate.
 
-- `learning_rate_schedule`: lr(step), a pure function of the optimizer's step counter
-  (restoring the counter restores the LR).
+- `learning_rate_schedule(train_cfg, steps_per_epoch)`: lr(step), a pure function of the
+  optimizer's step counter (restoring the counter restores the LR): the paper's
+  exponential decay (`exponential_decay`) or a warm-up and cosine decay to 0 at the end
+  of training (`cosine_decay`, train.lr_schedule=cosine).
 - `scaled_learning_rate`: train.learning_rate scaled with the global batch
   (distribute.scale_lr).
 - `build_optimizer(train_cfg, steps_per_epoch, model)` → (optimizer, schedule); with
@@ -15,12 +17,36 @@ import keras
 from capsnet.precision import needs_loss_scaling
 
 
-def learning_rate_schedule(learning_rate, decay_rate, decay_steps, staircase=False):
-    """lr(step) = learning_rate · decay_rate^(step / decay_steps); a Keras schedule of
-    the optimizer's step counter, so restoring the counter restores the LR."""
+def exponential_decay(learning_rate, decay_rate, decay_steps, staircase=False):
+    """lr(step) = learning_rate · decay_rate^(step / decay_steps) (the exponent floored
+    with staircase): the paper's schedule."""
     return keras.optimizers.schedules.ExponentialDecay(
         initial_learning_rate=learning_rate, decay_steps=decay_steps, decay_rate=decay_rate,
         staircase=staircase)
+
+
+def cosine_decay(learning_rate, total_steps, warmup_steps=0):
+    """lr rises linearly from 0 to learning_rate over warmup_steps, then falls along half a
+    cosine to 0 at total_steps (Loshchilov & Hutter 2017, without restarts; Goyal et al.
+    2017's warm-up), and stays at 0 after it. For a fixed number of epochs: the whole
+    run is one decay, so the last epochs train at a rate near 0 whatever their number."""
+    if not 0 <= warmup_steps < total_steps:
+        raise ValueError(f"cosine_decay needs 0 <= warmup_steps < total_steps, got {warmup_steps} and {total_steps}")
+    if not warmup_steps:
+        return keras.optimizers.schedules.CosineDecay(learning_rate, decay_steps=total_steps)
+    return keras.optimizers.schedules.CosineDecay(0.0, decay_steps=total_steps - warmup_steps,
+                                                  warmup_target=learning_rate, warmup_steps=warmup_steps)
+
+
+def learning_rate_schedule(train_cfg, steps_per_epoch):
+    """The schedule a config's `train` section names, over epochs of `steps_per_epoch`
+    steps: exponential (lr_decay_rate per lr_decay_steps, null = one epoch) or cosine
+    (warmup_epochs of warm-up, then down to 0 at the end of train.epochs)."""
+    if train_cfg["lr_schedule"] == "cosine":
+        return cosine_decay(train_cfg["learning_rate"], train_cfg["epochs"] * steps_per_epoch,
+                            round(train_cfg["warmup_epochs"] * steps_per_epoch))
+    return exponential_decay(train_cfg["learning_rate"], train_cfg["lr_decay_rate"],
+                             train_cfg["lr_decay_steps"] or steps_per_epoch, train_cfg["lr_staircase"])
 
 
 def scaled_learning_rate(learning_rate, batch_size, scale_lr, base_batch_size):
@@ -36,10 +62,10 @@ def scaled_learning_rate(learning_rate, batch_size, scale_lr, base_batch_size):
 
 
 def build_optimizer(train_cfg, steps_per_epoch, model):
-    """The paper's optimizer for `model`: Adam on an exponentially decaying LR.
+    """The paper's optimizer for `model`: Adam on the LR schedule of `train_cfg`.
 
-    Returns (optimizer, schedule). `train_cfg` is a config's `train` section;
-    lr_decay_steps null decays once per `steps_per_epoch`. Adam's moments are created
+    Returns (optimizer, schedule). `train_cfg` is a config's `train` section (see
+    learning_rate_schedule for `steps_per_epoch`). Adam's moments are created
     now (optimizer.build), so a checkpoint restore fills them in place instead of being
     deferred to the first step, and the first compiled step creates no variables.
     train.precision=mixed_float16 wraps Adam in Keras' LossScaleOptimizer (dynamic loss
@@ -47,9 +73,7 @@ def build_optimizer(train_cfg, steps_per_epoch, model):
     divides the gradients back and skips a step whose gradients overflowed, halving the
     scale; it doubles after 2000 finite steps).
     """
-    decay_steps = train_cfg["lr_decay_steps"] or steps_per_epoch
-    schedule = learning_rate_schedule(train_cfg["learning_rate"], train_cfg["lr_decay_rate"], decay_steps,
-                                      train_cfg["lr_staircase"])
+    schedule = learning_rate_schedule(train_cfg, steps_per_epoch)
     optimizer = keras.optimizers.Adam(learning_rate=schedule)
     if needs_loss_scaling(train_cfg.get("precision", "float32")):
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
