@@ -88,6 +88,38 @@ def test_a_cosine_run_follows_its_schedule_and_cannot_be_extended(tiny_config, t
         train(tiny_config("train.lr_schedule=cosine", "train.warmup_epochs=0.5", "train.epochs=4", run_dir=run_dir))
 
 
+def test_drop_remainder_trains_full_batches_only(tiny_config, tmp_path, monkeypatch):
+    """train.drop_remainder=true: every step of an epoch gets a full batch (50 examples at
+    16 a batch: 3 steps, not 4 with a last one of 2), the step counter and the images
+    counted follow, and the epoch's batches are the first 48 of the same shuffled order."""
+    import capsnet.training.loop as loop
+    seen = []
+    make = loop.make_split_dataset
+
+    def recording(*args, training, drop_remainder=False, **kwargs):
+        dataset = make(*args, training=training, drop_remainder=drop_remainder, **kwargs)
+        if training:
+            full = make(*args, training=training, **kwargs)  # the same epoch, its last batch kept
+            seen.append(([labels.numpy() for _, labels in dataset], np.concatenate([y for _, y in full])))
+        return dataset
+
+    monkeypatch.setattr(loop, "make_split_dataset", recording)
+    run_dir = tmp_path / "dropped"
+    metrics = train(tiny_config("data.limit_train=50", "train.drop_remainder=true", "train.epochs=2", run_dir=run_dir))
+    assert metrics["global_step"] == 6
+    assert [h["global_step"] for h in metrics["history"]] == [3, 6]
+    assert len(seen) == 2
+    for batches, full in seen:
+        assert [len(b) for b in batches] == [16, 16, 16] and len(full) == 50
+        np.testing.assert_array_equal(np.concatenate(batches), full[:48])
+    assert not np.array_equal(seen[0][1], seen[1][1])  # each epoch its own order, so its own 2 left out
+    with pytest.raises(ConfigError, match=r"train\.batch_size=64 with train\.drop_remainder=true leaves no batch "
+                                          r"of the 50 training examples of mnist") as err:
+        train(tiny_config("data.limit_train=50", "train.drop_remainder=true", "train.batch_size=64",
+                          run_dir=tmp_path / "too_big"))
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["train.warmup_epochs=1"], "train.warmup_epochs=1 needs train.lr_schedule=cosine"),
     (["train.lr_schedule=cosine", "train.warmup_epochs=4", "train.epochs=4"],
@@ -347,11 +379,12 @@ def test_resume_with_a_config_that_changes_the_run_says_what_differs(trained_run
 
 
 @pytest.mark.parametrize("changed", ["data.zoom=0.1", "data.elastic_alpha=30", "data.shift_fill=edge",
-                                     "data.erase_probability=0.5", "model.w_init_stddev=0.01", "train.ema_decay=0.9"])
+                                     "data.erase_probability=0.5", "model.w_init_stddev=0.01", "train.ema_decay=0.9",
+                                     "train.drop_remainder=True"])
 def test_resume_of_a_run_saved_before_the_later_options(trained_run, tiny_config, tmp_path, changed):
     """A config.yaml without the options added later (data.flip / rotate_degrees / zoom /
-    elastic_* / shift_fill / erase_*, model.w_init_stddev, train.ema_decay / lr_schedule / warmup_epochs)
-    was trained with their
+    elastic_* / shift_fill / erase_*, model.w_init_stddev, train.ema_decay / lr_schedule / warmup_epochs /
+    drop_remainder) was trained with their
     defaults: resuming with the defaults continues, changing one is refused."""
     run_dir = tmp_path / "old"
     shutil.copytree(trained_run[0], run_dir)
@@ -361,7 +394,7 @@ def test_resume_of_a_run_saved_before_the_later_options(trained_run, tiny_config
         del saved["data"][key]
     del saved["model"]["w_init_stddev"]
     del saved["train"]["ema_decay"]
-    del saved["train"]["lr_schedule"], saved["train"]["warmup_epochs"]
+    del saved["train"]["lr_schedule"], saved["train"]["warmup_epochs"], saved["train"]["drop_remainder"]
     (run_dir / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
     key, value = changed.split("=")
     with pytest.raises(CheckpointError, match=rf"\({key}: \S+ -> '?{value}'?\)"):
@@ -1013,3 +1046,26 @@ def test_evaluate_weights_that_the_run_does_not_have_are_one_line_config_errors(
         evaluate(trained_run[0], weights=weights, output=tmp_path / "never.json")
     assert "\n" not in str(err.value)
     assert not (tmp_path / "never.json").exists()
+
+
+def test_built_ahead_builds_the_next_item_while_the_caller_works_on_this_one():
+    import threading
+
+    from capsnet.training.loop import built_ahead
+    started = {}
+
+    def build(item):
+        started[item] = threading.current_thread().name
+        if item == 3:
+            raise ValueError("bad item 3")
+        return item * 10
+
+    seen = []
+    with pytest.raises(ValueError, match="bad item 3"):
+        for item, built in built_ahead(build, range(5)):
+            time.sleep(0.05)  # the caller's work on this item: the next build has started meanwhile
+            assert item + 1 in started or item == 4
+            seen.append((item, built))
+    assert seen == [(0, 0), (1, 10), (2, 20)]  # in order; the failed build surfaces at its own item
+    assert all(name.startswith("capsnet-next-epoch") for name in started.values())
+    assert list(built_ahead(build, [])) == []

@@ -253,6 +253,7 @@ class TrainConfig:
     epochs: int = _checked(50, _positive_int)
     batch_size: int = _checked(100, _positive_int)
     test_batch_size: Optional[int] = _checked(None, _optional_positive_int)
+    drop_remainder: bool = _checked(False, _boolean)
     learning_rate: float = _checked(0.001, _positive_float)
     lr_schedule: str = _checked("exponential", _one_of(LR_SCHEDULES))
     lr_decay_rate: float = _checked(0.9, _positive_float)

@@ -385,8 +385,8 @@ def save_or_fail(save, directory, number):
 # (how routing is computed, not what: the same W and the same math).
 RESUME_KEYS = {
     "data": ("name", "dir", "limit_train", "limit_test", *AUGMENTATION_KEYS),
-    "train": ("batch_size", "learning_rate", "lr_schedule", "lr_decay_rate", "lr_decay_steps", "lr_staircase",
-              "warmup_epochs", "m_plus", "m_minus", "lambda_", "reconstruction_weight", "ema_decay"),
+    "train": ("batch_size", "drop_remainder", "learning_rate", "lr_schedule", "lr_decay_rate", "lr_decay_steps",
+              "lr_staircase", "warmup_epochs", "m_plus", "m_minus", "lambda_", "reconstruction_weight", "ema_decay"),
 }
 RESUME_FREE_MODEL_KEYS = ("routing", "primary_caps_conv")  # how, not what, it computes
 # Of RESUME_KEYS, what a resume may change with a notice: lowering the learning rate is

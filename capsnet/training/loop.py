@@ -20,6 +20,7 @@ changes a resume refuses: capsnet.training.checkpoints. Several devices (the chi
 alone writes the run dir): capsnet.training.distribute. The weight average:
 capsnet.training.weight_average.
 """
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -36,7 +37,7 @@ import tensorflow as tf
 from capsnet import config
 from capsnet.console import say
 from capsnet.data import augmentation_options, example_shape, is_overlay, load_split, make_split_dataset
-from capsnet.errors import Interrupted, TrainingDiverged
+from capsnet.errors import ConfigError, Interrupted, TrainingDiverged
 from capsnet.losses import loss_params
 from capsnet.scoring import json_safe
 from capsnet.training.checkpoints import (BestCheckpoint, check_nothing_committed, check_resumable, checkpoint_numbers,
@@ -156,7 +157,17 @@ def _train(cfg, progress):
     image_shape = example_shape(data_cfg["name"], train_images.shape[1:], data_cfg["shift_pixels"])
     check_labels(train_labels, train_images, model=model, split=f"{data_cfg['name']} train", image_shape=image_shape)
     check_labels(test_labels, test_images, model=model, split=f"{data_cfg['name']} test", image_shape=image_shape)
-    steps_per_epoch = math.ceil(len(train_labels) / batch_size)
+    # train.drop_remainder: only full batches (a different few examples left out each epoch,
+    # the order being shuffled), so the compiled step sees one batch shape, not two.
+    if tcfg["drop_remainder"]:
+        if len(train_labels) < batch_size:
+            raise ConfigError(f"train.batch_size={batch_size} with train.drop_remainder=true leaves no batch of the "
+                              f"{len(train_labels)} training examples of {data_cfg['name']}")
+        steps_per_epoch = len(train_labels) // batch_size
+        examples_per_epoch = steps_per_epoch * batch_size
+    else:
+        steps_per_epoch = math.ceil(len(train_labels) / batch_size)
+        examples_per_epoch = len(train_labels)
     augmentation = {"shift_pixels": data_cfg["shift_pixels"], **augmentation_options(data_cfg)}
     # The test split: no augmentation (MultiMNIST: shift_pixels sets its fixed pairs' shifts).
     test_ds = make_split_dataset(data_cfg["name"], test_images, test_labels,
@@ -247,18 +258,21 @@ def _train(cfg, progress):
     test = None
     global_step = steps_done(optimizer)  # counted on the host: reading the variable would wait for the device
     progress["done"] = int(epoch)
-    for epoch_index in range(int(epoch), tcfg["epochs"]):
+    def epoch_input(epoch_index):
+        # The epoch's batches on the training devices ahead of the steps (under a strategy:
+        # the same global batches, split over the replicas).
+        train_ds = make_split_dataset(data_cfg["name"], train_images, train_labels, batch_size=batch_size,
+                                      training=True, seed=seed, epoch=epoch_index,
+                                      drop_remainder=tcfg["drop_remainder"], **augmentation)
+        return input_iterator(train_ds, strategy)
+
+    for epoch_index, iterator in built_ahead(epoch_input, range(int(epoch), tcfg["epochs"])):
         progress["epoch"] = epoch_index + 1
         say(f"epoch {epoch_index + 1}/{tcfg['epochs']}")
-        train_ds = make_split_dataset(data_cfg["name"], train_images, train_labels, batch_size=batch_size,
-                                      training=True, seed=seed, epoch=epoch_index, **augmentation)
-        # On the training devices ahead of the steps (under a strategy: the same global
-        # batches, split over the replicas).
-        iterator = input_iterator(train_ds, strategy)
         clock = [time.perf_counter()]  # the epoch's phases end: train, test (with its summaries), save
         try:
             train_means, global_step = train_epoch(
-                train_steps, iterator, global_step=global_step, num_examples=len(train_labels),
+                train_steps, iterator, global_step=global_step, num_examples=examples_per_epoch,
                 batch_size=batch_size, steps_per_execution=tcfg["steps_per_execution"],
                 log_every_steps=tcfg["log_every_steps"], writer=writer, schedule=schedule,
                 progress_bar=tcfg["progress_bar"], loss_scale=loss_scale(optimizer))
@@ -345,6 +359,26 @@ def _train(cfg, progress):
     else:
         scratch.cleanup()
     return metrics
+
+
+def built_ahead(build, items):
+    """(item, build(item)) for each of `items`, the next one's build(item) running on a
+    thread while the caller works on this one.
+
+    Why: an epoch's input (its draws, its tf.data pipeline, its iterator and the captured
+    images) takes ~0.25 s to build on 2 cores (MNIST, docs/benchmarks.md), time the GPU
+    would wait between epochs. Built during the epoch before, it is ready when the epoch
+    starts. What build(item) returns does not depend on when or on which thread it runs
+    (each epoch's batches are keyed by (seed, epoch)); its exceptions reach the caller at
+    that item.
+    """
+    items = list(items)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="capsnet-next-epoch") as ahead:
+        upcoming = ahead.submit(build, items[0]) if items else None
+        for i, item in enumerate(items):
+            built = upcoming.result()
+            upcoming = ahead.submit(build, items[i + 1]) if i + 1 < len(items) else None
+            yield item, built
 
 
 def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size, steps_per_execution,
