@@ -6,6 +6,7 @@ References are independent of the code under test: IDX bytes built by hand with
 """
 import gzip
 import os
+import re
 import struct
 import time
 from pathlib import Path
@@ -857,9 +858,14 @@ def test_erasing_changes_with_the_epoch_and_not_with_batching(examples):
 
 def test_benchmark_input_times_every_image_of_each_epoch(tiny_idx_dir, capsys):
     """scripts/benchmark_input.py runs the epochs train() builds and counts every training
-    image of each (320 here), with a rate per epoch."""
+    image of each (320 here), with a rate per epoch and the time to its first batch, a part of
+    the epoch's."""
     script = load_script("benchmark_input")
     assert script.main(["--data-dir", str(tiny_idx_dir), "--batch-size", "32", "--epochs", "2"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch")]
     assert [line.split(":")[0] for line in lines] == ["epoch 1", "epoch 2"]
-    assert all(" 320 images in " in line and line.endswith("images/s") for line in lines)
+    for line in lines:
+        match = re.fullmatch(r"epoch \d: 320 images in ([\d.]+) s: [\d,]+ images/s "
+                             r"\(ready for its first batch after ([\d.]+) s\)", line)
+        assert match, line
+        assert float(match.group(2)) <= float(match.group(1)) + 0.01  # both rounded
