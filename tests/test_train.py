@@ -81,7 +81,7 @@ def test_a_cosine_run_follows_its_schedule_and_cannot_be_extended(tiny_config, t
     peak = cfg["train"]["learning_rate"]
     for line in lines:
         assert line["learning_rate"] == pytest.approx(
-            cosine_reference(line["global_step"], peak, 3 * steps_per_epoch, round(0.5 * steps_per_epoch)),
+            cosine_reference(line["global_step"], peak, 3 * steps_per_epoch, steps_per_epoch // 2),
             rel=1e-5, abs=1e-10)
     assert lines[-1]["learning_rate"] == pytest.approx(0.0, abs=1e-10)
     with pytest.raises(CheckpointError, match=r"\(train\.epochs: 3 -> 4\)"):

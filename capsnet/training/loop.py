@@ -258,6 +258,7 @@ def _train(cfg, progress):
     test = None
     global_step = steps_done(optimizer)  # counted on the host: reading the variable would wait for the device
     progress["done"] = int(epoch)
+
     def epoch_input(epoch_index):
         # The epoch's batches on the training devices ahead of the steps (under a strategy:
         # the same global batches, split over the replicas).

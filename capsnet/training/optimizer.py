@@ -43,8 +43,9 @@ def learning_rate_schedule(train_cfg, steps_per_epoch):
     steps: exponential (lr_decay_rate per lr_decay_steps, null = one epoch) or cosine
     (warmup_epochs of warm-up, then down to 0 at the end of train.epochs)."""
     if train_cfg["lr_schedule"] == "cosine":
+        # Whole warm-up steps, rounded down: fewer than the run's (warmup_epochs < epochs).
         return cosine_decay(train_cfg["learning_rate"], train_cfg["epochs"] * steps_per_epoch,
-                            round(train_cfg["warmup_epochs"] * steps_per_epoch))
+                            math.floor(train_cfg["warmup_epochs"] * steps_per_epoch))
     return exponential_decay(train_cfg["learning_rate"], train_cfg["lr_decay_rate"],
                              train_cfg["lr_decay_steps"] or steps_per_epoch, train_cfg["lr_staircase"])
 
