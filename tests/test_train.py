@@ -70,8 +70,8 @@ def test_cosine_decay_matches_the_formula(warmup):
 
 def test_a_cosine_run_follows_its_schedule_and_cannot_be_extended(tiny_config, tmp_path):
     """train.lr_schedule=cosine: the learning rate each epoch's line records is the
-    formula's at that step (a warm-up epoch, then down to 0 at the last step), and a
-    resume that moves the end (train.epochs) is refused: the LR would jump."""
+    formula's at that step (after half an epoch of warm-up, down to 0 at the last step),
+    and a resume that moves the end (train.epochs) is refused: the LR would jump."""
     run_dir = tmp_path / "cosine"
     cfg = tiny_config("train.lr_schedule=cosine", "train.warmup_epochs=0.5", "train.epochs=3", run_dir=run_dir)
     train(cfg)
@@ -84,8 +84,9 @@ def test_a_cosine_run_follows_its_schedule_and_cannot_be_extended(tiny_config, t
             cosine_reference(line["global_step"], peak, 3 * steps_per_epoch, steps_per_epoch // 2),
             rel=1e-5, abs=1e-10)
     assert lines[-1]["learning_rate"] == pytest.approx(0.0, abs=1e-10)
-    with pytest.raises(CheckpointError, match=r"\(train\.epochs: 3 -> 4\)"):
+    with pytest.raises(CheckpointError, match=r"\(train\.epochs: 3 -> 4\)") as err:
         train(tiny_config("train.lr_schedule=cosine", "train.warmup_epochs=0.5", "train.epochs=4", run_dir=run_dir))
+    assert "train.epochs may grow" not in str(err.value)  # not for this run
 
 
 def test_drop_remainder_trains_full_batches_only(tiny_config, tmp_path, monkeypatch):
@@ -303,6 +304,7 @@ def test_tensorboard_logs(trained_run):
     assert start.hparams["batch_size"].number_value == 16
     assert start.hparams["routing_iterations"].number_value == 3
     assert start.hparams["dataset"].string_value == "mnist"
+    assert start.hparams["lr_schedule"].string_value == "exponential"
     assert start.hparams["seed"].number_value == 0
     assert start.hparams["precision"].string_value == "float32"
     experiment = plugin_data_pb2.HParamsPluginData.FromString(
@@ -1052,10 +1054,12 @@ def test_built_ahead_builds_the_next_item_while_the_caller_works_on_this_one():
     import threading
 
     from capsnet.training.loop import built_ahead
-    started = {}
+    started = {item: threading.Event() for item in range(5)}
+    threads = {}
 
     def build(item):
-        started[item] = threading.current_thread().name
+        threads[item] = threading.current_thread().name
+        started[item].set()
         if item == 3:
             raise ValueError("bad item 3")
         return item * 10
@@ -1063,9 +1067,15 @@ def test_built_ahead_builds_the_next_item_while_the_caller_works_on_this_one():
     seen = []
     with pytest.raises(ValueError, match="bad item 3"):
         for item, built in built_ahead(build, range(5)):
-            time.sleep(0.05)  # the caller's work on this item: the next build has started meanwhile
-            assert item + 1 in started or item == 4
+            # The next item's build starts while the caller still holds this one.
+            assert started[item + 1].wait(timeout=30)
             seen.append((item, built))
     assert seen == [(0, 0), (1, 10), (2, 20)]  # in order; the failed build surfaces at its own item
-    assert all(name.startswith("capsnet-next-epoch") for name in started.values())
+    assert not started[4].is_set()  # nothing is built past the failure
+    assert all(name.startswith("capsnet-next-epoch") for name in threads.values())
     assert list(built_ahead(build, [])) == []
+
+    # The caller failing mid-way: the generator closes and waits for the build under way.
+    with pytest.raises(RuntimeError, match="caller failed"):
+        for item, _ in built_ahead(lambda i: i, range(5)):
+            raise RuntimeError("caller failed")

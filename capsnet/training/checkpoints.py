@@ -451,9 +451,11 @@ def check_resumable(run_dir, cfg):
     differences = _config_differences(saved, cfg)
     refused = [line for key, line in differences.items() if key not in RESUME_NOTICE_KEYS]
     if refused:
+        epochs = ("train.epochs may grow; " if (saved.get("train") or {}).get("lr_schedule") != "cosine"
+                  else "")  # a cosine schedule ends at train.epochs (_resume_values)
         raise CheckpointError(f"run dir {run_dir} was trained with a different config ({'; '.join(refused)}): "
-                              "resume with the run's values (train.epochs may grow; train.learning_rate may "
-                              "change) or use a new hydra.run.dir")
+                              f"resume with the run's values ({epochs}train.learning_rate may change) "
+                              "or use a new hydra.run.dir")
     return [line for key, line in differences.items() if key in RESUME_NOTICE_KEYS]
 
 

@@ -29,7 +29,9 @@ def cosine_decay(learning_rate, total_steps, warmup_steps=0):
     """lr rises linearly from 0 to learning_rate over warmup_steps, then falls along half a
     cosine to 0 at total_steps (Loshchilov & Hutter 2017, without restarts; Goyal et al.
     2017's warm-up), and stays at 0 after it. For a fixed number of epochs: the whole
-    run is one decay, so the last epochs train at a rate near 0 whatever their number."""
+    run is one decay, so the last epochs train at a rate near 0 whatever their number.
+    With a warm-up, the first update (step 0) has rate 0: Adam's moments take in its
+    gradient, the weights do not move."""
     if not 0 <= warmup_steps < total_steps:
         raise ValueError(f"cosine_decay needs 0 <= warmup_steps < total_steps, got {warmup_steps} and {total_steps}")
     if not warmup_steps:

@@ -14,7 +14,7 @@ from capsnet import config
 
 # Values shown side by side in TensorBoard's HParams dashboard, and the metrics they explain.
 HPARAMS = ("custom_op", "routing", "xla", "precision", "dataset", "batch_size", "routing_iterations", "seed", "learning_rate",
-           "decoder")
+           "lr_schedule", "decoder")
 HPARAM_METRICS = ("test/accuracy", "train/images_per_sec")
 
 
@@ -69,6 +69,7 @@ def write_hparams(writer, run_dir, cfg, data_cfg):
         "routing_iterations": int(cfg["model"]["routing_iterations"]),
         "seed": int(cfg["seed"]),
         "learning_rate": float(cfg["train"]["learning_rate"]),
+        "lr_schedule": str(cfg["train"]["lr_schedule"]),
         "decoder": bool(cfg["model"]["decoder"]),
     }
     with writer.as_default():
