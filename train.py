@@ -8,6 +8,7 @@ Examples:
 """
 import logging
 import os
+import time
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -30,8 +31,10 @@ def main(cfg: DictConfig):
     if "CUDA_VISIBLE_DEVICES" in os.environ:
         # The GPU a sweep job was pinned to (hydra/launcher=gpus), in its train.log.
         log.info("CUDA_VISIBLE_DEVICES=%s", os.environ["CUDA_VISIBLE_DEVICES"])
+    started = time.perf_counter()
     cli.import_tensorflow_quietly()
     from capsnet.training import train
+    log.info("TensorFlow and capsnet.training imported in %.2f s", time.perf_counter() - started)
 
     metrics = train(checked)
     # Returned so that a Hydra sweeper (e.g. Optuna) can optimise it.

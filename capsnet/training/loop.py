@@ -93,6 +93,9 @@ def _train(cfg, progress):
     # Every value checked up front, before TensorFlow touches a device or the data is read
     # (train.py has checked it already: idempotent); a bad one is a ConfigError naming it.
     cfg = config.check(cfg)
+    # Where the set-up's seconds go, logged before the first epoch (the time to the first
+    # step is part of the time to accuracy): (phase, its end) marks.
+    marks = [("start", time.perf_counter())]
     model_cfg, data_cfg, tcfg, dcfg = (dict(cfg[section]) for section in ("model", "data", "train", "distribute"))
     check_tf_config(dcfg["strategy"])
     run_dir = Path(cfg["run_dir"]).expanduser().resolve()
@@ -145,6 +148,7 @@ def _train(cfg, progress):
     # and check_labels compares the data with the checked values.
     with scope():
         model = build_capsnet(model_cfg, custom_op, tcfg["precision"])
+    marks.append(("devices and model", time.perf_counter()))
     # MultiMNIST: labels (B, 2) and the digits (B, 2, H, W, C); one device (config.check).
     two_digits = is_overlay(data_cfg["name"])
 
@@ -154,6 +158,7 @@ def _train(cfg, progress):
                                             limit=data_cfg.get("limit_train"))
     test_images, test_labels = load_split(data_cfg["name"], "test", data_dir=data_cfg.get("dir"),
                                           limit=data_cfg.get("limit_test"))
+    marks.append(("data", time.perf_counter()))
     image_shape = example_shape(data_cfg["name"], train_images.shape[1:], data_cfg["shift_pixels"])
     check_labels(train_labels, train_images, model=model, split=f"{data_cfg['name']} train", image_shape=image_shape)
     check_labels(test_labels, test_images, model=model, split=f"{data_cfg['name']} test", image_shape=image_shape)
@@ -177,6 +182,7 @@ def _train(cfg, progress):
     # (MultiMNIST: the first test pairs, made from the whole test split as in test_ds).
     n_show = min(len(test_labels), max(tcfg["num_images"], tcfg["histogram_examples"]))
     show_images = next(iter(test_ds.unbatch().batch(n_show)))[0]  # (n_show, H, W, C)
+    marks.append(("checks and test images", time.perf_counter()))
 
     # ---- optimizer, checkpoints (new or resumed)
     learning_rate = scaled_learning_rate(tcfg["learning_rate"], batch_size, dcfg["scale_lr"],
@@ -227,10 +233,16 @@ def _train(cfg, progress):
     if chief:
         write_run_config(run_dir, {**cfg, "run_dir": str(run_dir), "data": data_cfg})
 
+    marks.append(("optimizer and checkpoints", time.perf_counter()))
+
     # ---- TensorBoard: one writer per run dir, so `tensorboard --logdir outputs` lists runs side by side
     writer = tf.summary.create_file_writer(str(run_dir)) if chief else tf.summary.create_noop_writer()
     if chief and not resumed_from:
         write_hparams(writer, run_dir, cfg, data_cfg)
+
+    marks.append(("TensorBoard", time.perf_counter()))
+    log.info("set-up %.2f s: %s", marks[-1][1] - marks[0][1],
+             ", ".join(f"{name} {end - begin:.2f}" for (_, begin), (name, end) in zip(marks, marks[1:])))
 
     # ---- compiled steps (xla=autocluster switches XLA on for the whole process)
     losses = loss_params(tcfg)
