@@ -12,6 +12,7 @@ Examples:
     python evaluate.py checkpoint=outputs/2025-01-01/12-00-00 which=latest custom_op=true
     python evaluate.py checkpoint=outputs/.../checkpoints/latest/ckpt-3 data.dir=../shared/data/mnist
     python evaluate.py 'checkpoint=[outputs/run_a,outputs/run_b,outputs/run_c]' which=latest   # an ensemble
+    python evaluate.py checkpoint=outputs/fashion-run tta=flip     # each image also scored mirrored
 """
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -37,7 +38,7 @@ def main(cfg: DictConfig):
     report = evaluate(cfg["checkpoint"], which=cfg["which"], data_name=cfg["data"]["name"],
                       data_dir=cfg["data"]["dir"], limit_test=cfg["data"]["limit_test"],
                       custom_op=cfg["custom_op"], batch_size=cfg["batch_size"], weights=cfg["weights"],
-                      precision=cfg["precision"], output=cfg["output"])
+                      precision=cfg["precision"], output=cfg["output"], tta=cfg["tta"])
     print(format_report(report))
     print(to_json_line(report), flush=True)  # the last line: machine-readable
 

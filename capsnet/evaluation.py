@@ -7,6 +7,9 @@
   evaluated checkpoint (`<checkpoint>.eval.json`).
 - `evaluate([checkpoint, ...])`: an ensemble, each example scored by its capsule
   lengths averaged over the members (`ensemble_report`).
+- `evaluate(..., tta="flip")`: test-time augmentation, each example scored by its capsule
+  lengths averaged over the image and its mirror image (for each member), as an ensemble
+  of the passes.
 - `format_report(report)`: the report as a table; `to_json_line(report)`: as one JSON line.
 
 The pieces it shares with training: the test pass (capsnet.training.steps:
@@ -47,8 +50,15 @@ def format_report(report):
         confusion = np.asarray(report["confusion_matrix"])
         examples, kind, scored, column = confusion.sum(axis=1), "examples", "accuracy", "accuracy"
     if "members" in report:
-        lines = [f"ensemble of {len(report['members'])} checkpoints (class scores: their capsule lengths averaged)"]
-        lines += [f"  {m['checkpoint']} (epoch {m['epoch']}, {WEIGHT_NAMES[m['weights']]}, custom_op={m['custom_op']}): "
+        views = sorted({m["view"] for m in report["members"] if "view" in m})
+        if views:  # tta: each checkpoint's passes over the images as they are and mirrored
+            lines = [f"ensemble of {len(report['members'])} passes: {len(report['members']) // len(views)} "
+                     f"checkpoint(s) x {len(views)} views, {' and '.join(views)} (tta=flip; class scores: "
+                     "their capsule lengths averaged)"]
+        else:
+            lines = [f"ensemble of {len(report['members'])} checkpoints (class scores: their capsule lengths averaged)"]
+        lines += [f"  {m['checkpoint']}{' ' + m['view'] if 'view' in m else ''} (epoch {m['epoch']}, "
+                  f"{WEIGHT_NAMES[m['weights']]}, custom_op={m['custom_op']}): "
                   f"{scored} {m['accuracy']:.4%}, loss {m['loss']:.5f}" for m in report["members"]]
         lines += [f"dataset: {report['dataset']} test, {report['num_examples']} {kind}",
                   f"ensemble {scored} {report['accuracy']:.4%}  {report['images_per_sec']:.1f} images/s"]
@@ -79,7 +89,7 @@ def format_report(report):
 
 
 def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_test=None,
-             custom_op=None, batch_size=None, weights=None, precision=None, output=None):
+             custom_op=None, batch_size=None, weights=None, precision=None, output=None, tta="none"):
     """Evaluate `checkpoint` on the test split; returns the report and writes it as JSON.
 
     Args:
@@ -97,8 +107,12 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
             (train.ema_decay > 0), else the trained weights; "ema" or "raw" to choose.
         precision: None = the run's train.precision; or one of config.PRECISIONS (the
             weights are float32 in every precision).
-        output: JSON path; None = `<checkpoint>.eval.json` (an ensemble:
-            `<first checkpoint>.ensemble-<hash of the members>.eval.json`).
+        output: JSON path; None = `<checkpoint>.eval.json` (an ensemble or tta:
+            `<first checkpoint>.ensemble-<hash of the passes>.eval.json`).
+        tta: "none", or "flip": every member also scores the test images mirrored
+            left-right, and each example is scored by the capsule lengths averaged over
+            all the passes (members × views); only for runs trained on mirrored images
+            (data.flip=true: a digit's mirror image is not that digit).
 
     Returns:
         dict with accuracy, loss, margin_loss, reconstruction_loss, images_per_sec,
@@ -109,7 +123,9 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
         has the ensemble's accuracy, per-class scores, num_examples, images/s, dataset,
         batch_size, and `members`: each member's checkpoint, run_dir, epoch, weights,
         custom_op, accuracy, losses and images/s (the losses, checkpoint and epoch are
-        only there: the average of lengths has no reconstruction).
+        only there: the average of lengths has no reconstruction). With tta=flip the
+        report is an ensemble's whose `members` are the passes, each with its `view`
+        ("plain" or "mirrored").
     """
     checkpoints = list(checkpoint) if isinstance(checkpoint, (list, tuple)) else [checkpoint]
     if not checkpoints:
@@ -119,7 +135,7 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     # (evaluate.py has checked them already; tests and scripts call evaluate() directly).
     args = config.check_section(config.EvalAppConfig, {
         "checkpoint": checkpoints, "which": which, "custom_op": custom_op, "batch_size": batch_size,
-        "weights": weights, "precision": precision, "output": output,
+        "weights": weights, "precision": precision, "output": output, "tta": tta,
         "data": {"name": data_name, "dir": data_dir, "limit_test": limit_test}})
     members = [resolve_member(c, which=which, custom_op=custom_op, weights=weights, precision=precision)
                for c in checkpoints]
@@ -142,6 +158,12 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
         if name != trained_on[0]:
             raise ConfigError(f"ensemble members trained on different datasets: {trained_on[0]} "
                               f"({first['run_dir']}) and {name} ({member['run_dir']})")
+    if args["tta"] == "flip":
+        for member in members:
+            if not member["cfg"]["data"]["flip"]:
+                raise ConfigError(f"tta=flip: the run {member['run_dir']} was not trained on mirrored images "
+                                  f"(data.flip=false; a mirrored {member['cfg']['data']['name']} image need not "
+                                  "be of its class): use tta=none")
 
     if any(member["custom_op"] for member in members):
         check_op_library()
@@ -168,12 +190,16 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
 
     dataset = make_split_dataset(data_cfg["name"], images, labels, batch_size=batch_size, training=False,
                                  shift_pixels=shift_pixels)
-    ensemble = len(members) > 1
+    views = {"plain": dataset}
+    if args["tta"] == "flip":
+        views["mirrored"] = dataset.map(lambda x, y: (tf.reverse(x, axis=[2]), y))  # (B, H, W, C): W mirrored
+    ensemble = len(members) * len(views) > 1
     reports, results = [], []
-    for member in members:
-        eval_step = make_eval_step(member["model"], model.image_shape, **member["losses"],
-                                   two_digits=is_overlay(data_cfg["name"]))
-        result = evaluate_model(eval_step, dataset, model.num_classes, keep_lengths=ensemble)
+    for member, view in ((member, view) for member in members for view in views):
+        eval_step = member.get("eval_step") or make_eval_step(member["model"], model.image_shape, **member["losses"],
+                                                              two_digits=is_overlay(data_cfg["name"]))
+        member["eval_step"] = eval_step  # one per member, for each of its views
+        result = evaluate_model(eval_step, views[view], model.num_classes, keep_lengths=ensemble)
         results.append(result)
         reports.append({
             "accuracy": result["accuracy"],
@@ -193,11 +219,12 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
             "batch_size": batch_size,
             "weights": member["weights"],
             "precision": member["precision"],
+            **({"view": view} if len(views) > 1 else {}),
         })
     if ensemble:
         report = ensemble_report(reports, results, model.num_classes)
-        digest = hashlib.sha1(json.dumps([[m["checkpoint"], m["weights"], m["custom_op"]] for m in reports])
-                              .encode()).hexdigest()[:8]
+        passes = [[m["checkpoint"], m["weights"], m["custom_op"], *([m["view"]] if "view" in m else [])] for m in reports]
+        digest = hashlib.sha1(json.dumps(passes).encode()).hexdigest()[:8]
         default_output = f"{first['prefix']}.ensemble-{digest}.eval.json"
     else:
         report, default_output = reports[0], first["prefix"] + ".eval.json"
@@ -255,7 +282,7 @@ def ensemble_report(reports, results, num_classes):
     predictions = predict(tf.constant(lengths), tf.constant(labels)).numpy()
     scores = score(labels, predictions, num_classes)
     member_keys = ("checkpoint", "run_dir", "epoch", "weights", "custom_op", "precision", "accuracy", "loss", "margin_loss",
-                   "reconstruction_loss", "images_per_sec")
+                   "reconstruction_loss", "images_per_sec", "view")
     return {
         **scores,
         "num_examples": len(labels),
@@ -263,8 +290,8 @@ def ensemble_report(reports, results, num_classes):
         "images_per_sec": 1.0 / sum(1.0 / r["images_per_sec"] for r in reports),
         "dataset": reports[0]["dataset"],
         "batch_size": reports[0]["batch_size"],
-        "ensemble": f"mean capsule lengths of {len(reports)} members",
-        "members": [{key: r[key] for key in member_keys} for r in reports],
+        "ensemble": f"mean capsule lengths of {len(reports)} {'passes' if 'view' in reports[0] else 'members'}",
+        "members": [{key: r[key] for key in member_keys if key in r} for r in reports],
     }
 
 

@@ -227,6 +227,43 @@ def test_evaluate_a_list_of_checkpoints_as_an_ensemble(trained_run, tiny_idx_dir
     assert "members" not in one and one["accuracy"] == evaluate(run_dir)["accuracy"]
 
 
+def test_tta_flip_scores_each_image_by_its_lengths_and_its_mirror_images_averaged(trained_run, tiny_config,
+                                                                                   tiny_idx_dir, tmp_path):
+    """tta=flip: the plain and the mirrored pass of each checkpoint, and every example scored
+    by the capsule lengths of both averaged; the references mirror the images in NumPy and
+    run the model directly. Refused for a run that never saw a mirrored image."""
+    from capsnet.data import load_split, make_split_dataset
+    from capsnet.training import train
+
+    run_dir = tmp_path / "flipped"
+    train(tiny_config("data.flip=true", "train.epochs=2", run_dir=run_dir))
+    report = evaluate(run_dir, which="latest", tta="flip", batch_size=9)
+
+    images, labels = load_split("mnist", "test", data_dir=tiny_idx_dir)
+    prefix = run_dir / "checkpoints" / "latest" / "ckpt-2"
+    plain, mirrored = (checkpoint_lengths(prefix, run_dir, make_split_dataset("mnist", x, labels, batch_size=50,
+                                                                              training=False))
+                       for x in (images, np.flip(images, axis=2)))  # (N, H, W, C): W mirrored
+    expected = (plain + mirrored).argmax(axis=1)
+    assert report["accuracy"] == pytest.approx(np.mean(expected == labels))
+    confusion = np.zeros((10, 10), int)
+    np.add.at(confusion, (labels, expected), 1)
+    assert report["confusion_matrix"] == confusion.tolist()
+    assert [m["view"] for m in report["members"]] == ["plain", "mirrored"]
+    for member, lengths in zip(report["members"], (plain, mirrored)):
+        assert member["accuracy"] == pytest.approx(np.mean(lengths.argmax(axis=1) == labels))
+    assert report["members"][0]["accuracy"] == evaluate(run_dir, which="latest", output=tmp_path / "a.json")["accuracy"]
+    assert report["output"].startswith(str(prefix) + ".ensemble-")
+    assert format_report(report).startswith("ensemble of 2 passes: 1 checkpoint(s) x 2 views")
+
+    with pytest.raises(ConfigError, match=r"tta=flip: the run .* was not trained on mirrored images "
+                                          r"\(data\.flip=false.*use tta=none") as err:
+        evaluate(trained_run[0], tta="flip", output=tmp_path / "never.json")
+    assert "\n" not in str(err.value) and not (tmp_path / "never.json").exists()
+    with pytest.raises(ConfigError, match="tta must be one of none, flip, got 'rotate'"):
+        evaluate(run_dir, tta="rotate", output=tmp_path / "never.json")
+
+
 def test_ensembles_of_unlike_runs_are_one_line_config_errors(trained_run, tmp_path):
     run_dir = trained_run[0]
     with pytest.raises(ConfigError, match=r"checkpoint=\[\] names no checkpoint"):

@@ -36,6 +36,7 @@ LR_SCHEDULES = ("exponential", "cosine")                                # train.
 SHIFT_FILLS = ("zero", "edge")                                          # data.shift_fill
 WHICH = ("best", "latest")                                              # eval: which
 WEIGHTS = ("raw", "ema")                                                # eval: weights
+TTA = ("none", "flip")                                                  # eval: tta
 
 
 # --------------------------------------------------------------------------- field checks
@@ -319,6 +320,7 @@ class EvalAppConfig:
     weights: Optional[str] = _checked(None, _eval_weights)
     precision: Optional[str] = _checked(None, _eval_precision)
     output: Optional[str] = _checked(None, _optional_string)
+    tta: str = _checked("none", _one_of(TTA))
     data: EvalDataConfig = field(default_factory=EvalDataConfig)
     debug: bool = _checked(False, _boolean)
 
