@@ -50,7 +50,7 @@ def format_report(report):
         confusion = np.asarray(report["confusion_matrix"])
         examples, kind, scored, column = confusion.sum(axis=1), "examples", "accuracy", "accuracy"
     if "members" in report:
-        views = sorted({m["view"] for m in report["members"] if "view" in m})
+        views = list(dict.fromkeys(m["view"] for m in report["members"] if "view" in m))  # in pass order
         if views:  # tta: each checkpoint's passes over the images as they are and mirrored
             lines = [f"ensemble of {len(report['members'])} passes: {len(report['members']) // len(views)} "
                      f"checkpoint(s) x {len(views)} views, {' and '.join(views)} (tta=flip; class scores: "

@@ -254,7 +254,7 @@ def test_tta_flip_scores_each_image_by_its_lengths_and_its_mirror_images_average
         assert member["accuracy"] == pytest.approx(np.mean(lengths.argmax(axis=1) == labels))
     assert report["members"][0]["accuracy"] == evaluate(run_dir, which="latest", output=tmp_path / "a.json")["accuracy"]
     assert report["output"].startswith(str(prefix) + ".ensemble-")
-    assert format_report(report).startswith("ensemble of 2 passes: 1 checkpoint(s) x 2 views")
+    assert format_report(report).startswith("ensemble of 2 passes: 1 checkpoint(s) x 2 views, plain and mirrored")
 
     with pytest.raises(ConfigError, match=r"tta=flip: the run .* was not trained on mirrored images "
                                           r"\(data\.flip=false.*use tta=none") as err:
