@@ -389,6 +389,7 @@ RESUME_KEYS = {
               "lr_staircase", "warmup_epochs", "m_plus", "m_minus", "lambda_", "reconstruction_weight", "ema_decay"),
 }
 RESUME_FREE_MODEL_KEYS = ("routing", "primary_caps_conv")  # how, not what, it computes
+EXPONENTIAL_ONLY_KEYS = ("train.lr_decay_rate", "train.lr_decay_steps", "train.lr_staircase")
 # Of RESUME_KEYS, what a resume may change with a notice: lowering the learning rate is
 # how a run that diverged (TrainingDiverged) continues from its last good checkpoint.
 # The optimizer's schedule is rebuilt from the config (the checkpoint holds Adam's
@@ -426,6 +427,9 @@ def _resume_values(cfg):
 def _config_differences(saved, current):
     """{key: 'key: old -> new'} for every resume-relevant value that differs (a missing key counts)."""
     saved, current = _resume_values(saved), _resume_values(current)
+    if saved["train.lr_schedule"] == current["train.lr_schedule"] == "cosine":
+        for key in EXPONENTIAL_ONLY_KEYS:  # what a cosine schedule does not read may change
+            saved.pop(key), current.pop(key)
 
     def shown(values, key):
         return repr(values[key]) if key in values else "(absent)"
