@@ -195,32 +195,32 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
         views["mirrored"] = dataset.map(lambda x, y: (tf.reverse(x, axis=[2]), y))  # (B, H, W, C): W mirrored
     ensemble = len(members) * len(views) > 1
     reports, results = [], []
-    for member, view in ((member, view) for member in members for view in views):
-        eval_step = member.get("eval_step") or make_eval_step(member["model"], model.image_shape, **member["losses"],
-                                                              two_digits=is_overlay(data_cfg["name"]))
-        member["eval_step"] = eval_step  # one per member, for each of its views
-        result = evaluate_model(eval_step, views[view], model.num_classes, keep_lengths=ensemble)
-        results.append(result)
-        reports.append({
-            "accuracy": result["accuracy"],
-            "loss": result["loss"],
-            "margin_loss": result["margin_loss"],
-            "reconstruction_loss": result["reconstruction_loss"],
-            "images_per_sec": result["images_per_sec"],
-            "per_class_accuracy": result["per_class_accuracy"],
-            "confusion_matrix": result["confusion_matrix"],
-            **({"per_class_examples": result["per_class_examples"]} if "per_class_examples" in result else {}),
-            "num_examples": result["num_examples"],
-            "checkpoint": member["prefix"],
-            "run_dir": str(member["run_dir"]),
-            "epoch": member["epoch"],
-            "dataset": data_cfg["name"],
-            "custom_op": member["custom_op"],
-            "batch_size": batch_size,
-            "weights": member["weights"],
-            "precision": member["precision"],
-            **({"view": view} if len(views) > 1 else {}),
-        })
+    for member in members:
+        eval_step = make_eval_step(member["model"], model.image_shape, **member["losses"],
+                                   two_digits=is_overlay(data_cfg["name"]))
+        for view, view_dataset in views.items():
+            result = evaluate_model(eval_step, view_dataset, model.num_classes, keep_lengths=ensemble)
+            results.append(result)
+            reports.append({
+                "accuracy": result["accuracy"],
+                "loss": result["loss"],
+                "margin_loss": result["margin_loss"],
+                "reconstruction_loss": result["reconstruction_loss"],
+                "images_per_sec": result["images_per_sec"],
+                "per_class_accuracy": result["per_class_accuracy"],
+                "confusion_matrix": result["confusion_matrix"],
+                **({"per_class_examples": result["per_class_examples"]} if "per_class_examples" in result else {}),
+                "num_examples": result["num_examples"],
+                "checkpoint": member["prefix"],
+                "run_dir": str(member["run_dir"]),
+                "epoch": member["epoch"],
+                "dataset": data_cfg["name"],
+                "custom_op": member["custom_op"],
+                "batch_size": batch_size,
+                "weights": member["weights"],
+                "precision": member["precision"],
+                **({"view": view} if len(views) > 1 else {}),
+            })
     if ensemble:
         report = ensemble_report(reports, results, model.num_classes)
         passes = [[m["checkpoint"], m["weights"], m["custom_op"], *([m["view"]] if "view" in m else [])] for m in reports]
