@@ -385,11 +385,15 @@ def save_or_fail(save, directory, number):
 # (how routing is computed, not what: the same W and the same math).
 RESUME_KEYS = {
     "data": ("name", "dir", "limit_train", "limit_test", *AUGMENTATION_KEYS),
-    "train": ("batch_size", "drop_remainder", "learning_rate", "lr_schedule", "lr_decay_rate", "lr_decay_steps",
-              "lr_staircase", "warmup_epochs", "m_plus", "m_minus", "lambda_", "reconstruction_weight", "ema_decay"),
+    "train": ("batch_size", "drop_remainder", "learning_rate", "lr_schedule", "m_plus", "m_minus", "lambda_",
+              "reconstruction_weight", "ema_decay"),
 }
 RESUME_FREE_MODEL_KEYS = ("routing", "primary_caps_conv")  # how, not what, it computes
-EXPONENTIAL_ONLY_KEYS = ("train.lr_decay_rate", "train.lr_decay_steps", "train.lr_staircase")
+# What each train.lr_schedule reads besides the learning rate: a resume keeps its schedule's
+# keys and may change the other's. The cosine schedule ends at train.epochs (moving the end
+# would jump the rate); the exponential one has no end, so its run may be extended.
+SCHEDULE_RESUME_KEYS = {"exponential": ("lr_decay_rate", "lr_decay_steps", "lr_staircase"),
+                        "cosine": ("warmup_epochs", "epochs")}
 # Of RESUME_KEYS, what a resume may change with a notice: lowering the learning rate is
 # how a run that diverged (TrainingDiverged) continues from its last good checkpoint.
 # The optimizer's schedule is rebuilt from the config (the checkpoint holds Adam's
@@ -397,10 +401,11 @@ EXPONENTIAL_ONLY_KEYS = ("train.lr_decay_rate", "train.lr_decay_steps", "train.l
 RESUME_NOTICE_KEYS = ("train.learning_rate",)
 
 
-def _resume_values(cfg):
-    """{dotted key: value} of a config over what a resume must not change (tuples as lists,
-    as they come back from config.yaml). A saved config is compared in today's shape
-    (config.migrate: a key added since at the value the run was trained with)."""
+def _resume_values(cfg, schedules):
+    """{dotted key: value} of a config over what a resume must not change, with the keys of
+    the LR `schedules` (tuples as lists, as they come back from config.yaml). A saved config
+    is compared in today's shape (config.migrate: a key added since at the value the run was
+    trained with)."""
     cfg = config.migrate(cfg)
 
     def section(name):
@@ -411,10 +416,8 @@ def _resume_values(cfg):
     values.update({f"model.{k}": v for k, v in section("model").items() if k not in RESUME_FREE_MODEL_KEYS})
     for name, keys in RESUME_KEYS.items():
         values.update({f"{name}.{k}": section(name).get(k) for k in keys})
-    # The cosine schedule ends at train.epochs: a resume that moved the end would jump
-    # the LR (the exponential one has no end, so a run may be extended).
-    if section("train").get("lr_schedule") == "cosine":
-        values["train.epochs"] = section("train").get("epochs")
+    values.update({f"train.{k}": section("train").get(k)
+                   for schedule in schedules for k in SCHEDULE_RESUME_KEYS.get(schedule, ())})
     # Of distribute, only what sets the learning rate: the strategy, devices and all-reduce
     # do not change the trajectory (a run may move from one GPU to several and back).
     distribute = section("distribute")
@@ -425,11 +428,10 @@ def _resume_values(cfg):
 
 
 def _config_differences(saved, current):
-    """{key: 'key: old -> new'} for every resume-relevant value that differs (a missing key counts)."""
-    saved, current = _resume_values(saved), _resume_values(current)
-    if saved["train.lr_schedule"] == current["train.lr_schedule"] == "cosine":
-        for key in EXPONENTIAL_ONLY_KEYS:  # what a cosine schedule does not read may change
-            saved.pop(key), current.pop(key)
+    """{key: 'key: old -> new'} for every resume-relevant value that differs (a missing key
+    counts); of the LR schedules' keys, those of the saved run's schedule and the new one's."""
+    schedules = dict.fromkeys(config.migrate(cfg)["train"].get("lr_schedule") for cfg in (saved, current))
+    saved, current = _resume_values(saved, schedules), _resume_values(current, schedules)
 
     def shown(values, key):
         return repr(values[key]) if key in values else "(absent)"
@@ -455,8 +457,8 @@ def check_resumable(run_dir, cfg):
     differences = _config_differences(saved, cfg)
     refused = [line for key, line in differences.items() if key not in RESUME_NOTICE_KEYS]
     if refused:
-        epochs = ("train.epochs may grow; " if (saved.get("train") or {}).get("lr_schedule") != "cosine"
-                  else "")  # a cosine schedule ends at train.epochs (_resume_values)
+        schedule = config.migrate(saved)["train"].get("lr_schedule")
+        epochs = "" if "epochs" in SCHEDULE_RESUME_KEYS.get(schedule, ()) else "train.epochs may grow; "
         raise CheckpointError(f"run dir {run_dir} was trained with a different config ({'; '.join(refused)}): "
                               f"resume with the run's values ({epochs}train.learning_rate may change) "
                               "or use a new hydra.run.dir")
