@@ -231,6 +231,32 @@ def test_mixed_float16_logs_its_loss_scale(tiny_config, tmp_path):
     assert "train/loss_scale" not in read_events_of_float32(tiny_config, tmp_path)
 
 
+def test_mixed_float16_logs_the_rate_of_the_next_update_after_skipped_steps(tiny_config, tmp_path, monkeypatch):
+    """A step whose scaled gradients overflow float16 is skipped and does not advance Adam's
+    counter, so the schedule runs behind the steps run: the learning rate logged (history and
+    TensorBoard) is the schedule at Adam's counter, the rate the next update applies."""
+    import keras
+
+    import capsnet.training.optimizer as optimizer_module
+    from capsnet.training.optimizer import exponential_decay
+
+    # A loss scale of 2^40 overflows float16's gradients: the first steps are skipped, each
+    # halving the scale, until it fits.
+    class OverflowingAtFirst(keras.optimizers.LossScaleOptimizer):
+        def __init__(self, inner_optimizer, **kwargs):
+            super().__init__(inner_optimizer, initial_scale=2.0 ** 40, **kwargs)
+
+    monkeypatch.setattr(optimizer_module.keras.optimizers, "LossScaleOptimizer", OverflowingAtFirst)
+    metrics = train(tiny_config("train.precision=mixed_float16", "train.epochs=2", "train.lr_decay_steps=7"))
+    steps_run, updates = metrics["history"][-1]["global_step"], metrics["global_step"]
+    assert 0 < updates < steps_run  # steps were skipped, and not all
+    schedule = exponential_decay(0.01, 0.9, 7)  # the tiny run's train.learning_rate and lr_decay_rate
+    assert metrics["history"][-1]["learning_rate"] == pytest.approx(float(schedule(updates)), rel=1e-6)
+    events = read_events(tmp_path / "run")
+    logged = {step: float(tf.make_ndarray(value.tensor)) for step, value in events["train/learning_rate"]}
+    assert logged[steps_run] == pytest.approx(float(schedule(updates)), rel=1e-6)
+
+
 def read_events_of_float32(tiny_config, tmp_path):
     run_dir = tmp_path / "float32"
     train(tiny_config("train.epochs=1", "data.limit_train=32", "data.limit_test=16", run_dir=run_dir))

@@ -279,6 +279,12 @@ def _train(cfg, progress):
                                       drop_remainder=tcfg["drop_remainder"], **augmentation)
         return input_iterator(train_ds, strategy)
 
+    def next_learning_rate():
+        # The rate of the optimizer's next update: its schedule at Adam's step counter, not at
+        # the steps run (with mixed_float16 a step skipped for overflow does not advance it).
+        # Read where the steps were just fetched, so it waits for nothing.
+        return float(schedule(steps_done(optimizer)))
+
     for epoch_index, iterator in built_ahead(epoch_input, range(int(epoch), tcfg["epochs"])):
         progress["epoch"] = epoch_index + 1
         say(f"epoch {epoch_index + 1}/{tcfg['epochs']}")
@@ -287,7 +293,7 @@ def _train(cfg, progress):
             train_means, global_step = train_epoch(
                 train_steps, iterator, global_step=global_step, num_examples=examples_per_epoch,
                 batch_size=batch_size, steps_per_execution=tcfg["steps_per_execution"],
-                log_every_steps=tcfg["log_every_steps"], writer=writer, schedule=schedule,
+                log_every_steps=tcfg["log_every_steps"], writer=writer, learning_rate=next_learning_rate,
                 progress_bar=tcfg["progress_bar"], loss_scale=loss_scale(optimizer))
         except NonFiniteStep as stop:
             # Nothing of this epoch is saved (the weights in memory are diverged): the
@@ -311,7 +317,7 @@ def _train(cfg, progress):
         is_best = test["accuracy"] > float(best_accuracy)
         if is_best:
             best_accuracy.assign(test["accuracy"])
-        entry = history_entry(epoch_index + 1, global_step, float(schedule(global_step)), train_means, test, raw_test,
+        entry = history_entry(epoch_index + 1, global_step, next_learning_rate(), train_means, test, raw_test,
                               collapse)
         history.append(entry)
         if chief:
@@ -395,15 +401,15 @@ def built_ahead(build, items):
 
 
 def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size, steps_per_execution,
-                log_every_steps, writer, schedule, progress_bar=True, loss_scale=None):
+                log_every_steps, writer, learning_rate, progress_bar=True, loss_scale=None):
     """One epoch of `train_steps` calls (make_train_loop) over `iterator`'s batches.
 
     Returns (means, global_step): the epoch's example-weighted step values (loss,
     margin_loss, reconstruction_loss, accuracy; images_per_sec and step_time_ms of the
     timed steps) and the global step after the epoch (`global_step`: before it).
     The train/ scalars go to `writer` every log_every_steps steps and at the epoch's end,
-    with the LR of the next update, schedule(step), and the dynamic loss scale (a
-    variable, mixed_float16) if `loss_scale` is one.
+    with the LR of the next update (`learning_rate()`, read after the steps are fetched) and
+    the dynamic loss scale (a variable, mixed_float16) if `loss_scale` is one.
     """
     steps_per_epoch = math.ceil(num_examples / batch_size)
     # Interactive: a live bar; in a log file: one line per epoch.
@@ -445,8 +451,7 @@ def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size,
                 window.add_time(len(fetched), sum(size for _, size in fetched), now - tick)
         pending, tick = [], now
         if log_now:
-            # The LR of the next update: the schedule at the step counter.
-            write_train_scalars(writer, log_window, schedule(global_step), global_step, loss_scale)
+            write_train_scalars(writer, log_window, learning_rate(), global_step, loss_scale)
             log_window = MetricWindow()
         if bar is not None:
             means = epoch_window.means()
@@ -456,7 +461,7 @@ def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size,
             bar.update(step_in_epoch, shown)
     assert not pending, "the last step of an epoch is always fetched"
     if log_window.examples:
-        write_train_scalars(writer, log_window, schedule(global_step), global_step, loss_scale)
+        write_train_scalars(writer, log_window, learning_rate(), global_step, loss_scale)
     return epoch_window.means(), global_step
 
 
