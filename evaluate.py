@@ -13,6 +13,7 @@ Examples:
     python evaluate.py checkpoint=outputs/.../checkpoints/latest/ckpt-3 data.dir=../shared/data/mnist
     python evaluate.py 'checkpoint=[outputs/run_a,outputs/run_b,outputs/run_c]' which=latest   # an ensemble
     python evaluate.py checkpoint=outputs/fashion-run tta=flip     # each image also scored mirrored
+    python evaluate.py checkpoint=outputs/mnist-run tta=shift      # and moved one pixel each way
 """
 import hydra
 from hydra.core.hydra_config import HydraConfig

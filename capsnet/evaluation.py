@@ -7,9 +7,9 @@
   evaluated checkpoint (`<checkpoint>.eval.json`).
 - `evaluate([checkpoint, ...])`: an ensemble, each example scored by its capsule
   lengths averaged over the members (`ensemble_report`).
-- `evaluate(..., tta="flip")`: test-time augmentation, each example scored by its capsule
-  lengths averaged over the image and its mirror image (for each member), as an ensemble
-  of the passes.
+- `evaluate(..., tta="flip"|"shift")`: test-time augmentation, each example scored by its
+  capsule lengths averaged over views of the image (for each member: the image and its
+  mirror image, or the image and its four one-pixel shifts), as an ensemble of the passes.
 - `format_report(report)`: the report as a table; `to_json_line(report)`: as one JSON line.
 
 The pieces it shares with training: the test pass (capsnet.training.steps:
@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from capsnet import config
+from capsnet.augment import shift_batch
 from capsnet.data import example_shape, is_overlay, load_split, make_split_dataset
 from capsnet.errors import CheckpointError, ConfigError
 from capsnet.losses import loss_params
@@ -51,10 +52,10 @@ def format_report(report):
         examples, kind, scored, column = confusion.sum(axis=1), "examples", "accuracy", "accuracy"
     if "members" in report:
         views = list(dict.fromkeys(m["view"] for m in report["members"] if "view" in m))  # in pass order
-        if views:  # tta: each checkpoint's passes over the images as they are and mirrored
+        if views:  # tta: each checkpoint's passes over the views of the images
             lines = [f"ensemble of {len(report['members'])} passes: {len(report['members']) // len(views)} "
-                     f"checkpoint(s) x {len(views)} views, {' and '.join(views)} (tta=flip; class scores: "
-                     "their capsule lengths averaged)"]
+                     f"checkpoint(s) x {len(views)} views, {', '.join(views[:-1])} and {views[-1]} "
+                     f"(tta={report['tta']}; class scores: their capsule lengths averaged)"]
         else:
             lines = [f"ensemble of {len(report['members'])} checkpoints (class scores: their capsule lengths averaged)"]
         lines += [f"  {m['checkpoint']}{' ' + m['view'] if 'view' in m else ''} (epoch {m['epoch']}, "
@@ -109,10 +110,13 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
             weights are float32 in every precision).
         output: JSON path; None = `<checkpoint>.eval.json` (an ensemble or tta:
             `<first checkpoint>.ensemble-<hash of the passes>.eval.json`).
-        tta: "none", or "flip": every member also scores the test images mirrored
-            left-right, and each example is scored by the capsule lengths averaged over
-            all the passes (members × views); only for runs trained on mirrored images
-            (data.flip=true: a digit's mirror image is not that digit).
+        tta: "none"; "flip": every member also scores the test images mirrored
+            left-right, only for runs trained on mirrored images (data.flip=true: a digit's
+            mirror image is not that digit); "shift": every member also scores them moved one
+            pixel right, left, down and up (the border filled as the run's training shifts
+            fill it), only for runs trained on shifted images (data.shift_pixels > 0). Each
+            example is then scored by the capsule lengths averaged over all the passes
+            (members × views).
 
     Returns:
         dict with accuracy, loss, margin_loss, reconstruction_loss, images_per_sec,
@@ -123,9 +127,9 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
         has the ensemble's accuracy, per-class scores, num_examples, images/s, dataset,
         batch_size, and `members`: each member's checkpoint, run_dir, epoch, weights,
         custom_op, accuracy, losses and images/s (the losses, checkpoint and epoch are
-        only there: the average of lengths has no reconstruction). With tta=flip the
-        report is an ensemble's whose `members` are the passes, each with its `view`
-        ("plain" or "mirrored").
+        only there: the average of lengths has no reconstruction). With tta the report
+        is an ensemble's whose `members` are the passes, each with its `view` ("plain",
+        "mirrored"; "right", "left", "down", "up"), and it names its `tta`.
     """
     checkpoints = list(checkpoint) if isinstance(checkpoint, (list, tuple)) else [checkpoint]
     if not checkpoints:
@@ -158,12 +162,15 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
         if name != trained_on[0]:
             raise ConfigError(f"ensemble members trained on different datasets: {trained_on[0]} "
                               f"({first['run_dir']}) and {name} ({member['run_dir']})")
-    if args["tta"] == "flip":
-        for member in members:
-            if not member["cfg"]["data"]["flip"]:
-                raise ConfigError(f"tta=flip: the run {member['run_dir']} was not trained on mirrored images "
-                                  f"(data.flip=false; a mirrored {member['cfg']['data']['name']} image need not "
-                                  "be of its class): use tta=none")
+    for member in members:
+        trained = member["cfg"]["data"]
+        if args["tta"] == "flip" and not trained["flip"]:
+            raise ConfigError(f"tta=flip: the run {member['run_dir']} was not trained on mirrored images "
+                              f"(data.flip=false; a mirrored {trained['name']} image need not be of its class): "
+                              "use tta=none")
+        if args["tta"] == "shift" and not trained["shift_pixels"]:
+            raise ConfigError(f"tta=shift: the run {member['run_dir']} was not trained on shifted images "
+                              "(data.shift_pixels=0): use tta=none")
 
     if any(member["custom_op"] for member in members):
         check_op_library()
@@ -190,14 +197,12 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
 
     dataset = make_split_dataset(data_cfg["name"], images, labels, batch_size=batch_size, training=False,
                                  shift_pixels=shift_pixels)
-    views = {"plain": dataset}
-    if args["tta"] == "flip":
-        views["mirrored"] = dataset.map(lambda x, y: (tf.reverse(x, axis=[2]), y))  # (B, H, W, C): W mirrored
-    ensemble = len(members) * len(views) > 1
+    ensemble = len(members) > 1 or args["tta"] != "none"
     reports, results = [], []
     for member in members:
         eval_step = make_eval_step(member["model"], model.image_shape, **member["losses"],
                                    two_digits=is_overlay(data_cfg["name"]))
+        views = tta_views(dataset, args["tta"], shift_fill=member["cfg"]["data"]["shift_fill"])
         for view, view_dataset in views.items():
             result = evaluate_model(eval_step, view_dataset, model.num_classes, keep_lengths=ensemble)
             results.append(result)
@@ -223,6 +228,8 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
             })
     if ensemble:
         report = ensemble_report(reports, results, model.num_classes)
+        if args["tta"] != "none":
+            report["tta"] = args["tta"]
         passes = [[m["checkpoint"], m["weights"], m["custom_op"], *([m["view"]] if "view" in m else [])] for m in reports]
         digest = hashlib.sha1(json.dumps(passes).encode()).hexdigest()[:8]
         default_output = f"{first['prefix']}.ensemble-{digest}.eval.json"
@@ -269,6 +276,25 @@ def check_run_config(saved, run_dir):
         return config.check({**saved, "run_dir": str(run_dir)})  # where it is now (it may have moved)
     except ConfigError as exc:
         raise ConfigError(f"the run config of {run_dir}: {exc}") from exc
+
+
+# tta's views besides the plain one: name -> (the batch's images (B, H, W, C), fill) -> the view.
+# A one-pixel shift is shift_batch's crop at the corner (1 - dy, 1 - dx) of the image padded by 1.
+_SHIFTS = {"right": (0, 1), "left": (0, -1), "down": (1, 0), "up": (-1, 0)}
+TTA_VIEWS = {
+    "none": {},
+    "flip": {"mirrored": lambda x, fill: tf.reverse(x, axis=[2])},  # W mirrored
+    "shift": {name: (lambda x, fill, dy=dy, dx=dx: shift_batch(
+        x, tf.tile([[1 - dy, 1 - dx]], [tf.shape(x)[0], 1]), 1, fill=fill)) for name, (dy, dx) in _SHIFTS.items()},
+}
+
+
+def tta_views(dataset, tta, *, shift_fill="zero"):
+    """{view name: the test dataset of that view}: "plain" (the images as they are), then
+    tta's views (TTA_VIEWS; a shift fills the border as `shift_fill`, the run's training
+    shifts' fill)."""
+    return {"plain": dataset, **{name: dataset.map(lambda x, y, view=view: (view(x, shift_fill), y))
+                                 for name, view in TTA_VIEWS[tta].items()}}
 
 
 def ensemble_report(reports, results, num_classes):

@@ -14,8 +14,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 
 # Runs side by side on the one GPU: each line of $RUNS is "name overrides...". Rerunning the same
 # call resumes them (same run dirs, while the machine is held); finished runs are evaluated (final
-# checkpoint, op and matmul path; with EVAL_TTA=1 also tta=flip, for runs trained with
-# data.flip=true). Their logs, histories and evaluations come back packed in $out/runs.tgz (a
+# checkpoint, op and matmul path; with EVAL_TTA="flip shift" also with those test-time views,
+# flip only for runs trained with data.flip=true). Their logs, histories and evaluations come back packed in $out/runs.tgz (a
 # call brings back a few files only: nine runs' 45 files did not come back), written after each
 # run's lines, so a call cut short still returns what was packed.
 side_by_side() {
@@ -42,10 +42,11 @@ side_by_side() {
         python3 evaluate.py checkpoint="$run" which=latest custom_op=$op output="$logs/${name}_eval_op_$op.json" \
           2>&1 | tail -1 | cut -c1-200
       done
-      if [[ ${EVAL_TTA:-0} == 1 ]]; then  # runs trained with data.flip=true: also with test-time flips
-        python3 evaluate.py checkpoint="$run" which=latest custom_op=true tta=flip \
-          output="$logs/${name}_eval_tta_flip.json" 2>&1 | tail -1 | cut -c1-200
-      fi
+      local tta
+      for tta in ${EVAL_TTA:-}; do  # test-time views: flip (runs trained with data.flip=true), shift
+        python3 evaluate.py checkpoint="$run" which=latest custom_op=true tta=$tta \
+          output="$logs/${name}_eval_tta_$tta.json" 2>&1 | tail -1 | cut -c1-200
+      done
       tar czf "$out/runs.tgz" -C "$logs" .
     fi
   done <<< "$RUNS"

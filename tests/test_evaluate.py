@@ -5,7 +5,7 @@ import shutil
 import numpy as np
 import pytest
 import yaml
-from conftest import checkpoint_lengths
+from conftest import checkpoint_lengths, np_margin_loss
 
 from capsnet.errors import CheckpointError, ConfigError, OpLibraryError
 from capsnet.evaluation import ensemble_report, evaluate, format_report
@@ -260,8 +260,64 @@ def test_tta_flip_scores_each_image_by_its_lengths_and_its_mirror_images_average
                                           r"\(data\.flip=false.*use tta=none") as err:
         evaluate(trained_run[0], tta="flip", output=tmp_path / "never.json")
     assert "\n" not in str(err.value) and not (tmp_path / "never.json").exists()
-    with pytest.raises(ConfigError, match="tta must be one of none, flip, got 'rotate'"):
+    with pytest.raises(ConfigError, match="tta must be one of none, flip, shift, got 'rotate'"):
         evaluate(run_dir, tta="rotate", output=tmp_path / "never.json")
+
+
+def np_shifted(images, dy, dx, fill):
+    """(N, H, W, C) images moved dy rows down and dx columns right, one pixel at most; the
+    uncovered row or column zero (fill="zero") or a copy of its neighbour (fill="edge")."""
+    moved = np.roll(images, (dy, dx), axis=(1, 2))
+    if dy:
+        moved[:, 0 if dy > 0 else -1] = 0 if fill == "zero" else images[:, 0 if dy > 0 else -1]
+    if dx:
+        moved[:, :, 0 if dx > 0 else -1] = 0 if fill == "zero" else images[:, :, 0 if dx > 0 else -1]
+    return moved
+
+
+@pytest.mark.parametrize("fill", ["zero", "edge"])
+def test_tta_shift_scores_each_image_by_its_lengths_and_its_four_one_pixel_shifts_averaged(
+        trained_run, tiny_config, tiny_idx_dir, tmp_path, fill):
+    """tta=shift: five passes of each checkpoint (the images as they are, moved one pixel
+    right, left, down, up, the border filled as the run's training shifts fill it), and every
+    example scored by the lengths of the five averaged; the references shift the images in
+    NumPy and run the model directly. Refused for a run trained without shifts."""
+    from capsnet.data import load_split, make_split_dataset
+
+    if fill == "zero":
+        run_dir = trained_run[0]  # data.shift_pixels=2, shift_fill=zero
+    else:
+        from capsnet.training import train
+
+        run_dir = tmp_path / "edge"
+        train(tiny_config("data.shift_fill=edge", "train.epochs=1", run_dir=run_dir))
+    report = evaluate(run_dir, which="latest", tta="shift", batch_size=9, output=tmp_path / "tta.json")
+
+    images, labels = load_split("mnist", "test", data_dir=tiny_idx_dir)
+    prefix = report["members"][0]["checkpoint"]
+    shifts = {"plain": (0, 0), "right": (0, 1), "left": (0, -1), "down": (1, 0), "up": (-1, 0)}
+    lengths = [checkpoint_lengths(prefix, run_dir, make_split_dataset(
+        "mnist", np_shifted(images, dy, dx, fill), labels, batch_size=50, training=False))
+        for dy, dx in shifts.values()]
+    assert [m["view"] for m in report["members"]] == list(shifts)
+    for member, view_lengths in zip(report["members"], lengths):
+        assert member["accuracy"] == pytest.approx(np.mean(view_lengths.argmax(axis=1) == labels))
+        # The loss pins the view itself (a shift the other way would score alike on so few images).
+        assert member["margin_loss"] == pytest.approx(np_margin_loss(labels, view_lengths).mean(), rel=1e-4)
+    expected = np.sum(lengths, axis=0).argmax(axis=1)
+    assert report["accuracy"] == pytest.approx(np.mean(expected == labels))
+    assert report["tta"] == "shift"
+    assert format_report(report).startswith(
+        "ensemble of 5 passes: 1 checkpoint(s) x 5 views, plain, right, left, down and up (tta=shift;")
+
+    with pytest.raises(ConfigError, match=r"tta=shift: the run .* was not trained on shifted images "
+                                          r"\(data\.shift_pixels=0\): use tta=none"):
+        from capsnet.training import train
+
+        unshifted = tmp_path / "unshifted"
+        train(tiny_config("data.shift_pixels=0", "train.epochs=1", run_dir=unshifted))
+        evaluate(unshifted, tta="shift", output=tmp_path / "never.json")
+    assert not (tmp_path / "never.json").exists()
 
 
 def test_ensembles_of_unlike_runs_are_one_line_config_errors(trained_run, tmp_path):

@@ -36,7 +36,7 @@ LR_SCHEDULES = ("exponential", "cosine")                                # train.
 SHIFT_FILLS = ("zero", "edge")                                          # data.shift_fill
 WHICH = ("best", "latest")                                              # eval: which
 WEIGHTS = ("raw", "ema")                                                # eval: weights
-TTA = ("none", "flip")                                                  # eval: tta
+TTA = ("none", "flip", "shift")                                         # eval: tta
 
 
 # --------------------------------------------------------------------------- field checks
