@@ -15,9 +15,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 # Runs side by side on the one GPU: each line of $RUNS is "name overrides...". Rerunning the same
 # call resumes them (same run dirs, while the machine is held); finished runs are evaluated (final
 # checkpoint, op and matmul path; with EVAL_TTA="flip shift" also with those test-time views,
-# flip only for runs trained with data.flip=true). Their logs, histories and evaluations come back packed in $out/runs.tgz (a
-# call brings back a few files only: nine runs' 45 files did not come back), written after each
-# run's lines, so a call cut short still returns what was packed.
+# flip only for runs trained with data.flip=true). Their logs, histories and evaluations come
+# back packed in $out/runs.tgz (a call brings back a few files only: nine runs' 45 files did
+# not come back), written after each run's lines, so a call cut short still returns what was
+# packed.
 side_by_side() {
   # Each process takes GPU memory as it needs it (TensorFlow's default, all of it, leaves the
   # others "cudaSetDevice() ... out of memory").
