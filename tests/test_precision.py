@@ -248,13 +248,18 @@ def test_mixed_float16_logs_the_rate_of_the_next_update_after_skipped_steps(tiny
 
     monkeypatch.setattr(optimizer_module.keras.optimizers, "LossScaleOptimizer", OverflowingAtFirst)
     metrics = train(tiny_config("train.precision=mixed_float16", "train.epochs=2", "train.lr_decay_steps=7"))
-    steps_run, updates = metrics["history"][-1]["global_step"], metrics["global_step"]
+    steps_run, updates = metrics["global_step"], metrics["optimizer_updates"]
+    assert steps_run == metrics["history"][-1]["global_step"] == 2 * 20
     assert 0 < updates < steps_run  # steps were skipped, and not all
     schedule = exponential_decay(0.01, 0.9, 7)  # the tiny run's train.learning_rate and lr_decay_rate
     assert metrics["history"][-1]["learning_rate"] == pytest.approx(float(schedule(updates)), rel=1e-6)
     events = read_events(tmp_path / "run")
     logged = {step: float(tf.make_ndarray(value.tensor)) for step, value in events["train/learning_rate"]}
     assert logged[steps_run] == pytest.approx(float(schedule(updates)), rel=1e-6)
+    # Resumed, the run goes on numbering the steps run (not Adam's count of the applied ones).
+    resumed = train(tiny_config("train.precision=mixed_float16", "train.epochs=3", "train.lr_decay_steps=7"))
+    assert [line["global_step"] for line in resumed["history"]] == [20, 40, 60]
+    assert updates < resumed["optimizer_updates"] <= updates + 20
 
 
 def read_events_of_float32(tiny_config, tmp_path):

@@ -389,9 +389,9 @@ RESUME_KEYS = {
               "reconstruction_weight", "ema_decay"),
 }
 RESUME_FREE_MODEL_KEYS = ("routing", "primary_caps_conv")  # how, not what, it computes
-# What each train.lr_schedule reads besides the learning rate: a resume keeps its schedule's
-# keys and may change the other's. The cosine schedule ends at train.epochs (moving the end
-# would jump the rate); the exponential one has no end, so its run may be extended.
+# What each train.lr_schedule reads besides the learning rate: a resume keeps the keys of the
+# run's schedule and may change the other's. The cosine schedule ends at train.epochs (moving
+# the end would jump the rate); the exponential one has no end, so its run may be extended.
 SCHEDULE_RESUME_KEYS = {"exponential": ("lr_decay_rate", "lr_decay_steps", "lr_staircase"),
                         "cosine": ("warmup_epochs", "epochs")}
 # Of RESUME_KEYS, what a resume may change with a notice: lowering the learning rate is
@@ -429,8 +429,9 @@ def _resume_values(cfg, schedules):
 
 def _config_differences(saved, current):
     """{key: 'key: old -> new'} for every resume-relevant value that differs (a missing key
-    counts); of the LR schedules' keys, those of the saved run's schedule and the new one's."""
-    schedules = dict.fromkeys(config.migrate(cfg)["train"].get("lr_schedule") for cfg in (saved, current))
+    counts); of the LR schedules' keys, those of the saved run's schedule (a change of
+    schedule is itself a difference)."""
+    schedules = [config.migrate(saved)["train"].get("lr_schedule")]
     saved, current = _resume_values(saved, schedules), _resume_values(current, schedules)
 
     def shown(values, key):

@@ -268,7 +268,10 @@ def _train(cfg, progress):
 
     # ---- the loop
     test = None
-    global_step = steps_done(optimizer)  # counted on the host: reading the variable would wait for the device
+    # The steps run, counted on the host (reading Adam's counter would wait for the device, and
+    # with mixed_float16 it leaves out the steps skipped for overflow): epochs end at checkpoints,
+    # and a resume keeps what sets the steps of an epoch.
+    global_step = int(epoch) * steps_per_epoch
     progress["done"] = int(epoch)
 
     def epoch_input(epoch_index):
@@ -365,7 +368,8 @@ def _train(cfg, progress):
         "best_test_accuracy": float(best_accuracy),
         "best_epoch": best_epoch,
         "epochs": int(epoch),
-        "global_step": steps_done(optimizer),
+        "global_step": global_step,  # the steps run
+        "optimizer_updates": steps_done(optimizer),  # the steps applied: fewer by the overflow-skipped (mixed_float16)
         "resumed_from": resumed_from,
         "run_dir": str(run_dir),
         "distribute": dcfg["strategy"],

@@ -31,7 +31,8 @@ def cosine_decay(learning_rate, total_steps, warmup_steps=0):
     2017's warm-up), and stays at 0 after it. For a fixed number of epochs: the whole
     run is one decay, so the last epochs train at a rate near 0 whatever their number.
     With a warm-up, the first update (step 0) has rate 0: Adam's moments take in its
-    gradient, the weights do not move."""
+    gradient, the weights do not move. The step is Adam's counter of applied updates: with
+    mixed_float16's overflow-skipped steps the run ends that many steps before 0."""
     if not 0 <= warmup_steps < total_steps:
         raise ValueError(f"cosine_decay needs 0 <= warmup_steps < total_steps, got {warmup_steps} and {total_steps}")
     if not warmup_steps:
