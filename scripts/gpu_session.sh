@@ -297,7 +297,8 @@ fi
 if [[ $what == scale ]]; then
   # Issue #6: training images/s on 1 GPU and on 2 (MirroredStrategy), custom_op=true and false,
   # per-GPU batch 128 and 512, 1 and 50 steps per call; the 2-GPU rows with NCCL (auto) and
-  # without (one_device).
+  # without (one_device). [xla-op]'s target (custom_op=true at its fastest, per-GPU 512):
+  # SCALE_VARIANTS=op+fused+jit,matmul+jit SCALE_BATCHES=512 SCALE_ALL_REDUCE=auto.
   # NVLink multicast stays off, here and in every process started from here (KINDS.md: a
   # program using it can take the host's shared GPUs out of service for a day or more).
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -308,7 +309,9 @@ if [[ $what == scale ]]; then
   echo "NCCL: ${nccl_so:-not found (the auto rows will fail; one_device runs without it)}" | tee "$out/nccl.txt"
   env | grep -E '^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS)=' | tee -a "$out/nccl.txt"
   # one_device first and a per-variant timeout: should NCCL hang, the rows before it still come back.
-  python3 scripts/benchmark_scale.py --replicas 2 --all-reduce one_device,auto --steps-per-execution 1,50 \
+  python3 scripts/benchmark_scale.py --replicas 2 --all-reduce "${SCALE_ALL_REDUCE:-one_device,auto}" \
+    --variants "${SCALE_VARIANTS:-op+fused,matmul}" --batch-sizes "${SCALE_BATCHES:-128,512}" \
+    --precision "${SCALE_PRECISION:-float32}" --steps-per-execution 1,50 \
     --timeout 300 --json "$out/benchmark_scale.json" 2>&1 | tee "$out/benchmark_scale.log" | tail -30
 fi
 if [[ $what == sweep ]]; then
