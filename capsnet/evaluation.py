@@ -55,7 +55,7 @@ def format_report(report):
         if views:  # tta: each checkpoint's passes over the views of the images
             lines = [f"ensemble of {len(report['members'])} passes: {len(report['members']) // len(views)} "
                      f"checkpoint(s) x {len(views)} views, {', '.join(views[:-1])} and {views[-1]} "
-                     f"(tta={report['tta']}; class scores: their capsule lengths averaged)"]
+                     f"(tta={report.get('tta', 'flip')}; class scores: their capsule lengths averaged)"]
         else:
             lines = [f"ensemble of {len(report['members'])} checkpoints (class scores: their capsule lengths averaged)"]
         lines += [f"  {m['checkpoint']}{' ' + m['view'] if 'view' in m else ''} (epoch {m['epoch']}, "
@@ -171,6 +171,10 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
         if args["tta"] == "shift" and not trained["shift_pixels"]:
             raise ConfigError(f"tta=shift: the run {member['run_dir']} was not trained on shifted images "
                               "(data.shift_pixels=0): use tta=none")
+    if args["tta"] != "none" and is_overlay(data_cfg["name"]):
+        # Its test pairs carry their digits as the decoder's targets, which a view would have to move too.
+        raise ConfigError(f"tta={args['tta']}: not for {data_cfg['name']} (its test pairs carry each digit as "
+                          "a reconstruction target): use tta=none")
 
     if any(member["custom_op"] for member in members):
         check_op_library()

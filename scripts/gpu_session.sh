@@ -43,9 +43,10 @@ side_by_side() {
         python3 evaluate.py checkpoint="$run" which=latest custom_op=$op output="$logs/${name}_eval_op_$op.json" \
           2>&1 | tail -1 | cut -c1-200
       done
-      local tta
-      for tta in ${EVAL_TTA:-}; do  # test-time views: flip (runs trained with data.flip=true), shift
-        python3 evaluate.py checkpoint="$run" which=latest custom_op=true tta=$tta \
+      local tta ttas
+      read -ra ttas <<< "${EVAL_TTA:-}"
+      for tta in "${ttas[@]}"; do  # test-time views: flip (runs trained with data.flip=true), shift
+        python3 evaluate.py checkpoint="$run" which=latest custom_op=true "tta=$tta" \
           output="$logs/${name}_eval_tta_$tta.json" 2>&1 | tail -1 | cut -c1-200
       done
       tar czf "$out/runs.tgz" -C "$logs" .
@@ -298,7 +299,8 @@ if [[ $what == scale ]]; then
   # Issue #6: training images/s on 1 GPU and on 2 (MirroredStrategy), custom_op=true and false,
   # per-GPU batch 128 and 512, 1 and 50 steps per call; the 2-GPU rows with NCCL (auto) and
   # without (one_device). [xla-op]'s target (custom_op=true at its fastest, per-GPU 512):
-  # SCALE_VARIANTS=op+fused+jit,matmul+jit SCALE_BATCHES=512 SCALE_ALL_REDUCE=auto.
+  # SCALE_VARIANTS=op+fused+jit,matmul+jit SCALE_BATCHES=512 SCALE_ALL_REDUCE=auto
+  # (SCALE_PRECISION: one precision a run).
   # NVLink multicast stays off, here and in every process started from here (KINDS.md: a
   # program using it can take the host's shared GPUs out of service for a day or more).
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -310,12 +310,12 @@ def test_tta_shift_scores_each_image_by_its_lengths_and_its_four_one_pixel_shift
     assert format_report(report).startswith(
         "ensemble of 5 passes: 1 checkpoint(s) x 5 views, plain, right, left, down and up (tta=shift;")
 
+    from capsnet.training import train
+
+    unshifted = tmp_path / "unshifted"
+    train(tiny_config("data.shift_pixels=0", "train.epochs=1", run_dir=unshifted))
     with pytest.raises(ConfigError, match=r"tta=shift: the run .* was not trained on shifted images "
                                           r"\(data\.shift_pixels=0\): use tta=none"):
-        from capsnet.training import train
-
-        unshifted = tmp_path / "unshifted"
-        train(tiny_config("data.shift_pixels=0", "train.epochs=1", run_dir=unshifted))
         evaluate(unshifted, tta="shift", output=tmp_path / "never.json")
     assert not (tmp_path / "never.json").exists()
 

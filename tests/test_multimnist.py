@@ -217,6 +217,12 @@ def test_tiny_multimnist_run_trains_and_evaluates(tiny_idx_dir, tmp_path):
     assert ensemble["confusion_matrix"] is None and sum(ensemble["per_class_examples"]) == 2 * 40
     assert [m["accuracy"] for m in ensemble["members"]] == [h["test_accuracy"] for h in metrics["history"]]
 
+    # Test-time views would have to move each pair's two digit targets too: refused in one line.
+    with pytest.raises(ConfigError, match=r"^tta=shift: not for multimnist \(its test pairs carry each digit as "
+                                          r"a reconstruction target\): use tta=none$"):
+        evaluate(run_dir, tta="shift", output=tmp_path / "never.json")
+    assert not (tmp_path / "never.json").exists()
+
 
 def test_multimnist_config_errors(tiny_idx_dir, tmp_path):
     from capsnet.training import train
