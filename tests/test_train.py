@@ -842,8 +842,10 @@ def test_benchmark_train_script_times_both_paths_on_the_same_model(tmp_path):
     assert sorted(bf16) == [("matmul", 4), ("matmul", 6), ("op", 4), ("op", 6)]
     for (variant, batch), row in bf16.items():
         assert row["ratio"] == pytest.approx(row["images_per_sec"] / bf16[("matmul", batch)]["images_per_sec"])
-        # The CPU allocator's peak (a BFC allocator in the workers): a larger batch holds more.
-        assert 0 < bf16[(variant, 4)]["peak_memory_mib"] < bf16[(variant, 6)]["peak_memory_mib"]
+        # The CPU allocator's peak (a BFC allocator in the workers) is measured. Not compared
+        # across batches: the tiny model's batches of 4 and 6 differ by well under a MiB, less
+        # than the allocator's run-to-run spread (CI once saw 55.8 MiB at 4 against 43.1 at 6).
+        assert 0 < row["peak_memory_mib"] < 4096
     rows = {(row["variant"], row["batch_size"]): row for row in report["results"] if row["precision"] == "float32"}
     assert sorted(rows) == [("matmul", 4), ("matmul", 6), ("op", 4), ("op", 6)]
     assert report["errors"] == []
