@@ -430,8 +430,8 @@ def _resume_values(cfg, schedules):
 def _config_differences(saved, current):
     """{key: 'key: old -> new'} for every resume-relevant value that differs (a missing key
     counts); of the LR schedules' keys, those of the saved run's schedule (a change of
-    schedule is itself a difference)."""
-    schedules = [config.migrate(saved)["train"].get("lr_schedule")]
+    schedule is itself a difference). `saved` as read_run_config gives it: in today's shape."""
+    schedules = [saved["train"].get("lr_schedule")]
     saved, current = _resume_values(saved, schedules), _resume_values(current, schedules)
 
     def shown(values, key):
@@ -458,8 +458,8 @@ def check_resumable(run_dir, cfg):
     differences = _config_differences(saved, cfg)
     refused = [line for key, line in differences.items() if key not in RESUME_NOTICE_KEYS]
     if refused:
-        schedule = config.migrate(saved)["train"].get("lr_schedule")
-        epochs = "" if "epochs" in SCHEDULE_RESUME_KEYS.get(schedule, ()) else "train.epochs may grow; "
+        epochs = ("" if "epochs" in SCHEDULE_RESUME_KEYS.get(saved["train"].get("lr_schedule"), ())
+                  else "train.epochs may grow; ")
         raise CheckpointError(f"run dir {run_dir} was trained with a different config ({'; '.join(refused)}): "
                               f"resume with the run's values ({epochs}train.learning_rate may change) "
                               "or use a new hydra.run.dir")
