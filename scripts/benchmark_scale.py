@@ -36,9 +36,14 @@ How (as benchmark_train, from which the timing protocol and helpers come):
   repeat; the median counts.
 
 Prints a markdown table (stdout; progress on stderr) and with `--json PATH` writes JSON.
+Every mirrored configuration first checks that its all-reduce sums (train()'s
+check_all_reduce), and every row shows its loss at the first and last step: the same
+batch each step, so a row whose loss did not fall did not train, and is flagged.
+
 Exit status 0; 2 if something could not run for a reason the user can fix (op library,
-too few GPUs: printed); 1 if a configuration crashed (an all-reduce that does not run:
-its error is in the table's notes and the JSON, the other rows are still measured).
+too few GPUs: printed); 1 if a configuration crashed (an all-reduce that does not run,
+or does not sum: its error is in the table's notes and the JSON, the other rows are
+still measured) or a row did not train.
 """
 import argparse
 import json
@@ -119,7 +124,7 @@ def time_mirrored_training(spec, batch_size, devices, all_reduce, per_call=1):
 
     from capsnet.losses import loss_params
     from capsnet import config
-    from capsnet.training.distribute import input_iterator, make_strategy
+    from capsnet.training.distribute import check_all_reduce, input_iterator, make_strategy
     from capsnet.training.model_setup import build_capsnet
     from capsnet.training.optimizer import build_optimizer
     from capsnet.training.steps import make_train_loop, make_train_step
@@ -129,6 +134,7 @@ def time_mirrored_training(spec, batch_size, devices, all_reduce, per_call=1):
     input_shape = tuple(model_cfg["input_shape"])
     strategy = make_strategy(config.check_section(config.DistributeConfig, {
         "strategy": "mirrored", "devices": devices, "all_reduce": all_reduce}, "distribute."))
+    check_all_reduce(strategy)  # as train() does: timing an all-reduce that does not sum times no training
     replicas = strategy.num_replicas_in_sync
     global_batch = batch_size * replicas
     keras.utils.set_random_seed(spec["seed"])  # the weights of time_training
@@ -217,8 +223,9 @@ def worker(spec):
                               f"{per_call} steps per call", file=sys.stderr, flush=True)
                         try:
                             row = time_mirrored_training(spec, batch_size, devices[:n], all_reduce, per_call)
-                        except (tf.errors.OpError, RuntimeError, ValueError) as exc:
-                            # E.g. an NCCL that does not load: the other configurations still count.
+                        except (tf.errors.OpError, RuntimeError, ValueError, CapsnetError) as exc:
+                            # E.g. an NCCL that does not load, or one that does not sum
+                            # (check_all_reduce): the other configurations still count.
                             result["failures"].append({"config": config, "all_reduce": all_reduce,
                                                        "batch_size": batch_size, "steps_per_execution": per_call,
                                                        "error": " ".join(str(exc).split())[:500]})
@@ -264,14 +271,23 @@ def with_scaling(runs):
 
 def format_table(rows):
     lines = ["| variant | configuration | all-reduce | batch per GPU | global batch | steps per call | images/s | "
-             "ms/step | scaling vs 1 device |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+             "ms/step | scaling vs 1 device | loss, first → last step |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for row in rows:
         scaling = "-" if row["scaling"] is None else f"{row['scaling']:.2f}×"
+        loss = f"{row['first_loss']:.4f} → {row['last_loss']:.4f}{'' if trains(row) else ' (NOT TRAINING)'}"
         lines.append(f"| {row['label']} | {row['config']} | {row['all_reduce'] or '-'} | {row['batch_size']} | "
                      f"{row['global_batch_size']} | {row['steps_per_execution']} | {row['images_per_sec']:,.0f} | "
-                     f"{row['ms_per_step']:.2f} | {scaling} |")
+                     f"{row['ms_per_step']:.2f} | {scaling} | {loss} |")
     return "\n".join(lines)
+
+
+def trains(row):
+    """Whether a row's steps train: the loss of its last timed step is below its first step's.
+    Every step sees the same synthetic batch, so a working step fits it within the warm-up;
+    a step that leaves the loss where it was (an all-reduce that delivers nothing) is timed
+    but is not a training step."""
+    return row["last_loss"] < row["first_loss"]
 
 
 def main(argv=None):
@@ -298,6 +314,7 @@ def main(argv=None):
         "results": rows,
         "failures": failures,
         "errors": [{"variant": run["variant"], "error": run["error"]} for run in runs if run["error"]],
+        "not_training": [row for row in rows if not trains(row)],
     }
 
     model = "the paper model" if not args.overrides else f"configs + {' '.join(args.overrides)}"
@@ -314,9 +331,13 @@ def main(argv=None):
               f"{failure['batch_size']}, {failure['steps_per_execution']} steps per call) failed: {failure['error']}")
     for error in report["errors"]:
         print(f"\n{bt.label(error['variant'])} failed: {error['error']}")
+    for row in report["not_training"]:
+        print(f"\n{row['label']} {row['config']} ({row['all_reduce'] or '-'}, batch {row['batch_size']}, "
+              f"{row['steps_per_execution']} steps per call): the loss did not fall ({row['first_loss']:.4f} → "
+              f"{row['last_loss']:.4f}): its steps do not train, so its time is not a training step's")
     if args.json is not None:
         bt.write_json(args.json, report)
-    if failures or any(run["error"] and run["crashed"] for run in runs):
+    if failures or report["not_training"] or any(run["error"] and run["crashed"] for run in runs):
         return 1
     return 2 if report["errors"] else 0
 

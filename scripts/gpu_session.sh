@@ -300,20 +300,33 @@ if [[ $what == scale ]]; then
   # per-GPU batch 128 and 512, 1 and 50 steps per call; the 2-GPU rows with NCCL (auto) and
   # without (one_device). [xla-op]'s target (custom_op=true at its fastest, per-GPU 512):
   # SCALE_VARIANTS=op+fused+jit,matmul+jit SCALE_BATCHES=512 SCALE_ALL_REDUCE=auto
-  # (SCALE_PRECISION: one precision a run).
+  # (SCALE_PRECISION: one precision a run; SCALE_SPE: steps per call, train()'s default 50 alone
+  # halves the call). Each mirrored row first checks that its all-reduce sums, and every row
+  # shows its loss at the first and last step (2026-11-25: with PyTorch's CUDA 13 NCCL the
+  # mirrored ×2 jit rows' loss stayed at 0.8424 → 0.8426 where one GPU's fell to 0.28).
   # NVLink multicast stays off, here and in every process started from here (KINDS.md: a
   # program using it can take the host's shared GPUs out of service for a day or more).
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-  # TensorFlow dlopens libnccl.so.2; the kit leaves NCCL out: use the one of the machine's PyTorch.
-  torch_nvidia="$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "nvidia"))' 2>/dev/null)"
-  nccl_so="$(find "$torch_nvidia" -name 'libnccl.so*' 2>/dev/null | head -1)"
+  # TensorFlow dlopens libnccl.so.2 and the kit leaves NCCL out: the CUDA 12 build TensorFlow was
+  # built against if its parts were sent (scripts/pack_nccl.sh), else the machine's PyTorch's
+  # (a CUDA 13 build). NCCL_DEBUG=VERSION prints the version that ran.
+  nccl_so=""
+  if [[ -f /tmp/ncclkit/MANIFEST ]] && (cd /tmp/ncclkit && sha256sum -c --quiet MANIFEST); then
+    mkdir -p /tmp/ncclkit/lib
+    [[ -f /tmp/ncclkit/lib/libnccl.so.2 ]] || cat /tmp/ncclkit/part.* | xz -d > /tmp/ncclkit/lib/libnccl.so.2
+    nccl_so=/tmp/ncclkit/lib/libnccl.so.2
+  else
+    torch_nvidia="$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "nvidia"))' 2>/dev/null)"
+    nccl_so="$(find "$torch_nvidia" -name 'libnccl.so*' 2>/dev/null | head -1)"
+  fi
   if [[ -n $nccl_so ]]; then export LD_LIBRARY_PATH="$(dirname "$nccl_so")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
+  export NCCL_DEBUG="${NCCL_DEBUG:-VERSION}"
   echo "NCCL: ${nccl_so:-not found (the auto rows will fail; one_device runs without it)}" | tee "$out/nccl.txt"
   env | grep -E '^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS)=' | tee -a "$out/nccl.txt"
   # one_device first and a per-variant timeout: should NCCL hang, the rows before it still come back.
   python3 scripts/benchmark_scale.py --replicas 2 --all-reduce "${SCALE_ALL_REDUCE:-one_device,auto}" \
     --variants "${SCALE_VARIANTS:-op+fused,matmul}" --batch-sizes "${SCALE_BATCHES:-128,512}" \
-    --precision "${SCALE_PRECISION:-float32}" --steps-per-execution 1,50 \
+    --precision "${SCALE_PRECISION:-float32}" --steps-per-execution "${SCALE_SPE:-1,50}" \
     --timeout 300 --json "$out/benchmark_scale.json" 2>&1 | tee "$out/benchmark_scale.log" | tail -30
 fi
 if [[ $what == sweep ]]; then

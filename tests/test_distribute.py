@@ -281,6 +281,57 @@ def test_mirrored_global_batch_must_divide_over_the_replicas(mirrored):
     assert not (root / "indivisible").exists()  # refused before the run dir was made
 
 
+# check_all_reduce over two logical CPU devices (a fresh process): the strategy's own
+# all-reduce, then two broken ones patched into the replica context (one returns zeros, one
+# each replica's own value unsummed); prints {name: null or the ConfigError's message}.
+ALL_REDUCE_SCRIPT = r"""
+import json
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+from capsnet.errors import ConfigError
+from capsnet.training.distribute import check_all_reduce
+
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+real = tf.distribute.ReplicaContext.all_reduce
+report = {}
+for name, patched in (("sums", real),
+                      ("zeros", lambda self, op, value, options=None: [tf.zeros_like(v) for v in value]),
+                      ("unsummed", lambda self, op, value, options=None: value)):
+    tf.distribute.ReplicaContext.all_reduce = patched
+    try:
+        check_all_reduce(strategy)
+        report[name] = None
+    except ConfigError as error:
+        report[name] = str(error)
+print(json.dumps(report))
+"""
+
+
+def test_an_all_reduce_that_does_not_sum_is_refused_before_training():
+    env = repo_env()
+    env["CUDA_VISIBLE_DEVICES"] = "-1"
+    result = subprocess.run([sys.executable, "-c", ALL_REDUCE_SCRIPT], env=env, capture_output=True, text=True,
+                            timeout=SUBPROCESS_TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["sums"] is None
+    prefix = "distribute: the gradient all-reduce over /job:localhost/replica:0/task:0/device:CPU:0, "
+    assert report["zeros"].startswith(prefix) and "does not sum: local replica 0 received 0 where 3 (the sum of " \
+        "1..2) was expected, in 262144 of 262144 elements" in report["zeros"], report["zeros"]
+    # Replica 0 keeps its own 1, where 1 + 2 was due.
+    assert "local replica 0 received 1 where 3" in report["unsummed"], report["unsummed"]
+    assert all("\n" not in message for message in (report["zeros"], report["unsummed"]))
+
+
+def test_all_reduce_error_names_the_first_wrong_element():
+    from capsnet.training.distribute import all_reduce_error
+
+    assert all_reduce_error([[np.full(5, 6.0), np.full((3, 3), 6.0)]] * 3, 3) is None
+    assert all_reduce_error([[np.full(5, 6.0)], [np.array([6.0, 6.0, 2.0, 6.0, 0.0])]], 3) == (
+        "local replica 1 received 2 where 6 (the sum of 1..3) was expected, in 2 of 5 elements")
+
+
 @pytest.mark.slow
 def test_a_mirrored_checkpoint_evaluates_on_one_device(mirrored, tmp_path):
     """evaluate.py is unchanged: the distributed run's checkpoint is an ordinary one."""
@@ -472,7 +523,7 @@ def test_benchmark_scale_script_times_one_device_and_mirrored_on_the_same_data(t
         env=entry_point_env(), capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(output.read_text())
-    assert report["errors"] == [] and report["failures"] == []
+    assert report["errors"] == [] and report["failures"] == [] and report["not_training"] == []
     assert report["environment"]["NCCL_NVLS_ENABLE"] is not None
     rows = {(row["config"], row["batch_size"]): row for row in report["results"]}
     assert sorted(rows) == sorted((config, b) for config in ("1 device", "mirrored ×1", "mirrored ×2")
@@ -489,6 +540,24 @@ def test_benchmark_scale_script_times_one_device_and_mirrored_on_the_same_data(t
     assert rows[("mirrored ×2", 4)]["first_loss"] == pytest.approx(rows[("1 device", 8)]["first_loss"],
                                                                    rel=LOSS_RTOL)
     assert "| custom_op=true xla=none | mirrored ×2 | auto | 4 | 8 |" in result.stdout
+    for row in rows.values():  # every row trains: the loss of its last step is below its first's
+        assert row["last_loss"] < row["first_loss"], row
+        assert f"| {row['first_loss']:.4f} → {row['last_loss']:.4f} |" in result.stdout
+
+
+def test_benchmark_scale_flags_a_row_whose_loss_did_not_fall():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import benchmark_scale
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    row = {"label": "custom_op=true xla=jit fused_routing", "config": "mirrored ×2", "all_reduce": "auto",
+           "batch_size": 512, "global_batch_size": 1024, "steps_per_execution": 50, "images_per_sec": 122213.2,
+           "ms_per_step": 8.38, "scaling": 1.48, "first_loss": 0.84242, "last_loss": 0.84263}  # seen on 2 H100s
+    assert not benchmark_scale.trains(row)
+    assert "| 0.8424 → 0.8426 (NOT TRAINING) |" in benchmark_scale.format_table([row])
+    assert benchmark_scale.trains({**row, "last_loss": 0.28})
+    assert "| 0.8424 → 0.2800 |" in benchmark_scale.format_table([{**row, "last_loss": 0.28}])
 
 
 def test_benchmark_scale_script_rejects_bad_arguments(tmp_path):

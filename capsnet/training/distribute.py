@@ -131,6 +131,56 @@ def check_global_batch(batch_size, strategy):
                           f"use a multiple of {replicas}")
 
 
+# The all-reduce probe (check_all_reduce): two tensors, as the optimizer all-reduces a list
+# of gradients (packed together), the larger one 1 MiB, past a single small transfer.
+ALL_REDUCE_PROBE_SHAPES = ((1 << 18,), (3, 3))
+
+
+def check_all_reduce(strategy):
+    """The strategy's gradient all-reduce must sum, checked once before training.
+
+    The replicas all-reduce a known value the way the optimizer all-reduces its gradients
+    (a list of tensors from the replica context, in a tf.function): replica i sends i + 1
+    everywhere, so every replica must get n(n + 1)/2 back. An all-reduce that runs but does
+    not sum (an NCCL library the process loaded that this TensorFlow cannot use) would
+    otherwise train silently wrong: every step would look like a step. Raises a ConfigError
+    naming the devices, the implementation and the values; nothing to check on one replica.
+    """
+    if strategy.num_replicas_in_sync == 1:
+        return
+
+    def replica_fn():
+        context = tf.distribute.get_replica_context()
+        value = tf.cast(context.replica_id_in_sync_group + 1, tf.float32)
+        return context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                  [tf.fill(shape, value) for shape in ALL_REDUCE_PROBE_SHAPES])
+
+    sums = tf.function(lambda: strategy.run(replica_fn), autograph=False)()
+    local = [[tensor.numpy() for tensor in strategy.experimental_local_results(per_replica)]
+             for per_replica in sums]  # [tensor][local replica]
+    error = all_reduce_error([list(replica) for replica in zip(*local)], strategy.num_replicas_in_sync)
+    if error is not None:
+        implementation = type(getattr(strategy.extended, "_cross_device_ops", None) or
+                              getattr(strategy.extended, "_collective_ops", None)).__name__
+        raise ConfigError(f"distribute: the gradient all-reduce over {', '.join(strategy.extended.worker_devices)} "
+                          f"({implementation}) does not sum: {error}; training would not follow the gradients. "
+                          "Try distribute.all_reduce=one_device, or the NCCL library this TensorFlow was built with")
+
+
+def all_reduce_error(received, replicas):
+    """What check_all_reduce's probe got wrong, in words, or None: `received` holds each
+    local replica's list of all-reduced arrays; each element must be replicas(replicas + 1)/2."""
+    expected = replicas * (replicas + 1) / 2
+    for index, arrays in enumerate(received):
+        for array in arrays:
+            wrong = np.flatnonzero(np.asarray(array) != expected)
+            if wrong.size:
+                return (f"local replica {index} received {np.asarray(array).flat[wrong[0]]:g} where {expected:g} "
+                        f"(the sum of 1..{replicas}) was expected, in {wrong.size} of {np.asarray(array).size} "
+                        f"elements")
+    return None
+
+
 def is_chief(strategy):
     """Whether this process writes the run dir: always without a strategy or with mirrored
     (one process); under multi_worker the task "chief", else worker 0."""

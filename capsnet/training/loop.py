@@ -43,8 +43,8 @@ from capsnet.scoring import json_safe
 from capsnet.training.checkpoints import (BestCheckpoint, check_nothing_committed, check_resumable, checkpoint_numbers,
                                          checkpoint_weights, read_history, recover_latest, resume_from, save_or_fail,
                                          write_run_config)
-from capsnet.training.distribute import (check_global_batch, check_tf_config, check_workers_agree, input_iterator,
-                                         is_chief, make_strategy, trains_on_gpu)
+from capsnet.training.distribute import (check_all_reduce, check_global_batch, check_tf_config, check_workers_agree,
+                                         input_iterator, is_chief, make_strategy, trains_on_gpu)
 from capsnet.training.model_setup import build_capsnet, check_labels, check_op_library
 from capsnet.training.optimizer import build_optimizer, checkpoint_nodes, loss_scale, scaled_learning_rate, steps_done
 from capsnet.training.run_lock import RunLock
@@ -136,6 +136,7 @@ def _train(cfg, progress):
         locks.append(RunLock.acquire(run_dir))
     if strategy is not None:
         check_global_batch(batch_size, strategy)
+        check_all_reduce(strategy)
         log.info("distribute=%s: %d replicas, global batch %d = %d per replica; this process: %s%s",
                  dcfg["strategy"], strategy.num_replicas_in_sync, batch_size,
                  batch_size // strategy.num_replicas_in_sync, ", ".join(strategy.extended.worker_devices),
