@@ -15,6 +15,11 @@ class ConfigError(CapsnetError):
     """A config value is invalid."""
 
 
+class AllReduceError(CapsnetError):
+    """The replicas' all-reduce does not run or does not sum (distribute.check_all_reduce):
+    the devices' communication library, not a config value, is at fault."""
+
+
 class DataError(CapsnetError):
     """A dataset cannot be found, downloaded or parsed."""
 

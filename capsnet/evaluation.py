@@ -33,7 +33,7 @@ from capsnet.losses import loss_params
 from capsnet.scoring import json_safe, predict, score
 from capsnet.training.checkpoints import resolve_checkpoint, restore_model
 from capsnet.training.model_setup import build_capsnet, check_labels, check_op_library
-from capsnet.training.steps import evaluate_model, make_eval_step
+from capsnet.training.steps import eval_batch_size, evaluate_model, make_eval_step
 from capsnet.validation import boolean
 
 # How format_report names the weights evaluated (evaluate(weights=...): config.WEIGHTS).
@@ -154,7 +154,7 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
         data_cfg["dir"] = None
     data_cfg.update({key: value for key, value in data_args.items() if value is not None})
     run_train = first["cfg"]["train"]
-    batch_size = args["batch_size"] or run_train.get("test_batch_size") or run_train["batch_size"]
+    batch_size = args["batch_size"] or eval_batch_size(run_train)
     # One test split for all (data.name may pick another): members trained for different
     # datasets have capsules that mean different things, whatever split they are scored on.
     trained_on = [member["cfg"]["data"]["name"] for member in members]

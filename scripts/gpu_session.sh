@@ -19,6 +19,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 # back packed in $out/runs.tgz (a call brings back a few files only: nine runs' 45 files did
 # not come back), written after each run's lines, so a call cut short still returns what was
 # packed.
+# The code tree of an ab / memory_ab turn: old = $AB_OLD (an earlier commit's capsnet/, scripts/,
+# configs/, train.py, unpacked there; default ab_old), new = this one.
+tree_dir() { if [[ $1 == old ]]; then echo "${AB_OLD:-ab_old}"; else echo .; fi; }
+
 side_by_side() {
   # Each process takes GPU memory as it needs it (TensorFlow's default, all of it, leaves the
   # others "cudaSetDevice() ... out of memory").
@@ -156,7 +160,7 @@ if [[ $what == ab ]]; then
   old_lib="$PWD/${AB_OLD_LIB:-capsnet/lib/_capsnet_ops.so}"
   for variant in ${AB_VARIANTS:-op+fused+jit matmul+jit}; do
     for tree in old new; do
-      dir=$([[ $tree == old ]] && echo "${AB_OLD:-ab_old}" || echo .)
+      dir=$(tree_dir "$tree")
       tree_lib=$([[ $tree == old ]] && echo "$old_lib" || echo "$lib")
       (cd "$dir" && CAPSNET_OP_LIBRARY="$tree_lib" python3 scripts/benchmark_train.py --precision ${AB_PRECISIONS:-mixed_bfloat16,float32} \
         --steps-per-execution 50 --repeats 3 --variants "$variant" --timeout 300 --json "$OLDPWD/$out/ab_${tree}_${variant//+/_}.json") \
@@ -164,7 +168,7 @@ if [[ $what == ab ]]; then
     done
   done
   for tree in $([[ ${AB_PROFILE:-1} == 1 ]] && echo old new); do
-    dir=$([[ $tree == old ]] && echo "${AB_OLD:-ab_old}" || echo .)
+    dir=$(tree_dir "$tree")
     tree_lib=$([[ $tree == old ]] && echo "$old_lib" || echo "$lib")
     (cd "$dir" && CAPSNET_OP_LIBRARY="$tree_lib" python3 scripts/profile_train.py --variant op+fused+jit \
       --precision ${AB_PROFILE_PRECISION:-mixed_bfloat16} --batch-size 512) 2>&1 | tee "$out/ab_profile_$tree.log" | tail -22 | sed "s/^/$tree /"
@@ -184,7 +188,7 @@ if [[ $what == memory_ab ]]; then
   # for $MEMORY_VARIANTS in $MEMORY_PRECISION at batch 512: what a change did to the plan.
   for variant in ${MEMORY_VARIANTS:-op+fused+jit matmul+jit}; do
     for tree in old new; do
-      dir=$([[ $tree == old ]] && echo "${AB_OLD:-ab_old}" || echo .)
+      dir=$(tree_dir "$tree")
       echo "### $tree $variant ${MEMORY_PRECISION:-float32}"
       (cd "$dir" && python3 scripts/xla_memory_report.py --device gpu --variant "$variant" \
         --precision ${MEMORY_PRECISION:-float32} --batch-size 512 --top 12) > "$out/memory_${tree}_${variant//+/_}.md" 2>&1
@@ -311,17 +315,24 @@ if [[ $what == scale ]]; then
   # built against if its parts were sent (scripts/pack_nccl.sh), else the machine's PyTorch's
   # (a CUDA 13 build). NCCL_DEBUG=VERSION prints the version that ran.
   nccl_so=""
-  if [[ -f /tmp/ncclkit/MANIFEST ]] && (cd /tmp/ncclkit && sha256sum -c --quiet MANIFEST); then
-    mkdir -p /tmp/ncclkit/lib
-    [[ -f /tmp/ncclkit/lib/libnccl.so.2 ]] || cat /tmp/ncclkit/part.* | xz -d > /tmp/ncclkit/lib/libnccl.so.2
-    nccl_so=/tmp/ncclkit/lib/libnccl.so.2
+  kit=/tmp/ncclkit
+  if [[ ! -f $kit/lib/libnccl.so.2 && -f $kit/MANIFEST ]] && (cd $kit && sha256sum -c --quiet MANIFEST); then
+    # The parts MANIFEST lists, in its order; unpacked beside, then moved: no half library stays.
+    mkdir -p $kit/lib
+    (cd $kit && cat $(awk '{print $2}' MANIFEST)) | python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)' \
+      > $kit/lib/libnccl.so.2.part && mv $kit/lib/libnccl.so.2.part $kit/lib/libnccl.so.2
+  fi
+  if [[ -f $kit/lib/libnccl.so.2 ]]; then
+    nccl_so=$kit/lib/libnccl.so.2
   else
+    echo "NCCL: no complete parts in $kit (scripts/pack_nccl.sh): falling back on PyTorch's CUDA 13 NCCL" | tee "$out/nccl.txt"
     torch_nvidia="$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "nvidia"))' 2>/dev/null)"
     nccl_so="$(find "$torch_nvidia" -name 'libnccl.so*' 2>/dev/null | head -1)"
   fi
   if [[ -n $nccl_so ]]; then export LD_LIBRARY_PATH="$(dirname "$nccl_so")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
-  export NCCL_DEBUG="${NCCL_DEBUG:-VERSION}"
-  echo "NCCL: ${nccl_so:-not found (the auto rows will fail; one_device runs without it)}" | tee "$out/nccl.txt"
+  # NCCL writes its lines to stdout, which the benchmark's workers keep for their JSON: stderr.
+  export NCCL_DEBUG="${NCCL_DEBUG:-VERSION}" NCCL_DEBUG_FILE="${NCCL_DEBUG_FILE:-/dev/stderr}"
+  echo "NCCL: ${nccl_so:-not found (the auto rows will fail; one_device runs without it)}" | tee -a "$out/nccl.txt"
   env | grep -E '^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS)=' | tee -a "$out/nccl.txt"
   # one_device first and a per-variant timeout: should NCCL hang, the rows before it still come back.
   python3 scripts/benchmark_scale.py --replicas 2 --all-reduce "${SCALE_ALL_REDUCE:-one_device,auto}" \

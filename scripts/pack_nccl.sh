@@ -8,6 +8,7 @@
 # `bash scripts/gpu_session.sh scale` then unpacks /tmp/ncclkit and puts it first on
 # LD_LIBRARY_PATH (else it falls back on PyTorch's NCCL and says so).
 set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"  # the parts go into the repository's root, as the kit's
 version="${NCCL_VERSION:-2.27.7}"  # tensorflow[and-cuda] 2.21: nvidia-nccl-cu12>=2.27.7,<3
 out="$PWD/.ncclkit"
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/ncclkit/$version"
@@ -24,5 +25,7 @@ fi
 rm -rf "$out"; mkdir -p "$out"
 split -b 60M -d -a 2 "$cache/libnccl.so.2.xz" "$out/part."
 (cd "$out" && sha256sum part.* > MANIFEST && echo "nvidia-nccl-cu12==$version" > VERSION)
-grep -qx '/.ncclkit/' .git/info/exclude 2>/dev/null || echo '/.ncclkit/' >> .git/info/exclude
+exclude="$(git rev-parse --git-path info/exclude)"
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.ncclkit/' "$exclude" 2>/dev/null || echo '/.ncclkit/' >> "$exclude"
 echo "pack_nccl: $(ls "$out"/part.* | wc -l) parts in .ncclkit/ (nvidia-nccl-cu12==$version)"

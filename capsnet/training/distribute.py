@@ -27,7 +27,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from capsnet.errors import CheckpointError, ConfigError
+from capsnet.errors import AllReduceError, CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -131,40 +131,62 @@ def check_global_batch(batch_size, strategy):
                           f"use a multiple of {replicas}")
 
 
-# The all-reduce probe (check_all_reduce): two tensors, as the optimizer all-reduces a list
-# of gradients (packed together), the larger one 1 MiB, past a single small transfer.
-ALL_REDUCE_PROBE_SHAPES = ((1 << 18,), (3, 3))
+def check_all_reduce(strategy, shapes):
+    """The strategy's gradient all-reduce must run and sum, checked once before training.
 
-
-def check_all_reduce(strategy):
-    """The strategy's gradient all-reduce must sum, checked once before training.
-
-    The replicas all-reduce a known value the way the optimizer all-reduces its gradients
-    (a list of tensors from the replica context, in a tf.function): replica i sends i + 1
-    everywhere, so every replica must get n(n + 1)/2 back. An all-reduce that runs but does
-    not sum (an NCCL library the process loaded that this TensorFlow cannot use) would
-    otherwise train silently wrong: every step would look like a step. Raises a ConfigError
-    naming the devices, the implementation and the values; nothing to check on one replica.
+    The replicas all-reduce tensors of `shapes` (train() passes the model's trainable
+    variables': the optimizer's all-reduce of the gradients, the same sizes packed the same
+    way) from the replica context in a tf.function, as the optimizer does: replica i sends
+    i + 1 everywhere, so every replica must get n(n + 1)/2 back. An all-reduce that runs but
+    does not sum (an NCCL library this TensorFlow cannot use) would otherwise train silently
+    wrong: every step would look like a step. Raises an AllReduceError in one line naming
+    the devices, the implementation, the first wrong value and what to try; nothing to
+    check on one replica. Seen work on CPU devices only so far (tests/test_distribute.py).
     """
     if strategy.num_replicas_in_sync == 1:
         return
+    devices = ", ".join(strategy.extended.worker_devices)
+    implementation = _all_reduce_implementation(strategy)
 
     def replica_fn():
         context = tf.distribute.get_replica_context()
         value = tf.cast(context.replica_id_in_sync_group + 1, tf.float32)
-        return context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                  [tf.fill(shape, value) for shape in ALL_REDUCE_PROBE_SHAPES])
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, [tf.fill(shape, value) for shape in shapes])
 
-    sums = tf.function(lambda: strategy.run(replica_fn), autograph=False)()
-    local = [[tensor.numpy() for tensor in strategy.experimental_local_results(per_replica)]
-             for per_replica in sums]  # [tensor][local replica]
+    try:
+        sums = tf.function(lambda: strategy.run(replica_fn), autograph=False)()
+        local = [[tensor.numpy() for tensor in strategy.experimental_local_results(per_replica)]
+                 for per_replica in sums]  # [tensor][local replica]
+    except tf.errors.OpError as exc:
+        raise AllReduceError(f"distribute: the all-reduce over {devices} ({implementation}) does not run: "
+                             f"{' '.join(exc.message.split())[:300]}; {_all_reduce_advice(strategy)}") from None
     error = all_reduce_error([list(replica) for replica in zip(*local)], strategy.num_replicas_in_sync)
     if error is not None:
-        implementation = type(getattr(strategy.extended, "_cross_device_ops", None) or
-                              getattr(strategy.extended, "_collective_ops", None)).__name__
-        raise ConfigError(f"distribute: the gradient all-reduce over {', '.join(strategy.extended.worker_devices)} "
-                          f"({implementation}) does not sum: {error}; training would not follow the gradients. "
-                          "Try distribute.all_reduce=one_device, or the NCCL library this TensorFlow was built with")
+        raise AllReduceError(f"distribute: the gradient all-reduce over {devices} ({implementation}) does not sum: "
+                             f"{error}; training would not follow the gradients. {_all_reduce_advice(strategy)}")
+
+
+def _all_reduce_implementation(strategy):
+    """The name of what sums a strategy's replicas (a private attribute of TensorFlow's
+    strategies, so "unknown" rather than an error where it is missing)."""
+    extended = strategy.extended
+    implementation = getattr(extended, "_cross_device_ops", None) or getattr(extended, "_collective_ops", None)
+    name = type(implementation).__name__ if implementation is not None else "unknown implementation"
+    options = getattr(extended, "_communication_options", None)
+    if options is not None and getattr(options, "implementation", None) is not None:
+        name += f", {options.implementation.name}"
+    return name
+
+
+def _all_reduce_advice(strategy):
+    """What to try when the all-reduce fails: another distribute.all_reduce of the
+    strategy's (config.ALL_REDUCE), or the NCCL library TensorFlow was built against."""
+    nccl = "the NCCL library this TensorFlow was built against (nvidia-nccl-cu12 for TensorFlow 2.21)"
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return f"Try distribute.all_reduce=ring, or {nccl}"
+    if isinstance(getattr(strategy.extended, "_cross_device_ops", None), tf.distribute.ReductionToOneDevice):
+        return "The sum on one device failed: not NCCL's fault, report it"
+    return f"Try distribute.all_reduce=one_device, or {nccl}"
 
 
 def all_reduce_error(received, replicas):

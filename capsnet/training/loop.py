@@ -48,8 +48,9 @@ from capsnet.training.distribute import (check_all_reduce, check_global_batch, c
 from capsnet.training.model_setup import build_capsnet, check_labels, check_op_library
 from capsnet.training.optimizer import build_optimizer, checkpoint_nodes, loss_scale, scaled_learning_rate, steps_done
 from capsnet.training.run_lock import RunLock
-from capsnet.training.steps import (evaluate_model, execution_lengths, make_eval_step, make_train_loop,
-                                    make_train_step, set_autoclustering, set_determinism, set_xla_cache)
+from capsnet.training.steps import (eval_batch_size, evaluate_model, execution_lengths, make_eval_step,
+                                    make_train_loop, make_train_step, set_autoclustering, set_determinism,
+                                    set_xla_cache)
 from capsnet.training.summaries import (MetricWindow, write_epoch_summaries, write_hparams,
                                         write_train_scalars)
 from capsnet.training.weight_average import WeightAverage
@@ -136,7 +137,6 @@ def _train(cfg, progress):
         locks.append(RunLock.acquire(run_dir))
     if strategy is not None:
         check_global_batch(batch_size, strategy)
-        check_all_reduce(strategy)
         log.info("distribute=%s: %d replicas, global batch %d = %d per replica; this process: %s%s",
                  dcfg["strategy"], strategy.num_replicas_in_sync, batch_size,
                  batch_size // strategy.num_replicas_in_sync, ", ".join(strategy.extended.worker_devices),
@@ -149,6 +149,11 @@ def _train(cfg, progress):
     # and check_labels compares the data with the checked values.
     with scope():
         model = build_capsnet(model_cfg, custom_op, tcfg["precision"])
+    if strategy is not None:
+        # The gradients' all-reduce, tried once on tensors of the gradients' shapes before any
+        # step: one that runs but does not sum would train silently wrong.
+        log.info("checking the all-reduce over %s", ", ".join(strategy.extended.worker_devices))
+        check_all_reduce(strategy, [variable.shape for variable in model.trainable_variables])
     marks.append(("devices and model", time.perf_counter()))
     # MultiMNIST: labels (B, 2) and the digits (B, 2, H, W, C); one device (config.check).
     two_digits = is_overlay(data_cfg["name"])
@@ -177,7 +182,7 @@ def _train(cfg, progress):
     augmentation = {"shift_pixels": data_cfg["shift_pixels"], **augmentation_options(data_cfg)}
     # The test split: no augmentation (MultiMNIST: shift_pixels sets its fixed pairs' shifts).
     test_ds = make_split_dataset(data_cfg["name"], test_images, test_labels,
-                                 batch_size=tcfg["test_batch_size"] or batch_size, training=False,
+                                 batch_size=eval_batch_size(tcfg), training=False,
                                  shift_pixels=data_cfg["shift_pixels"])
     # A fixed set of test images for the reconstruction grid and the histograms, every epoch
     # (MultiMNIST: the first test pairs, made from the whole test split as in test_ds).

@@ -335,6 +335,12 @@ def execution_lengths(steps_per_epoch, start_step, steps_per_execution, log_ever
 
 # --------------------------------------------------------------------------- test pass
 
+def eval_batch_size(train_cfg):
+    """The test pass's batch of a run's `train` section: train.test_batch_size, else (null,
+    or a run saved before the key existed) train.batch_size."""
+    return train_cfg.get("test_batch_size") or train_cfg["batch_size"]
+
+
 def make_eval_step(model, image_shape, *, m_plus, m_minus, lambda_, reconstruction_weight, jit_compile=False,
                    two_digits=False):
     """A compiled test step: sums of the losses, predictions, capsule lengths.
