@@ -316,16 +316,18 @@ if [[ $what == scale ]]; then
   # (a CUDA 13 build). NCCL_DEBUG=VERSION prints the version that ran.
   nccl_so=""
   kit=/tmp/ncclkit
-  if [[ ! -f $kit/lib/libnccl.so.2 && -f $kit/MANIFEST ]] && (cd $kit && sha256sum -c --quiet MANIFEST); then
-    # The parts MANIFEST lists, in its order; unpacked beside, then moved: no half library stays.
-    mkdir -p $kit/lib
+  if [[ -f $kit/MANIFEST ]] && ! cmp -s $kit/MANIFEST $kit/lib/MANIFEST && (cd $kit && sha256sum -c --quiet MANIFEST); then
+    # The parts MANIFEST lists, in its order; unpacked beside, then moved: no half library
+    # stays, and lib/MANIFEST says which parts the library came from (new parts: unpack again).
+    mkdir -p $kit/lib && rm -f $kit/lib/MANIFEST
     (cd $kit && cat $(awk '{print $2}' MANIFEST)) | python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)' \
-      > $kit/lib/libnccl.so.2.part && mv $kit/lib/libnccl.so.2.part $kit/lib/libnccl.so.2
+      > $kit/lib/libnccl.so.2.part && mv $kit/lib/libnccl.so.2.part $kit/lib/libnccl.so.2 && cp $kit/MANIFEST $kit/lib/MANIFEST
   fi
-  if [[ -f $kit/lib/libnccl.so.2 ]]; then
+  if [[ -f $kit/lib/MANIFEST ]] && cmp -s $kit/MANIFEST $kit/lib/MANIFEST; then
     nccl_so=$kit/lib/libnccl.so.2
   else
-    echo "NCCL: no complete parts in $kit (scripts/pack_nccl.sh): falling back on PyTorch's CUDA 13 NCCL" | tee "$out/nccl.txt"
+    echo "NCCL: no complete parts in $kit (scripts/pack_nccl.sh), or unpacking them failed: falling back on" \
+      "PyTorch's CUDA 13 NCCL" | tee "$out/nccl.txt"
     torch_nvidia="$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "nvidia"))' 2>/dev/null)"
     nccl_so="$(find "$torch_nvidia" -name 'libnccl.so*' 2>/dev/null | head -1)"
   fi

@@ -282,32 +282,39 @@ def test_mirrored_global_batch_must_divide_over_the_replicas(mirrored):
 
 
 # check_all_reduce over two logical CPU devices (a fresh process): the strategy's own
-# all-reduce, then two broken ones patched into the replica context (one returns zeros, one
-# each replica's own value unsummed), then train() of argv[1]'s config with the zeros one;
-# prints {name: null or the AllReduceError's message, "train": ..., "trainable": the shapes}.
+# all-reduce, then three broken ones patched into the replica context (one returns zeros,
+# one each replica's own value unsummed, one fails when it runs), then train() of argv[1]'s
+# config with the zeros one; prints {name: null or the AllReduceError's message, "train":
+# ..., "first_gradient_elements": the size of the model's first trainable variable}.
 ALL_REDUCE_SCRIPT = r"""
-import json, sys
+import json, math, sys
 import tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 from capsnet.errors import AllReduceError
 from capsnet.training import train
 from capsnet.training.distribute import check_all_reduce
+from capsnet.training.model_setup import build_capsnet
 
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 real = tf.distribute.ReplicaContext.all_reduce
 zeros = lambda self, op, value, options=None: [tf.zeros_like(v) for v in value]
 report = {}
-for name, patched in (("sums", real), ("zeros", zeros), ("unsummed", lambda self, op, value, options=None: value)):
+fails = lambda self, op, value, options=None: [tf.debugging.check_numerics(v * float("nan"), "probe") for v in value]
+for name, patched in (("sums", real), ("zeros", zeros), ("unsummed", lambda self, op, value, options=None: value),
+                      ("fails", fails)):
     tf.distribute.ReplicaContext.all_reduce = patched
     try:
         check_all_reduce(strategy, [(1 << 18,), (3, 3)])
         report[name] = None
     except AllReduceError as error:
         report[name] = str(error)
+cfg = json.loads(sys.argv[1])
+model = build_capsnet(cfg["model"], cfg["custom_op"], "float32")
+report["first_gradient_elements"] = math.prod(model.trainable_variables[0].shape)
 tf.distribute.ReplicaContext.all_reduce = zeros
 try:
-    train(json.loads(sys.argv[1]))
+    train(cfg)
     report["train"] = None
 except AllReduceError as error:
     report["train"] = str(error)
@@ -335,11 +342,16 @@ def test_an_all_reduce_that_does_not_sum_is_refused_before_training(tiny_idx_dir
                                     "built against (nvidia-nccl-cu12 for TensorFlow 2.21)")
     # Replica 0 keeps its own 1, where 1 + 2 was due.
     assert report["unsummed"] is not None and "local replica 0 received 1 where 3" in report["unsummed"]
+    assert report["fails"] is not None and report["fails"].startswith(
+        "distribute: the all-reduce over /job:localhost/replica:0/task:0/device:CPU:0, "), report["fails"]
+    assert "(CollectiveAllReduce, RING) does not run: " in report["fails"] and "probe" in report["fails"]
     # train() checks before its first step, on the gradients' shapes: the first is conv1's kernel.
+    n = report["first_gradient_elements"]
     assert report["train"] is not None, "train() ran with an all-reduce that returns zeros"
-    assert report["train"].startswith("distribute: the gradient all-reduce over ") and "does not sum" in \
+    assert report["train"].startswith("distribute: the gradient all-reduce over ") and \
+        f"local replica 0 received 0 where 3 (the sum of 1..2) was expected, in {n} of {n} elements" in \
         report["train"], report["train"]
-    assert all("\n" not in report[name] for name in ("zeros", "unsummed", "train"))
+    assert all("\n" not in report[name] for name in ("zeros", "unsummed", "fails", "train"))
     assert not list(run_dir.glob("checkpoints/latest/ckpt-*.index"))  # nothing trained, nothing saved
 
 

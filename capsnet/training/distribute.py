@@ -141,7 +141,9 @@ def check_all_reduce(strategy, shapes):
     does not sum (an NCCL library this TensorFlow cannot use) would otherwise train silently
     wrong: every step would look like a step. Raises an AllReduceError in one line naming
     the devices, the implementation, the first wrong value and what to try; nothing to
-    check on one replica. Seen work on CPU devices only so far (tests/test_distribute.py).
+    check on one replica. Seen to work on CPU devices only so far (tests/test_distribute.py).
+    (Under multi_worker, building the model already broadcasts the variables from worker 0:
+    a communication that does not run at all fails there first, as a TensorFlow error.)
     """
     if strategy.num_replicas_in_sync == 1:
         return
@@ -159,7 +161,7 @@ def check_all_reduce(strategy, shapes):
                  for per_replica in sums]  # [tensor][local replica]
     except tf.errors.OpError as exc:
         raise AllReduceError(f"distribute: the all-reduce over {devices} ({implementation}) does not run: "
-                             f"{' '.join(exc.message.split())[:300]}; {_all_reduce_advice(strategy)}") from None
+                             f"{' '.join(exc.message.split())[:300]}. {_all_reduce_advice(strategy)}") from exc
     error = all_reduce_error([list(replica) for replica in zip(*local)], strategy.num_replicas_in_sync)
     if error is not None:
         raise AllReduceError(f"distribute: the gradient all-reduce over {devices} ({implementation}) does not sum: "
@@ -173,8 +175,8 @@ def _all_reduce_implementation(strategy):
     implementation = getattr(extended, "_cross_device_ops", None) or getattr(extended, "_collective_ops", None)
     name = type(implementation).__name__ if implementation is not None else "unknown implementation"
     options = getattr(extended, "_communication_options", None)
-    if options is not None and getattr(options, "implementation", None) is not None:
-        name += f", {options.implementation.name}"
+    if name == "CollectiveAllReduce" and getattr(options, "implementation", None) is not None:
+        name += f", {options.implementation.name}"  # NCCL or RING: only collective ops use it
     return name
 
 
@@ -183,9 +185,9 @@ def _all_reduce_advice(strategy):
     strategy's (config.ALL_REDUCE), or the NCCL library TensorFlow was built against."""
     nccl = "the NCCL library this TensorFlow was built against (nvidia-nccl-cu12 for TensorFlow 2.21)"
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-        return f"Try distribute.all_reduce=ring, or {nccl}"
+        return f"Try distribute.all_reduce=ring, or {nccl}; or another worker failed first: see its log"
     if isinstance(getattr(strategy.extended, "_cross_device_ops", None), tf.distribute.ReductionToOneDevice):
-        return "The sum on one device failed: not NCCL's fault, report it"
+        return "The sum on one device (no NCCL) failed: distribute=none trains on one device"
     return f"Try distribute.all_reduce=one_device, or {nccl}"
 
 
