@@ -158,19 +158,18 @@ if [[ $what == ab ]]; then
   # carried) if given, else the same library.
   lib="$PWD/capsnet/lib/_capsnet_ops.so"
   old_lib="$PWD/${AB_OLD_LIB:-capsnet/lib/_capsnet_ops.so}"
+  declare -A tree_lib=([old]="$old_lib" [new]="$lib")
   for variant in ${AB_VARIANTS:-op+fused+jit matmul+jit}; do
     for tree in old new; do
       dir=$(tree_dir "$tree")
-      tree_lib=$([[ $tree == old ]] && echo "$old_lib" || echo "$lib")
-      (cd "$dir" && CAPSNET_OP_LIBRARY="$tree_lib" python3 scripts/benchmark_train.py --precision ${AB_PRECISIONS:-mixed_bfloat16,float32} \
+      (cd "$dir" && CAPSNET_OP_LIBRARY="${tree_lib[$tree]}" python3 scripts/benchmark_train.py --precision ${AB_PRECISIONS:-mixed_bfloat16,float32} \
         --steps-per-execution 50 --repeats 3 --variants "$variant" --timeout 300 --json "$OLDPWD/$out/ab_${tree}_${variant//+/_}.json") \
         2>&1 | tee "$out/ab_${tree}_${variant//+/_}.log" | grep "^|" | sed "s/^/$tree /"
     done
   done
   for tree in $([[ ${AB_PROFILE:-1} == 1 ]] && echo old new); do
     dir=$(tree_dir "$tree")
-    tree_lib=$([[ $tree == old ]] && echo "$old_lib" || echo "$lib")
-    (cd "$dir" && CAPSNET_OP_LIBRARY="$tree_lib" python3 scripts/profile_train.py --variant op+fused+jit \
+    (cd "$dir" && CAPSNET_OP_LIBRARY="${tree_lib[$tree]}" python3 scripts/profile_train.py --variant op+fused+jit \
       --precision ${AB_PROFILE_PRECISION:-mixed_bfloat16} --batch-size 512) 2>&1 | tee "$out/ab_profile_$tree.log" | tail -22 | sed "s/^/$tree /"
   done
 fi
@@ -314,7 +313,6 @@ if [[ $what == scale ]]; then
   # TensorFlow dlopens libnccl.so.2 and the kit leaves NCCL out: the CUDA 12 build TensorFlow was
   # built against if its parts were sent (scripts/pack_nccl.sh), else the machine's PyTorch's
   # (a CUDA 13 build). NCCL_DEBUG=VERSION prints the version that ran.
-  nccl_so=""
   kit=/tmp/ncclkit
   if [[ -f $kit/MANIFEST ]] && ! cmp -s $kit/MANIFEST $kit/lib/MANIFEST && (cd $kit && sha256sum -c --quiet MANIFEST); then
     # The parts MANIFEST lists, in its order; unpacked beside, then moved: no half library

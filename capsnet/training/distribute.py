@@ -157,12 +157,13 @@ def check_all_reduce(strategy, shapes):
 
     try:
         sums = tf.function(lambda: strategy.run(replica_fn), autograph=False)()
-        local = [[tensor.numpy() for tensor in strategy.experimental_local_results(per_replica)]
-                 for per_replica in sums]  # [tensor][local replica]
+        # [local replica][tensor], as numbers (reading them waits for the all-reduce to run).
+        received = [[tensor.numpy() for tensor in replica]
+                    for replica in zip(*(strategy.experimental_local_results(s) for s in sums))]
     except tf.errors.OpError as exc:
         raise AllReduceError(f"distribute: the all-reduce over {devices} ({implementation}) does not run: "
                              f"{' '.join(exc.message.split())[:300]}. {_all_reduce_advice(strategy)}") from exc
-    error = all_reduce_error([list(replica) for replica in zip(*local)], strategy.num_replicas_in_sync)
+    error = all_reduce_error(received, strategy.num_replicas_in_sync)
     if error is not None:
         raise AllReduceError(f"distribute: the gradient all-reduce over {devices} ({implementation}) does not sum: "
                              f"{error}; training would not follow the gradients. {_all_reduce_advice(strategy)}")
@@ -171,10 +172,9 @@ def check_all_reduce(strategy, shapes):
 def _all_reduce_implementation(strategy):
     """The name of what sums a strategy's replicas (a private attribute of TensorFlow's
     strategies, so "unknown" rather than an error where it is missing)."""
-    extended = strategy.extended
-    implementation = getattr(extended, "_cross_device_ops", None) or getattr(extended, "_collective_ops", None)
+    implementation = getattr(strategy.extended, "_cross_device_ops", None)
     name = type(implementation).__name__ if implementation is not None else "unknown implementation"
-    options = getattr(extended, "_communication_options", None)
+    options = getattr(strategy.extended, "_communication_options", None)
     if name == "CollectiveAllReduce" and getattr(options, "implementation", None) is not None:
         name += f", {options.implementation.name}"  # NCCL or RING: only collective ops use it
     return name
@@ -196,12 +196,11 @@ def all_reduce_error(received, replicas):
     local replica's list of all-reduced arrays; each element must be replicas(replicas + 1)/2."""
     expected = replicas * (replicas + 1) / 2
     for index, arrays in enumerate(received):
-        for array in arrays:
-            wrong = np.flatnonzero(np.asarray(array) != expected)
+        for array in map(np.asarray, arrays):
+            wrong = np.flatnonzero(array != expected)
             if wrong.size:
-                return (f"local replica {index} received {np.asarray(array).flat[wrong[0]]:g} where {expected:g} "
-                        f"(the sum of 1..{replicas}) was expected, in {wrong.size} of {np.asarray(array).size} "
-                        f"elements")
+                return (f"local replica {index} received {array.flat[wrong[0]]:g} where {expected:g} (the sum of "
+                        f"1..{replicas}) was expected, in {wrong.size} of {array.size} elements")
     return None
 
 
