@@ -27,9 +27,11 @@ How (as benchmark_train, from which the timing protocol and helpers come):
   (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1) are
   set in its environment unless already set.
 - The data and the timing are benchmark_train's (synthetic_batches, time_steps): one
-  synthetic global batch repeated by tf.data, split over the replicas as train() splits
-  its batches (input_iterator), so mirrored ×1 starts from the very batch and
-  weights of 1 device (same first loss); the steps run in train()'s loop,
+  synthetic batch of b, repeated by tf.data; under mirrored ×N the global batch is that
+  batch N times over, split over the replicas as train() splits its batches
+  (input_iterator), so every replica trains on the 1-device row's batch from its
+  weights: the same gradients, so the same losses step by step (up to the order of
+  the sums); the steps run in train()'s loop,
   `--steps-per-execution` steps per compiled call (each value of the list measured;
   scaling compares the same value). `--warmup` untimed steps (tracing, compiling,
   autotuning, NCCL setup), then `--repeats` × `--steps` steps with one device sync per
@@ -38,8 +40,8 @@ How (as benchmark_train, from which the timing protocol and helpers come):
 Prints a markdown table (stdout; progress on stderr) and with `--json PATH` writes JSON.
 Every mirrored configuration first checks that its all-reduce sums (train()'s
 check_all_reduce), and every row shows its loss at the first and last step: the same
-batch each step, so a mirrored row whose loss barely fell where its 1-device row's fell
-did not train, and is flagged (`trains`).
+batch each step, and a mirrored row follows its 1-device row's losses, so one whose
+loss barely fell where its 1-device row's fell did not train, and is flagged (`trains`).
 
 Exit status 0; 2 if something could not run for a reason the user can fix (op library,
 too few GPUs: printed); 1 if a configuration crashed (an all-reduce that does not run,
@@ -118,9 +120,11 @@ def _setup_cpu_devices(count):
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
 
 
-def time_mirrored_training(spec, batch_size, devices, all_reduce, per_call=1):
-    """images/s and ms/step of the distributed training steps over `devices`, `batch_size`
-    per replica, `per_call` steps per compiled call."""
+def mirrored_runner(spec, batch_size, devices, all_reduce, per_call=1):
+    """(run, strategy): benchmark_train.runner's run(steps) of the distributed training steps
+    over `devices` (MirroredStrategy with `all_reduce`), `batch_size` per replica, `per_call`
+    steps per compiled call, its all-reduce checked first. Also what
+    scripts/profile_train.py --replicas profiles."""
     import keras
 
     from capsnet.losses import loss_params
@@ -145,11 +149,19 @@ def time_mirrored_training(spec, batch_size, devices, all_reduce, per_call=1):
     check_all_reduce(strategy, [variable.shape for variable in model.trainable_variables])
     step = make_train_step(model, optimizer, input_shape=input_shape, losses=loss_params(train_cfg),
                            xla=spec["xla"], strategy=strategy)
-    # Drawn as time_training draws its batch (at one replica, the same data), each global
-    # batch split over the replicas as train() splits it.
-    batches = bt.synthetic_batches(spec, global_batch, input_shape, int(model_cfg["num_classes"]))
+    # Each replica gets time_training's batch (the global batch: it, `replicas` times over),
+    # split over the replicas as train() splits it: the 1-device row's task and losses.
+    batches = bt.synthetic_batches(spec, batch_size, input_shape, int(model_cfg["num_classes"]), copies=replicas)
     iterator = input_iterator(batches, strategy)
-    run = bt.runner(make_train_loop(step, strategy=strategy), iterator, global_batch, per_call)
+    return bt.runner(make_train_loop(step, strategy=strategy), iterator, global_batch, per_call), strategy
+
+
+def time_mirrored_training(spec, batch_size, devices, all_reduce, per_call=1):
+    """images/s and ms/step of the distributed training steps over `devices`, `batch_size`
+    per replica, `per_call` steps per compiled call."""
+    run, strategy = mirrored_runner(spec, batch_size, devices, all_reduce, per_call)
+    replicas = strategy.num_replicas_in_sync
+    global_batch = batch_size * replicas
     [(first_loss, last_loss, seconds)], _ = bt.time_steps([run], spec)
     median = statistics.median(seconds)
     return {

@@ -246,17 +246,25 @@ def _device_name(kind):
     return f"{model} ({os.cpu_count()} cores visible)"
 
 
-def synthetic_batches(spec, batch_size, input_shape, num_classes):
+def synthetic_batches(spec, batch_size, input_shape, num_classes, copies=1):
     """One synthetic MNIST-shaped batch (uniform [0, 1] images, uniform labels) drawn from
-    spec's seed, repeated by tf.data from host memory, as train() feeds its steps."""
+    spec's seed, repeated by tf.data from host memory, as train() feeds its steps.
+
+    copies > 1: each batch is the drawn one `copies` times over, end to end (copies ×
+    batch_size examples), so a strategy of `copies` replicas gives every replica the very
+    batch of the one-device run: the same gradient, so the same losses. (A fresh draw of
+    copies × batch_size labels instead is a harder task: 1,024 uniformly random labels are
+    not memorised in the 260 steps that memorise 512 (2 × H100, twenty-first session).)"""
     import tensorflow as tf
 
     with tf.device("/CPU:0"):
         generator = tf.random.Generator.from_seed(spec["seed"])
         images = generator.uniform((batch_size, *input_shape))                       # (B, H, W, C) in [0, 1)
         labels = generator.uniform((batch_size,), maxval=num_classes, dtype=tf.int32)  # (B,)
+        images = tf.tile(images, [copies] + [1] * len(input_shape))                  # (copies·B, H, W, C)
+        labels = tf.tile(labels, [copies])
     # Batched (not from_tensors), so a strategy can split it; cached, so it is batched once.
-    return tf.data.Dataset.from_tensor_slices((images, labels)).batch(batch_size).cache().repeat()
+    return tf.data.Dataset.from_tensor_slices((images, labels)).batch(copies * batch_size).cache().repeat()
 
 
 def runner(train_steps, iterator, global_batch, per_call):

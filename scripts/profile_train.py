@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/profile_train.py --variant op+fused --precision mixed_bfloat16 --batch-size 512
     .venv/bin/python scripts/profile_train.py --variant matmul+jit --json profile.json
+    .venv/bin/python scripts/profile_train.py --variant op+fused+jit --replicas 2   # MirroredStrategy
 
 Builds the step exactly as scripts/benchmark_train.py times it (its variants, the same
 synthetic batch, train()'s loop of --steps-per-execution steps per call), warms up, then
@@ -11,11 +12,18 @@ kernel's time summed by name and by kind (convolution, our op, matmul, XLA fusio
 other elementwise/reductions, copies), per step, and the share of the wall time the GPU
 was busy (1 − busy = the time it waited for the host). Prints a markdown table; `--json`
 also writes it. GPU only.
+
+--replicas N profiles the distributed step of scripts/benchmark_scale.py instead
+(MirroredStrategy over the first N GPUs, --batch-size per GPU, NCCL's kernels their own
+kind): kernel times are per step and per GPU (summed over the GPUs ÷ N), and each GPU's
+busy time is listed, so the rows compare with a one-GPU profile's.
 """
 import argparse
 import collections
 import json
 import math
+import os
+import statistics
 import sys
 import tempfile
 import time
@@ -30,6 +38,7 @@ import benchmark_train as bt  # noqa: E402  (variants, config, data: the benchma
 # (kind, substrings of a kernel's name), the first match wins; everything else is "other".
 KINDS = (
     ("copy", ("memcpy", "memset", "Memcpy", "Memset")),
+    ("all-reduce (NCCL)", ("nccl",)),
     ("capsnet op", ("capsnet", "Capsule", "capsule", "routing_", "prediction_")),
     ("convolution", ("conv", "Conv", "xmma", "cudnn", "implicit", "wgrad", "dgrad", "fprop", "sm90_xmma",
                      "nhwc", "nchw")),
@@ -51,8 +60,9 @@ def kind_of(name):
 
 
 def gpu_kernel_times(trace_dir):
-    """{kernel name: (total ps, count)} and the (first start, last end) in ps over the
-    trace's GPU planes (one per device; its lines are CUDA streams)."""
+    """{kernel name: [total ps, count]} over the trace's GPU planes (one per device; its
+    lines are CUDA streams), and {device: busy ps}: the union of its kernels' intervals
+    (devices that ran kernels only)."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     files = sorted(Path(trace_dir).rglob("*.xplane.pb"))
@@ -61,11 +71,12 @@ def gpu_kernel_times(trace_dir):
     space = xplane_pb2.XSpace()
     space.ParseFromString(files[-1].read_bytes())
     totals = collections.defaultdict(lambda: [0, 0])
-    first, last, busy_intervals = None, None, []
+    busy = {}
     for plane in space.planes:
         if not plane.name.startswith("/device:GPU:"):
             continue
         names = {key: m.name for key, m in plane.event_metadata.items()}
+        intervals = []
         for line in plane.lines:
             # A processed trace adds derived lines ("XLA Ops", "TensorFlow Ops", "Steps", ...)
             # that repeat the kernels' time; the raw lines are the CUDA streams.
@@ -78,19 +89,24 @@ def gpu_kernel_times(trace_dir):
                 name = names.get(event.metadata_id, "?")
                 totals[name][0] += event.duration_ps
                 totals[name][1] += 1
-                busy_intervals.append((start, end))
-                first = start if first is None else min(first, start)
-                last = end if last is None else max(last, end)
-    busy_intervals.sort()
-    busy, reach = 0, None
-    for start, end in busy_intervals:  # the union of the kernels' intervals: the GPU's busy time
+                intervals.append((start, end))
+        if intervals:  # a GPU no replica ran on is not idle time of the step
+            busy[plane.name.removeprefix("/device:")] = union_length(intervals)
+    return dict(totals), busy
+
+
+def union_length(intervals):
+    """The length of the union of (start, end) intervals: a GPU's busy time, however
+    many of its streams ran kernels at once."""
+    total, reach = 0, None
+    for start, end in sorted(intervals):
         if reach is None or start > reach:
-            busy += end - start
+            total += end - start
             reach = end
         elif end > reach:
-            busy += end - reach
+            total += end - reach
             reach = end
-    return dict(totals), busy
+    return total
 
 
 def profile(args, cfg):
@@ -108,62 +124,74 @@ def profile(args, cfg):
 
     custom_op, xla = bt.VARIANTS[args.variant]
     set_autoclustering(xla == "autocluster")
-    if not tf.config.list_physical_devices("GPU"):
-        raise SystemExit("error: no GPU visible to TensorFlow (profile_train.py profiles the GPU's kernels)")
-    model_cfg = bt.variant_model_cfg(args.variant, cfg["model"])
-    train_cfg = {**cfg["train"], "precision": args.precision}
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    if gpus < args.replicas:
+        raise SystemExit(f"error: {args.replicas} GPU(s) needed, TensorFlow sees {gpus} (profile_train.py profiles "
+                         "the GPU's kernels)")
     batch, per_call = args.batch_size, args.steps_per_execution
-    keras.utils.set_random_seed(cfg["seed"])
-    with tf.device("/GPU:0"):
-        model = build_capsnet(model_cfg, custom_op, args.precision)
-        optimizer, _ = build_optimizer(train_cfg, math.ceil(bt.MNIST_TRAIN_EXAMPLES / batch), model)
-        step = make_train_step(model, optimizer, input_shape=tuple(model_cfg["input_shape"]),
-                               losses=loss_params(train_cfg), xla=xla)
-        spec = {"seed": cfg["seed"]}
-        iterator = input_iterator(bt.synthetic_batches(spec, batch, tuple(model_cfg["input_shape"]),
-                                                       int(model_cfg["num_classes"])), device="/GPU:0")
-        train_steps = make_train_loop(step)
-        sizes = tf.constant([batch] * per_call, tf.int32)
-        calls = max(1, args.steps // per_call)
-        for _ in range(args.warmup):
-            out = train_steps(iterator, sizes)
-        float(out["loss"][-1])
-        with tempfile.TemporaryDirectory() as trace_dir:
-            tf.profiler.experimental.start(trace_dir)
-            start = time.perf_counter()
-            for _ in range(calls):
-                out = train_steps(iterator, sizes)
-            float(out["loss"][-1])
-            wall = time.perf_counter() - start
-            tf.profiler.experimental.stop()
-            totals, busy_ps = gpu_kernel_times(trace_dir)
-    steps = calls * per_call
-    kernels = sorted(({"kernel": name, "kind": kind_of(name), "ms_per_step": ps / 1e9 / steps,
-                       "launches_per_step": count / steps} for name, (ps, count) in totals.items()),
+    if args.replicas > 1:
+        import benchmark_scale
+
+        for key, value in benchmark_scale.NVLS_OFF.items():  # before NCCL starts (its first all-reduce)
+            os.environ.setdefault(key, value)
+        spec = {"variant": args.variant, "custom_op": custom_op, "xla": xla, "precision": args.precision, **cfg}
+        run, _ = benchmark_scale.mirrored_runner(spec, batch, [f"/gpu:{i}" for i in range(args.replicas)],
+                                                 "auto", per_call)
+    else:
+        model_cfg = bt.variant_model_cfg(args.variant, cfg["model"])
+        train_cfg = {**cfg["train"], "precision": args.precision}
+        keras.utils.set_random_seed(cfg["seed"])
+        with tf.device("/GPU:0"):
+            model = build_capsnet(model_cfg, custom_op, args.precision)
+            optimizer, _ = build_optimizer(train_cfg, math.ceil(bt.MNIST_TRAIN_EXAMPLES / batch), model)
+            step = make_train_step(model, optimizer, input_shape=tuple(model_cfg["input_shape"]),
+                                   losses=loss_params(train_cfg), xla=xla)
+            iterator = input_iterator(bt.synthetic_batches({"seed": cfg["seed"]}, batch, tuple(model_cfg["input_shape"]),
+                                                           int(model_cfg["num_classes"])), device="/GPU:0")
+            run = bt.runner(make_train_loop(step), iterator, batch, per_call)
+    steps = max(1, args.steps // per_call) * per_call
+    run(args.warmup * per_call)  # reading its loss waits for the warm-up's steps
+    with tempfile.TemporaryDirectory() as trace_dir:
+        tf.profiler.experimental.start(trace_dir)
+        start = time.perf_counter()
+        run(steps)
+        wall = time.perf_counter() - start
+        tf.profiler.experimental.stop()
+        totals, busy_ps = gpu_kernel_times(trace_dir)
+    per_gpu_step = 1e9 * steps * args.replicas  # ps over every GPU → ms a step and a GPU
+    kernels = sorted(({"kernel": name, "kind": kind_of(name), "ms_per_step": ps / per_gpu_step,
+                       "launches_per_step": count * 1e9 / per_gpu_step} for name, (ps, count) in totals.items()),
                      key=lambda k: -k["ms_per_step"])
     by_kind = collections.defaultdict(float)
     for k in kernels:
         by_kind[k["kind"]] += k["ms_per_step"]
+    busy_by_gpu = {gpu: ps / 1e9 / steps for gpu, ps in sorted(busy_ps.items())}
     return {
         "variant": args.variant, "label": bt.label(args.variant), "precision": args.precision, "batch_size": batch,
-        "steps_per_execution": per_call, "steps": steps,
-        "wall_ms_per_step": 1000 * wall / steps, "images_per_sec_while_profiled": steps * batch / wall,
-        "gpu_busy_ms_per_step": busy_ps / 1e9 / steps, "kernel_ms_per_step": sum(k["ms_per_step"] for k in kernels),
+        "replicas": args.replicas, "steps_per_execution": per_call, "steps": steps,
+        "wall_ms_per_step": 1000 * wall / steps, "images_per_sec_while_profiled": steps * batch * args.replicas / wall,
+        "gpu_busy_ms_per_step": statistics.mean(busy_by_gpu.values()) if busy_by_gpu else 0.0,
+        "gpu_busy_ms_per_step_by_gpu": busy_by_gpu,
+        "kernel_ms_per_step": sum(k["ms_per_step"] for k in kernels),
         "launches_per_step": sum(k["launches_per_step"] for k in kernels),
         "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])), "kernels": kernels[:args.top],
     }
 
 
 def format_report(report):
-    lines = [f"### {report['label']} · {report['precision']} · batch {report['batch_size']}",
+    replicas = report["replicas"]
+    where = f" per GPU · mirrored ×{replicas}" if replicas > 1 else ""
+    busy = ", ".join(f"{gpu} {ms:.2f}" for gpu, ms in report["gpu_busy_ms_per_step_by_gpu"].items())
+    lines = [f"### {report['label']} · {report['precision']} · batch {report['batch_size']}{where}",
              "",
              f"wall {report['wall_ms_per_step']:.2f} ms/step (profiler on: "
              f"{report['images_per_sec_while_profiled']:,.0f} images/s), GPU busy "
              f"{report['gpu_busy_ms_per_step']:.2f} ms/step "
-             f"({report['gpu_busy_ms_per_step'] / report['wall_ms_per_step']:.0%}), "
-             f"{report['launches_per_step']:.0f} kernel launches/step",
+             f"({report['gpu_busy_ms_per_step'] / report['wall_ms_per_step']:.0%}"
+             f"{f'; {busy}' if replicas > 1 else ''}), "
+             f"{report['launches_per_step']:.0f} kernel launches/step{' a GPU' if replicas > 1 else ''}",
              "",
-             "| kind | ms/step | share of kernel time |", "|---|---:|---:|"]
+             f"| kind | ms/step{' a GPU' if replicas > 1 else ''} | share of kernel time |", "|---|---:|---:|"]
     total = report["kernel_ms_per_step"] or 1.0
     for kind, ms in report["by_kind"].items():
         lines.append(f"| {kind} | {ms:.3f} | {ms / total:.0%} |")
@@ -179,7 +207,9 @@ def main(argv=None):
     parser.add_argument("--variant", choices=list(bt.VARIANTS), default="op+fused")
     parser.add_argument("--precision", type=bt._precisions, default=["float32"],
                         help="one train.precision (default float32)")
-    parser.add_argument("--batch-size", type=bt._positive_int, default=512)
+    parser.add_argument("--batch-size", type=bt._positive_int, default=512, help="per GPU (default 512)")
+    parser.add_argument("--replicas", type=bt._positive_int, default=1,
+                        help="GPUs: > 1 profiles benchmark_scale.py's MirroredStrategy step (NCCL all-reduce)")
     parser.add_argument("--steps-per-execution", type=bt._positive_int, default=50)
     parser.add_argument("--steps", type=bt._positive_int, default=100, help="profiled steps (default 100)")
     parser.add_argument("--warmup", type=bt._positive_int, default=3, help="untimed calls first (default 3)")
