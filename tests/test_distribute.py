@@ -147,7 +147,7 @@ def mirrored(tiny_idx_dir, tmp_path_factory):
     with custom_op=true; jit: 1 epoch with train.xla=jit (jit_op: with custom_op=true too);
     diverging: NaN losses from the 6th replica loss call on; loop: 3 epochs with
     train.steps_per_execution=3; ema: 1 epoch with train.ema_decay=0.5; fp16: 1 epoch with
-    train.precision=mixed_float16 and custom_op=true."""
+    train.precision=mixed_float16 and custom_op=true (fp16_jit: and train.xla=jit)."""
     root = tmp_path_factory.mktemp("mirrored")
     two_cpus = ["distribute=mirrored", "distribute.devices=[/cpu:0,/cpu:1]"]
 
@@ -170,6 +170,10 @@ def mirrored(tiny_idx_dir, tmp_path_factory):
         ("ema", cfg("ema", "train.epochs=1", "train.ema_decay=0.5")),
         # Mixed precision under the strategy: the fused op in float16 with loss scaling.
         ("fp16", cfg("fp16", "train.epochs=1", "train.precision=mixed_float16", "custom_op=true")),
+        # The same under jit: each device's Adam update compiled inside the loss scaling's
+        # skip-on-overflow (compile_replica_updates).
+        ("fp16_jit", cfg("fp16_jit", "train.epochs=1", "train.precision=mixed_float16", "custom_op=true",
+                         "train.xla=jit")),
     ]
     env = repo_env()
     env.pop("TF_CONFIG", None)
@@ -258,16 +262,17 @@ def test_mirrored_keeps_the_weight_average_like_one_device(mirrored, tiny_idx_di
 
 
 @pytest.mark.slow
-def test_mirrored_trains_in_mixed_float16_like_one_device_in_float32(mirrored, reference):
+@pytest.mark.parametrize("run", ["fp16", "fp16_jit"])
+def test_mirrored_trains_in_mixed_float16_like_one_device_in_float32(mirrored, reference, run):
     """The LossScaleOptimizer under the strategy: every step applied (no overflow at the
     initial scale on this model), each within float16's rounding of the float32 reference."""
     root, report = mirrored
-    assert report["fp16"]["global_step"] == STEPS_PER_EPOCH
-    ours = step_losses(root / "fp16")
+    assert report[run]["global_step"] == STEPS_PER_EPOCH
+    ours = step_losses(root / run)
     assert [s for s, _ in ours] == list(range(1, STEPS_PER_EPOCH + 1))
     np.testing.assert_allclose([v for _, v in ours], [v for _, v in reference["losses"][:STEPS_PER_EPOCH]],
                                rtol=2e-2)
-    saved = tf.train.load_checkpoint(str(root / "fp16" / "checkpoints" / "latest" / "ckpt-1"))
+    saved = tf.train.load_checkpoint(str(root / run / "checkpoints" / "latest" / "ckpt-1"))
     names = saved.get_variable_to_shape_map()
     assert any(name.startswith("loss_scale/") for name in names)
 
@@ -353,6 +358,86 @@ def test_an_all_reduce_that_does_not_sum_is_refused_before_training(tiny_idx_dir
         report["train"], report["train"]
     assert all("\n" not in report[name] for name in ("zeros", "unsummed", "fails", "train"))
     assert not list(run_dir.glob("checkpoints/latest/ckpt-*.index"))  # nothing trained, nothing saved
+
+
+REPLICA_UPDATES_SCRIPT = r"""
+import json
+import keras
+import numpy as np
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+from capsnet.training.optimizer import compile_replica_updates
+
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+rng = np.random.default_rng(0)
+init = [rng.normal(size=(3, 4)).astype("float32"), rng.normal(size=(4,)).astype("float32")]
+grads = [np.stack([rng.normal(size=w.shape) for _ in range(2)]).astype("float32") for w in init]  # [var][replica]
+report = {"calls": 0}
+
+
+def run(compiled):
+    with strategy.scope():
+        variables = [keras.Variable(w) for w in init]
+        adam = keras.optimizers.Adam(learning_rate=keras.optimizers.schedules.ExponentialDecay(0.01, 1, 0.5))
+        adam.build(variables)
+    if compiled:
+        compile_replica_updates(adam)
+        compile_replica_updates(adam)  # idempotent
+        replaced = adam._distributed_tf_update_step
+
+        def counted(*args):  # Keras must still call the method it replaced
+            report["calls"] += 1
+            return replaced(*args)
+        adam._distributed_tf_update_step = counted
+
+    @tf.function
+    def step(i):
+        def replica():
+            r = tf.distribute.get_replica_context().replica_id_in_sync_group
+            scale = tf.cast(i + 1, tf.float32)
+            adam.apply_gradients([(tf.gather(tf.constant(g), r) * scale, v) for g, v in zip(grads, variables)])
+        strategy.run(replica)
+    for i in range(3):
+        step(tf.constant(i))
+    # [variable][replica copy]: the weights, then Adam's moments
+    tracked = [v.value for v in variables] + [m.value for m in adam._momentums + adam._velocities]
+    return [[c.numpy().tolist() for c in strategy.experimental_local_results(t)] for t in tracked]
+
+
+report["keras"], report["compiled"] = run(False), run(True)
+print(json.dumps(report))
+"""
+
+
+def test_each_devices_adam_update_compiled_matches_numpy_adam_on_every_copy(tmp_path):
+    """compile_replica_updates: the update of every device's copies, as one jit-compiled
+    function a device, against NumPy's Adam on the summed gradients and against Keras' own
+    per-variable loop (two logical CPUs, three steps of a decaying LR)."""
+    result = subprocess.run([sys.executable, "-c", REPLICA_UPDATES_SCRIPT], env=repo_env(), capture_output=True,
+                            text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["calls"] >= 1, "Keras did not call the replaced _distributed_tf_update_step"
+    rng = np.random.default_rng(0)
+    weights = [rng.normal(size=(3, 4)).astype("float32"), rng.normal(size=(4,)).astype("float32")]
+    grads = [np.stack([rng.normal(size=w.shape) for _ in range(2)]).astype("float32") for w in weights]
+    weights = [w.astype(np.float64) for w in weights]
+    m, v = [np.zeros_like(w) for w in weights], [np.zeros_like(w) for w in weights]
+    for step in range(3):
+        lr, t = 0.01 * 0.5 ** step, step + 1
+        alpha = lr * np.sqrt(1 - 0.999 ** t) / (1 - 0.9 ** t)
+        for k, g in enumerate(grads):
+            g = g.sum(axis=0) * (step + 1)  # the all-reduced (summed) gradient
+            m[k] += (g - m[k]) * 0.1
+            v[k] += (g * g - v[k]) * 0.001
+            weights[k] -= m[k] * alpha / (np.sqrt(v[k]) + 1e-7)
+    expected = weights + m + v
+    for path in ("keras", "compiled"):
+        for tracked, want in zip(report[path], expected):
+            assert len(tracked) == 2  # both devices' copies
+            for copy in tracked:
+                np.testing.assert_allclose(np.array(copy), want, rtol=1e-5, atol=1e-6, err_msg=path)
 
 
 def test_all_reduce_error_names_the_first_wrong_element():

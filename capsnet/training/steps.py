@@ -24,7 +24,7 @@ from capsnet import config
 from capsnet.errors import ConfigError, DataError
 from capsnet.losses import capsnet_losses
 from capsnet.scoring import correct_predictions, label_order, predict, score
-from capsnet.training.optimizer import loss_scale
+from capsnet.training.optimizer import compile_replica_updates, loss_scale
 
 
 def set_autoclustering(enabled):
@@ -237,9 +237,10 @@ def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, wei
         # A whole-step jit_compile cannot work here: the optimizer's gradient all-reduce is a
         # cross-replica step (MirroredStrategy: a merge of the replicas' threads), and XLA
         # refuses a function that reads variables on another replica's device. So XLA
-        # compiles each replica's forward and backward pass; the all-reduce and the Adam
-        # update (elementwise, cheap) run outside it.
+        # compiles each replica's forward and backward pass, and, after the all-reduce,
+        # each device's Adam update (compile_replica_updates).
         forward_backward = tf.function(forward_backward, jit_compile=True, autograph=False)
+        compile_replica_updates(optimizer)
 
     def replica_step(images, labels, global_batch_size):
         grads, sums, grad_norm = forward_backward(images, labels, global_batch_size)
