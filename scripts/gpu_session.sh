@@ -305,8 +305,8 @@ if [[ $what == scale ]]; then
   # SCALE_VARIANTS=op+fused+jit,matmul+jit SCALE_BATCHES=512 SCALE_ALL_REDUCE=auto
   # (SCALE_PRECISION: one precision a run; SCALE_SPE: steps per call, train()'s default 50 alone
   # halves the call). Each mirrored row first checks that its all-reduce sums, and every row
-  # shows its loss at the first and last step (2026-11-25: with PyTorch's CUDA 13 NCCL the
-  # mirrored ×2 jit rows' loss stayed at 0.8424 → 0.8426 where one GPU's fell to 0.28).
+  # shows its loss at the first and last step, each replica on the 1-device row's batch
+  # (docs/benchmarks.md, twenty-first session: a fresh 2×512 random-label draw did not train).
   # NVLink multicast stays off, here and in every process started from here (KINDS.md: a
   # program using it can take the host's shared GPUs out of service for a day or more).
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
