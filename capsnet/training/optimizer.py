@@ -111,13 +111,14 @@ def steps_done(optimizer):
 
 
 def compile_replica_updates(optimizer):
-    """Under a MirroredStrategy, make each device's Adam update ONE XLA computation.
+    """Under a tf.distribute strategy (mirrored or multi_worker), make each device's Adam
+    update ONE XLA computation.
 
     Keras applies the all-reduced gradients in cross-replica context one variable at a
     time (its `_distributed_tf_update_step`: `strategy.extended.update` per variable),
     so a step of the paper model runs Adam as ~250 small TensorFlow kernels a GPU,
     dispatched by the host between the all-reduce and the next step: 0.67 ms of GPU
-    time and most of the idle of a 2-GPU step (H100s, docs/benchmarks.md), where one
+    time and a large part of the idle of a 2-GPU step (H100s, docs/benchmarks.md), where one
     GPU's whole-step jit fuses the same update into a few kernels. This replaces that
     loop (on this optimizer, or a LossScaleOptimizer's inner Adam) with one
     `strategy.extended.update` whose function runs, on each device in turn, a
@@ -140,6 +141,8 @@ def compile_replica_updates(optimizer):
     compiled = {}  # (device, variable ids) → that device's jit-compiled update
 
     def distributed_update_step(distribution, grads_and_vars, learning_rate):
+        if not grads_and_vars:  # (Keras' apply() filters empty gradients before this)
+            return
         grads, variables = zip(*grads_and_vars)  # Mirrored gradients, mirrored tf.Variables
         replicas = [distribution.experimental_local_results(v) for v in variables]  # [variable][replica]
 
@@ -154,7 +157,8 @@ def compile_replica_updates(optimizer):
                     for grad, variable in zip(grads, local):
                         adam.update_step(grad, variable, learning_rate)
                 compiled[key] = tf.function(update, jit_compile=True, autograph=False)
-            compiled[key](list(grads), learning_rate)
+            # A tensor: a constant learning rate arrives as Keras' LR variable.
+            compiled[key](list(grads), tf.convert_to_tensor(learning_rate))
 
         distribution.extended.update(variables[0], update_device, args=(list(grads), learning_rate), group=False)
 
