@@ -368,6 +368,7 @@ import tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 from capsnet.training.optimizer import compile_replica_updates
+from capsnet.training.steps import overflow_on_every_replica
 
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 rng = np.random.default_rng(0)
@@ -376,14 +377,18 @@ grads = [np.stack([rng.normal(size=w.shape) for _ in range(2)]).astype("float32"
 report = {"calls": 0}
 
 
-def run(compiled):
+def run(kind, compiled):
     with strategy.scope():
         variables = [keras.Variable(w) for w in init]
-        adam = keras.optimizers.Adam(learning_rate=keras.optimizers.schedules.ExponentialDecay(0.01, 1, 0.5))
-        adam.build(variables)
+        schedule = keras.optimizers.schedules.ExponentialDecay(0.01, 1, 0.5)
+        optimizer = keras.optimizers.Adam(learning_rate=0.01 if kind == "constant" else schedule)
+        if kind == "loss_scale":
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        optimizer.build(variables)
+    adam = getattr(optimizer, "inner_optimizer", optimizer)
     if compiled:
-        compile_replica_updates(adam)
-        compile_replica_updates(adam)  # idempotent
+        compile_replica_updates(optimizer)
+        compile_replica_updates(optimizer)  # idempotent
         replaced = adam._distributed_tf_update_step
 
         def counted(*args):  # Keras must still call the method it replaced
@@ -396,48 +401,69 @@ def run(compiled):
         def replica():
             r = tf.distribute.get_replica_context().replica_id_in_sync_group
             scale = tf.cast(i + 1, tf.float32)
-            adam.apply_gradients([(tf.gather(tf.constant(g), r) * scale, v) for g, v in zip(grads, variables)])
+            local = [tf.gather(tf.constant(g), r) * scale for g in grads]
+            if kind == "loss_scale":  # step 1 overflows on replica 1 alone: skipped on both, the scale halved
+                local[0] *= tf.where(tf.logical_and(tf.equal(i, 1), tf.equal(r, 1)), np.inf, 1.0)
+                local = overflow_on_every_replica(local)  # as the distributed train step does
+            optimizer.apply_gradients(zip(local, variables))
         strategy.run(replica)
     for i in range(3):
         step(tf.constant(i))
-    # [variable][replica copy]: the weights, then Adam's moments
+    # [variable][replica copy]: the weights, then Adam's moments; and Adam's step counter
     tracked = [v.value for v in variables] + [m.value for m in adam._momentums + adam._velocities]
-    return [[c.numpy().tolist() for c in strategy.experimental_local_results(t)] for t in tracked]
+    return {"tracked": [[c.numpy().tolist() for c in strategy.experimental_local_results(t)] for t in tracked],
+            "iterations": int(adam.iterations.numpy())}
 
 
-report["keras"], report["compiled"] = run(False), run(True)
+for kind in ("schedule", "constant", "loss_scale"):
+    report[kind] = {"keras": run(kind, False), "compiled": run(kind, True)}
 print(json.dumps(report))
 """
+
+
+def numpy_adam(weights, summed_grads, updates):
+    """Keras' Adam (its defaults) in float64: weights, then first and second moments, after
+    the `updates`, each (gradient factor, learning rate) applied to the summed gradients."""
+    weights = [w.astype(np.float64) for w in weights]
+    m, v = [np.zeros_like(w) for w in weights], [np.zeros_like(w) for w in weights]
+    for t, (factor, lr) in enumerate(updates, start=1):
+        alpha = lr * np.sqrt(1 - 0.999 ** t) / (1 - 0.9 ** t)
+        for k, g in enumerate(summed_grads):
+            g = g * factor
+            m[k] += (g - m[k]) * 0.1
+            v[k] += (g * g - v[k]) * 0.001
+            weights[k] -= m[k] * alpha / (np.sqrt(v[k]) + 1e-7)
+    return weights + m + v
 
 
 def test_each_devices_adam_update_compiled_matches_numpy_adam_on_every_copy(tmp_path):
     """compile_replica_updates: the update of every device's copies, as one jit-compiled
     function a device, against NumPy's Adam on the summed gradients and against Keras' own
-    per-variable loop (two logical CPUs, three steps of a decaying LR)."""
+    per-variable loop (two logical CPUs, three steps): on a decaying LR, on a constant one
+    (Keras passes its LR variable), and under a LossScaleOptimizer whose second step
+    overflows on one replica alone (overflow_on_every_replica: skipped on every copy, the
+    scale halves from 32768; without it Keras applied the step and every weight was NaN)."""
     result = subprocess.run([sys.executable, "-c", REPLICA_UPDATES_SCRIPT], env=repo_env(), capture_output=True,
                             text=True, timeout=SUBPROCESS_TIMEOUT)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["calls"] >= 1, "Keras did not call the replaced _distributed_tf_update_step"
+    assert report["calls"] >= 3, "Keras did not call the replaced _distributed_tf_update_step"
     rng = np.random.default_rng(0)
     weights = [rng.normal(size=(3, 4)).astype("float32"), rng.normal(size=(4,)).astype("float32")]
-    grads = [np.stack([rng.normal(size=w.shape) for _ in range(2)]).astype("float32") for w in weights]
-    weights = [w.astype(np.float64) for w in weights]
-    m, v = [np.zeros_like(w) for w in weights], [np.zeros_like(w) for w in weights]
-    for step in range(3):
-        lr, t = 0.01 * 0.5 ** step, step + 1
-        alpha = lr * np.sqrt(1 - 0.999 ** t) / (1 - 0.9 ** t)
-        for k, g in enumerate(grads):
-            g = g.sum(axis=0) * (step + 1)  # the all-reduced (summed) gradient
-            m[k] += (g - m[k]) * 0.1
-            v[k] += (g * g - v[k]) * 0.001
-            weights[k] -= m[k] * alpha / (np.sqrt(v[k]) + 1e-7)
-    expected = weights + m + v
-    for path in ("keras", "compiled"):
-        for tracked, want in zip(report[path], expected):
-            assert len(tracked) == 2  # both devices' copies
-            for copy in tracked:
-                np.testing.assert_allclose(np.array(copy), want, rtol=1e-5, atol=1e-6, err_msg=path)
+    summed = [np.stack([rng.normal(size=w.shape) for _ in range(2)]).astype("float32").sum(axis=0) for w in weights]
+    decaying = [0.01 * 0.5 ** step for step in range(3)]  # by Adam's counter of applied updates
+    updates = {"schedule": [(1, decaying[0]), (2, decaying[1]), (3, decaying[2])],
+               "constant": [(1, 0.01), (2, 0.01), (3, 0.01)],
+               "loss_scale": [(1 / 32768, decaying[0]), (3 / 16384, decaying[1])]}
+    for kind, applied in updates.items():
+        expected = numpy_adam(weights, summed, applied)
+        for path in ("keras", "compiled"):
+            ran = report[kind][path]
+            assert ran["iterations"] == len(applied), (kind, path)
+            for tracked, want in zip(ran["tracked"], expected):
+                assert len(tracked) == 2  # both devices' copies
+                for copy in tracked:
+                    np.testing.assert_allclose(np.array(copy), want, rtol=1e-5, atol=1e-6, err_msg=f"{kind} {path}")
 
 
 def test_all_reduce_error_names_the_first_wrong_element():

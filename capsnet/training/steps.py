@@ -200,6 +200,31 @@ def gradient_norm(grads, optimizer):
     return tf.where(tf.math.is_finite(norm), norm / tf.cast(scale, norm.dtype), tf.zeros_like(norm))
 
 
+def overflow_on_every_replica(grads):
+    """A replica's gradients, made non-finite when any replica's are (in replica context).
+
+    Keras' LossScaleOptimizer under a strategy decides between applying a step and
+    skipping it (an overflow: the scale halves) on the FIRST replica's gradients alone,
+    taking them to be all-reduced already, which they are not yet: an overflow on another
+    replica alone was applied, and every weight became NaN (Keras 3, MirroredStrategy over
+    two CPU devices; tests/test_distribute.py). So the replicas agree first (one boolean
+    a replica a step): if any overflowed, every replica's gradients become NaN and the
+    optimizer skips the step on all of them, as on one device.
+    """
+    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None])
+    context = tf.distribute.get_replica_context()
+    if isinstance(context.strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        # Replicas on other workers too: a collective (MirroredStrategy's collectives, by
+        # contrast, fell out of step with the gradients' in train()'s loop on CPU devices).
+        everywhere = context.all_reduce(tf.distribute.ReduceOp.SUM, 1.0 - tf.cast(finite, tf.float32)) == 0
+    else:  # the local replicas' flags, read in cross-replica context: no collective
+        everywhere = context.merge_call(
+            lambda strategy, finite: tf.reduce_all(tf.stack(strategy.experimental_local_results(finite))),
+            args=(finite,))
+    return tf.cond(everywhere, lambda: list(grads),
+                   lambda: [None if g is None else g * float("nan") for g in grads])
+
+
 # The sums each replica returns, in this order (stacked, so one all-reduce carries them).
 _STEP_SUMS = ("loss", "margin_loss", "reconstruction_loss", "accuracy")
 # What every train step returns (both kinds), per step: the batch means of _STEP_SUMS and
@@ -242,8 +267,12 @@ def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, wei
         forward_backward = tf.function(forward_backward, jit_compile=True, autograph=False)
         compile_replica_updates(optimizer)
 
+    scaled = loss_scale(optimizer) is not None
+
     def replica_step(images, labels, global_batch_size):
         grads, sums, grad_norm = forward_backward(images, labels, global_batch_size)
+        if scaled:
+            grads = overflow_on_every_replica(grads)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         if weight_average is not None:
             weight_average.update()
