@@ -206,23 +206,27 @@ def overflow_on_every_replica(grads):
     Keras' LossScaleOptimizer under a strategy decides between applying a step and
     skipping it (an overflow: the scale halves) on the FIRST replica's gradients alone,
     taking them to be all-reduced already, which they are not yet: an overflow on another
-    replica alone was applied, and every weight became NaN (Keras 3, MirroredStrategy over
-    two CPU devices; tests/test_distribute.py). So the replicas agree first (one boolean
+    replica alone was applied and every weight became NaN (mirrored, two CPU devices;
+    tests/test_distribute.py), or, under multi_worker, left the workers hung in the
+    all-reduce the overflowed one skipped (seen in review). So the replicas agree first (one boolean
     a replica a step): if any overflowed, every replica's gradients become NaN and the
     optimizer skips the step on all of them, as on one device.
     """
     finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None])
     context = tf.distribute.get_replica_context()
     if isinstance(context.strategy, tf.distribute.MultiWorkerMirroredStrategy):
-        # Replicas on other workers too: a collective (MirroredStrategy's collectives, by
-        # contrast, fell out of step with the gradients' in train()'s loop on CPU devices).
+        # Replicas on other workers too: a collective (one training per process here; under
+        # mirrored a collective fell out of step with the gradients' when a second strategy
+        # trained in the same process: the test fixture, a -m sweep).
         everywhere = context.all_reduce(tf.distribute.ReduceOp.SUM, 1.0 - tf.cast(finite, tf.float32)) == 0
     else:  # the local replicas' flags, read in cross-replica context: no collective
         everywhere = context.merge_call(
             lambda strategy, finite: tf.reduce_all(tf.stack(strategy.experimental_local_results(finite))),
             args=(finite,))
-    return tf.cond(everywhere, lambda: list(grads),
-                   lambda: [None if g is None else g * float("nan") for g in grads])
+    # Dense (an IndexedSlices has no `* nan`); tf.cond returns tensors, not None.
+    present = [tf.convert_to_tensor(g) for g in grads if g is not None]
+    agreed = iter(tf.cond(everywhere, lambda: present, lambda: [g * float("nan") for g in present]))
+    return [None if g is None else next(agreed) for g in grads]
 
 
 # The sums each replica returns, in this order (stacked, so one all-reduce carries them).
