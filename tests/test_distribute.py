@@ -404,7 +404,8 @@ def run(kind, compiled):
             local = [tf.gather(tf.constant(g), r) * scale for g in grads]
             if kind == "loss_scale":  # step 1 overflows on replica 1 alone: skipped on both, the scale halved
                 local[0] *= tf.where(tf.logical_and(tf.equal(i, 1), tf.equal(r, 1)), np.inf, 1.0)
-                local = overflow_on_every_replica(local)  # as the distributed train step does
+                finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in local])
+                local = overflow_on_every_replica(local, finite)  # as the distributed train step does
             optimizer.apply_gradients(zip(local, variables))
         strategy.run(replica)
     for i in range(3):

@@ -200,8 +200,9 @@ def gradient_norm(grads, optimizer):
     return tf.where(tf.math.is_finite(norm), norm / tf.cast(scale, norm.dtype), tf.zeros_like(norm))
 
 
-def overflow_on_every_replica(grads):
-    """A replica's gradients, made non-finite when any replica's are (in replica context).
+def overflow_on_every_replica(grads, finite):
+    """A replica's gradients, made non-finite when any replica's are (in replica context;
+    `finite`: whether this replica's are, a boolean scalar).
 
     Keras' LossScaleOptimizer under a strategy decides between applying a step and
     skipping it (an overflow: the scale halves) on the FIRST replica's gradients alone,
@@ -212,7 +213,6 @@ def overflow_on_every_replica(grads):
     a replica a step): if any overflowed, every replica's gradients become NaN and the
     optimizer skips the step on all of them, as on one device.
     """
-    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None])
     context = tf.distribute.get_replica_context()
     if isinstance(context.strategy, tf.distribute.MultiWorkerMirroredStrategy):
         # Replicas on other workers too: a collective (one training per process here; under
@@ -245,6 +245,8 @@ def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, wei
     batch of an epoch may be short, so it is passed rather than assumed).
     """
 
+    scaled = loss_scale(optimizer) is not None
+
     def forward_backward(images, labels, global_batch_size):
         with tf.GradientTape() as tape:
             # Labels mask the decoder input: reconstruct the TRUE class in training.
@@ -260,7 +262,11 @@ def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, wei
         grads = tape.gradient(scaled_loss, model.trainable_variables)
         correct = tf.reduce_sum(correct_predictions(predict(outputs["lengths"], labels), labels))
         sums = tf.stack([tf.reduce_sum(total), tf.reduce_sum(margin), tf.reduce_sum(reconstruction), correct])  # (4,)
-        return grads, sums, gradient_norm(grads, optimizer)
+        # Under loss scaling, whether this replica's gradients are finite (the overflow test),
+        # here so that under jit it is part of the compiled pass, not ~2 kernels a variable after.
+        finite = (tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None])
+                  if scaled else tf.constant(True))
+        return grads, sums, gradient_norm(grads, optimizer), finite
 
     if xla == "jit":
         # A whole-step jit_compile cannot work here: the optimizer's gradient all-reduce is a
@@ -271,12 +277,10 @@ def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, wei
         forward_backward = tf.function(forward_backward, jit_compile=True, autograph=False)
         compile_replica_updates(optimizer)
 
-    scaled = loss_scale(optimizer) is not None
-
     def replica_step(images, labels, global_batch_size):
-        grads, sums, grad_norm = forward_backward(images, labels, global_batch_size)
+        grads, sums, grad_norm, finite = forward_backward(images, labels, global_batch_size)
         if scaled:
-            grads = overflow_on_every_replica(grads)
+            grads = overflow_on_every_replica(grads, finite)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         if weight_average is not None:
             weight_average.update()
