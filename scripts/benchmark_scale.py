@@ -93,7 +93,8 @@ def parse_args(argv):
                         help="comma-separated PER-GPU batch sizes; mirrored ×N trains on N× that (default 128,512)")
     parser.add_argument("--all-reduce", type=_all_reduce, default=["auto"],
                         help="comma-separated distribute.all_reduce values for mirrored: auto (NCCL across GPUs), "
-                             "nccl, one_device (default auto)")
+                             "nccl, one_device, xla (in each replica's compiled step: jit variants, no "
+                             "mixed_float16) (default auto)")
     bt.add_run_arguments(parser, default_variants=DEFAULT_VARIANTS)
     parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
                         help="gpu (default) or cpu: GPUs hidden, the CPU split into logical devices (smoke runs)")
@@ -149,9 +150,10 @@ def mirrored_runner(spec, batch_size, devices, all_reduce, per_call=1):
         # decay the rate N times as fast).
         optimizer, _ = build_optimizer(train_cfg, math.ceil(bt.MNIST_TRAIN_EXAMPLES / batch_size), model)
     # As train() does: timing an all-reduce that does not sum would time no training.
-    check_all_reduce(strategy, [variable.shape for variable in model.trainable_variables])
+    check_all_reduce(strategy, [variable.shape for variable in model.trainable_variables],
+                     compiled=all_reduce == "xla")
     step = make_train_step(model, optimizer, input_shape=input_shape, losses=loss_params(train_cfg),
-                           xla=spec["xla"], strategy=strategy)
+                           xla=spec["xla"], strategy=strategy, all_reduce=all_reduce)
     # Each replica gets time_training's batch (the global batch: it, `replicas` times over),
     # split over the replicas as train() splits it: the 1-device row's task and losses.
     batches = bt.synthetic_batches(spec, batch_size, input_shape, int(model_cfg["num_classes"]), copies=replicas)
@@ -190,7 +192,7 @@ def worker(spec):
     cli.import_tensorflow_quietly()
     import tensorflow as tf
 
-    from capsnet.errors import AllReduceError, CapsnetError
+    from capsnet.errors import AllReduceError, CapsnetError, ConfigError
     from capsnet.training.model_setup import check_op_library
     from capsnet import config
     from capsnet.training.steps import set_autoclustering
@@ -240,7 +242,7 @@ def worker(spec):
                               f"{per_call} steps per call", file=sys.stderr, flush=True)
                         try:
                             row = time_mirrored_training(spec, batch_size, devices[:n], all_reduce, per_call)
-                        except (tf.errors.OpError, RuntimeError, ValueError, AllReduceError) as exc:
+                        except (tf.errors.OpError, RuntimeError, ValueError, AllReduceError, ConfigError) as exc:
                             # E.g. an NCCL that does not load, or one that does not sum
                             # (check_all_reduce): the other configurations still count.
                             result["failures"].append({"config": config, "all_reduce": all_reduce,

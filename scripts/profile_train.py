@@ -136,7 +136,7 @@ def profile(args, cfg):
             os.environ.setdefault(key, value)
         spec = {"variant": args.variant, "custom_op": custom_op, "xla": xla, "precision": args.precision, **cfg}
         run, _ = benchmark_scale.mirrored_runner(spec, batch, [f"/gpu:{i}" for i in range(args.replicas)],
-                                                 "auto", per_call)
+                                                 args.all_reduce, per_call)
     else:
         model_cfg = bt.variant_model_cfg(args.variant, cfg["model"])
         train_cfg = {**cfg["train"], "precision": args.precision}
@@ -210,6 +210,8 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=bt._positive_int, default=512, help="per GPU (default 512)")
     parser.add_argument("--replicas", type=bt._positive_int, default=1,
                         help="GPUs: > 1 profiles benchmark_scale.py's MirroredStrategy step (NCCL all-reduce)")
+    parser.add_argument("--all-reduce", choices=("auto", "nccl", "one_device", "xla"), default="auto",
+                        help="distribute.all_reduce with --replicas > 1 (default auto)")
     parser.add_argument("--steps-per-execution", type=bt._positive_int, default=50)
     parser.add_argument("--steps", type=bt._positive_int, default=100, help="profiled steps (default 100)")
     parser.add_argument("--warmup", type=bt._positive_int, default=3, help="untimed calls first (default 3)")

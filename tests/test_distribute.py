@@ -174,6 +174,13 @@ def mirrored(tiny_idx_dir, tmp_path_factory):
         # skip-on-overflow (compile_replica_updates).
         ("fp16_jit", cfg("fp16_jit", "train.epochs=1", "train.precision=mixed_float16", "custom_op=true",
                          "train.xla=jit")),
+        # The all-reduce and Adam's update compiled into the replica's step: XLA has no
+        # collective for CPU devices, so two are refused; on one the all-reduce is the identity
+        # and the compiled update must train as Keras' does (3 epochs: its checkpoint too).
+        ("xla_cpus", cfg("xla_cpus", "train.epochs=1", "train.xla=jit", "distribute.all_reduce=xla")),
+        ("xla_one", compose_config("train", tiny_overrides(
+            tiny_idx_dir, root / "xla_one", *DATA, "distribute=mirrored", "distribute.devices=[/cpu:0]",
+            "train.epochs=3", "train.xla=jit", "distribute.all_reduce=xla", "custom_op=true"))),
     ]
     env = repo_env()
     env.pop("TF_CONFIG", None)
@@ -218,6 +225,26 @@ def test_mirrored_with_xla_jit_and_the_op_steps_like_one_device(mirrored, refere
     root, report = mirrored
     assert report["jit_op"]["global_step"] == STEPS_PER_EPOCH
     assert_steps_match(root / "jit_op", reference, STEPS_PER_EPOCH)
+
+
+@pytest.mark.slow
+def test_all_reduce_compiled_into_the_step_trains_like_keras_apply(mirrored, reference):
+    """distribute.all_reduce=xla on one replica: the compiled step's own Adam update (Keras'
+    update_step on the replica's copies, the LR from its counter, the counter +1) gives the
+    one-device run's losses and every checkpoint tensor (weights, moments, step counter)."""
+    root, report = mirrored
+    assert (report["xla_one"]["replicas"], report["xla_one"]["global_step"]) == (1, 3 * STEPS_PER_EPOCH)
+    assert_steps_match(root / "xla_one", reference, 3 * STEPS_PER_EPOCH)
+    assert_checkpoints_match(root / "xla_one" / "checkpoints" / "latest" / "ckpt-3",
+                             reference["run_dir"] / "checkpoints" / "latest" / "ckpt-3")
+
+
+@pytest.mark.slow
+def test_all_reduce_compiled_into_the_step_refuses_cpu_replicas_in_one_line(mirrored):
+    _, report = mirrored
+    message = report["xla_cpus"]["error"]
+    assert message.startswith("distribute.all_reduce=xla needs GPUs: XLA compiles no collective for CPU devices")
+    assert "CPU:1" in message and "\n" not in message
 
 
 @pytest.mark.slow
@@ -599,7 +626,12 @@ TF_CONFIG_ONE_WORKER = json.dumps({"cluster": {"worker": ["localhost:12345"]}, "
     (["distribute=mirrored", "distribute.devices=[/gpu:7]"], None,
      "distribute.devices: /gpu:7 is not a device TensorFlow sees here"),
     (["distribute=mirrored", "distribute.all_reduce=ring"], None,
-     "distribute.all_reduce must be one of auto, nccl, one_device with distribute=mirrored, got 'ring'"),
+     "distribute.all_reduce must be one of auto, nccl, one_device, xla with distribute=mirrored, got 'ring'"),
+    (["distribute=mirrored", "distribute.all_reduce=xla"], None,
+     "distribute.all_reduce=xla compiles the all-reduce into each replica's XLA step: it needs train.xla=jit, "
+     "got train.xla='none'"),
+    (["distribute=mirrored", "distribute.all_reduce=xla", "train.xla=jit", "train.precision=mixed_float16"], None,
+     "distribute.all_reduce=xla has no loss scaling in its compiled update"),
     (["distribute.scale_lr=cubic"], None, "distribute.scale_lr must be one of none, linear, sqrt, got 'cubic'"),
     (["distribute.lr_base_batch_size=0"], None, "distribute.lr_base_batch_size must be a positive integer, got 0"),
     (["distribute=multi_worker"], None, "distribute=multi_worker needs the cluster in the TF_CONFIG environment"),

@@ -118,18 +118,35 @@ def check_xla(xla, routing):
                           "the routing with it): set model.routing=auto")
 
 
+def check_all_reduce_in_step(all_reduce, tcfg):
+    """distribute.all_reduce=xla puts the all-reduce and the Adam update into each replica's
+    compiled step: there must be one (train.xla=jit), and no loss scaling, whose
+    skip-or-apply decision (Keras' LossScaleOptimizer) is not in that compiled update."""
+    if all_reduce != "xla":
+        return
+    if tcfg["xla"] != "jit":
+        raise ConfigError(f"distribute.all_reduce=xla compiles the all-reduce into each replica's XLA step: "
+                          f"it needs train.xla=jit, got train.xla={tcfg['xla']!r}")
+    if tcfg["precision"] == "mixed_float16":  # capsnet.precision.needs_loss_scaling (imports TensorFlow)
+        raise ConfigError(f"distribute.all_reduce=xla has no loss scaling in its compiled update: use "
+                          f"train.precision=float32 or mixed_bfloat16, or distribute.all_reduce=auto with "
+                          f"{tcfg['precision']}")
+
+
 def check(cfg):
     """A train config (a plain dict shaped like configs/train.yaml) checked: ConfigError
     naming the first bad key, else the checked dict with plain types (lists for sequences)
     and a section's missing keys at their schema defaults. Idempotent: train() checks what
     train.py checked already. Rules across sections: train.xla against custom_op and
-    model.routing (check_xla); an overlay dataset on one device; run_dir set."""
+    model.routing (check_xla); an overlay dataset on one device; distribute.all_reduce=xla
+    against train (check_all_reduce_in_step); run_dir set."""
     checked = check_section(TrainAppConfig, cfg)
     check_xla(checked["train"]["xla"], checked["model"]["routing"])
     data_name, strategy = checked["data"]["name"], checked["distribute"]["strategy"]
     if is_overlay(data_name) and strategy != "none":
         # Its (B, 2) labels and two reconstructions are not in the distributed step.
         raise ConfigError(f"data.name={data_name} trains on one device only: set distribute=none")
+    check_all_reduce_in_step(checked["distribute"]["all_reduce"], checked["train"])
     if not checked["run_dir"]:
         raise ConfigError("run_dir is not set (train.py sets it to Hydra's run dir; tests pass one)")
     return checked

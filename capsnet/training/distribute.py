@@ -131,7 +131,7 @@ def check_global_batch(batch_size, strategy):
                           f"use a multiple of {replicas}")
 
 
-def check_all_reduce(strategy, shapes):
+def check_all_reduce(strategy, shapes, compiled=False):
     """The strategy's gradient all-reduce must run and sum, checked once before training.
 
     The replicas all-reduce tensors of `shapes` (train() passes the model's trainable
@@ -149,13 +149,16 @@ def check_all_reduce(strategy, shapes):
     if strategy.num_replicas_in_sync == 1:
         return
     devices = ", ".join(strategy.extended.worker_devices)
-    implementation = _all_reduce_implementation(strategy)
+    implementation = "XLA's all-reduce in a compiled function" if compiled else _all_reduce_implementation(strategy)
 
     def replica_fn():
         context = tf.distribute.get_replica_context()
         value = tf.cast(context.replica_id_in_sync_group + 1, tf.float32)
         return context.all_reduce(tf.distribute.ReduceOp.SUM, [tf.fill(shape, value) for shape in shapes])
 
+    if compiled:  # distribute.all_reduce=xla's: inside each replica's own XLA function
+        check_compiled_all_reduce_devices(strategy)
+        replica_fn = _compiled_per_replica(replica_fn)
     try:
         sums = tf.function(lambda: strategy.run(replica_fn), autograph=False)()
         # [local replica][tensor], as numbers (reading them waits for the all-reduce to run).
@@ -168,6 +171,31 @@ def check_all_reduce(strategy, shapes):
     if error is not None:
         raise AllReduceError(f"distribute: the gradient all-reduce over {devices} ({implementation}) does not sum: "
                              f"{error}; training would not follow the gradients. {_all_reduce_advice(strategy)}")
+
+
+def check_compiled_all_reduce_devices(strategy):
+    """distribute.all_reduce=xla needs GPU replicas: XLA compiles no collective for a CPU
+    device ("Collectives are not yet implemented for CPU devices when compiling with XLA",
+    TensorFlow 2.21). One replica has nothing to all-reduce."""
+    devices = strategy.extended.worker_devices
+    if len(devices) > 1 and not all(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in devices):
+        raise ConfigError(f"distribute.all_reduce=xla needs GPUs: XLA compiles no collective for CPU devices "
+                          f"(the replicas are on {', '.join(devices)}); use distribute.all_reduce=auto")
+
+
+def _compiled_per_replica(fn):
+    """fn for strategy.run, jit-compiled once per replica: each replica's function is traced
+    on its own device (one function traced once would capture the first replica's
+    resources, which XLA refuses on another device)."""
+    compiled = {}
+
+    def run():
+        replica = int(tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group))
+        if replica not in compiled:
+            compiled[replica] = tf.function(fn, jit_compile=True, autograph=False)
+        return compiled[replica]()
+
+    return run
 
 
 def _all_reduce_implementation(strategy):

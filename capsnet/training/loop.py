@@ -153,7 +153,8 @@ def _train(cfg, progress):
         # The gradients' all-reduce, tried once on tensors of the gradients' shapes before any
         # step: one that runs but does not sum would train silently wrong.
         log.info("checking the all-reduce over %s", ", ".join(strategy.extended.worker_devices))
-        check_all_reduce(strategy, [variable.shape for variable in model.trainable_variables])
+        check_all_reduce(strategy, [variable.shape for variable in model.trainable_variables],
+                         compiled=dcfg["all_reduce"] == "xla")
     marks.append(("devices and model", time.perf_counter()))
     # MultiMNIST: labels (B, 2) and the digits (B, 2, H, W, C); one device (config.check).
     two_digits = is_overlay(data_cfg["name"])
@@ -253,7 +254,8 @@ def _train(cfg, progress):
     # ---- compiled steps (xla=autocluster switches XLA on for the whole process)
     losses = loss_params(tcfg)
     train_step = make_train_step(model, optimizer, input_shape=model.image_shape, losses=losses, xla=tcfg["xla"],
-                                 strategy=strategy, two_digits=two_digits, weight_average=average)
+                                 strategy=strategy, all_reduce=dcfg["all_reduce"], two_digits=two_digits,
+                                 weight_average=average)
     train_steps = make_train_loop(train_step, strategy=strategy)
     eval_step = make_eval_step(model, model.image_shape, jit_compile=tcfg["xla"] == "jit", two_digits=two_digits,
                                **losses)

@@ -24,6 +24,7 @@ from capsnet import config
 from capsnet.errors import ConfigError, DataError
 from capsnet.losses import capsnet_losses
 from capsnet.scoring import correct_predictions, label_order, predict, score
+from capsnet.training.distribute import check_compiled_all_reduce_devices
 from capsnet.training.optimizer import compile_replica_updates, loss_scale
 
 
@@ -93,8 +94,8 @@ def set_determinism(enabled):
         tf_config.disable_op_determinism()
 
 
-def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strategy=None, two_digits=False,
-                    weight_average=None, guard=True):
+def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strategy=None, all_reduce="auto",
+                    two_digits=False, weight_average=None, guard=True):
     """The compiled training step: (images, labels) → {loss, margin_loss, reconstruction_loss, accuracy,
     grad_norm} (STEP_VALUES).
 
@@ -118,6 +119,9 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strate
             `optimizer` were built under: the step is then
             (per-replica images, per-replica labels, global batch size) → the same dict,
             means over the global batch (_make_distributed_train_step).
+        all_reduce: the strategy's distribute.all_reduce: "xla" (with xla="jit") compiles
+            each replica's all-reduce and Adam update into its step
+            (_all_reduce_in_compiled_step); any other value is the strategy's own all-reduce.
         two_digits: MultiMNIST (one device only): the step takes (images, labels (B, 2),
             digits (B, 2, H, W, C)); the margin loss counts both classes present, the
             decoder reconstructs each digit from its own capsule against its own image
@@ -139,8 +143,11 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strate
             raise ConfigError("two-digit data (MultiMNIST) trains on one device only: set distribute=none")
         if not guard:
             raise ValueError("make_train_step: guard=False is for one device only")
+        if all_reduce == "xla" and xla != "jit":
+            raise ConfigError(f"distribute.all_reduce=xla compiles the all-reduce into each replica's XLA step: "
+                              f"it needs train.xla=jit, got train.xla={xla!r}")
         return _make_distributed_train_step(model, optimizer, losses=losses, xla=xla, strategy=strategy,
-                                            weight_average=weight_average)
+                                            all_reduce=all_reduce, weight_average=weight_average)
     image_spec = tf.TensorSpec([None, *input_shape], tf.float32)
     signature = [image_spec, tf.TensorSpec([None], tf.int32)]
     if two_digits:
@@ -236,7 +243,66 @@ _STEP_SUMS = ("loss", "margin_loss", "reconstruction_loss", "accuracy")
 STEP_VALUES = (*_STEP_SUMS, "grad_norm")
 
 
-def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, weight_average=None):
+def _all_reduce_in_compiled_step(forward_backward, model, optimizer, strategy):
+    """distribute.all_reduce=xla: one replica's whole step — forward, backward, the
+    gradients' all-reduce and Adam's update of its own copy of every variable — as ONE XLA
+    computation, for strategy.run in replica context: (images, labels, global batch size)
+    → (sums, grad_norm), forward_backward's.
+
+    MirroredStrategy lowers an all-reduce inside an XLA function over GPUs to a
+    CollectiveReduceV2 that XLA compiles (an XLA all-reduce over NCCL, launched by the
+    compiled step itself) instead of a merge of the replicas' threads. So the host launches
+    one program a replica a step, where the other modes launch three (forward and backward,
+    TensorFlow's NCCL all-reduce between them, the update) and wait at the all-reduce for
+    every replica's gradients. XLA compiles no collective for a CPU device: several CPU
+    replicas are refused (ConfigError); with one replica the all-reduce is the identity.
+
+    Adam's update here is Keras' own `update_step` on this replica's copies, with the
+    learning rate from its step counter, then the counter +1: what Keras' apply does for an
+    optimizer without gradient clipping, weight decay, EMA, gradient accumulation or loss
+    scaling, which is refused otherwise rather than silently left out. Each replica gets its
+    own compiled function (traced on its device, capturing its own copies).
+    """
+    check_compiled_all_reduce_devices(strategy)
+    if loss_scale(optimizer) is not None:
+        raise ConfigError("distribute.all_reduce=xla has no loss scaling in its compiled update: use "
+                          "train.precision=float32 or mixed_bfloat16")
+    extras = [name for name in ("clipnorm", "clipvalue", "global_clipnorm", "weight_decay",
+                                "gradient_accumulation_steps") if getattr(optimizer, name, None)]
+    if extras or getattr(optimizer, "use_ema", False):
+        raise ValueError(f"distribute.all_reduce=xla applies plain Adam updates; this optimizer also has "
+                         f"{', '.join(extras) or 'use_ema'}")
+    compiled = {}  # replica id → its jit-compiled step
+
+    def step(images, labels, global_batch_size):
+        context = tf.distribute.get_replica_context()
+        replica = int(tf.get_static_value(context.replica_id_in_sync_group))
+        if replica not in compiled:
+            # This replica's copies (variables read through a MirroredVariable in replica
+            # context are these too; writing them through it would aggregate).
+            local = [strategy.experimental_local_results(v.value)[replica] for v in model.trainable_variables]
+            counter = strategy.experimental_local_results(optimizer.iterations.value)[replica]
+
+            def compiled_step(images, labels, global_batch_size):
+                grads, sums, grad_norm, _ = forward_backward(images, labels, global_batch_size)
+                present = [(g, v) for g, v in zip(grads, local) if g is not None]
+                summed = [g for g, _ in present]
+                if strategy.num_replicas_in_sync > 1:  # (one replica: nothing to sum, and no GPU needed)
+                    summed = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, summed)
+                learning_rate = optimizer.learning_rate  # lr(step counter), read before the update
+                for grad, (_, variable) in zip(summed, present):
+                    optimizer.update_step(grad, variable, learning_rate)
+                counter.assign_add(1)
+                return sums, grad_norm
+
+            compiled[replica] = tf.function(compiled_step, jit_compile=True, autograph=False)
+        return compiled[replica](images, labels, global_batch_size)
+
+    return step
+
+
+def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, all_reduce="auto",
+                                 weight_average=None):
     """make_train_step under a strategy: strategy.run of one replica's step on its slice
     of the global batch, then the batch means over all replicas (and workers).
 
@@ -268,23 +334,33 @@ def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, wei
                   if scaled else tf.constant(True))
         return grads, sums, gradient_norm(grads, optimizer), finite
 
-    if xla == "jit":
-        # A whole-step jit_compile cannot work here: the optimizer's gradient all-reduce is a
-        # cross-replica step (MirroredStrategy: a merge of the replicas' threads), and XLA
-        # refuses a function that reads variables on another replica's device. So XLA
-        # compiles each replica's forward and backward pass, and, after the all-reduce,
-        # each device's Adam update (compile_replica_updates).
-        forward_backward = tf.function(forward_backward, jit_compile=True, autograph=False)
-        compile_replica_updates(optimizer)
+    if all_reduce == "xla":
+        compiled_step = _all_reduce_in_compiled_step(forward_backward, model, optimizer, strategy)
 
-    def replica_step(images, labels, global_batch_size):
-        grads, sums, grad_norm, finite = forward_backward(images, labels, global_batch_size)
-        if scaled:
-            grads = overflow_on_every_replica(grads, finite)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        if weight_average is not None:
-            weight_average.update()
-        return sums, grad_norm
+        def replica_step(images, labels, global_batch_size):
+            sums, grad_norm = compiled_step(images, labels, global_batch_size)
+            if weight_average is not None:
+                weight_average.update()
+            return sums, grad_norm
+    else:
+        if xla == "jit":
+            # A whole-step jit_compile cannot work here: the optimizer's gradient all-reduce is a
+            # cross-replica step (MirroredStrategy: a merge of the replicas' threads), and XLA
+            # refuses a function that reads variables on another replica's device. So XLA
+            # compiles each replica's forward and backward pass, and, after the all-reduce,
+            # each device's Adam update (compile_replica_updates). distribute.all_reduce=xla
+            # puts all three into one compiled step (_all_reduce_in_compiled_step).
+            forward_backward = tf.function(forward_backward, jit_compile=True, autograph=False)
+            compile_replica_updates(optimizer)
+
+        def replica_step(images, labels, global_batch_size):
+            grads, sums, grad_norm, finite = forward_backward(images, labels, global_batch_size)
+            if scaled:
+                grads = overflow_on_every_replica(grads, finite)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            if weight_average is not None:
+                weight_average.update()
+            return sums, grad_norm
 
     # reduce_retracing: a short last batch changes the per-replica shapes; the second
     # trace generalises the batch dimension, so there is no third.
