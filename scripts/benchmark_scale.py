@@ -92,9 +92,10 @@ def parse_args(argv):
     parser.add_argument("--batch-sizes", type=bt._positive_ints, default=[128, 512],
                         help="comma-separated PER-GPU batch sizes; mirrored ×N trains on N× that (default 128,512)")
     parser.add_argument("--all-reduce", type=_all_reduce, default=["auto"],
-                        help="comma-separated distribute.all_reduce values for mirrored: auto (NCCL across GPUs), "
-                             "nccl, one_device, xla (in each replica's compiled step: jit variants, no "
-                             "mixed_float16) (default auto)")
+                        help="comma-separated distribute.all_reduce values for mirrored: auto (xla where it "
+                             "applies, else collective), xla (in each replica's compiled step: jit variants on GPUs, "
+                             "no mixed_float16), collective (TensorFlow's, NCCL across GPUs), nccl, one_device "
+                             "(default auto)")
     bt.add_run_arguments(parser, default_variants=DEFAULT_VARIANTS)
     parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
                         help="gpu (default) or cpu: GPUs hidden, the CPU split into logical devices (smoke runs)")
@@ -122,15 +123,16 @@ def _setup_cpu_devices(count):
 
 
 def mirrored_runner(spec, batch_size, devices, all_reduce, per_call=1):
-    """(run, strategy): benchmark_train.runner's run(steps) of the distributed training steps
-    over `devices` (MirroredStrategy with `all_reduce`), `batch_size` per replica, `per_call`
-    steps per compiled call, its all-reduce checked first. Also what
+    """(run, strategy, all-reduce): benchmark_train.runner's run(steps) of the distributed
+    training steps over `devices` (MirroredStrategy with distribute.all_reduce=`all_reduce`,
+    resolved as train() resolves auto: the third value), `batch_size` per replica,
+    `per_call` steps per compiled call, its all-reduce checked first. Also what
     scripts/profile_train.py --replicas profiles."""
     import keras
 
     from capsnet.losses import loss_params
     from capsnet import config
-    from capsnet.training.distribute import check_all_reduce, input_iterator, make_strategy
+    from capsnet.training.distribute import check_all_reduce, input_iterator, make_strategy, resolve_all_reduce
     from capsnet.training.model_setup import build_capsnet
     from capsnet.training.optimizer import build_optimizer
     from capsnet.training.steps import make_train_loop, make_train_step
@@ -140,6 +142,7 @@ def mirrored_runner(spec, batch_size, devices, all_reduce, per_call=1):
     input_shape = tuple(model_cfg["input_shape"])
     strategy = make_strategy(config.check_section(config.DistributeConfig, {
         "strategy": "mirrored", "devices": devices, "all_reduce": all_reduce}, "distribute."))
+    all_reduce = resolve_all_reduce(all_reduce, spec["xla"], spec["precision"], strategy.extended.worker_devices)
     replicas = strategy.num_replicas_in_sync
     global_batch = batch_size * replicas
     keras.utils.set_random_seed(spec["seed"])  # the weights of time_training
@@ -158,13 +161,13 @@ def mirrored_runner(spec, batch_size, devices, all_reduce, per_call=1):
     # split over the replicas as train() splits it: the 1-device row's task and losses.
     batches = bt.synthetic_batches(spec, batch_size, input_shape, int(model_cfg["num_classes"]), copies=replicas)
     iterator = input_iterator(batches, strategy)
-    return bt.runner(make_train_loop(step, strategy=strategy), iterator, global_batch, per_call), strategy
+    return bt.runner(make_train_loop(step, strategy=strategy), iterator, global_batch, per_call), strategy, all_reduce
 
 
 def time_mirrored_training(spec, batch_size, devices, all_reduce, per_call=1):
     """images/s and ms/step of the distributed training steps over `devices`, `batch_size`
     per replica, `per_call` steps per compiled call."""
-    run, strategy = mirrored_runner(spec, batch_size, devices, all_reduce, per_call)
+    run, strategy, resolved = mirrored_runner(spec, batch_size, devices, all_reduce, per_call)
     replicas = strategy.num_replicas_in_sync
     global_batch = batch_size * replicas
     [(first_loss, last_loss, seconds)], _ = bt.time_steps([run], spec)
@@ -172,7 +175,7 @@ def time_mirrored_training(spec, batch_size, devices, all_reduce, per_call=1):
     return {
         "replicas": replicas,
         "devices": list(strategy.extended.worker_devices),
-        "all_reduce": all_reduce,
+        "all_reduce": all_reduce if resolved == all_reduce else f"{all_reduce} ({resolved})",
         "batch_size": batch_size,
         "global_batch_size": global_batch,
         "steps_per_execution": per_call,

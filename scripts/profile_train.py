@@ -135,7 +135,7 @@ def profile(args, cfg):
         for key, value in benchmark_scale.NVLS_OFF.items():  # before NCCL starts (its first all-reduce)
             os.environ.setdefault(key, value)
         spec = {"variant": args.variant, "custom_op": custom_op, "xla": xla, "precision": args.precision, **cfg}
-        run, _ = benchmark_scale.mirrored_runner(spec, batch, [f"/gpu:{i}" for i in range(args.replicas)],
+        run, _, _ = benchmark_scale.mirrored_runner(spec, batch, [f"/gpu:{i}" for i in range(args.replicas)],
                                                  args.all_reduce, per_call)
     else:
         model_cfg = bt.variant_model_cfg(args.variant, cfg["model"])
@@ -210,7 +210,7 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=bt._positive_int, default=512, help="per GPU (default 512)")
     parser.add_argument("--replicas", type=bt._positive_int, default=1,
                         help="GPUs: > 1 profiles benchmark_scale.py's MirroredStrategy step (NCCL all-reduce)")
-    parser.add_argument("--all-reduce", choices=("auto", "nccl", "one_device", "xla"), default="auto",
+    parser.add_argument("--all-reduce", choices=("auto", "collective", "xla", "nccl", "one_device"), default="auto",
                         help="distribute.all_reduce with --replicas > 1 (default auto)")
     parser.add_argument("--steps-per-execution", type=bt._positive_int, default=50)
     parser.add_argument("--steps", type=bt._positive_int, default=100, help="profiled steps (default 100)")

@@ -179,7 +179,7 @@ def test_the_cli_prints_a_type_error_as_one_line(tmp_path):
     (["data=multimnist", "augmentation=fashion"], "multimnist takes no flip/rotate/zoom/elastic/erase/shift_fill"),
     (["distribute.strategy=horovod"], "distribute.strategy must be one of none, mirrored, multi_worker"),
     (["distribute=mirrored", "distribute.all_reduce=ring"],
-     "distribute.all_reduce must be one of auto, nccl, one_device, xla with distribute=mirrored, got 'ring'"),
+     "distribute.all_reduce must be one of auto, collective, xla, nccl, one_device with distribute=mirrored, got 'ring'"),
     (["distribute.devices=[/cpu:0]"], "distribute.devices applies to distribute=mirrored only"),
     (["distribute=mirrored", "distribute.devices=[/cpu:0,/cpu:0]"], "distribute.devices lists a device more than once"),
     (["train.xla=jit", "model.routing=xla"], "model.routing=xla is redundant under train.xla=jit"),

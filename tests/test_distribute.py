@@ -626,7 +626,7 @@ TF_CONFIG_ONE_WORKER = json.dumps({"cluster": {"worker": ["localhost:12345"]}, "
     (["distribute=mirrored", "distribute.devices=[/gpu:7]"], None,
      "distribute.devices: /gpu:7 is not a device TensorFlow sees here"),
     (["distribute=mirrored", "distribute.all_reduce=ring"], None,
-     "distribute.all_reduce must be one of auto, nccl, one_device, xla with distribute=mirrored, got 'ring'"),
+     "distribute.all_reduce must be one of auto, collective, xla, nccl, one_device with distribute=mirrored, got 'ring'"),
     (["distribute=mirrored", "distribute.all_reduce=xla"], None,
      "distribute.all_reduce=xla compiles the all-reduce into each replica's XLA step: it needs train.xla=jit, "
      "got train.xla='none'"),
@@ -654,6 +654,29 @@ def test_bad_distribute_values_are_one_line_config_errors_before_any_work(
         train(tiny_config(*overrides))
     assert message in str(err.value) and "\n" not in str(err.value)
     assert not (tmp_path / "run").exists()
+
+
+GPUS = ["/job:localhost/replica:0/task:0/device:GPU:0", "/job:localhost/replica:0/task:0/device:GPU:1"]
+CPUS = ["/job:localhost/replica:0/task:0/device:CPU:0", "/job:localhost/replica:0/task:0/device:CPU:1"]
+
+
+@pytest.mark.parametrize("all_reduce, xla, precision, devices, resolved", [
+    ("auto", "jit", "float32", GPUS, "xla"),
+    ("auto", "jit", "mixed_bfloat16", GPUS, "xla"),
+    ("auto", "jit", "mixed_float16", GPUS, "collective"),  # loss scaling is not in the compiled update
+    ("auto", "none", "float32", GPUS, "collective"),       # no compiled step to put it in
+    ("auto", "autocluster", "float32", GPUS, "collective"),
+    ("auto", "jit", "float32", CPUS, "collective"),        # XLA compiles no collective for CPUs
+    ("auto", "jit", "float32", GPUS[:1], "collective"),    # one replica: nothing to all-reduce
+    ("auto", "jit", "float32", [GPUS[0], CPUS[0]], "collective"),
+    ("collective", "jit", "float32", GPUS, "collective"),  # an explicit value is kept
+    ("nccl", "jit", "float32", GPUS, "nccl"),
+    ("xla", "jit", "float32", GPUS, "xla"),
+])
+def test_auto_all_reduce_is_the_compiled_one_where_it_applies(all_reduce, xla, precision, devices, resolved):
+    from capsnet.training.distribute import resolve_all_reduce
+
+    assert resolve_all_reduce(all_reduce, xla, precision, devices) == resolved
 
 
 @pytest.mark.parametrize("scale_lr, base, factor", [("none", 100, 1.0), ("linear", 8, 2.0), ("linear", 64, 0.25),
@@ -721,7 +744,8 @@ def test_benchmark_scale_script_times_one_device_and_mirrored_on_the_same_data(t
         for batch in (4, 8):
             for loss in ("first_loss", "last_loss"):
                 assert rows[(config, batch)][loss] == pytest.approx(rows[("1 device", batch)][loss], rel=LOSS_RTOL)
-    assert "| custom_op=true xla=none | mirrored ×2 | auto | 4 | 8 |" in result.stdout
+    # auto resolved as train() resolves it: CPU replicas sum through TensorFlow's collective.
+    assert "| custom_op=true xla=none | mirrored ×2 | auto (collective) | 4 | 8 |" in result.stdout
     for row in rows.values():  # every row trains: the loss of its last step is below its first's
         assert row["last_loss"] < row["first_loss"], row
         assert f"| {row['first_loss']:.4f} → {row['last_loss']:.4f} |" in result.stdout

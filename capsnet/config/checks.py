@@ -129,7 +129,7 @@ def check_all_reduce_in_step(all_reduce, tcfg):
                           f"it needs train.xla=jit, got train.xla={tcfg['xla']!r}")
     if tcfg["precision"] == "mixed_float16":  # capsnet.precision.needs_loss_scaling (imports TensorFlow)
         raise ConfigError(f"distribute.all_reduce=xla has no loss scaling in its compiled update: use "
-                          f"train.precision=float32 or mixed_bfloat16, or distribute.all_reduce=auto with "
+                          f"train.precision=float32 or mixed_bfloat16, or distribute.all_reduce=collective with "
                           f"{tcfg['precision']}")
 
 

@@ -28,7 +28,7 @@ PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")            # train.p
 STRATEGIES = ("none", "mirrored", "multi_worker")                       # distribute.strategy
 ALL_REDUCE = {                                                          # distribute.all_reduce, per strategy
     "none": ("auto",),
-    "mirrored": ("auto", "nccl", "one_device", "xla"),
+    "mirrored": ("auto", "collective", "xla", "nccl", "one_device"),
     "multi_worker": ("auto", "nccl", "ring"),
 }
 SCALE_LR = ("none", "linear", "sqrt")                                   # distribute.scale_lr

@@ -103,7 +103,9 @@ def make_strategy(dcfg):
     if strategy == "mirrored":
         if dcfg["devices"] is not None:
             _check_devices(dcfg["devices"])
-        cross_device_ops = None  # auto: TensorFlow's pick, NCCL when every device is a GPU
+        # auto, collective, xla: TensorFlow's default, its collective ops (NCCL when every device
+        # is a GPU), which inside an XLA function (xla) lower to a collective XLA compiles.
+        cross_device_ops = None
         if dcfg["all_reduce"] == "nccl":
             cross_device_ops = tf.distribute.NcclAllReduce()
         elif dcfg["all_reduce"] == "one_device":
@@ -119,6 +121,20 @@ def make_strategy(dcfg):
         # "Collective ops must be configured at program startup"
         raise ConfigError(f"distribute=multi_worker must be set up before TensorFlow starts, once per process "
                           f"(one training per process, no -m sweep): {' '.join(str(exc).split())}") from exc
+
+
+def resolve_all_reduce(all_reduce, xla, precision, devices):
+    """What distribute.all_reduce=auto means for a mirrored run: "xla" (the all-reduce and
+    Adam's update inside each replica's compiled step, capsnet.training.steps) where it
+    applies — train.xla=jit, several replicas, every one a GPU, no loss scaling — else
+    "collective" (TensorFlow's own all-reduce between the compiled steps). On 2 H200s "xla"
+    was 0-6% faster in float32 and 10-11% in mixed_bfloat16 (docs/benchmarks.md,
+    twenty-second session). Other values are returned as they are. `devices`: the
+    strategy's worker devices."""
+    if all_reduce != "auto":
+        return all_reduce
+    gpus = len(devices) > 1 and all(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in devices)
+    return "xla" if xla == "jit" and gpus and precision != "mixed_float16" else "collective"
 
 
 def check_global_batch(batch_size, strategy):
@@ -166,11 +182,11 @@ def check_all_reduce(strategy, shapes, compiled=False):
                     for replica in zip(*(strategy.experimental_local_results(s) for s in sums))]
     except tf.errors.OpError as exc:
         raise AllReduceError(f"distribute: the all-reduce over {devices} ({implementation}) does not run: "
-                             f"{' '.join(exc.message.split())[:300]}. {_all_reduce_advice(strategy)}") from exc
+                             f"{' '.join(exc.message.split())[:300]}. {_all_reduce_advice(strategy, compiled)}") from exc
     error = all_reduce_error(received, strategy.num_replicas_in_sync)
     if error is not None:
         raise AllReduceError(f"distribute: the gradient all-reduce over {devices} ({implementation}) does not sum: "
-                             f"{error}; training would not follow the gradients. {_all_reduce_advice(strategy)}")
+                             f"{error}; training would not follow the gradients. {_all_reduce_advice(strategy, compiled)}")
 
 
 def check_compiled_all_reduce_devices(strategy):
@@ -180,7 +196,7 @@ def check_compiled_all_reduce_devices(strategy):
     devices = strategy.extended.worker_devices
     if len(devices) > 1 and not all(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in devices):
         raise ConfigError(f"distribute.all_reduce=xla needs GPUs: XLA compiles no collective for CPU devices "
-                          f"(the replicas are on {', '.join(devices)}); use distribute.all_reduce=auto")
+                          f"(the replicas are on {', '.join(devices)}); use distribute.all_reduce=collective")
 
 
 def _compiled_per_replica(fn):
@@ -209,12 +225,14 @@ def _all_reduce_implementation(strategy):
     return name
 
 
-def _all_reduce_advice(strategy):
+def _all_reduce_advice(strategy, compiled=False):
     """What to try when the all-reduce fails: another distribute.all_reduce of the
     strategy's (config.ALL_REDUCE), or the NCCL library TensorFlow was built against."""
     nccl = "the NCCL library this TensorFlow was built against (nvidia-nccl-cu12 for TensorFlow 2.21)"
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         return f"Try distribute.all_reduce=ring, or {nccl}; or another worker failed first: see its log"
+    if compiled:
+        return f"Try distribute.all_reduce=collective (TensorFlow's, outside the compiled step), or {nccl}"
     if isinstance(getattr(strategy.extended, "_cross_device_ops", None), tf.distribute.ReductionToOneDevice):
         return "The sum on one device (no NCCL) failed: distribute=none trains on one device"
     return f"Try distribute.all_reduce=one_device, or {nccl}"

@@ -44,7 +44,8 @@ from capsnet.training.checkpoints import (BestCheckpoint, check_nothing_committe
                                          checkpoint_weights, read_history, recover_latest, resume_from, save_or_fail,
                                          write_run_config)
 from capsnet.training.distribute import (check_all_reduce, check_global_batch, check_tf_config, check_workers_agree,
-                                         input_iterator, is_chief, make_strategy, trains_on_gpu)
+                                         input_iterator, is_chief, make_strategy, resolve_all_reduce,
+                                         trains_on_gpu)
 from capsnet.training.model_setup import build_capsnet, check_labels, check_op_library
 from capsnet.training.optimizer import build_optimizer, checkpoint_nodes, loss_scale, scaled_learning_rate, steps_done
 from capsnet.training.run_lock import RunLock
@@ -135,11 +136,13 @@ def _train(cfg, progress):
         # A run dir that exists (Hydra's, a resumed run's) is locked at once: a second training
         # fails before it reads the data. A new one is made and locked before its first write.
         locks.append(RunLock.acquire(run_dir))
+    all_reduce = dcfg["all_reduce"]
     if strategy is not None:
         check_global_batch(batch_size, strategy)
-        log.info("distribute=%s: %d replicas, global batch %d = %d per replica; this process: %s%s",
+        all_reduce = resolve_all_reduce(all_reduce, tcfg["xla"], tcfg["precision"], strategy.extended.worker_devices)
+        log.info("distribute=%s: %d replicas, global batch %d = %d per replica, all-reduce %s; this process: %s%s",
                  dcfg["strategy"], strategy.num_replicas_in_sync, batch_size,
-                 batch_size // strategy.num_replicas_in_sync, ", ".join(strategy.extended.worker_devices),
+                 batch_size // strategy.num_replicas_in_sync, all_reduce, ", ".join(strategy.extended.worker_devices),
                  "" if chief else " (not the chief: writes nothing into the run dir)")
     keras.utils.set_random_seed(seed)  # Python, NumPy and TF seeds: the initial weights
     if custom_op:
@@ -154,7 +157,7 @@ def _train(cfg, progress):
         # step: one that runs but does not sum would train silently wrong.
         log.info("checking the all-reduce over %s", ", ".join(strategy.extended.worker_devices))
         check_all_reduce(strategy, [variable.shape for variable in model.trainable_variables],
-                         compiled=dcfg["all_reduce"] == "xla")
+                         compiled=all_reduce == "xla")
     marks.append(("devices and model", time.perf_counter()))
     # MultiMNIST: labels (B, 2) and the digits (B, 2, H, W, C); one device (config.check).
     two_digits = is_overlay(data_cfg["name"])
@@ -254,7 +257,7 @@ def _train(cfg, progress):
     # ---- compiled steps (xla=autocluster switches XLA on for the whole process)
     losses = loss_params(tcfg)
     train_step = make_train_step(model, optimizer, input_shape=model.image_shape, losses=losses, xla=tcfg["xla"],
-                                 strategy=strategy, all_reduce=dcfg["all_reduce"], two_digits=two_digits,
+                                 strategy=strategy, all_reduce=all_reduce, two_digits=two_digits,
                                  weight_average=average)
     train_steps = make_train_loop(train_step, strategy=strategy)
     eval_step = make_eval_step(model, model.image_shape, jit_compile=tcfg["xla"] == "jit", two_digits=two_digits,

@@ -119,9 +119,9 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strate
             `optimizer` were built under: the step is then
             (per-replica images, per-replica labels, global batch size) → the same dict,
             means over the global batch (_make_distributed_train_step).
-        all_reduce: the strategy's distribute.all_reduce: "xla" (with xla="jit") compiles
-            each replica's all-reduce and Adam update into its step
-            (_all_reduce_in_compiled_step); any other value is the strategy's own all-reduce.
+        all_reduce: the run's distribute.all_reduce, resolved (distribute.resolve_all_reduce):
+            "xla" (with xla="jit") compiles each replica's all-reduce and Adam update into its
+            step (_all_reduce_in_compiled_step); any other value is the strategy's own all-reduce.
         two_digits: MultiMNIST (one device only): the step takes (images, labels (B, 2),
             digits (B, 2, H, W, C)); the margin loss counts both classes present, the
             decoder reconstructs each digit from its own capsule against its own image
