@@ -142,7 +142,8 @@ def mirrored_runner(spec, batch_size, devices, all_reduce, per_call=1):
     input_shape = tuple(model_cfg["input_shape"])
     strategy = make_strategy(config.check_section(config.DistributeConfig, {
         "strategy": "mirrored", "devices": devices, "all_reduce": all_reduce}, "distribute."))
-    all_reduce = resolve_all_reduce(all_reduce, spec["xla"], spec["precision"], strategy.extended.worker_devices)
+    all_reduce = resolve_all_reduce(all_reduce, "mirrored", spec["xla"], spec["precision"],
+                                    strategy.extended.worker_devices)
     replicas = strategy.num_replicas_in_sync
     global_batch = batch_size * replicas
     keras.utils.set_random_seed(spec["seed"])  # the weights of time_training

@@ -124,9 +124,35 @@ def nan_after(k):
     return poisoned
 
 
+# distribute.all_reduce=xla's replica step without XLA (which compiles no collective for a
+# CPU): each replica's own function, called as it is, its all-reduce then a merge of the
+# replicas' threads, and the devices' check skipped. What remains under test: each replica
+# updating its own copies and step counter with the all-reduced gradients.
+from capsnet.training import distribute as distribute_module
+
+real_compiled, real_check = distribute_module.compiled_per_replica, distribute_module.check_compiled_all_reduce_devices
+
+
+def uncompiled_per_replica(make_fn):
+    made = {}
+
+    def run(*args):
+        replica = int(tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group))
+        return made.setdefault(replica, make_fn(replica))(*args)
+
+    return run
+
+
+def uncompiled(on):
+    for module in (distribute_module, steps_module):
+        module.compiled_per_replica = uncompiled_per_replica if on else real_compiled
+        module.check_compiled_all_reduce_devices = (lambda strategy: None) if on else real_check
+
+
 report = {}
 for name, cfg in json.loads(sys.argv[1]):
     steps_module.capsnet_losses = nan_after(5) if name == "diverging" else real_losses
+    uncompiled(name.startswith("uncompiled"))
     try:
         metrics = train(cfg)
         report[name] = {k: metrics[k] for k in ("test_accuracy", "test_loss", "global_step", "epochs", "replicas",
@@ -178,6 +204,10 @@ def mirrored(tiny_idx_dir, tmp_path_factory):
         # collective for CPU devices, so two are refused; on one the all-reduce is the identity
         # and the compiled update must train as Keras' does (3 epochs: its checkpoint too).
         ("xla_cpus", cfg("xla_cpus", "train.epochs=1", "train.xla=jit", "distribute.all_reduce=xla")),
+        # The same replica step on both CPUs, run without XLA (MIRRORED_SCRIPT's uncompiled):
+        # each replica's copies and step counter; with a weight average, updated after it.
+        ("uncompiled_xla", cfg("uncompiled_xla", "train.epochs=3", "distribute.all_reduce=xla", "train.xla=jit",
+                               "train.ema_decay=0.5")),
         ("xla_one", compose_config("train", tiny_overrides(
             tiny_idx_dir, root / "xla_one", *DATA, "distribute=mirrored", "distribute.devices=[/cpu:0]",
             "train.epochs=3", "train.xla=jit", "distribute.all_reduce=xla", "custom_op=true"))),
@@ -237,6 +267,28 @@ def test_all_reduce_compiled_into_the_step_trains_like_keras_apply(mirrored, ref
     assert_steps_match(root / "xla_one", reference, 3 * STEPS_PER_EPOCH)
     assert_checkpoints_match(root / "xla_one" / "checkpoints" / "latest" / "ckpt-3",
                              reference["run_dir"] / "checkpoints" / "latest" / "ckpt-3")
+
+
+@pytest.mark.slow
+def test_all_reduce_in_the_replica_step_updates_every_replicas_copies_like_one_device(mirrored, reference):
+    """distribute.all_reduce=xla's replica step over two CPU replicas, without XLA (which
+    compiles no collective for CPUs; its all-reduce is then a merge): each replica updates
+    its own copies of the weights, Adam's moments and the step counter from the summed
+    gradients: the losses (each replica's share computed with its own copies) follow the
+    one-device run's, so does the checkpoint (the first copies), and the moving average,
+    updated after the step, is kept beside it."""
+    root, report = mirrored
+    assert (report["uncompiled_xla"]["replicas"], report["uncompiled_xla"]["global_step"]) == (2, 3 * STEPS_PER_EPOCH)
+    assert_steps_match(root / "uncompiled_xla", reference, 3 * STEPS_PER_EPOCH)
+    ours = tf.train.load_checkpoint(str(root / "uncompiled_xla" / "checkpoints" / "latest" / "ckpt-3"))
+    theirs = tf.train.load_checkpoint(str(reference["run_dir"] / "checkpoints" / "latest" / "ckpt-3"))
+    compared = [name for name in theirs.get_variable_to_shape_map() if name.startswith(("model/", "optimizer/"))]
+    assert {name.split("/")[0] for name in compared} == {"model", "optimizer"}
+    for name in compared:
+        ref = theirs.get_tensor(name)
+        np.testing.assert_allclose(ours.get_tensor(name), ref, rtol=0,
+                                   atol=CHECKPOINT_TOL * float(np.abs(ref).max()), err_msg=name)
+    assert any(name.startswith("ema/") for name in ours.get_variable_to_shape_map())
 
 
 @pytest.mark.slow
@@ -660,23 +712,25 @@ GPUS = ["/job:localhost/replica:0/task:0/device:GPU:0", "/job:localhost/replica:
 CPUS = ["/job:localhost/replica:0/task:0/device:CPU:0", "/job:localhost/replica:0/task:0/device:CPU:1"]
 
 
-@pytest.mark.parametrize("all_reduce, xla, precision, devices, resolved", [
-    ("auto", "jit", "float32", GPUS, "xla"),
-    ("auto", "jit", "mixed_bfloat16", GPUS, "xla"),
-    ("auto", "jit", "mixed_float16", GPUS, "collective"),  # loss scaling is not in the compiled update
-    ("auto", "none", "float32", GPUS, "collective"),       # no compiled step to put it in
-    ("auto", "autocluster", "float32", GPUS, "collective"),
-    ("auto", "jit", "float32", CPUS, "collective"),        # XLA compiles no collective for CPUs
-    ("auto", "jit", "float32", GPUS[:1], "collective"),    # one replica: nothing to all-reduce
-    ("auto", "jit", "float32", [GPUS[0], CPUS[0]], "collective"),
-    ("collective", "jit", "float32", GPUS, "collective"),  # an explicit value is kept
-    ("nccl", "jit", "float32", GPUS, "nccl"),
-    ("xla", "jit", "float32", GPUS, "xla"),
+@pytest.mark.parametrize("all_reduce, strategy, xla, precision, devices, resolved", [
+    ("auto", "mirrored", "jit", "float32", GPUS, "xla"),
+    ("auto", "mirrored", "jit", "mixed_bfloat16", GPUS, "xla"),
+    ("auto", "mirrored", "jit", "mixed_float16", GPUS, "collective"),  # no loss scaling in the compiled update
+    ("auto", "mirrored", "none", "float32", GPUS, "collective"),       # no compiled step to put it in
+    ("auto", "mirrored", "autocluster", "float32", GPUS, "collective"),
+    ("auto", "mirrored", "jit", "float32", CPUS, "collective"),        # XLA compiles no collective for CPUs
+    ("auto", "mirrored", "jit", "float32", GPUS[:1], "collective"),    # one replica: nothing to all-reduce
+    ("auto", "mirrored", "jit", "float32", [GPUS[0], CPUS[0]], "collective"),
+    ("auto", "multi_worker", "jit", "float32", GPUS, "auto"),          # TensorFlow's pick across workers
+    ("collective", "mirrored", "jit", "float32", GPUS, "collective"),  # an explicit value is kept
+    ("nccl", "mirrored", "jit", "float32", GPUS, "nccl"),
+    ("xla", "mirrored", "jit", "float32", GPUS, "xla"),
 ])
-def test_auto_all_reduce_is_the_compiled_one_where_it_applies(all_reduce, xla, precision, devices, resolved):
+def test_auto_all_reduce_is_the_compiled_one_where_it_applies(all_reduce, strategy, xla, precision, devices,
+                                                              resolved):
     from capsnet.training.distribute import resolve_all_reduce
 
-    assert resolve_all_reduce(all_reduce, xla, precision, devices) == resolved
+    assert resolve_all_reduce(all_reduce, strategy, xla, precision, devices) == resolved
 
 
 @pytest.mark.parametrize("scale_lr, base, factor", [("none", 100, 1.0), ("linear", 8, 2.0), ("linear", 64, 0.25),

@@ -123,15 +123,16 @@ def make_strategy(dcfg):
                           f"(one training per process, no -m sweep): {' '.join(str(exc).split())}") from exc
 
 
-def resolve_all_reduce(all_reduce, xla, precision, devices):
-    """What distribute.all_reduce=auto means for a mirrored run: "xla" (the all-reduce and
-    Adam's update inside each replica's compiled step, capsnet.training.steps) where it
-    applies — train.xla=jit, several replicas, every one a GPU, no loss scaling — else
-    "collective" (TensorFlow's own all-reduce between the compiled steps). On 2 H200s "xla"
-    was 0-6% faster in float32 and 10-11% in mixed_bfloat16 (docs/benchmarks.md,
-    twenty-second session). Other values are returned as they are. `devices`: the
-    strategy's worker devices."""
-    if all_reduce != "auto":
+def resolve_all_reduce(all_reduce, strategy, xla, precision, devices):
+    """What distribute.all_reduce=auto means for a mirrored run (`strategy`: distribute.strategy):
+    "xla" (the all-reduce and Adam's update inside each replica's compiled step,
+    capsnet.training.steps) where it applies — train.xla=jit, several replicas, every one a
+    GPU, no loss scaling — else "collective" (TensorFlow's own all-reduce between the
+    compiled steps). On 2 H200s "xla" was 9-11% faster in mixed_bfloat16 (three runs) and
+    between -2% and +6% in float32 (seven; docs/benchmarks.md, twenty-second session).
+    Other values, and every value under multi_worker, are returned as they are. `devices`:
+    the strategy's worker devices."""
+    if all_reduce != "auto" or strategy != "mirrored":
         return all_reduce
     gpus = len(devices) > 1 and all(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in devices)
     return "xla" if xla == "jit" and gpus and precision != "mixed_float16" else "collective"
@@ -167,14 +168,15 @@ def check_all_reduce(strategy, shapes, compiled=False):
     devices = ", ".join(strategy.extended.worker_devices)
     implementation = "XLA's all-reduce in a compiled function" if compiled else _all_reduce_implementation(strategy)
 
-    def replica_fn():
+    def probe():
         context = tf.distribute.get_replica_context()
         value = tf.cast(context.replica_id_in_sync_group + 1, tf.float32)
         return context.all_reduce(tf.distribute.ReduceOp.SUM, [tf.fill(shape, value) for shape in shapes])
 
+    replica_fn = probe
     if compiled:  # distribute.all_reduce=xla's: inside each replica's own XLA function
         check_compiled_all_reduce_devices(strategy)
-        replica_fn = _compiled_per_replica(replica_fn)
+        replica_fn = compiled_per_replica(lambda replica: probe)
     try:
         sums = tf.function(lambda: strategy.run(replica_fn), autograph=False)()
         # [local replica][tensor], as numbers (reading them waits for the all-reduce to run).
@@ -190,26 +192,31 @@ def check_all_reduce(strategy, shapes, compiled=False):
 
 
 def check_compiled_all_reduce_devices(strategy):
-    """distribute.all_reduce=xla needs GPU replicas: XLA compiles no collective for a CPU
-    device ("Collectives are not yet implemented for CPU devices when compiling with XLA",
-    TensorFlow 2.21). One replica has nothing to all-reduce."""
+    """distribute.all_reduce=xla needs mirrored GPU replicas: XLA compiles no collective for
+    a CPU device ("Collectives are not yet implemented for CPU devices when compiling with
+    XLA", TensorFlow 2.21). One replica has nothing to all-reduce."""
+    if not isinstance(strategy, tf.distribute.MirroredStrategy):
+        raise ConfigError(f"distribute.all_reduce=xla is for distribute=mirrored (one process), not "
+                          f"{type(strategy).__name__}")
     devices = strategy.extended.worker_devices
     if len(devices) > 1 and not all(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in devices):
         raise ConfigError(f"distribute.all_reduce=xla needs GPUs: XLA compiles no collective for CPU devices "
                           f"(the replicas are on {', '.join(devices)}); use distribute.all_reduce=collective")
 
 
-def _compiled_per_replica(fn):
-    """fn for strategy.run, jit-compiled once per replica: each replica's function is traced
-    on its own device (one function traced once would capture the first replica's
-    resources, which XLA refuses on another device)."""
+def compiled_per_replica(make_fn):
+    """A function for strategy.run (in replica context) that calls make_fn(replica id)'s
+    function, jit-compiled once per replica: each replica's is traced on its own device and
+    captures its own resources (one function traced once would capture the first
+    replica's, which XLA refuses on another device). Mirrored replicas only: their ids are
+    this process's (a multi_worker id counts every worker's)."""
     compiled = {}
 
-    def run():
+    def run(*args):
         replica = int(tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group))
         if replica not in compiled:
-            compiled[replica] = tf.function(fn, jit_compile=True, autograph=False)
-        return compiled[replica]()
+            compiled[replica] = tf.function(make_fn(replica), jit_compile=True, autograph=False)
+        return compiled[replica](*args)
 
     return run
 

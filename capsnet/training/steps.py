@@ -24,7 +24,7 @@ from capsnet import config
 from capsnet.errors import ConfigError, DataError
 from capsnet.losses import capsnet_losses
 from capsnet.scoring import correct_predictions, label_order, predict, score
-from capsnet.training.distribute import check_compiled_all_reduce_devices
+from capsnet.training.distribute import check_compiled_all_reduce_devices, compiled_per_replica
 from capsnet.training.optimizer import compile_replica_updates, loss_scale
 
 
@@ -94,7 +94,7 @@ def set_determinism(enabled):
         tf_config.disable_op_determinism()
 
 
-def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strategy=None, all_reduce="auto",
+def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strategy=None, all_reduce="collective",
                     two_digits=False, weight_average=None, guard=True):
     """The compiled training step: (images, labels) → {loss, margin_loss, reconstruction_loss, accuracy,
     grad_norm} (STEP_VALUES).
@@ -255,7 +255,10 @@ def _all_reduce_in_compiled_step(forward_backward, model, optimizer, strategy):
     one program a replica a step, where the other modes launch three (forward and backward,
     TensorFlow's NCCL all-reduce between them, the update) and wait at the all-reduce for
     every replica's gradients. XLA compiles no collective for a CPU device: several CPU
-    replicas are refused (ConfigError); with one replica the all-reduce is the identity.
+    replicas are refused (ConfigError), as is multi_worker (a replica id there counts every
+    worker's replicas, the copies here are this process's); with one replica the all-reduce
+    is the identity. A weight average (train.ema_decay) is updated after this program, by
+    the caller.
 
     Adam's update here is Keras' own `update_step` on this replica's copies, with the
     learning rate from its step counter, then the counter +1: what Keras' apply does for an
@@ -269,39 +272,34 @@ def _all_reduce_in_compiled_step(forward_backward, model, optimizer, strategy):
                           "train.precision=float32 or mixed_bfloat16")
     extras = [name for name in ("clipnorm", "clipvalue", "global_clipnorm", "weight_decay",
                                 "gradient_accumulation_steps") if getattr(optimizer, name, None)]
-    if extras or getattr(optimizer, "use_ema", False):
-        raise ValueError(f"distribute.all_reduce=xla applies plain Adam updates; this optimizer also has "
-                         f"{', '.join(extras) or 'use_ema'}")
-    compiled = {}  # replica id → its jit-compiled step
+    if extras or getattr(optimizer, "use_ema", False) or getattr(optimizer, "loss_scale_factor", None):
+        raise ConfigError(f"distribute.all_reduce=xla applies plain Adam updates; this optimizer also has "
+                          f"{', '.join(extras) or 'use_ema or loss_scale_factor'}: use distribute.all_reduce=collective")
 
-    def step(images, labels, global_batch_size):
-        context = tf.distribute.get_replica_context()
-        replica = int(tf.get_static_value(context.replica_id_in_sync_group))
-        if replica not in compiled:
-            # This replica's copies (variables read through a MirroredVariable in replica
-            # context are these too; writing them through it would aggregate).
-            local = [strategy.experimental_local_results(v.value)[replica] for v in model.trainable_variables]
-            counter = strategy.experimental_local_results(optimizer.iterations.value)[replica]
+    def replica_step(replica):
+        # This replica's copies (variables read through a MirroredVariable in replica
+        # context are these too; writing them through it would aggregate).
+        local = [strategy.experimental_local_results(v.value)[replica] for v in model.trainable_variables]
+        counter = strategy.experimental_local_results(optimizer.iterations.value)[replica]
 
-            def compiled_step(images, labels, global_batch_size):
-                grads, sums, grad_norm, _ = forward_backward(images, labels, global_batch_size)
-                present = [(g, v) for g, v in zip(grads, local) if g is not None]
-                summed = [g for g, _ in present]
-                if strategy.num_replicas_in_sync > 1:  # (one replica: nothing to sum, and no GPU needed)
-                    summed = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, summed)
-                learning_rate = optimizer.learning_rate  # lr(step counter), read before the update
-                for grad, (_, variable) in zip(summed, present):
-                    optimizer.update_step(grad, variable, learning_rate)
-                counter.assign_add(1)
-                return sums, grad_norm
+        def step(images, labels, global_batch_size):
+            grads, sums, grad_norm, _ = forward_backward(images, labels, global_batch_size)
+            present = [(g, v) for g, v in zip(grads, local) if g is not None]
+            summed = [g for g, _ in present]
+            if strategy.num_replicas_in_sync > 1:  # (one replica: nothing to sum, and no GPU needed)
+                summed = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, summed)
+            learning_rate = optimizer.learning_rate  # lr(step counter), read before the update
+            for grad, (_, variable) in zip(summed, present):
+                optimizer.update_step(grad, variable, learning_rate)
+            counter.assign_add(1)
+            return sums, grad_norm
 
-            compiled[replica] = tf.function(compiled_step, jit_compile=True, autograph=False)
-        return compiled[replica](images, labels, global_batch_size)
+        return step
 
-    return step
+    return compiled_per_replica(replica_step)
 
 
-def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, all_reduce="auto",
+def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, all_reduce="collective",
                                  weight_average=None):
     """make_train_step under a strategy: strategy.run of one replica's step on its slice
     of the global batch, then the batch means over all replicas (and workers).
@@ -344,12 +342,12 @@ def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, all
             return sums, grad_norm
     else:
         if xla == "jit":
-            # A whole-step jit_compile cannot work here: the optimizer's gradient all-reduce is a
-            # cross-replica step (MirroredStrategy: a merge of the replicas' threads), and XLA
-            # refuses a function that reads variables on another replica's device. So XLA
-            # compiles each replica's forward and backward pass, and, after the all-reduce,
-            # each device's Adam update (compile_replica_updates). distribute.all_reduce=xla
-            # puts all three into one compiled step (_all_reduce_in_compiled_step).
+            # With TensorFlow's all-reduce (collective, nccl, one_device) the gradient
+            # all-reduce is a cross-replica step (a merge of the replicas' threads), outside
+            # any XLA function. So XLA compiles each replica's forward and backward pass, and,
+            # after the all-reduce, each device's Adam update (compile_replica_updates).
+            # distribute.all_reduce=xla puts all three into one compiled step
+            # (_all_reduce_in_compiled_step).
             forward_backward = tf.function(forward_backward, jit_compile=True, autograph=False)
             compile_replica_updates(optimizer)
 
