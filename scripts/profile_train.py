@@ -203,6 +203,8 @@ def format_report(report):
 
 
 def main(argv=None):
+    from capsnet.config import ALL_REDUCE
+
     parser = argparse.ArgumentParser(description="Per-kernel GPU time of one benchmark_train variant's steps.")
     parser.add_argument("--variant", choices=list(bt.VARIANTS), default="op+fused")
     parser.add_argument("--precision", type=bt._precisions, default=["float32"],
@@ -210,8 +212,8 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=bt._positive_int, default=512, help="per GPU (default 512)")
     parser.add_argument("--replicas", type=bt._positive_int, default=1,
                         help="GPUs: > 1 profiles benchmark_scale.py's MirroredStrategy step (NCCL all-reduce)")
-    parser.add_argument("--all-reduce", choices=("auto", "collective", "xla", "nccl", "one_device"), default="auto",
-                        help="distribute.all_reduce with --replicas > 1 (default auto)")
+    parser.add_argument("--all-reduce", choices=ALL_REDUCE["mirrored"], default=None,
+                        help="distribute.all_reduce, with --replicas > 1 (default auto)")
     parser.add_argument("--steps-per-execution", type=bt._positive_int, default=50)
     parser.add_argument("--steps", type=bt._positive_int, default=100, help="profiled steps (default 100)")
     parser.add_argument("--warmup", type=bt._positive_int, default=3, help="untimed calls first (default 3)")
@@ -222,6 +224,9 @@ def main(argv=None):
     if len(args.precision) != 1:
         parser.error("--precision: one value")
     args.precision = args.precision[0]
+    if args.all_reduce is not None and args.replicas == 1:
+        parser.error("--all-reduce: with --replicas > 1 only (one device has no all-reduce)")
+    args.all_reduce = args.all_reduce or "auto"
     bt.reject_reserved_overrides(parser, args.overrides, bt.RESERVED_KEYS, "the arguments")
     report = profile(args, bt.compose_config(args.overrides))
     print(format_report(report))
