@@ -302,7 +302,8 @@ if [[ $what == scale ]]; then
   # Issue #6: training images/s on 1 GPU and on 2 (MirroredStrategy), custom_op=true and false,
   # per-GPU batch 128 and 512, 1 and 50 steps per call; the 2-GPU rows with NCCL (auto: under
   # a jit variant since 2026-11-26 the all-reduce inside each replica's compiled step, xla,
-  # else TensorFlow's collective; name collective or xla to pick one) and without
+  # except in mixed_float16; else TensorFlow's collective; name collective or xla to pick
+  # one) and without
   # (one_device). [xla-op]'s target (custom_op=true at its fastest, per-GPU 512):
   # SCALE_VARIANTS=op+fused+jit,matmul+jit SCALE_BATCHES=512 SCALE_ALL_REDUCE=collective,xla
   # (SCALE_PRECISION: one precision a run; SCALE_SPE: steps per call, train()'s default 50 alone

@@ -271,12 +271,13 @@ def _all_reduce_in_compiled_step(forward_backward, model, optimizer, strategy):
         raise ConfigError("distribute.all_reduce=xla has no loss scaling in its compiled update: use "
                           "train.precision=float32 or mixed_bfloat16")
     extras = [name for name in ("clipnorm", "clipvalue", "global_clipnorm", "weight_decay",
-                                "gradient_accumulation_steps") if getattr(optimizer, name, None)]
-    if extras or getattr(optimizer, "use_ema", False) or getattr(optimizer, "loss_scale_factor", None):
+                                "gradient_accumulation_steps", "use_ema", "loss_scale_factor")
+              if getattr(optimizer, name, None)]
+    if extras:
         raise ConfigError(f"distribute.all_reduce=xla applies plain Adam updates; this optimizer also has "
-                          f"{', '.join(extras) or 'use_ema or loss_scale_factor'}: use distribute.all_reduce=collective")
+                          f"{', '.join(extras)}: use distribute.all_reduce=collective")
 
-    def replica_step(replica):
+    def step_of(replica):
         # This replica's copies (variables read through a MirroredVariable in replica
         # context are these too; writing them through it would aggregate).
         local = [strategy.experimental_local_results(v.value)[replica] for v in model.trainable_variables]
@@ -296,7 +297,7 @@ def _all_reduce_in_compiled_step(forward_backward, model, optimizer, strategy):
 
         return step
 
-    return compiled_per_replica(replica_step)
+    return compiled_per_replica(step_of)
 
 
 def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, all_reduce="collective",
