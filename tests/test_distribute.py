@@ -338,14 +338,6 @@ def test_compiled_per_replica_gives_each_replica_its_own_compiled_function():
 
 
 @pytest.mark.slow
-def test_all_reduce_compiled_into_the_step_refuses_cpu_replicas_in_one_line(mirrored):
-    _, report = mirrored
-    message = report["xla_cpus"]["error"]
-    assert message.startswith("distribute.all_reduce=xla needs GPUs: XLA compiles no collective for CPU devices")
-    assert "CPU:1" in message and "\n" not in message
-
-
-@pytest.mark.slow
 def test_mirrored_non_finite_guard_stops_at_the_first_nan_step(mirrored):
     """Each replica's loss call counts: the 6th call is a replica's of step 3, so step 3
     is the first non-finite one (its sum over the replicas is NaN); nothing is saved."""
@@ -403,12 +395,18 @@ def test_mirrored_trains_in_mixed_float16_like_one_device_in_float32(mirrored, r
 
 
 @pytest.mark.slow
-def test_mirrored_global_batch_must_divide_over_the_replicas(mirrored):
+@pytest.mark.parametrize("run, start, detail", [
+    ("indivisible", "train.batch_size=15 is the global batch and must divide evenly over the 2 replicas",
+     "use a multiple of 2"),
+    # distribute.all_reduce=xla over CPU replicas: XLA compiles no collective for them.
+    ("xla_cpus", "distribute.all_reduce=xla needs GPUs: XLA compiles no collective for CPU devices", "CPU:1"),
+])
+def test_mirrored_refusals_are_one_line_before_the_run_dir(mirrored, run, start, detail):
     root, report = mirrored
-    message = report["indivisible"]["error"]
-    assert message.startswith("train.batch_size=15 is the global batch and must divide evenly over the 2 replicas")
-    assert "use a multiple of 2" in message and "\n" not in message
-    assert not (root / "indivisible").exists()  # refused before the run dir was made
+    message = report[run]["error"]
+    assert message.startswith(start)
+    assert detail in message and "\n" not in message
+    assert not (root / run).exists()  # refused before the run dir was made
 
 
 # check_all_reduce over two logical CPU devices (a fresh process): the strategy's own

@@ -118,19 +118,19 @@ def check_xla(xla, routing):
                           "the routing with it): set model.routing=auto")
 
 
-def check_all_reduce_in_step(all_reduce, tcfg):
+def check_all_reduce_in_step(all_reduce, xla, loss_scaling):
     """distribute.all_reduce=xla puts the all-reduce and the Adam update into each replica's
     compiled step: there must be one (train.xla=jit), and no loss scaling, whose
-    skip-or-apply decision (Keras' LossScaleOptimizer) is not in that compiled update."""
+    skip-or-apply decision (Keras' LossScaleOptimizer) is not in that compiled update.
+    `check`'s rule, and make_train_step's guard (a step made outside a config), as check_xla."""
     if all_reduce != "xla":
         return
-    if tcfg["xla"] != "jit":
+    if xla != "jit":
         raise ConfigError(f"distribute.all_reduce=xla compiles the all-reduce into each replica's XLA step: "
-                          f"it needs train.xla=jit, got train.xla={tcfg['xla']!r}")
-    if tcfg["precision"] == "mixed_float16":  # capsnet.precision.needs_loss_scaling (imports TensorFlow)
-        raise ConfigError(f"distribute.all_reduce=xla has no loss scaling in its compiled update: use "
-                          f"train.precision=float32 or mixed_bfloat16, or distribute.all_reduce=collective with "
-                          f"{tcfg['precision']}")
+                          f"it needs train.xla=jit, got train.xla={xla!r}")
+    if loss_scaling:
+        raise ConfigError("distribute.all_reduce=xla has no loss scaling in its compiled update (mixed_float16's): "
+                          "use train.precision=float32 or mixed_bfloat16, or distribute.all_reduce=collective")
 
 
 def check(cfg):
@@ -146,7 +146,9 @@ def check(cfg):
     if is_overlay(data_name) and strategy != "none":
         # Its (B, 2) labels and two reconstructions are not in the distributed step.
         raise ConfigError(f"data.name={data_name} trains on one device only: set distribute=none")
-    check_all_reduce_in_step(checked["distribute"]["all_reduce"], checked["train"])
+    # capsnet.precision.needs_loss_scaling's rule (that module imports TensorFlow).
+    check_all_reduce_in_step(checked["distribute"]["all_reduce"], checked["train"]["xla"],
+                             checked["train"]["precision"] == "mixed_float16")
     if not checked["run_dir"]:
         raise ConfigError("run_dir is not set (train.py sets it to Hydra's run dir; tests pass one)")
     return checked

@@ -135,8 +135,12 @@ def resolve_all_reduce(all_reduce, strategy_name, xla, precision, devices):
     the strategy's worker devices."""
     if all_reduce != "auto" or strategy_name != "mirrored":
         return all_reduce
-    gpus = len(devices) > 1 and all(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in devices)
+    gpus = len(devices) > 1 and _all_gpus(devices)
     return "xla" if xla == "jit" and gpus and precision != "mixed_float16" else "collective"
+
+
+def _all_gpus(devices):
+    return all(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in devices)
 
 
 def check_global_batch(batch_size, strategy):
@@ -200,7 +204,7 @@ def check_compiled_all_reduce_devices(strategy):
         raise ConfigError(f"distribute.all_reduce=xla is for distribute=mirrored (one process), not "
                           f"{type(strategy).__name__}")
     devices = strategy.extended.worker_devices
-    if len(devices) > 1 and not all(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in devices):
+    if len(devices) > 1 and not _all_gpus(devices):
         raise ConfigError(f"distribute.all_reduce=xla needs GPUs: XLA compiles no collective for CPU devices "
                           f"(the replicas are on {', '.join(devices)}); use distribute.all_reduce=collective")
 

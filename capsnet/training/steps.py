@@ -143,9 +143,7 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strate
             raise ConfigError("two-digit data (MultiMNIST) trains on one device only: set distribute=none")
         if not guard:
             raise ValueError("make_train_step: guard=False is for one device only")
-        if all_reduce == "xla" and xla != "jit":
-            raise ConfigError(f"distribute.all_reduce=xla compiles the all-reduce into each replica's XLA step: "
-                              f"it needs train.xla=jit, got train.xla={xla!r}")
+        config.check_all_reduce_in_step(all_reduce, xla, loss_scale(optimizer) is not None)
         return _make_distributed_train_step(model, optimizer, losses=losses, xla=xla, strategy=strategy,
                                             all_reduce=all_reduce, weight_average=weight_average)
     image_spec = tf.TensorSpec([None, *input_shape], tf.float32)
@@ -266,10 +264,7 @@ def _all_reduce_in_compiled_step(forward_backward, model, optimizer, strategy):
     scaling, which is refused otherwise rather than silently left out. Each replica gets its
     own compiled function (traced on its device, capturing its own copies).
     """
-    check_compiled_all_reduce_devices(strategy)
-    if loss_scale(optimizer) is not None:
-        raise ConfigError("distribute.all_reduce=xla has no loss scaling in its compiled update: use "
-                          "train.precision=float32 or mixed_bfloat16")
+    check_compiled_all_reduce_devices(strategy)  # (train.xla and loss scaling: make_train_step's check)
     extras = [name for name in ("clipnorm", "clipvalue", "global_clipnorm", "weight_decay",
                                 "gradient_accumulation_steps", "use_ema", "loss_scale_factor")
               if getattr(optimizer, name, None)]
