@@ -132,7 +132,7 @@ def mirrored_runner(spec, batch_size, devices, all_reduce, per_call=1):
 
     from capsnet.losses import loss_params
     from capsnet import config
-    from capsnet.training.distribute import check_all_reduce, input_iterator, make_strategy, resolve_all_reduce
+    from capsnet.training.distribute import check_all_reduce, make_strategy, resolve_all_reduce
     from capsnet.training.model_setup import build_capsnet
     from capsnet.training.optimizer import build_optimizer
     from capsnet.training.steps import make_train_loop, make_train_step
@@ -161,7 +161,7 @@ def mirrored_runner(spec, batch_size, devices, all_reduce, per_call=1):
     # Each replica gets time_training's batch (the global batch: it, `replicas` times over),
     # split over the replicas as train() splits it: the 1-device row's task and losses.
     batches = bt.synthetic_batches(spec, batch_size, input_shape, int(model_cfg["num_classes"]), copies=replicas)
-    iterator = input_iterator(batches, strategy)
+    iterator = bt.step_input(spec, batches, strategy=strategy)
     return bt.runner(make_train_loop(step, strategy=strategy), iterator, global_batch, per_call), strategy, all_reduce
 
 
@@ -269,7 +269,8 @@ def run_variant(variant, args, cfg):
     spec = {"variant": variant, "custom_op": custom_op, "xla": xla, "device": args.device,
             "batch_sizes": args.batch_sizes, "replicas": args.replicas, "all_reduce": args.all_reduce,
             "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
-            "steps_per_execution": args.steps_per_execution, "precision": args.precision[0], **cfg}
+            "steps_per_execution": args.steps_per_execution, "precision": args.precision[0], "input": args.input,
+            **cfg}
     return bt.run_worker(Path(__file__), spec, device=args.device, timeout=args.timeout, env_defaults=NVLS_OFF)
 
 
@@ -345,6 +346,7 @@ def main(argv=None):
         "model": cfg["model"],
         "overrides": args.overrides,
         "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "seed": cfg["seed"],
+        "input": args.input,
         "environment": {key: os.environ.get(key, value) for key, value in NVLS_OFF.items()},
         "results": rows,
         "failures": failures,

@@ -177,6 +177,9 @@ def parse_args(argv):
     return args
 
 
+INPUTS = ("pipeline", "device")
+
+
 def add_run_arguments(parser, *, default_variants):
     """The arguments this benchmark shares with benchmark_scale.py: timing protocol,
     variants, output, per-variant timeout, Hydra overrides and the internal --worker."""
@@ -193,6 +196,10 @@ def add_run_arguments(parser, *, default_variants):
                         help="with the non-finite guard (on, default), without it (off), or both")
     parser.add_argument("--variants", type=_variants, default=default_variants,
                         help=f"comma-separated, from: {', '.join(VARIANTS)} (default {','.join(default_variants)})")
+    parser.add_argument("--input", choices=INPUTS, default="pipeline",
+                        help="pipeline (default): each step's batch comes from tf.data through the iterator train() "
+                             "uses (input_iterator); device: one batch copied to the device(s) once and given to "
+                             "every step, no copy a step (the step's cost without its input)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results here as JSON")
     parser.add_argument("--timeout", type=float, default=1800.0,
                         help="seconds one variant (all its configurations) may take before it is stopped "
@@ -267,6 +274,25 @@ def synthetic_batches(spec, batch_size, input_shape, num_classes, copies=1):
     return tf.data.Dataset.from_tensor_slices((images, labels)).batch(copies * batch_size).cache().repeat()
 
 
+def step_input(spec, dataset, *, device=None, strategy=None):
+    """The iterator a benchmark's steps read: input_iterator's (spec["input"] "pipeline", as
+    train() feeds its steps), or ("device") the dataset's first batch on the device (each
+    replica's slice on its device under `strategy`), copied once and repeated for every
+    step: then no step waits for a host-to-device copy."""
+    import itertools
+
+    import tensorflow as tf
+
+    from capsnet.training.distribute import distribute_dataset, input_iterator
+
+    if spec.get("input", "pipeline") == "pipeline":
+        return input_iterator(dataset, strategy, device=device)
+    if strategy is not None:
+        return itertools.repeat(next(iter(distribute_dataset(strategy, dataset))))
+    with tf.device(device):
+        return itertools.repeat(tuple(tf.identity(t) for t in next(iter(dataset))))
+
+
 def runner(train_steps, iterator, global_batch, per_call):
     """run(steps) → the last step's loss: `steps` steps of make_train_loop's `train_steps`,
     `per_call` a call as train() calls it; reading the loss waits for every step (each
@@ -323,7 +349,6 @@ def time_training(spec, batch_size, tf_device, per_call=1, precision="float32", 
 
     from capsnet.errors import CapsnetError
     from capsnet.losses import loss_params
-    from capsnet.training.distribute import input_iterator
     from capsnet.training.model_setup import build_capsnet
     from capsnet.training.optimizer import build_optimizer
     from capsnet.training.steps import make_train_loop, make_train_step
@@ -340,8 +365,8 @@ def time_training(spec, batch_size, tf_device, per_call=1, precision="float32", 
                 optimizer, _ = build_optimizer(train_cfg, math.ceil(MNIST_TRAIN_EXAMPLES / batch_size), model)
                 step = make_train_step(model, optimizer, input_shape=input_shape, losses=loss_params(train_cfg),
                                        xla=spec["xla"], guard=guard)
-                iterator = input_iterator(synthetic_batches(spec, batch_size, input_shape,
-                                                            int(model_cfg["num_classes"])), device=tf_device)
+                iterator = step_input(spec, synthetic_batches(spec, batch_size, input_shape,
+                                                              int(model_cfg["num_classes"])), device=tf_device)
                 runs.append(runner(make_train_loop(step), iterator, batch_size, per_call))
                 models.append(model)
             timed, peak = time_steps(runs, spec, tf_device)
@@ -412,7 +437,7 @@ def run_variant(variant, args, cfg):
     spec = {"variant": variant, "custom_op": custom_op, "xla": xla, "device": args.device,
             "batch_sizes": args.batch_sizes, "steps": args.steps, "warmup": args.warmup,
             "repeats": args.repeats, "steps_per_execution": args.steps_per_execution, "precisions": args.precision,
-            "guards": args.guard, **cfg}
+            "guards": args.guard, "input": args.input, **cfg}
     return run_worker(Path(__file__), spec, device=args.device, timeout=args.timeout)
 
 
@@ -532,6 +557,7 @@ def main(argv=None):
         "model": cfg["model"],
         "overrides": args.overrides,
         "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "seed": cfg["seed"],
+        "input": args.input,
         "results": rows,
         "errors": [{"variant": run["variant"], "error": run["error"]} for run in runs if run["error"]],
     }

@@ -10,7 +10,9 @@ records `--steps` steps with TensorFlow's profiler (CUPTI) and reads the trace i
 (the XPlane protobuf the profiler writes; no TensorBoard plugin needed): every GPU
 kernel's time summed by name and by kind (convolution, our op, matmul, XLA fusion,
 other elementwise/reductions, copies), per step, and the share of the wall time the GPU
-was busy (1 − busy = the time it waited for the host). Prints a markdown table; `--json`
+was busy (1 − busy = the time it waited), and what each GPU waited for: its idle gaps
+between kernels, each charged to the kernel that ended it (before the all-reduce: the
+other GPU; before a step's first kernel: the host). Prints a markdown table; `--json`
 also writes it. GPU only.
 
 --replicas N profiles the distributed step of scripts/benchmark_scale.py instead
@@ -20,6 +22,7 @@ busy time is listed, so the rows compare with a one-GPU profile's.
 """
 import argparse
 import collections
+import contextlib
 import json
 import math
 import os
@@ -61,8 +64,9 @@ def kind_of(name):
 
 def gpu_kernel_times(trace_dir):
     """{kernel name: [total ps, count]} over the trace's GPU planes (one per device; its
-    lines are CUDA streams), and {device: busy ps}: the union of its kernels' intervals
-    (devices that ran kernels only)."""
+    lines are CUDA streams), {device: busy ps}: the union of its kernels' intervals, and
+    {device: {kernel name: [idle ps, count]}}: idle_gaps of its kernels (devices that ran
+    kernels only)."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     files = sorted(Path(trace_dir).rglob("*.xplane.pb"))
@@ -71,7 +75,7 @@ def gpu_kernel_times(trace_dir):
     space = xplane_pb2.XSpace()
     space.ParseFromString(files[-1].read_bytes())
     totals = collections.defaultdict(lambda: [0, 0])
-    busy = {}
+    busy, waits = {}, {}
     for plane in space.planes:
         if not plane.name.startswith("/device:GPU:"):
             continue
@@ -89,10 +93,12 @@ def gpu_kernel_times(trace_dir):
                 name = names.get(event.metadata_id, "?")
                 totals[name][0] += event.duration_ps
                 totals[name][1] += 1
-                intervals.append((start, end))
+                intervals.append((start, end, name))
         if intervals:  # a GPU no replica ran on is not idle time of the step
-            busy[plane.name.removeprefix("/device:")] = union_length(intervals)
-    return dict(totals), busy
+            gpu = plane.name.removeprefix("/device:")
+            busy[gpu] = union_length([(start, end) for start, end, _ in intervals])
+            waits[gpu] = idle_gaps(intervals)
+    return dict(totals), busy, waits
 
 
 def union_length(intervals):
@@ -109,6 +115,20 @@ def union_length(intervals):
     return total
 
 
+def idle_gaps(kernels):
+    """{name: [idle ps, count]}: each gap in which no kernel of (start, end, name) ran,
+    between the first kernel's start and the last one's end, charged to the kernel that
+    started when the gap ended (what the GPU was waiting to run)."""
+    gaps = collections.defaultdict(lambda: [0, 0])
+    reach = None
+    for start, end, name in sorted(kernels):
+        if reach is not None and start > reach:
+            gaps[name][0] += start - reach
+            gaps[name][1] += 1
+        reach = end if reach is None else max(reach, end)
+    return dict(gaps)
+
+
 def profile(args, cfg):
     from capsnet import cli
 
@@ -117,7 +137,6 @@ def profile(args, cfg):
     import tensorflow as tf
 
     from capsnet.losses import loss_params
-    from capsnet.training.distribute import input_iterator
     from capsnet.training.model_setup import build_capsnet
     from capsnet.training.optimizer import build_optimizer
     from capsnet.training.steps import make_train_loop, make_train_step, set_autoclustering
@@ -134,7 +153,8 @@ def profile(args, cfg):
 
         for key, value in benchmark_scale.NVLS_OFF.items():  # before NCCL starts (its first all-reduce)
             os.environ.setdefault(key, value)
-        spec = {"variant": args.variant, "custom_op": custom_op, "xla": xla, "precision": args.precision, **cfg}
+        spec = {"variant": args.variant, "custom_op": custom_op, "xla": xla, "precision": args.precision,
+                "input": args.input, **cfg}
         run, _, _ = benchmark_scale.mirrored_runner(spec, batch, [f"/gpu:{i}" for i in range(args.replicas)],
                                                  args.all_reduce, per_call)
     else:
@@ -146,18 +166,20 @@ def profile(args, cfg):
             optimizer, _ = build_optimizer(train_cfg, math.ceil(bt.MNIST_TRAIN_EXAMPLES / batch), model)
             step = make_train_step(model, optimizer, input_shape=tuple(model_cfg["input_shape"]),
                                    losses=loss_params(train_cfg), xla=xla)
-            iterator = input_iterator(bt.synthetic_batches({"seed": cfg["seed"]}, batch, tuple(model_cfg["input_shape"]),
-                                                           int(model_cfg["num_classes"])), device="/GPU:0")
+            iterator = bt.step_input({"input": args.input},
+                                     bt.synthetic_batches({"seed": cfg["seed"]}, batch, tuple(model_cfg["input_shape"]),
+                                                          int(model_cfg["num_classes"])), device="/GPU:0")
             run = bt.runner(make_train_loop(step), iterator, batch, per_call)
     steps = max(1, args.steps // per_call) * per_call
     run(args.warmup * per_call)  # reading its loss waits for the warm-up's steps
-    with tempfile.TemporaryDirectory() as trace_dir:
+    kept = contextlib.nullcontext(str(args.trace_dir)) if args.trace_dir else tempfile.TemporaryDirectory()
+    with kept as trace_dir:
         tf.profiler.experimental.start(trace_dir)
         start = time.perf_counter()
         run(steps)
         wall = time.perf_counter() - start
         tf.profiler.experimental.stop()
-        totals, busy_ps = gpu_kernel_times(trace_dir)
+        totals, busy_ps, waits_ps = gpu_kernel_times(trace_dir)
     per_gpu_step = 1e9 * steps * args.replicas  # ps over every GPU → ms a step and a GPU
     kernels = sorted(({"kernel": name, "kind": kind_of(name), "ms_per_step": ps / per_gpu_step,
                        "launches_per_step": count * 1e9 / per_gpu_step} for name, (ps, count) in totals.items()),
@@ -166,12 +188,19 @@ def profile(args, cfg):
     for k in kernels:
         by_kind[k["kind"]] += k["ms_per_step"]
     busy_by_gpu = {gpu: ps / 1e9 / steps for gpu, ps in sorted(busy_ps.items())}
+    # Per GPU, the kernels it waited longest to start (ms a step, gaps a step).
+    waited_for = {gpu: [{"kernel": name, "kind": kind_of(name), "idle_ms_per_step": ps / 1e9 / steps,
+                         "gaps_per_step": count / steps}
+                        for name, (ps, count) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:5]]
+                  for gpu, gaps in sorted(waits_ps.items())}
+    idle_by_gpu = {gpu: sum(ps for ps, _ in gaps.values()) / 1e9 / steps for gpu, gaps in sorted(waits_ps.items())}
     return {
         "variant": args.variant, "label": bt.label(args.variant), "precision": args.precision, "batch_size": batch,
         "replicas": args.replicas, "steps_per_execution": per_call, "steps": steps,
         "wall_ms_per_step": 1000 * wall / steps, "images_per_sec_while_profiled": steps * batch * args.replicas / wall,
         "gpu_busy_ms_per_step": statistics.mean(busy_by_gpu.values()) if busy_by_gpu else 0.0,
         "gpu_busy_ms_per_step_by_gpu": busy_by_gpu,
+        "gpu_idle_between_kernels_ms_per_step_by_gpu": idle_by_gpu, "waited_for": waited_for,
         "kernel_ms_per_step": sum(k["ms_per_step"] for k in kernels),
         "launches_per_step": sum(k["launches_per_step"] for k in kernels),
         "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])), "kernels": kernels[:args.top],
@@ -199,6 +228,12 @@ def format_report(report):
     for k in report["kernels"]:
         name = k["kernel"] if len(k["kernel"]) <= 90 else k["kernel"][:87] + "..."
         lines.append(f"| `{name}` | {k['kind']} | {k['ms_per_step']:.3f} | {k['launches_per_step']:.1f} |")
+    lines += ["", "| GPU | idle between kernels, ms/step | waited longest before (idle ms/step, gaps/step) |",
+              "|---|---:|---|"]
+    for gpu, idle in report["gpu_idle_between_kernels_ms_per_step_by_gpu"].items():
+        waited = "; ".join(f"`{w['kernel'][:60]}` ({w['kind']}) {w['idle_ms_per_step']:.3f}, {w['gaps_per_step']:.1f}"
+                           for w in report["waited_for"][gpu])
+        lines.append(f"| {gpu} | {idle:.3f} | {waited} |")
     return "\n".join(lines)
 
 
@@ -218,7 +253,12 @@ def main(argv=None):
     parser.add_argument("--steps", type=bt._positive_int, default=100, help="profiled steps (default 100)")
     parser.add_argument("--warmup", type=bt._positive_int, default=3, help="untimed calls first (default 3)")
     parser.add_argument("--top", type=bt._positive_int, default=15, help="kernels listed (default 15)")
+    parser.add_argument("--input", choices=bt.INPUTS, default="pipeline",
+                        help="as benchmark_train.py's: pipeline (default, as train()) or device (no copy a step)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH")
+    parser.add_argument("--trace-dir", type=Path, default=None, metavar="DIR",
+                        help="keep the profiler's trace here (TensorBoard's profile tab reads it; default: a temporary "
+                             "directory, removed)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="Hydra overrides of configs/train.yaml")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if len(args.precision) != 1:

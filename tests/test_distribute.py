@@ -809,15 +809,18 @@ def test_resume_refuses_another_lr_scaling_and_accepts_a_run_dir_from_before_dis
 # --------------------------------------------------------------------------- scripts/benchmark_scale.py
 
 @pytest.mark.slow
-def test_benchmark_scale_script_times_one_device_and_mirrored_on_the_same_data(tmp_path):
-    """A CPU smoke run over two logical devices (the op library must be built)."""
+@pytest.mark.parametrize("step_input", ["pipeline", "device"])
+def test_benchmark_scale_script_times_one_device_and_mirrored_on_the_same_data(tmp_path, step_input):
+    """A CPU smoke run over two logical devices (the op library must be built). --input
+    device (the batch on the devices once, no copy a step) trains on the same batch as the
+    pipeline: the same losses (asserted against the 1-device row's in each run)."""
     from conftest import TINY_MODEL
 
     output = tmp_path / "scale.json"
     result = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "benchmark_scale.py"), "--device", "cpu", "--replicas", "1,2",
          "--batch-sizes", "4,8", "--steps", "2", "--repeats", "2", "--warmup", "1", "--variants", "op",
-         "--json", str(output), *TINY_MODEL,
+         "--input", step_input, "--json", str(output), *TINY_MODEL,
          # A steep decay (×0.995 a step at 4 per GPU; epochs of the global batch would make it
          # ×0.991 at ×2): a mirrored row on another schedule than its 1-device row's would leave
          # the losses' tolerance.
@@ -826,7 +829,7 @@ def test_benchmark_scale_script_times_one_device_and_mirrored_on_the_same_data(t
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(output.read_text())
     assert report["errors"] == [] and report["failures"] == [] and report["not_training"] == []
-    assert report["environment"]["NCCL_NVLS_ENABLE"] is not None
+    assert report["environment"]["NCCL_NVLS_ENABLE"] is not None and report["input"] == step_input
     rows = {(row["config"], row["batch_size"]): row for row in report["results"]}
     assert sorted(rows) == sorted((config, b) for config in ("1 device", "mirrored ×1", "mirrored ×2")
                                   for b in (4, 8))
