@@ -33,6 +33,7 @@ How (as benchmark_train, from which the timing protocol and helpers come):
   weights: the same gradients, so the same losses step by step (up to the order of
   the sums); the steps run in train()'s loop,
   `--steps-per-execution` steps per compiled call (each value of the list measured;
+  `--input device`: each replica's slice on its device once, no input pipeline a step;
   scaling compares the same value). `--warmup` untimed steps (tracing, compiling,
   autotuning, NCCL setup), then `--repeats` × `--steps` steps with one device sync per
   repeat; the median counts.
@@ -358,7 +359,7 @@ def main(argv=None):
     size = f"{report['parameters']:,} parameters" if report["parameters"] else "parameters unknown"
     print(f"## CapsNet multi-GPU training throughput\n\n"
           f"{report['device'] or args.device} ×{report['devices_visible'] or '?'} · TensorFlow "
-          f"{report['tensorflow'] or '?'} · {model} ({size}) · one synthetic batch repeated by tf.data · batch per GPU fixed, "
+          f"{report['tensorflow'] or '?'} · {model} ({size}) · {bt.INPUT_NOTE[args.input]} · batch per GPU fixed, "
           f"global batch = replicas × it · median of {args.repeats} × {args.steps} steps after {args.warmup} "
           f"warm-up steps\n")
     if rows:

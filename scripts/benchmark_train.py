@@ -34,6 +34,8 @@ How:
   repeated by tf.data from host memory: the step's input path is train()'s (a dataset
   iterator read inside the compiled call, its batches prefetched to the device:
   capsnet.training.distribute.input_iterator), the data itself costs nothing.
+  `--input device` instead copies the batch to the device once and gives it to every
+  step: the steps without the input pipeline (no tf.data, no copy a step).
 - The steps run as train() runs them (capsnet.training.steps.make_train_loop), K =
   `--steps-per-execution` steps per compiled call (train.steps_per_execution; a list
   measures each). A fresh model per (batch size, K); `--warmup` steps first (tracing,
@@ -60,6 +62,7 @@ writes the results as JSON. Exit status 0; 2 if a variant could not run for a re
 user can fix (op library not built, no GPU; the reason is printed), 1 if one crashed.
 """
 import argparse
+import itertools
 import json
 import math
 import os
@@ -93,6 +96,12 @@ BASELINE = "matmul"
 # The LR schedule decays once per epoch of the full MNIST training set, as in train().
 MNIST_TRAIN_EXAMPLES = 60_000
 # Set by the variant, not by an override: an override would be silently ignored.
+# --input: train()'s input pipeline (the default), or one batch kept on the device (step_input);
+# the printed report's header says which.
+INPUT_NOTE = {"pipeline": "one synthetic batch repeated by tf.data",
+              "device": "one synthetic batch kept on the device (--input device: no input pipeline)"}
+INPUTS = tuple(INPUT_NOTE)
+
 RESERVED_KEYS = ("custom_op", "train.xla", "train.batch_size", "train.steps_per_execution", "train.precision",
                  "deterministic", "model.routing")
 
@@ -175,9 +184,6 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     reject_reserved_overrides(parser, args.overrides, RESERVED_KEYS, "each variant (--variants) or --batch-sizes")
     return args
-
-
-INPUTS = ("pipeline", "device")
 
 
 def add_run_arguments(parser, *, default_variants):
@@ -279,13 +285,11 @@ def step_input(spec, dataset, *, device=None, strategy=None):
     train() feeds its steps), or ("device") the dataset's first batch on the device (each
     replica's slice on its device under `strategy`), copied once and repeated for every
     step: then no step waits for a host-to-device copy."""
-    import itertools
-
     import tensorflow as tf
 
     from capsnet.training.distribute import distribute_dataset, input_iterator
 
-    if spec.get("input", "pipeline") == "pipeline":
+    if spec["input"] == "pipeline":
         return input_iterator(dataset, strategy, device=device)
     if strategy is not None:
         return itertools.repeat(next(iter(distribute_dataset(strategy, dataset))))
@@ -566,7 +570,7 @@ def main(argv=None):
     size = f"{parameters:,} parameters" if parameters else "parameters unknown"
     print(f"## CapsNet training throughput\n\n"
           f"{report['device'] or args.device} · TensorFlow {report['tensorflow'] or '?'} · {model} ({size}) · "
-          f"one synthetic batch repeated by tf.data · median of {args.repeats} × {args.steps} steps after "
+          f"{INPUT_NOTE[args.input]} · median of {args.repeats} × {args.steps} steps after "
           f"{args.warmup} warm-up steps\n")
     if rows:
         print(format_table(rows))

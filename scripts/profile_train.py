@@ -11,9 +11,10 @@ records `--steps` steps with TensorFlow's profiler (CUPTI) and reads the trace i
 kernel's time summed by name and by kind (convolution, our op, matmul, XLA fusion,
 other elementwise/reductions, copies), per step, and the share of the wall time the GPU
 was busy (1 − busy = the time it waited), and what each GPU waited for: its idle gaps
-between kernels, each charged to the kernel that ended it (before the all-reduce: the
-other GPU; before a step's first kernel: the host). Prints a markdown table; `--json`
-also writes it. GPU only.
+between kernels, each charged to the kernel or copy that ended it (a gap is the GPU
+waiting for the host to launch or copy something; NCCL's wait for the other GPU is
+inside its kernel, busy time). Prints a markdown table; `--json` also writes it; with
+`--trace-dir` the trace stays for TensorBoard's profile tab. GPU only.
 
 --replicas N profiles the distributed step of scripts/benchmark_scale.py instead
 (MirroredStrategy over the first N GPUs, --batch-size per GPU, NCCL's kernels their own
@@ -69,7 +70,9 @@ def gpu_kernel_times(trace_dir):
     kernels only)."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-    files = sorted(Path(trace_dir).rglob("*.xplane.pb"))
+    # The profiler writes <dir>/plugins/profile/<timestamp>/*.xplane.pb: the newest session is
+    # this one's (a kept --trace-dir may hold earlier ones).
+    files = sorted(Path(trace_dir, "plugins", "profile").glob("*/*.xplane.pb"))
     if not files:
         raise SystemExit(f"error: the profiler wrote no .xplane.pb under {trace_dir}")
     space = xplane_pb2.XSpace()
@@ -172,8 +175,8 @@ def profile(args, cfg):
             run = bt.runner(make_train_loop(step), iterator, batch, per_call)
     steps = max(1, args.steps // per_call) * per_call
     run(args.warmup * per_call)  # reading its loss waits for the warm-up's steps
-    kept = contextlib.nullcontext(str(args.trace_dir)) if args.trace_dir else tempfile.TemporaryDirectory()
-    with kept as trace_dir:
+    trace_place = contextlib.nullcontext(str(args.trace_dir)) if args.trace_dir else tempfile.TemporaryDirectory()
+    with trace_place as trace_dir:
         tf.profiler.experimental.start(trace_dir)
         start = time.perf_counter()
         run(steps)
@@ -196,7 +199,7 @@ def profile(args, cfg):
     idle_by_gpu = {gpu: sum(ps for ps, _ in gaps.values()) / 1e9 / steps for gpu, gaps in sorted(waits_ps.items())}
     return {
         "variant": args.variant, "label": bt.label(args.variant), "precision": args.precision, "batch_size": batch,
-        "replicas": args.replicas, "steps_per_execution": per_call, "steps": steps,
+        "replicas": args.replicas, "steps_per_execution": per_call, "steps": steps, "input": args.input,
         "wall_ms_per_step": 1000 * wall / steps, "images_per_sec_while_profiled": steps * batch * args.replicas / wall,
         "gpu_busy_ms_per_step": statistics.mean(busy_by_gpu.values()) if busy_by_gpu else 0.0,
         "gpu_busy_ms_per_step_by_gpu": busy_by_gpu,
@@ -211,7 +214,8 @@ def format_report(report):
     replicas = report["replicas"]
     where = f" per GPU · mirrored ×{replicas}" if replicas > 1 else ""
     busy = ", ".join(f"{gpu} {ms:.2f}" for gpu, ms in report["gpu_busy_ms_per_step_by_gpu"].items())
-    lines = [f"### {report['label']} · {report['precision']} · batch {report['batch_size']}{where}",
+    source = " · input: one batch on the device (--input device)" if report["input"] == "device" else ""
+    lines = [f"### {report['label']} · {report['precision']} · batch {report['batch_size']}{where}{source}",
              "",
              f"wall {report['wall_ms_per_step']:.2f} ms/step (profiler on: "
              f"{report['images_per_sec_while_profiled']:,.0f} images/s), GPU busy "

@@ -811,9 +811,9 @@ def test_resume_refuses_another_lr_scaling_and_accepts_a_run_dir_from_before_dis
 @pytest.mark.slow
 @pytest.mark.parametrize("step_input", ["pipeline", "device"])
 def test_benchmark_scale_script_times_one_device_and_mirrored_on_the_same_data(tmp_path, step_input):
-    """A CPU smoke run over two logical devices (the op library must be built). --input
-    device (the batch on the devices once, no copy a step) trains on the same batch as the
-    pipeline: the same losses (asserted against the 1-device row's in each run)."""
+    """A CPU smoke run over two logical devices (the op library must be built), with train()'s
+    input pipeline and with --input device (the pipeline's first batch on each replica's
+    device once, repeated): in each, the mirrored rows follow the 1-device row's losses."""
     from conftest import TINY_MODEL
 
     output = tmp_path / "scale.json"

@@ -940,7 +940,7 @@ def test_benchmark_out_of_device_memory_is_one_line_naming_the_batch(monkeypatch
 
     monkeypatch.setattr(bt, "time_steps", out_of_memory)
     run_spec = {"variant": "matmul", "custom_op": False, "xla": "none", "steps": 1, "warmup": 0, "repeats": 1,
-                **bt.compose_config(list(TINY_MODEL))}
+                "input": "pipeline", **bt.compose_config(list(TINY_MODEL))}
     with pytest.raises(CapsnetError, match=r"^out of device memory at batch 4: OOM when allocating tensor "
                                            r"with shape\[4,1152\]$"):
         bt.time_training(run_spec, 4, "/CPU:0")
