@@ -95,13 +95,12 @@ FUSED_VARIANTS = ("op+fused", "op+fused+autocluster", "op+fused+jit")
 BASELINE = "matmul"
 # The LR schedule decays once per epoch of the full MNIST training set, as in train().
 MNIST_TRAIN_EXAMPLES = 60_000
-# Set by the variant, not by an override: an override would be silently ignored.
 # --input: train()'s input pipeline (the default), or one batch kept on the device (step_input);
 # the printed report's header says which.
 INPUT_NOTE = {"pipeline": "one synthetic batch repeated by tf.data",
               "device": "one synthetic batch kept on the device (--input device: no input pipeline)"}
 INPUTS = tuple(INPUT_NOTE)
-
+# Set by the variant, not by an override: an override would be silently ignored.
 RESERVED_KEYS = ("custom_op", "train.xla", "train.batch_size", "train.steps_per_execution", "train.precision",
                  "deterministic", "model.routing")
 

@@ -329,13 +329,8 @@ def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, all
         return grads, sums, gradient_norm(grads, optimizer), finite
 
     if all_reduce == "xla":
-        compiled_step = _all_reduce_in_compiled_step(forward_backward, model, optimizer, strategy)
-
-        def replica_step(images, labels, global_batch_size):
-            sums, grad_norm = compiled_step(images, labels, global_batch_size)
-            if weight_average is not None:
-                weight_average.update()
-            return sums, grad_norm
+        # (images, labels, global batch size) → (sums, grad_norm), the update included.
+        train_replica = _all_reduce_in_compiled_step(forward_backward, model, optimizer, strategy)
     else:
         if xla == "jit":
             # With TensorFlow's all-reduce (collective, nccl, one_device) the gradient
@@ -347,14 +342,18 @@ def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, all
             forward_backward = tf.function(forward_backward, jit_compile=True, autograph=False)
             compile_replica_updates(optimizer)
 
-        def replica_step(images, labels, global_batch_size):
+        def train_replica(images, labels, global_batch_size):
             grads, sums, grad_norm, finite = forward_backward(images, labels, global_batch_size)
             if scaled:
                 grads = overflow_on_every_replica(grads, finite)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            if weight_average is not None:
-                weight_average.update()
             return sums, grad_norm
+
+    def replica_step(images, labels, global_batch_size):
+        sums, grad_norm = train_replica(images, labels, global_batch_size)
+        if weight_average is not None:
+            weight_average.update()
+        return sums, grad_norm
 
     # reduce_retracing: a short last batch changes the per-replica shapes; the second
     # trace generalises the batch dimension, so there is no third.
