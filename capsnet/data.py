@@ -325,41 +325,16 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
     with tf.device("/CPU:0"):
         images_t = tf.constant(images)                    # (N, H, W, C) uint8
         labels_t = tf.constant(labels.astype(np.int32))   # (N,)
-        order, key, shift_key = _epoch_order(n, training, seed, epoch)
-        if training:
-            # More independent streams from the (seed, epoch) key: the flips and the
-            # rotation/zoom split from the shifts' key, the elastic noise and the erased
-            # boxes folded into it.
-            flip_key, affine_key = tf.unstack(
-                tf.random.experimental.stateless_split(shift_key, 2, alg="philox"))
-            elastic_key = tf.random.experimental.stateless_fold_in(key, _ELASTIC_STREAM, alg="philox")
-            erase_key = tf.random.experimental.stateless_fold_in(key, _ERASE_STREAM, alg="philox")
-        # The epoch's flips, shifts and erased boxes, drawn up front for every example in
-        # one pass: flip_mask, shift_corners and erase_boxes give what a per-example draw
-        # keyed by the example's index gives (stateless_fold_in(flip_key / shift_key /
-        # erase_key, index); capsnet.augment.example_words: why), so the batches do not
-        # depend on how the map runs.
-        draws = {"index": order}
-        if training and flip:
-            draws["mirror"] = flip_mask(flip_key, order)                      # (N,) bool
-        if training and shift_pixels > 0:
-            draws["corner"] = shift_corners(shift_key, order, shift_pixels)   # (N, 2) int32
-        if training and erase_probability > 0:
-            draws["erase"] = erase_boxes(erase_key, order, h, w, erase_probability, erase_max_area)  # (N, 4) int32
+        draws, keys = _epoch_draws(images.shape, training=training, seed=seed, epoch=epoch,
+                                   shift_pixels=shift_pixels, flip=flip, erase_probability=erase_probability,
+                                   erase_max_area=erase_max_area)
         dataset = tf.data.Dataset.from_tensor_slices(draws)
 
         if not (training and (rotate_degrees > 0 or zoom > 0 or elastic_alpha > 0)):
             # Flips and shifts (the presets' augmentations) or none: the map gathers and
             # crops whole batches, ~6x the per-example map's speed (MNIST, 2 cores).
             def load_batch(draws):
-                batch = tf.gather(images_t, draws["index"])  # (b, H, W, C) uint8
-                if "mirror" in draws:
-                    batch = tf.where(draws["mirror"][:, None, None, None], tf.reverse(batch, axis=[2]), batch)
-                if "corner" in draws:
-                    batch = shift_batch(batch, draws["corner"], shift_pixels, fill=shift_fill)
-                if "erase" in draws:
-                    batch = erase_batch(batch, draws["erase"])
-                return tf.cast(batch, tf.float32) / 255.0, tf.gather(labels_t, draws["index"])
+                return batch_from_draws(images_t, labels_t, draws, shift_pixels=shift_pixels, shift_fill=shift_fill)
 
             # Batched, then mapped: tf.distribute cannot read the batch size through the map
             # and splits the batches over replicas by its older rebatching; the slices are
@@ -367,6 +342,7 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
             dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
             dataset = dataset.map(load_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
             return dataset.prefetch(tf.data.AUTOTUNE)
+        affine_key, elastic_key = keys["affine"], keys["elastic"]
 
         def example_key(stream_key, index):
             # Keyed by the example's index in `images`, not by its position in a batch
@@ -411,6 +387,72 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
             dataset = dataset.map(finish_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         # Prefetch the next batches while the model trains on this one.
         return dataset.prefetch(tf.data.AUTOTUNE)
+
+
+def epoch_draws(images_shape, *, training, seed=0, epoch=0, shift_pixels=2, flip=False, erase_probability=0.0,
+                erase_max_area=0.4):
+    """An epoch's example order and its per-example flips, shifts and erased boxes, as
+    make_dataset draws them for images of `images_shape` (N, H, W, C): {"index": int64 (N,),
+    "mirror": bool (N,) if flip, "corner": int32 (N, 2) if shift_pixels, "erase": int32
+    (N, 4) if erase_probability}, entry i for the epoch's i-th example (training; else
+    range(N) and nothing drawn). batch_from_draws makes a batch of any slice of it: what
+    make_dataset's batches are, and what train.data_on_device gathers on the device
+    (capsnet.training.device_input). Arguments as make_dataset's, checked there."""
+    return _epoch_draws(images_shape, training=training, seed=seed, epoch=epoch, shift_pixels=shift_pixels,
+                        flip=flip, erase_probability=erase_probability, erase_max_area=erase_max_area)[0]
+
+
+def _epoch_draws(images_shape, *, training, seed, epoch, shift_pixels, flip, erase_probability, erase_max_area):
+    """epoch_draws' dict, and the keys of the streams drawn per example later (make_dataset's
+    rotation/zoom and elastic noise): {"affine", "elastic"}, None when not training."""
+    n, h, w, _ = images_shape
+    order, key, shift_key = _epoch_order(n, training, seed, epoch)
+    keys = {"affine": None, "elastic": None}
+    draws = {"index": order}
+    if not training:
+        return draws, keys
+    # More independent streams from the (seed, epoch) key: the flips and the rotation/zoom
+    # split from the shifts' key, the elastic noise and the erased boxes folded into it.
+    flip_key, keys["affine"] = tf.unstack(tf.random.experimental.stateless_split(shift_key, 2, alg="philox"))
+    keys["elastic"] = tf.random.experimental.stateless_fold_in(key, _ELASTIC_STREAM, alg="philox")
+    erase_key = tf.random.experimental.stateless_fold_in(key, _ERASE_STREAM, alg="philox")
+    # The epoch's flips, shifts and erased boxes, drawn up front for every example in one
+    # pass: flip_mask, shift_corners and erase_boxes give what a per-example draw keyed by
+    # the example's index gives (stateless_fold_in(flip_key / shift_key / erase_key,
+    # index); capsnet.augment.example_words: why), so the batches do not depend on how the
+    # map runs.
+    if flip:
+        draws["mirror"] = flip_mask(flip_key, order)                      # (N,) bool
+    if shift_pixels > 0:
+        draws["corner"] = shift_corners(shift_key, order, shift_pixels)   # (N, 2) int32
+    if erase_probability > 0:
+        draws["erase"] = erase_boxes(erase_key, order, h, w, erase_probability, erase_max_area)  # (N, 4) int32
+    return draws, keys
+
+
+def batch_from_draws(images, labels, draws, *, shift_pixels, shift_fill="zero", levels=None):
+    """A batch of (images float32 (B, H, W, C) in [0, 1], labels (B,)) from B entries of
+    epoch_draws (each of its tensors sliced alike): the examples draws["index"] of
+    `images` uint8 (N, H, W, C) and `labels` (N,), mirrored, shifted and erased as drawn.
+    A few ops for the whole batch, wherever they run (tf.data's map, or a compiled step).
+    A pixel p becomes p / 255; inside XLA pass `levels`, float32 (256,) with levels[p] =
+    p / 255 computed on the host (uint8_levels): XLA's p / 255 is not the host's (its CPU
+    code multiplies by 1/255, its GPU code divides approximately), one ulp off in a
+    quarter to half of the pixels."""
+    batch = tf.gather(images, draws["index"])  # (B, H, W, C) uint8
+    if "mirror" in draws:
+        batch = tf.where(draws["mirror"][:, None, None, None], tf.reverse(batch, axis=[2]), batch)
+    if "corner" in draws:
+        batch = shift_batch(batch, draws["corner"], shift_pixels, fill=shift_fill)
+    if "erase" in draws:
+        batch = erase_batch(batch, draws["erase"])
+    pixels = tf.cast(batch, tf.float32) / 255.0 if levels is None else tf.gather(levels, tf.cast(batch, tf.int32))
+    return pixels, tf.gather(labels, draws["index"])
+
+
+def uint8_levels():
+    """float32 (256,): p / 255 for p = 0..255, rounded as the host's division rounds it."""
+    return np.arange(256, dtype=np.float32) / np.float32(255.0)
 
 
 # --------------------------------------------------------------------------- MultiMNIST

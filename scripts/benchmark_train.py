@@ -98,8 +98,11 @@ MNIST_TRAIN_EXAMPLES = 60_000
 # --input: train()'s input pipeline (the default), or one batch kept on the device (step_input);
 # the printed report's header says which.
 INPUT_NOTE = {"pipeline": "one synthetic batch repeated by tf.data",
-              "device": "one synthetic batch kept on the device (--input device: no input pipeline)"}
-INPUTS = tuple(INPUT_NOTE)
+              "device": "one synthetic batch kept on the device (--input device: no input pipeline)",
+              "on_device": "train.data_on_device=true: a synthetic uint8 training set of 60,000 on the device, each "
+                           "step's batch gathered and shifted there, a call's steps one XLA program (--input on_device)"}
+INPUTS = ("pipeline", "device")  # benchmark_scale's and profile_train's (a strategy's steps)
+TRAIN_INPUTS = tuple(INPUT_NOTE)
 # Set by the variant, not by an override: an override would be silently ignored.
 RESERVED_KEYS = ("custom_op", "train.xla", "train.batch_size", "train.steps_per_execution", "train.precision",
                  "deterministic", "model.routing")
@@ -177,15 +180,17 @@ def parse_args(argv):
         epilog="Overrides are Hydra overrides of configs/train.yaml (model.*, train.* loss and LR values, seed).")
     parser.add_argument("--batch-sizes", type=_positive_ints, default=[128, 512],
                         help="comma-separated batch sizes (default 128,512)")
-    add_run_arguments(parser, default_variants=list(VARIANTS))
+    add_run_arguments(parser, default_variants=list(VARIANTS), inputs=TRAIN_INPUTS)
     parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
                         help="gpu (default; fails without one) or cpu (GPUs hidden; for smoke runs)")
     args = parser.parse_args(argv)
     reject_reserved_overrides(parser, args.overrides, RESERVED_KEYS, "each variant (--variants) or --batch-sizes")
+    if args.input == "on_device" and any(VARIANTS[variant][1] != "jit" for variant in args.variants):
+        parser.error("--input on_device (train.data_on_device=true) needs train.xla=jit: pick the +jit variants")
     return args
 
 
-def add_run_arguments(parser, *, default_variants):
+def add_run_arguments(parser, *, default_variants, inputs=INPUTS):
     """The arguments this benchmark shares with benchmark_scale.py: timing protocol,
     variants, output, per-variant timeout, Hydra overrides and the internal --worker."""
     parser.add_argument("--steps", type=_positive_int, default=50, help="timed steps per repeat (default 50)")
@@ -201,10 +206,13 @@ def add_run_arguments(parser, *, default_variants):
                         help="with the non-finite guard (on, default), without it (off), or both")
     parser.add_argument("--variants", type=_variants, default=default_variants,
                         help=f"comma-separated, from: {', '.join(VARIANTS)} (default {','.join(default_variants)})")
-    parser.add_argument("--input", choices=INPUTS, default="pipeline",
+    parser.add_argument("--input", choices=inputs, default="pipeline",
                         help="pipeline (default): each step's batch comes from tf.data through the iterator train() "
                              "uses (input_iterator); device: one batch copied to the device(s) once and given to "
-                             "every step, no copy a step (the step's cost without its input)")
+                             "every step, no copy a step (the step's cost without its input)"
+                             + ("; on_device: train.data_on_device=true, a synthetic training set of 60,000 in "
+                                "device memory, each step's batch gathered and shifted there, a call's steps one "
+                                "XLA program (the +jit variants)" if "on_device" in inputs else ""))
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results here as JSON")
     parser.add_argument("--timeout", type=float, default=1800.0,
                         help="seconds one variant (all its configurations) may take before it is stopped "
@@ -296,6 +304,35 @@ def step_input(spec, dataset, *, device=None, strategy=None):
         return itertools.repeat(tuple(tf.identity(t) for t in next(iter(dataset))))
 
 
+def device_train_loop(spec, step, batch_size, input_shape, num_classes, per_call, tf_device):
+    """--input on_device: (train_steps, its first argument) as train() makes them with
+    train.data_on_device=true, over a synthetic uint8 training set of MNIST's size (drawn
+    from spec's seed, shifted by 2 pixels as the paper's MNIST). Epochs 0 and 1 are drawn
+    up front and taken in turn, so no step waits for an epoch's draws (train() draws the
+    next epoch's while this one trains)."""
+    import numpy as np
+
+    from capsnet.training.device_input import DeviceTrainingSet, make_device_train_loop
+
+    rng = np.random.default_rng(spec["seed"])
+    images = rng.integers(0, 256, (MNIST_TRAIN_EXAMPLES, *input_shape), dtype=np.uint8)
+    labels = rng.integers(0, num_classes, MNIST_TRAIN_EXAMPLES)
+    training_set = DeviceTrainingSet(images, labels, batch_size=batch_size, seed=spec["seed"], shift_pixels=2,
+                                     device=tf_device)
+    device_steps = make_device_train_loop(step, training_set, steps_per_execution=per_call)
+    epochs = [training_set.epoch(0), training_set.epoch(1)]
+    steps_per_epoch = MNIST_TRAIN_EXAMPLES // batch_size
+
+    def train_steps(_, batch_sizes):
+        length = int(np.count_nonzero(batch_sizes))
+        if epochs[0].steps_run + length > steps_per_epoch:  # full batches only: the next epoch
+            epochs.reverse()
+            epochs[0].steps_run = 0
+        return device_steps(epochs[0], batch_sizes)
+
+    return train_steps, None
+
+
 def runner(train_steps, iterator, global_batch, per_call):
     """run(steps) → the last step's loss: `steps` steps of make_train_loop's `train_steps`,
     `per_call` a call as train() calls it; reading the loss waits for every step (each
@@ -368,9 +405,14 @@ def time_training(spec, batch_size, tf_device, per_call=1, precision="float32", 
                 optimizer, _ = build_optimizer(train_cfg, math.ceil(MNIST_TRAIN_EXAMPLES / batch_size), model)
                 step = make_train_step(model, optimizer, input_shape=input_shape, losses=loss_params(train_cfg),
                                        xla=spec["xla"], guard=guard)
-                iterator = step_input(spec, synthetic_batches(spec, batch_size, input_shape,
-                                                              int(model_cfg["num_classes"])), device=tf_device)
-                runs.append(runner(make_train_loop(step), iterator, batch_size, per_call))
+                if spec["input"] == "on_device":
+                    train_steps, iterator = device_train_loop(spec, step, batch_size, input_shape,
+                                                              int(model_cfg["num_classes"]), per_call, tf_device)
+                else:
+                    train_steps = make_train_loop(step)
+                    iterator = step_input(spec, synthetic_batches(spec, batch_size, input_shape,
+                                                                  int(model_cfg["num_classes"])), device=tf_device)
+                runs.append(runner(train_steps, iterator, batch_size, per_call))
                 models.append(model)
             timed, peak = time_steps(runs, spec, tf_device)
     except tf.errors.ResourceExhaustedError as exc:

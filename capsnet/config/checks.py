@@ -139,7 +139,8 @@ def check(cfg):
     and a section's missing keys at their schema defaults. Idempotent: train() checks what
     train.py checked already. Rules across sections: train.xla against custom_op and
     model.routing (check_xla); an overlay dataset on one device; distribute.all_reduce=xla
-    against train (check_all_reduce_in_step); run_dir set."""
+    against train (check_all_reduce_in_step); train.data_on_device's needs
+    (check_data_on_device); run_dir set."""
     checked = check_section(TrainAppConfig, cfg)
     check_xla(checked["train"]["xla"], checked["model"]["routing"])
     data_name, strategy = checked["data"]["name"], checked["distribute"]["strategy"]
@@ -149,9 +150,35 @@ def check(cfg):
     # capsnet.precision.needs_loss_scaling's rule (that module imports TensorFlow).
     check_all_reduce_in_step(checked["distribute"]["all_reduce"], checked["train"]["xla"],
                              checked["train"]["precision"] == "mixed_float16")
+    if checked["train"]["data_on_device"]:
+        check_data_on_device(checked)
     if not checked["run_dir"]:
         raise ConfigError("run_dir is not set (train.py sets it to Hydra's run dir; tests pass one)")
     return checked
+
+
+# The augmentations that run per example in tf.data (capsnet.data.make_dataset), which
+# train.data_on_device's batches do not have.
+PER_EXAMPLE_AUGMENTATION = ("rotate_degrees", "zoom", "elastic_alpha")
+
+
+def check_data_on_device(cfg):
+    """train.data_on_device=true's needs (capsnet.training.device_input): the call's steps
+    are one XLA program (train.xla=jit) on one device, over a dataset of single images
+    augmented a batch at a time (flip, shift, erase)."""
+    if cfg["train"]["xla"] != "jit":
+        raise ConfigError(f"train.data_on_device=true runs each call's steps as one XLA program: set train.xla=jit "
+                          f"(got {cfg['train']['xla']})")
+    if cfg["distribute"]["strategy"] != "none":
+        raise ConfigError(f"train.data_on_device=true trains on one device: set distribute=none "
+                          f"(got {cfg['distribute']['strategy']}) or train.data_on_device=false")
+    if is_overlay(cfg["data"]["name"]):
+        raise ConfigError(f"train.data_on_device=true takes datasets of single images; data.name="
+                          f"{cfg['data']['name']} pairs its digits in tf.data: set train.data_on_device=false")
+    on = [f"data.{key}={cfg['data'][key]}" for key in PER_EXAMPLE_AUGMENTATION if cfg["data"][key]]
+    if on:
+        raise ConfigError(f"train.data_on_device=true augments whole batches on the device (flip, shift, erase); "
+                          f"{', '.join(on)} runs per example in tf.data: set it to 0 or train.data_on_device=false")
 
 
 def check_eval(cfg):

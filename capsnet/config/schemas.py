@@ -272,6 +272,7 @@ class TrainConfig:
     keep_checkpoints: int = _checked(3, _positive_int)
     log_every_steps: int = _checked(50, _positive_int)
     steps_per_execution: int = _checked(50, _positive_int)
+    data_on_device: bool = _checked(False, _boolean)
     num_images: int = _checked(8, _positive_int)
     histogram_examples: int = _checked(100, _positive_int)
     progress_bar: bool = _checked(True, _boolean)

@@ -43,6 +43,7 @@ from capsnet.scoring import json_safe
 from capsnet.training.checkpoints import (BestCheckpoint, check_nothing_committed, check_resumable, checkpoint_numbers,
                                          checkpoint_weights, read_history, recover_latest, resume_from, save_or_fail,
                                          write_run_config)
+from capsnet.training.device_input import DeviceTrainingSet, make_device_train_loop
 from capsnet.training.distribute import (check_all_reduce, check_global_batch, check_tf_config, check_workers_agree,
                                          input_iterator, is_chief, make_strategy, resolve_all_reduce,
                                          trains_on_gpu)
@@ -260,7 +261,12 @@ def _train(cfg, progress):
     train_step = make_train_step(model, optimizer, input_shape=model.image_shape, losses=losses, xla=tcfg["xla"],
                                  strategy=strategy, all_reduce=all_reduce, two_digits=two_digits,
                                  weight_average=average)
-    train_steps = make_train_loop(train_step, strategy=strategy)
+    if tcfg["data_on_device"]:
+        # The training split copied to the device once; each epoch only its draws (config.check_data_on_device).
+        training_set = DeviceTrainingSet(train_images, train_labels, batch_size=batch_size, seed=seed, **augmentation)
+        train_steps = make_device_train_loop(train_step, training_set, steps_per_execution=tcfg["steps_per_execution"])
+    else:
+        train_steps = make_train_loop(train_step, strategy=strategy)
     eval_step = make_eval_step(model, model.image_shape, jit_compile=tcfg["xla"] == "jit", two_digits=two_digits,
                                **losses)
 
@@ -288,7 +294,9 @@ def _train(cfg, progress):
 
     def epoch_input(epoch_index):
         # The epoch's batches on the training devices ahead of the steps (under a strategy:
-        # the same global batches, split over the replicas).
+        # the same global batches, split over the replicas); train.data_on_device: its draws there.
+        if tcfg["data_on_device"]:
+            return training_set.epoch(epoch_index)
         train_ds = make_split_dataset(data_cfg["name"], train_images, train_labels, batch_size=batch_size,
                                       training=True, seed=seed, epoch=epoch_index,
                                       drop_remainder=tcfg["drop_remainder"], **augmentation)

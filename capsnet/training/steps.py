@@ -5,7 +5,8 @@
   on one device or under a tf.distribute strategy.
 - `make_train_loop(train_step)`: train.steps_per_execution steps per compiled call over
   `input_iterator(dataset)` (capsnet.training.distribute: the batches prefetched to the
-  device); `execution_lengths` splits an epoch into such calls.
+  device); `execution_lengths` splits an epoch into such calls. (train.data_on_device's
+  loop, one XLA program a call: capsnet.training.device_input.)
 - `make_eval_step` and `evaluate_model`: the test pass the trainer runs after every
   epoch and evaluate.py runs on a checkpoint, so both report the same numbers.
 
@@ -412,13 +413,19 @@ def make_train_loop(train_step, *, strategy=None):
             out = train_step(*batch) if strategy is None else train_step(*batch, batch_sizes[i])
             values = {name: values[name].write(i, tf.cast(out[name], tf.float32)) for name in names}
         stacked = {name: values[name].stack() for name in names}  # (K,) each
-        # Up to and including the first non-finite step.
-        bad = tf.math.logical_not(tf.math.logical_and(tf.math.is_finite(stacked["loss"]),
-                                                      tf.math.is_finite(stacked["grad_norm"])))
-        ran = tf.where(tf.reduce_any(bad), tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int32) + 1, count)
+        ran = steps_until_non_finite(stacked, count)
         return {name: value[:ran] for name, value in stacked.items()}
 
     return train_steps
+
+
+def steps_until_non_finite(values, count):
+    """How many of the `count` steps of per-step `values` ({name: (≥ count,)}, STEP_VALUES)
+    a train loop returns: up to and including the first whose loss or grad_norm is not
+    finite, else all (an int32 scalar tensor: the non-finite guard's cut)."""
+    bad = tf.math.logical_not(tf.math.logical_and(tf.math.is_finite(values["loss"][:count]),
+                                                  tf.math.is_finite(values["grad_norm"][:count])))
+    return tf.where(tf.reduce_any(bad), tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int32) + 1, count)
 
 
 def execution_lengths(steps_per_epoch, start_step, steps_per_execution, log_every_steps):

@@ -1,0 +1,142 @@
+"""train.data_on_device: the training split in device memory, each step's batch gathered
+and augmented there, and a call's steps ONE XLA program (`make_device_train_loop`).
+
+Why: fed by tf.data (make_train_loop), every step of a call is a launch of the compiled
+step from TensorFlow's executor, and its batch's host-to-device copy queues behind the
+compute already on the GPU: the GPU waited ~0.7 ms of a 6 ms step at batch 512 between
+kernels (docs/benchmarks.md, twenty-third session). Here the host launches a call once
+and XLA's while loop runs its steps back to back, reading the batches from device memory.
+
+The batches are make_dataset's, bit for bit: the same per-epoch draws
+(capsnet.data.epoch_draws: the order, flips, shifts, erased boxes, drawn on the host once
+an epoch and copied to the device, a few bytes an example) and the same batch_from_draws,
+here inside the step. What the mode needs (one device, train.xla=jit, single-image data,
+no per-example augmentation) is config.check_data_on_device's.
+"""
+import itertools
+
+import numpy as np
+import tensorflow as tf
+
+from capsnet.data import batch_from_draws, epoch_draws, uint8_levels
+from capsnet.config import AUGMENTATION_OFF
+from capsnet.config.checks import PER_EXAMPLE_AUGMENTATION
+from capsnet.errors import ConfigError
+from capsnet.training.steps import STEP_VALUES, steps_until_non_finite
+from capsnet.validation import integer
+
+
+def training_device():
+    """Where a one-device run's variables live by default: the first GPU, else the CPU."""
+    return "/GPU:0" if tf.config.list_logical_devices("GPU") else "/CPU:0"
+
+
+class DeviceTrainingSet:
+    """The training split on `device` (images uint8 (N, H, W, C), labels (N,)), copied once,
+    with what make_dataset takes besides (batch_size, seed, shift_pixels and its augmentation
+    keywords, the per-example ones off: config.check_data_on_device).
+
+    `epoch(index)` → that epoch's DeviceEpoch; `batch(draws, step, size)` → the epoch's
+    batch number `step` (of `size` examples: the last one may be short), as make_dataset
+    batches it, for use inside a compiled step."""
+
+    def __init__(self, images, labels, *, batch_size, seed, shift_pixels, flip=False, shift_fill="zero",
+                 erase_probability=0.0, erase_max_area=0.4, device=None, **per_example):
+        on = [f"data.{key}={value}" for key, value in per_example.items()
+              if key in PER_EXAMPLE_AUGMENTATION and value]
+        if on or set(per_example) - set(AUGMENTATION_OFF):
+            raise ConfigError(f"train.data_on_device=true augments whole batches (flip, shift, erase), not "
+                              f"{', '.join(on or sorted(per_example))}")
+        self.batch_size, self.seed, self.shape = int(batch_size), int(seed), images.shape
+        # make_dataset's check (the range is the image's), as the same config key.
+        self.shift_pixels = integer("data.shift_pixels", shift_pixels, minimum=0, maximum=min(images.shape[1:3]) - 1,
+                                    error=ConfigError)
+        self.shift_fill = shift_fill
+        self.augmentation = {"shift_pixels": self.shift_pixels, "flip": bool(flip),
+                             "erase_probability": float(erase_probability), "erase_max_area": float(erase_max_area)}
+        self.device = device or training_device()
+        with tf.device(self.device):
+            self.images = tf.identity(tf.constant(images))
+            # int64: an int32 tensor "on a GPU" is kept in host memory by TensorFlow, and
+            # would be copied to the device at every call.
+            self.labels = tf.identity(tf.constant(np.asarray(labels, np.int64)))
+            self.levels = tf.identity(tf.constant(uint8_levels()))  # the pixel values (batch_from_draws: why)
+
+    def epoch(self, index):
+        """Epoch `index`'s draws (epoch_draws', keyed by (seed, index)) on the device."""
+        with tf.device("/CPU:0"):  # drawn where make_dataset draws them: the same kernels
+            draws = epoch_draws(self.shape, training=True, seed=self.seed, epoch=index, **self.augmentation)
+        with tf.device(self.device):
+            return DeviceEpoch({key: tf.identity(tf.cast(value, tf.int64) if value.dtype == tf.int32 else value)
+                                for key, value in draws.items()})
+
+    def batch(self, draws, step, size):
+        """(images float32 (size, H, W, C), labels int32 (size,)): the examples at positions
+        step · batch_size ... + size of the epoch (`draws`: DeviceEpoch.draws)."""
+        positions = tf.cast(step, tf.int64) * self.batch_size + tf.range(size, dtype=tf.int64)
+        picked = {key: tf.gather(value, positions) for key, value in draws.items()}
+        picked = {key: value if key in ("index", "mirror") else tf.cast(value, tf.int32)
+                  for key, value in picked.items()}
+        images, labels = batch_from_draws(self.images, self.labels, picked, shift_pixels=self.shift_pixels,
+                                          shift_fill=self.shift_fill, levels=self.levels)
+        return images, tf.cast(labels, tf.int32)
+
+
+class DeviceEpoch:
+    """An epoch's draws on the device ({name: (N, ...) tensor}) and the number of its
+    steps run so far: what make_device_train_loop's calls take in place of an iterator."""
+
+    def __init__(self, draws):
+        self.draws, self.steps_run = draws, 0
+
+
+def make_device_train_loop(train_step, training_set, *, steps_per_execution):
+    """make_train_loop's twin for train.data_on_device: (epoch, batch_sizes) →
+    {name: (K,) per-step values}, `epoch` a DeviceEpoch (its next steps_run steps are run)
+    and `batch_sizes` as make_train_loop's (the sizes of the K steps to run, then zeros;
+    K ≤ steps_per_execution; only an epoch's last batch may be short).
+
+    The K steps are one XLA program (a while loop over `train_step`, make_train_step's with
+    xla="jit", with the batch gathered and augmented in each iteration): one launch a
+    call. A batch size is a program of its own (a short last batch: a second one).
+    The non-finite guard as make_train_loop's: the values stop at the first step whose loss
+    or grad_norm is not finite; the program runs all K steps, reading nothing on the host.
+    """
+    programs = {}
+
+    def program(size):
+        # One per batch size, compiled at its first call; the steps to run (count) and where
+        # they start are tensors, so no other value compiles another.
+        if size not in programs:
+            @tf.function(jit_compile=True, autograph=False)
+            def run(draws, first_step, count):
+                def body(i, values):
+                    # A gather, not a slice, picks the batch: tf2xla takes a slice's start as a
+                    # compile-time constant, which compiled the program again for every call.
+                    images, labels = training_set.batch(draws, first_step + tf.cast(i, tf.int64), size)
+                    out = train_step(images, labels)
+                    at = tf.range(steps_per_execution) == i
+                    return i + 1, {name: tf.where(at, tf.cast(out[name], tf.float32), values[name])
+                                   for name in STEP_VALUES}
+
+                empty = {name: tf.zeros([steps_per_execution], tf.float32) for name in STEP_VALUES}
+                _, values = tf.while_loop(lambda i, _: i < count, body, (tf.constant(0), empty))
+                return values
+
+            programs[size] = run
+        return programs[size]
+
+    def train_steps(epoch, batch_sizes):
+        sizes = [int(size) for size in np.asarray(batch_sizes) if size]  # a host constant: no wait
+        parts = []
+        for size, run in itertools.groupby(sizes):
+            count = len(list(run))
+            values = program(size)(epoch.draws, tf.constant(epoch.steps_run, tf.int64), tf.constant(count, tf.int32))
+            parts.append({name: value[:count] for name, value in values.items()})
+            epoch.steps_run += count
+        stacked = parts[0] if len(parts) == 1 else {name: tf.concat([part[name] for part in parts], 0)
+                                                     for name in STEP_VALUES}
+        ran = steps_until_non_finite(stacked, len(sizes))
+        return {name: value[:ran] for name, value in stacked.items()}
+
+    return train_steps

@@ -1,0 +1,120 @@
+"""capsnet.training.device_input (train.data_on_device): the training split in device
+memory, each call's steps one XLA program.
+
+References: make_dataset's batches (the tf.data pipeline, tests/test_data.py's subject),
+a plain train() run on the same data, hand-counted steps of a stand-in train step.
+"""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from capsnet import config
+from capsnet.data import make_dataset
+from capsnet.errors import ConfigError
+from capsnet.training import train
+from capsnet.training.device_input import DeviceTrainingSet, make_device_train_loop
+from conftest import read_events
+
+AUGMENTATION = {"shift_pixels": 2, "flip": True, "shift_fill": "edge", "erase_probability": 0.5,
+                "erase_max_area": 0.3}
+
+
+def some_split(n=30):
+    rng = np.random.default_rng(3)
+    return rng.integers(1, 256, (n, 12, 12, 1), dtype=np.uint8), rng.integers(0, 10, n).astype(np.int64)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "xla"])
+def test_device_batches_are_make_datasets_batches(compiled):
+    """Every batch of an epoch (the last one short: 30 = 4 × 7 + 2), gathered and augmented
+    as the device loop does it (eagerly, and inside an XLA computation), equals
+    make_dataset's batch of the same (seed, epoch): flips, edge-filled shifts, erasing."""
+    images, labels = some_split()
+    training_set = DeviceTrainingSet(images, labels, batch_size=7, seed=11, **AUGMENTATION)
+    batch = tf.function(training_set.batch, jit_compile=True, autograph=False) if compiled else training_set.batch
+    for epoch in (0, 3):
+        draws = training_set.epoch(epoch).draws
+        expected = list(make_dataset(images, labels, batch_size=7, training=True, seed=11, epoch=epoch,
+                                     **AUGMENTATION))
+        assert [len(y) for _, y in expected] == [7, 7, 7, 7, 2]
+        for step, (want_images, want_labels) in enumerate(expected):
+            got_images, got_labels = batch(draws, tf.constant(step, tf.int64), len(want_labels))
+            np.testing.assert_array_equal(got_images.numpy(), want_images.numpy())
+            np.testing.assert_array_equal(got_labels.numpy(), want_labels.numpy())
+            assert got_labels.dtype == tf.int32
+
+
+def test_device_loop_runs_the_steps_asked_and_stops_at_the_first_non_finite_one():
+    """A stand-in step that counts its calls (a variable) and reports its batch's size and
+    first label: a call of sizes [7, 7, 2] runs three steps on the epoch's next batches (a
+    short one compiled apart), and the values stop at the step whose loss is not finite."""
+    images, labels = some_split()
+    training_set = DeviceTrainingSet(images, labels, batch_size=7, seed=0, shift_pixels=0)
+    calls = tf.Variable(0.0)
+    bad_call = tf.Variable(-1.0)
+
+    def step(images, labels):
+        calls.assign_add(1.0)
+        loss = tf.where(tf.equal(calls, bad_call), float("nan"), calls)
+        return {"loss": loss, "margin_loss": tf.cast(tf.shape(labels)[0], tf.float32),
+                "reconstruction_loss": tf.cast(labels[0], tf.float32), "accuracy": tf.reduce_mean(images),
+                "grad_norm": tf.constant(1.0)}
+
+    train_steps = make_device_train_loop(step, training_set, steps_per_execution=4)
+    epoch = training_set.epoch(0)
+    expected = list(make_dataset(images, labels, batch_size=7, training=True, seed=0, epoch=0, shift_pixels=0))
+    first = train_steps(epoch, tf.constant([7, 0, 0, 0], tf.int32))
+    rest = train_steps(epoch, tf.constant([7, 7, 7, 2], tf.int32))
+    np.testing.assert_array_equal(first["loss"].numpy(), [1.0])
+    np.testing.assert_array_equal(rest["loss"].numpy(), [2.0, 3.0, 4.0, 5.0])
+    np.testing.assert_array_equal(rest["margin_loss"].numpy(), [7, 7, 7, 2])
+    np.testing.assert_array_equal(np.concatenate([first["reconstruction_loss"], rest["reconstruction_loss"]]),
+                                  [float(y[0]) for _, y in expected])
+    np.testing.assert_allclose(rest["accuracy"].numpy(), [float(tf.reduce_mean(x)) for x, _ in expected[1:]],
+                               rtol=1e-6)
+    assert epoch.steps_run == 5
+
+    bad_call.assign(7.0)  # the second step of the next call: it and nothing after it comes back
+    cut = train_steps(training_set.epoch(1), tf.constant([7, 7, 7, 0], tf.int32))
+    assert cut["loss"].shape == (2,) and cut["loss"][0] == 6.0 and np.isnan(cut["loss"][1])
+    assert float(calls.numpy()) == 8.0  # the step after the bad one ran all the same
+
+
+def test_data_on_device_trains_the_same_steps_as_the_pipeline(tiny_config, tmp_path):
+    """custom_op=true train.xla=jit with train.data_on_device=true against false: the same
+    batches (flips and erasing on; the epoch's last batch short: 53 = 3 × 16 + 5), so the
+    same per-step losses, test accuracy and final weights (float tolerance: a loop of
+    steps in one program is compiled apart from the single step)."""
+    common = ["custom_op=true", "train.xla=jit", "data.limit_train=53", "train.epochs=2", "train.log_every_steps=2",
+              "train.steps_per_execution=3", "data.flip=true", "data.erase_probability=0.5"]
+    runs = {}
+    for on_device in (False, True):
+        run_dir = tmp_path / f"on_device_{on_device}"
+        metrics = train(tiny_config(*common, f"train.data_on_device={str(on_device).lower()}", run_dir=run_dir))
+        assert metrics["global_step"] == 8
+        runs[on_device] = (run_dir, metrics, [(step, float(tf.make_ndarray(v.tensor)))
+                                              for step, v in read_events(run_dir)["train/loss"]])
+    (pipe_dir, pipe, pipe_losses), (dev_dir, dev, dev_losses) = runs[False], runs[True]
+    assert [s for s, _ in dev_losses] == [s for s, _ in pipe_losses] == [2, 4, 6, 8]
+    np.testing.assert_allclose([v for _, v in dev_losses], [v for _, v in pipe_losses], rtol=1e-5)
+    assert dev["test_accuracy"] == pytest.approx(pipe["test_accuracy"], abs=0.02)  # 100 test images: 2 at most
+    ours = tf.train.load_checkpoint(str(dev_dir / "checkpoints" / "latest" / "ckpt-2"))
+    theirs = tf.train.load_checkpoint(str(pipe_dir / "checkpoints" / "latest" / "ckpt-2"))
+    names = set(theirs.get_variable_to_shape_map()) - {"_CHECKPOINTABLE_OBJECT_GRAPH"}
+    for name in sorted(n for n in names if n.startswith("model/")):
+        np.testing.assert_allclose(ours.get_tensor(name), theirs.get_tensor(name), rtol=1e-3, atol=1e-5,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.xla=none"], r"^train\.data_on_device=true runs each call's steps as one XLA program: set train\.xla=jit"),
+    (["distribute=mirrored"], r"^train\.data_on_device=true trains on one device: set distribute=none"),
+    (["data=multimnist"], r"^train\.data_on_device=true takes datasets of single images; data\.name=multimnist"),
+    (["data.rotate_degrees=5", "data.elastic_alpha=30"],
+     r"data\.rotate_degrees=5, data\.elastic_alpha=30 runs per example in tf\.data"),
+])
+def test_data_on_device_refuses_what_it_cannot_do_in_one_line(tiny_config, overrides, message):
+    cfg = tiny_config("train.data_on_device=true", "train.xla=jit", *overrides)
+    with pytest.raises(ConfigError, match=message) as error:
+        config.check(cfg)
+    assert "\n" not in str(error.value)
