@@ -221,13 +221,15 @@ def test_offline_train_fails_short_and_leaves_no_run_dir(tmp_path):
     assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", "checkpoints", "train.log"]
 
 
-def test_xla_cache_dir_is_filled_by_one_run_and_read_by_the_next(tiny_idx_dir, tmp_path):
+@pytest.mark.parametrize("on_device", [False, True], ids=["pipeline", "data_on_device"])
+def test_xla_cache_dir_is_filled_by_one_run_and_read_by_the_next(tiny_idx_dir, tmp_path, on_device):
     # train.xla_cache_dir: the first run compiles the jit steps (the op's custom call in the
     # train step) and writes them; a second process with the same config loads them: had it
-    # compiled again, TensorFlow would have written the files anew.
+    # compiled again, TensorFlow would have written the files anew. train.data_on_device:
+    # its loop programs (full and short batch) are loaded too.
     cache = tmp_path / "cache"
     args = [*TINY_MODEL, *TINY_TRAIN, "train.epochs=1", "custom_op=true", "train.xla=jit",
-            f"train.xla_cache_dir={cache}", f"data.dir={tiny_idx_dir}"]
+            f"train.xla_cache_dir={cache}", f"data.dir={tiny_idx_dir}", f"train.data_on_device={str(on_device).lower()}"]
     first = run_entry_point("train.py", *args, f"hydra.run.dir={tmp_path / 'first'}", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     written = {path.name: path.stat().st_mtime_ns for path in cache.iterdir()}

@@ -34,6 +34,7 @@ def test_device_batches_are_make_datasets_batches(compiled):
     batch = tf.function(training_set.batch, jit_compile=True, autograph=False) if compiled else training_set.batch
     for epoch in (0, 3):
         draws = training_set.epoch(epoch).draws
+        assert {k: tf.TensorSpec.from_tensor(v) for k, v in draws.items()} == training_set.draws_signature()
         expected = list(make_dataset(images, labels, batch_size=7, training=True, seed=11, epoch=epoch,
                                      **AUGMENTATION))
         assert [len(y) for _, y in expected] == [7, 7, 7, 7, 2]
@@ -46,21 +47,26 @@ def test_device_batches_are_make_datasets_batches(compiled):
 
 def test_device_loop_runs_the_steps_asked_and_stops_at_the_first_non_finite_one():
     """A stand-in step that counts its calls (a variable) and reports its batch's size and
-    first label: a call of sizes [7, 7, 2] runs three steps on the epoch's next batches (a
-    short one compiled apart), and the values stop at the step whose loss is not finite."""
+    first label: a call of sizes [7, 7, 7, 2] runs four steps on the epoch's next batches
+    (the short one a program apart, both traced when the loop is made), and the values stop
+    at the step whose loss is not finite."""
     images, labels = some_split()
     training_set = DeviceTrainingSet(images, labels, batch_size=7, seed=0, shift_pixels=0)
     calls = tf.Variable(0.0)
     bad_call = tf.Variable(-1.0)
+    traced = []  # the batch size of each trace (a Python side effect: it runs when the step is traced)
 
     def step(images, labels):
+        traced.append(images.shape[0])
         calls.assign_add(1.0)
         loss = tf.where(tf.equal(calls, bad_call), float("nan"), calls)
         return {"loss": loss, "margin_loss": tf.cast(tf.shape(labels)[0], tf.float32),
                 "reconstruction_loss": tf.cast(labels[0], tf.float32), "accuracy": tf.reduce_mean(images),
                 "grad_norm": tf.constant(1.0)}
 
-    train_steps = make_device_train_loop(step, training_set, steps_per_execution=4)
+    # Both programs traced before any call (their names then depend on nothing after: the docstring's why).
+    train_steps = make_device_train_loop(step, training_set, steps_per_execution=4, batch_sizes=(7, 2, 7))
+    assert sorted(traced) == [2, 7]
     epoch = training_set.epoch(0)
     expected = list(make_dataset(images, labels, batch_size=7, training=True, seed=0, epoch=0, shift_pixels=0))
     first = train_steps(epoch, tf.constant([7, 0, 0, 0], tf.int32))
@@ -78,6 +84,7 @@ def test_device_loop_runs_the_steps_asked_and_stops_at_the_first_non_finite_one(
     cut = train_steps(training_set.epoch(1), tf.constant([7, 7, 7, 0], tf.int32))
     assert cut["loss"].shape == (2,) and cut["loss"][0] == 6.0 and np.isnan(cut["loss"][1])
     assert float(calls.numpy()) == 8.0  # the step after the bad one ran all the same
+    assert sorted(traced) == [2, 7]  # no call traced again
 
 
 def test_data_on_device_trains_the_same_steps_as_the_pipeline(tiny_config, tmp_path):
@@ -102,7 +109,9 @@ def test_data_on_device_trains_the_same_steps_as_the_pipeline(tiny_config, tmp_p
     theirs = tf.train.load_checkpoint(str(pipe_dir / "checkpoints" / "latest" / "ckpt-2"))
     names = set(theirs.get_variable_to_shape_map()) - {"_CHECKPOINTABLE_OBJECT_GRAPH"}
     for name in sorted(n for n in names if n.startswith("model/")):
-        np.testing.assert_allclose(ours.get_tensor(name), theirs.get_tensor(name), rtol=1e-3, atol=1e-5,
+        # atol 1e-4 (weights ~1e-2): on an H100 the two programs' TF32 convolutions left 5 of
+        # conv1's 1,296 weights 2-4e-5 apart after the 8 steps.
+        np.testing.assert_allclose(ours.get_tensor(name), theirs.get_tensor(name), rtol=1e-3, atol=1e-4,
                                    err_msg=name)
 
 

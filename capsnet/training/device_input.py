@@ -70,6 +70,18 @@ class DeviceTrainingSet:
             return DeviceEpoch({key: tf.identity(tf.cast(value, tf.int64) if value.dtype == tf.int32 else value)
                                 for key, value in draws.items()})
 
+    def draws_signature(self):
+        """The TensorSpecs of an epoch's draws (DeviceEpoch.draws), what epoch() makes."""
+        n = self.shape[0]
+        signature = {"index": tf.TensorSpec([n], tf.int64)}
+        if self.augmentation["flip"]:
+            signature["mirror"] = tf.TensorSpec([n], tf.bool)
+        if self.shift_pixels > 0:
+            signature["corner"] = tf.TensorSpec([n, 2], tf.int64)
+        if self.augmentation["erase_probability"] > 0:
+            signature["erase"] = tf.TensorSpec([n, 4], tf.int64)
+        return signature
+
     def batch(self, draws, step, size):
         """(images float32 (size, H, W, C), labels int32 (size,)): the examples at positions
         step · batch_size ... + size of the epoch (`draws`: DeviceEpoch.draws)."""
@@ -90,7 +102,7 @@ class DeviceEpoch:
         self.draws, self.steps_run = draws, 0
 
 
-def make_device_train_loop(train_step, training_set, *, steps_per_execution):
+def make_device_train_loop(train_step, training_set, *, steps_per_execution, batch_sizes=None):
     """make_train_loop's twin for train.data_on_device: (epoch, batch_sizes) →
     {name: (K,) per-step values}, `epoch` a DeviceEpoch (its next steps_run steps are run)
     and `batch_sizes` as make_train_loop's (the sizes of the K steps to run, then zeros;
@@ -101,6 +113,14 @@ def make_device_train_loop(train_step, training_set, *, steps_per_execution):
     call. A batch size is a program of its own (a short last batch: a second one).
     The non-finite guard as make_train_loop's: the values stop at the first step whose loss
     or grad_norm is not finite; the program runs all K steps, reading nothing on the host.
+
+    `batch_sizes`: the sizes the epochs' batches have (the full one, and the last one's if
+    short), whose programs are traced here, before any other thread runs: a program traced
+    later, beside train()'s thread that draws the next epoch (built_ahead), took the
+    numbers in its loop's function names from a counter that thread moves too, so its XLA
+    computation differed from run to run and train.xla_cache_dir never had it (seen on an
+    H200: while_body_1165 in one run, while_body_1149 in the next). Other sizes are traced
+    at their first call.
     """
     programs = {}
 
@@ -125,6 +145,10 @@ def make_device_train_loop(train_step, training_set, *, steps_per_execution):
 
             programs[size] = run
         return programs[size]
+
+    for size in sorted(set(batch_sizes or ())):
+        program(size).get_concrete_function(training_set.draws_signature(), tf.TensorSpec([], tf.int64),
+                                            tf.TensorSpec([], tf.int32))
 
     def train_steps(epoch, batch_sizes):
         sizes = [int(size) for size in np.asarray(batch_sizes) if size]  # a host constant: no wait

@@ -264,7 +264,9 @@ def _train(cfg, progress):
     if tcfg["data_on_device"]:
         # The training split copied to the device once; each epoch only its draws (config.check_data_on_device).
         training_set = DeviceTrainingSet(train_images, train_labels, batch_size=batch_size, seed=seed, **augmentation)
-        train_steps = make_device_train_loop(train_step, training_set, steps_per_execution=tcfg["steps_per_execution"])
+        last_batch = examples_per_epoch - (steps_per_epoch - 1) * batch_size
+        train_steps = make_device_train_loop(train_step, training_set, steps_per_execution=tcfg["steps_per_execution"],
+                                             batch_sizes=(batch_size, last_batch))
     else:
         train_steps = make_train_loop(train_step, strategy=strategy)
     eval_step = make_eval_step(model, model.image_shape, jit_compile=tcfg["xla"] == "jit", two_digits=two_digits,
