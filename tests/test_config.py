@@ -68,7 +68,7 @@ def test_group_choices_set_what_they_say():
     assert fast["custom_op"] is True and fast["model"] == paper["model"] and fast["data"] == paper["data"]
     changed = {"epochs": 15, "batch_size": 512, "drop_remainder": True, "test_batch_size": 1000, "learning_rate": 0.005,
                "lr_schedule": "cosine", "warmup_epochs": 2, "xla": "jit", "precision": "mixed_bfloat16",
-               "xla_cache_dir": "~/.cache/capsnet/xla"}
+               "xla_cache_dir": "~/.cache/capsnet/xla", "data_on_device": True}
     assert {k: fast["train"][k] for k in changed} == changed
     assert {k: v for k, v in fast["train"].items() if k not in changed} == {
         k: v for k, v in paper["train"].items() if k not in changed}
