@@ -864,6 +864,28 @@ def test_benchmark_train_script_times_both_paths_on_the_same_model(tmp_path):
     assert "| custom_op=false xla=none | mixed_bfloat16 | 4 |" in table
 
 
+def test_benchmark_train_times_the_data_on_device_loop(tmp_path):
+    """--input on_device: the steps of train.data_on_device=true (a call's steps one XLA
+    program over a synthetic uint8 training set on the device) for both jit variants: the
+    same seed gives both the same weights and batches, so the same first loss."""
+    from conftest import TINY_MODEL
+
+    output = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "benchmark_train.py"), "--device", "cpu", "--batch-sizes", "8",
+         "--steps", "4", "--repeats", "1", "--warmup", "1", "--steps-per-execution", "2",
+         "--variants", "op+fused+jit,matmul+jit", "--input", "on_device", "--json", str(output), *TINY_MODEL],
+        env=entry_point_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(output.read_text())
+    assert report["input"] == "on_device" and report["errors"] == []
+    rows = {row["variant"]: row for row in report["results"]}
+    assert sorted(rows) == ["matmul+jit", "op+fused+jit"]
+    assert rows["op+fused+jit"]["first_loss"] == pytest.approx(rows["matmul+jit"]["first_loss"], rel=1e-4)
+    assert all(np.isfinite(row["last_loss"]) and row["last_loss"] != row["first_loss"] for row in rows.values())
+    assert "train.data_on_device=true" in result.stdout
+
+
 def test_benchmark_conv_times_the_true_gradients(tmp_path):
     """scripts/benchmark_conv.py's parts are the convolution and its two gradients (against
     GradientTape's), and a CPU smoke run writes a row per conv, part and XLA setting."""
@@ -953,7 +975,9 @@ def test_benchmark_train_script_rejects_bad_arguments(tmp_path):
                           (["--precision", "float32,fp8"], "unknown precision(s) fp8"),
                           (["--guard", "maybe"], "--guard takes on, off or on,off"),
                           (["train.precision=mixed_bfloat16"], "train.precision is set by"),
-                          (["model.no_such_key=1"], "error: bad override")):
+                          (["model.no_such_key=1"], "error: bad override"),
+                          (["--input", "on_device", "--variants", "op+fused+jit,matmul"],
+                           "--input on_device (train.data_on_device=true) needs train.xla=jit")):
         result = run_entry_point("scripts/benchmark_train.py", *args, cwd=tmp_path, timeout=120)
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
         assert "Traceback" not in result.stderr
