@@ -25,7 +25,8 @@ import tensorflow as tf
 
 from capsnet.augment import (corners_from_words, elastic_distort, erase_batch, erase_boxes, example_words, flip_mask,
                              random_rotate_zoom, seed_words, shift_batch, shift_corners, words_to_int64)
-from capsnet.config import AUGMENTATION_OFF, SHIFT_FILLS, check_augmentation  # noqa: F401  (re-exported)
+from capsnet.config import (AUGMENTATION_OFF, PER_EXAMPLE_AUGMENTATION, SHIFT_FILLS,  # noqa: F401  (re-exported)
+                            check_augmentation)
 from capsnet.datasets import DATASETS, DatasetSpec, example_shape, is_overlay  # noqa: F401  (re-exported)
 from capsnet.errors import ConfigError, DataError
 from capsnet.idx import SPLITS, idx_file_names, read_idx
@@ -330,7 +331,8 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
                                    erase_max_area=erase_max_area)
         dataset = tf.data.Dataset.from_tensor_slices(draws)
 
-        if not (training and (rotate_degrees > 0 or zoom > 0 or elastic_alpha > 0)):
+        per_example = {"rotate_degrees": rotate_degrees, "zoom": zoom, "elastic_alpha": elastic_alpha}
+        if not (training and any(per_example[key] > 0 for key in PER_EXAMPLE_AUGMENTATION)):
             # Flips and shifts (the presets' augmentations) or none: the map gathers and
             # crops whole batches, ~6x the per-example map's speed (MNIST, 2 cores).
             def load_batch(draws):
@@ -397,7 +399,7 @@ def epoch_draws(images_shape, *, training, seed=0, epoch=0, shift_pixels=2, flip
     (N, 4) if erase_probability}, entry i for the epoch's i-th example (training; else
     range(N) and nothing drawn). batch_from_draws makes a batch of any slice of it: what
     make_dataset's batches are, and what train.data_on_device gathers on the device
-    (capsnet.training.device_input). Arguments as make_dataset's, checked there."""
+    (capsnet.training.device_input). Arguments as make_dataset's (which checks them)."""
     return _epoch_draws(images_shape, training=training, seed=seed, epoch=epoch, shift_pixels=shift_pixels,
                         flip=flip, erase_probability=erase_probability, erase_max_area=erase_max_area)[0]
 

@@ -95,8 +95,8 @@ FUSED_VARIANTS = ("op+fused", "op+fused+autocluster", "op+fused+jit")
 BASELINE = "matmul"
 # The LR schedule decays once per epoch of the full MNIST training set, as in train().
 MNIST_TRAIN_EXAMPLES = 60_000
-# --input: train()'s input pipeline (the default), or one batch kept on the device (step_input);
-# the printed report's header says which.
+# --input: train()'s input pipeline (the default), one batch kept on the device (step_input), or
+# (this benchmark only) train.data_on_device's loop (device_train_loop); the report's header says which.
 INPUT_NOTE = {"pipeline": "one synthetic batch repeated by tf.data",
               "device": "one synthetic batch kept on the device (--input device: no input pipeline)",
               "on_device": "train.data_on_device=true: a synthetic uint8 training set of 60,000 on the device, each "
@@ -105,7 +105,7 @@ INPUTS = ("pipeline", "device")  # benchmark_scale's and profile_train's (a stra
 TRAIN_INPUTS = tuple(INPUT_NOTE)
 # Set by the variant, not by an override: an override would be silently ignored.
 RESERVED_KEYS = ("custom_op", "train.xla", "train.batch_size", "train.steps_per_execution", "train.precision",
-                 "deterministic", "model.routing")
+                 "deterministic", "model.routing", "train.data_on_device")
 
 
 def label(variant):

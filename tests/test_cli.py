@@ -226,9 +226,11 @@ def test_xla_cache_dir_is_filled_by_one_run_and_read_by_the_next(tiny_idx_dir, t
     # train.xla_cache_dir: the first run compiles the jit steps (the op's custom call in the
     # train step) and writes them; a second process with the same config loads them: had it
     # compiled again, TensorFlow would have written the files anew. train.data_on_device:
-    # its loop programs (full and short batch) are loaded too.
+    # its loop program is loaded too; two epochs, so that the next epoch's draws are made
+    # in another thread while the first trains (what made its computation differ from run
+    # to run until the program was traced ahead: capsnet.training.device_input).
     cache = tmp_path / "cache"
-    args = [*TINY_MODEL, *TINY_TRAIN, "train.epochs=1", "custom_op=true", "train.xla=jit",
+    args = [*TINY_MODEL, *TINY_TRAIN, f"train.epochs={2 if on_device else 1}", "custom_op=true", "train.xla=jit",
             f"train.xla_cache_dir={cache}", f"data.dir={tiny_idx_dir}", f"train.data_on_device={str(on_device).lower()}"]
     first = run_entry_point("train.py", *args, f"hydra.run.dir={tmp_path / 'first'}", cwd=tmp_path)
     assert first.returncode == 0, first.stderr

@@ -65,7 +65,7 @@ def test_device_loop_runs_the_steps_asked_and_stops_at_the_first_non_finite_one(
                 "grad_norm": tf.constant(1.0)}
 
     # Both programs traced before any call (their names then depend on nothing after: the docstring's why).
-    train_steps = make_device_train_loop(step, training_set, steps_per_execution=4, batch_sizes=(7, 2, 7))
+    train_steps = make_device_train_loop(step, training_set, steps_per_execution=4, trace_sizes=(7, 2, 7))
     assert sorted(traced) == [2, 7]
     epoch = training_set.epoch(0)
     expected = list(make_dataset(images, labels, batch_size=7, training=True, seed=0, epoch=0, shift_pixels=0))
@@ -85,6 +85,23 @@ def test_device_loop_runs_the_steps_asked_and_stops_at_the_first_non_finite_one(
     assert cut["loss"].shape == (2,) and cut["loss"][0] == 6.0 and np.isnan(cut["loss"][1])
     assert float(calls.numpy()) == 8.0  # the step after the bad one ran all the same
     assert sorted(traced) == [2, 7]  # no call traced again
+
+    # A call of no steps runs none; one past the epoch's examples is refused (XLA's gather
+    # would clamp the positions: wrong batches, no error).
+    assert {k: v.shape for k, v in train_steps(epoch, tf.constant([0, 0, 0, 0])).items()} == {}.fromkeys(first, (0,))
+    with pytest.raises(ValueError, match=r"steps 6-6 of sizes \[7\] need examples up to 42, past the epoch's 30"):
+        train_steps(epoch, tf.constant([7, 0, 0, 0], tf.int32))
+    assert float(calls.numpy()) == 8.0 and epoch.steps_run == 5
+
+
+def test_device_training_set_refuses_per_example_augmentation_and_unknown_arguments():
+    images, labels = some_split()
+    with pytest.raises(ConfigError, match=r"data\.zoom=0\.1 runs per example in tf\.data$"):
+        DeviceTrainingSet(images, labels, batch_size=7, seed=0, shift_pixels=2, rotate_degrees=0.0, zoom=0.1)
+    with pytest.raises(TypeError, match="unknown augmentation argument"):
+        DeviceTrainingSet(images, labels, batch_size=7, seed=0, shift_pixels=2, sharpen=1.0)
+    with pytest.raises(ConfigError, match=r"data\.shift_pixels"):
+        DeviceTrainingSet(images, labels, batch_size=7, seed=0, shift_pixels=12)
 
 
 def test_data_on_device_trains_the_same_steps_as_the_pipeline(tiny_config, tmp_path):

@@ -1,15 +1,19 @@
 """train.data_on_device: the training split in device memory, each step's batch gathered
-and augmented there, and a call's steps ONE XLA program (`make_device_train_loop`).
+and augmented there, and a call's steps one XLA program (`make_device_train_loop`).
 
-Why: fed by tf.data (make_train_loop), every step of a call is a launch of the compiled
-step from TensorFlow's executor, and its batch's host-to-device copy queues behind the
-compute already on the GPU: the GPU waited ~0.7 ms of a 6 ms step at batch 512 between
-kernels (docs/benchmarks.md, twenty-third session). Here the host launches a call once
-and XLA's while loop runs its steps back to back, reading the batches from device memory.
+Why: fed by tf.data (make_train_loop), each step's batch is copied to the GPU, and the copy
+queues behind the compute already there; at batch 512 the GPU waited ~0.7 ms of a 6 ms step
+between kernels, most of it before such copies (docs/benchmarks.md, twenty-third session;
+what the input's share is was not settled there). Here no step copies anything: the batch
+is gathered from device memory inside the step. Measured: +7 to +16% (twenty-fourth
+session). The host still drives every step: XLA's while loop, its length a value of the
+call, reads each iteration's condition on the host and launches the step's ~90 kernels
+from there, which is why the sixteenth session's XLA loop over batches stacked by
+TensorFlow ops (2d1cd98, reverted) gained nothing at batch 128.
 
 The batches are make_dataset's, bit for bit: the same per-epoch draws
 (capsnet.data.epoch_draws: the order, flips, shifts, erased boxes, drawn on the host once
-an epoch and copied to the device, a few bytes an example) and the same batch_from_draws,
+an epoch and copied to the device, 8-56 bytes an example) and the same batch_from_draws,
 here inside the step. What the mode needs (one device, train.xla=jit, single-image data,
 no per-example augmentation) is config.check_data_on_device's.
 """
@@ -19,8 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from capsnet.data import batch_from_draws, epoch_draws, uint8_levels
-from capsnet.config import AUGMENTATION_OFF
-from capsnet.config.checks import PER_EXAMPLE_AUGMENTATION
+from capsnet.config import AUGMENTATION_OFF, PER_EXAMPLE_AUGMENTATION
 from capsnet.errors import ConfigError
 from capsnet.training.steps import STEP_VALUES, steps_until_non_finite
 from capsnet.validation import integer
@@ -42,11 +45,13 @@ class DeviceTrainingSet:
 
     def __init__(self, images, labels, *, batch_size, seed, shift_pixels, flip=False, shift_fill="zero",
                  erase_probability=0.0, erase_max_area=0.4, device=None, **per_example):
-        on = [f"data.{key}={value}" for key, value in per_example.items()
-              if key in PER_EXAMPLE_AUGMENTATION and value]
-        if on or set(per_example) - set(AUGMENTATION_OFF):
-            raise ConfigError(f"train.data_on_device=true augments whole batches (flip, shift, erase), not "
-                              f"{', '.join(on or sorted(per_example))}")
+        unknown = sorted(set(per_example) - set(AUGMENTATION_OFF))
+        if unknown:
+            raise TypeError(f"DeviceTrainingSet: unknown augmentation argument(s) {', '.join(unknown)}")
+        on = [f"data.{key}={per_example[key]}" for key in PER_EXAMPLE_AUGMENTATION if per_example.get(key)]
+        if on:  # config.check_data_on_device's rule, for a caller without a config
+            raise ConfigError(f"train.data_on_device=true augments whole batches on the device (flip, shift, "
+                              f"erase); {', '.join(on)} runs per example in tf.data")
         self.batch_size, self.seed, self.shape = int(batch_size), int(seed), images.shape
         # make_dataset's check (the range is the image's), as the same config key.
         self.shift_pixels = integer("data.shift_pixels", shift_pixels, minimum=0, maximum=min(images.shape[1:3]) - 1,
@@ -102,19 +107,19 @@ class DeviceEpoch:
         self.draws, self.steps_run = draws, 0
 
 
-def make_device_train_loop(train_step, training_set, *, steps_per_execution, batch_sizes=None):
+def make_device_train_loop(train_step, training_set, *, steps_per_execution, trace_sizes=()):
     """make_train_loop's twin for train.data_on_device: (epoch, batch_sizes) →
-    {name: (K,) per-step values}, `epoch` a DeviceEpoch (its next steps_run steps are run)
-    and `batch_sizes` as make_train_loop's (the sizes of the K steps to run, then zeros;
+    {name: (K,) per-step values}, `epoch` a DeviceEpoch (its next K steps are run) and
+    `batch_sizes` as make_train_loop's (the sizes of the K steps to run, then zeros;
     K ≤ steps_per_execution; only an epoch's last batch may be short).
 
     The K steps are one XLA program (a while loop over `train_step`, make_train_step's with
-    xla="jit", with the batch gathered and augmented in each iteration): one launch a
-    call. A batch size is a program of its own (a short last batch: a second one).
+    xla="jit", with the batch gathered and augmented in each iteration). A batch size is a
+    program of its own (a short last batch: a second one).
     The non-finite guard as make_train_loop's: the values stop at the first step whose loss
-    or grad_norm is not finite; the program runs all K steps, reading nothing on the host.
+    or grad_norm is not finite; the program runs all K steps.
 
-    `batch_sizes`: the sizes the epochs' batches have (the full one, and the last one's if
+    `trace_sizes`: the sizes the epochs' batches have (the full one, and the last one's if
     short), whose programs are traced here, before any other thread runs: a program traced
     later, beside train()'s thread that draws the next epoch (built_ahead), took the
     numbers in its loop's function names from a counter that thread moves too, so its XLA
@@ -146,15 +151,23 @@ def make_device_train_loop(train_step, training_set, *, steps_per_execution, bat
             programs[size] = run
         return programs[size]
 
-    for size in sorted(set(batch_sizes or ())):
+    for size in sorted(set(trace_sizes)):
         program(size).get_concrete_function(training_set.draws_signature(), tf.TensorSpec([], tf.int64),
                                             tf.TensorSpec([], tf.int32))
 
     def train_steps(epoch, batch_sizes):
         sizes = [int(size) for size in np.asarray(batch_sizes) if size]  # a host constant: no wait
+        if not sizes:
+            return {name: tf.zeros([0], tf.float32) for name in STEP_VALUES}
+        end = epoch.steps_run * training_set.batch_size + sum(sizes)
+        if end > training_set.shape[0]:
+            # XLA's gather would clamp the positions past the epoch: wrong batches, no error.
+            raise ValueError(f"make_device_train_loop: steps {epoch.steps_run + 1}-{epoch.steps_run + len(sizes)} "
+                             f"of sizes {sizes} need examples up to {end}, past the epoch's "
+                             f"{training_set.shape[0]}")
         parts = []
-        for size, run in itertools.groupby(sizes):
-            count = len(list(run))
+        for size, group in itertools.groupby(sizes):
+            count = len(list(group))
             values = program(size)(epoch.draws, tf.constant(epoch.steps_run, tf.int64), tf.constant(count, tf.int32))
             parts.append({name: value[:count] for name, value in values.items()})
             epoch.steps_run += count

@@ -266,8 +266,9 @@ def _train(cfg, progress):
         training_set = DeviceTrainingSet(train_images, train_labels, batch_size=batch_size, seed=seed, **augmentation)
         last_batch = examples_per_epoch - (steps_per_epoch - 1) * batch_size
         train_steps = make_device_train_loop(train_step, training_set, steps_per_execution=tcfg["steps_per_execution"],
-                                             batch_sizes=(batch_size, last_batch))
+                                             trace_sizes=(batch_size, last_batch))
     else:
+        training_set = None
         train_steps = make_train_loop(train_step, strategy=strategy)
     eval_step = make_eval_step(model, model.image_shape, jit_compile=tcfg["xla"] == "jit", two_digits=two_digits,
                                **losses)
@@ -428,7 +429,8 @@ def built_ahead(build, items):
 
 def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size, steps_per_execution,
                 log_every_steps, writer, learning_rate, progress_bar=True, loss_scale=None):
-    """One epoch of `train_steps` calls (make_train_loop) over `iterator`'s batches.
+    """One epoch of `train_steps` calls (make_train_loop, or make_device_train_loop with a
+    DeviceEpoch as `iterator`) over `iterator`'s batches.
 
     Returns (means, global_step): the epoch's example-weighted step values (loss,
     margin_loss, reconstruction_loss, accuracy; images_per_sec and step_time_ms of the
