@@ -444,10 +444,11 @@ def batch_from_draws(images, labels, draws, *, shift_pixels, shift_fill="zero", 
     batch = tf.gather(images, draws["index"])  # (B, H, W, C) uint8
     if "mirror" in draws:
         batch = tf.where(draws["mirror"][:, None, None, None], tf.reverse(batch, axis=[2]), batch)
+    # int32 as drawn; a cast of no op in tf.data, int64 as the device keeps them (device_input).
     if "corner" in draws:
-        batch = shift_batch(batch, draws["corner"], shift_pixels, fill=shift_fill)
+        batch = shift_batch(batch, tf.cast(draws["corner"], tf.int32), shift_pixels, fill=shift_fill)
     if "erase" in draws:
-        batch = erase_batch(batch, draws["erase"])
+        batch = erase_batch(batch, tf.cast(draws["erase"], tf.int32))
     pixels = tf.cast(batch, tf.float32) / 255.0 if levels is None else tf.gather(levels, tf.cast(batch, tf.int32))
     return pixels, tf.gather(labels, draws["index"])
 

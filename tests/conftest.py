@@ -320,3 +320,17 @@ def fresh_op_loader(monkeypatch, tmp_path):
     monkeypatch.setattr(ops, "_LIBRARY_PATH", str(path))
     monkeypatch.setattr(ops, "_lib", None)
     return path
+
+
+def assert_checkpoint_tensors_close(ours, theirs, *, rtol, atol, prefix=""):
+    """Every tensor of checkpoint `theirs` whose name starts with `prefix` is in `ours` and
+    within (rtol, atol) of it (checkpoint prefixes, e.g. <run>/checkpoints/latest/ckpt-2).
+    Returns the names compared, sorted."""
+    import tensorflow as tf
+
+    ours, theirs = tf.train.load_checkpoint(str(ours)), tf.train.load_checkpoint(str(theirs))
+    names = sorted(name for name in theirs.get_variable_to_shape_map()
+                   if name != "_CHECKPOINTABLE_OBJECT_GRAPH" and name.startswith(prefix))
+    for name in names:
+        np.testing.assert_allclose(ours.get_tensor(name), theirs.get_tensor(name), rtol=rtol, atol=atol, err_msg=name)
+    return names

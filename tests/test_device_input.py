@@ -13,7 +13,7 @@ from capsnet.data import make_dataset
 from capsnet.errors import ConfigError
 from capsnet.training import train
 from capsnet.training.device_input import DeviceTrainingSet, make_device_train_loop
-from conftest import read_events
+from conftest import assert_checkpoint_tensors_close, read_events
 
 AUGMENTATION = {"shift_pixels": 2, "flip": True, "shift_fill": "edge", "erase_probability": 0.5,
                 "erase_max_area": 0.3}
@@ -122,14 +122,10 @@ def test_data_on_device_trains_the_same_steps_as_the_pipeline(tiny_config, tmp_p
     assert [s for s, _ in dev_losses] == [s for s, _ in pipe_losses] == [2, 4, 6, 8]
     np.testing.assert_allclose([v for _, v in dev_losses], [v for _, v in pipe_losses], rtol=1e-5)
     assert dev["test_accuracy"] == pytest.approx(pipe["test_accuracy"], abs=0.02)  # 100 test images: 2 at most
-    ours = tf.train.load_checkpoint(str(dev_dir / "checkpoints" / "latest" / "ckpt-2"))
-    theirs = tf.train.load_checkpoint(str(pipe_dir / "checkpoints" / "latest" / "ckpt-2"))
-    names = set(theirs.get_variable_to_shape_map()) - {"_CHECKPOINTABLE_OBJECT_GRAPH"}
-    for name in sorted(n for n in names if n.startswith("model/")):
-        # atol 1e-4 (weights ~1e-2): on an H100 the two programs' TF32 convolutions left 5 of
-        # conv1's 1,296 weights 2-4e-5 apart after the 8 steps.
-        np.testing.assert_allclose(ours.get_tensor(name), theirs.get_tensor(name), rtol=1e-3, atol=1e-4,
-                                   err_msg=name)
+    # atol 1e-4 (weights ~1e-2): on an H100 the two programs' TF32 convolutions left 5 of
+    # conv1's 1,296 weights 2-4e-5 apart after the 8 steps.
+    assert_checkpoint_tensors_close(dev_dir / "checkpoints" / "latest" / "ckpt-2",
+                                    pipe_dir / "checkpoints" / "latest" / "ckpt-2", rtol=1e-3, atol=1e-4, prefix="model/")
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -18,7 +18,8 @@ from capsnet.errors import CheckpointError, ConfigError, DataError, OpLibraryErr
 from capsnet.training import train
 from capsnet.training.optimizer import cosine_decay, exponential_decay
 from capsnet.training.summaries import image_grid
-from conftest import REPO, compose_config, entry_point_env, load_script, read_events, run_entry_point, tiny_overrides
+from conftest import (REPO, assert_checkpoint_tensors_close, compose_config, entry_point_env, load_script, read_events,
+                      run_entry_point, tiny_overrides)
 
 STEPS_PER_EPOCH = 20  # 320 tiny training images / batch 16
 
@@ -685,13 +686,9 @@ def test_several_steps_per_call_run_the_same_steps(tiny_config, tmp_path, extra)
     (one_dir, one), (loop_dir, loop) = runs[1], runs[3]
     assert [s for s, _ in loop] == [s for s, _ in one] == [2, 4, 6, 8]
     np.testing.assert_allclose([v for _, v in loop], [v for _, v in one], rtol=1e-5)
-    ours = tf.train.load_checkpoint(str(loop_dir / "checkpoints" / "latest" / "ckpt-2"))
-    theirs = tf.train.load_checkpoint(str(one_dir / "checkpoints" / "latest" / "ckpt-2"))
-    names = set(theirs.get_variable_to_shape_map()) - {"_CHECKPOINTABLE_OBJECT_GRAPH"}
+    names = assert_checkpoint_tensors_close(loop_dir / "checkpoints" / "latest" / "ckpt-2",
+                                            one_dir / "checkpoints" / "latest" / "ckpt-2", rtol=1e-4, atol=1e-6)
     assert any(name.startswith("optimizer/") for name in names)
-    for name in sorted(names):
-        np.testing.assert_allclose(ours.get_tensor(name), theirs.get_tensor(name), rtol=1e-4, atol=1e-6,
-                                   err_msg=name)
 
 
 def test_train_with_xla_jit_matches_the_plain_run(trained_run, tiny_config, capsys):
@@ -729,12 +726,9 @@ def test_custom_op_under_xla_jit_trains_as_the_matmul_path(tiny_config, tmp_path
     (op_dir, op_losses), (matmul_dir, matmul_losses) = runs["op"], runs["matmul"]
     assert len(op_losses) == 6
     np.testing.assert_allclose(op_losses, matmul_losses, rtol=2e-4)
-    ours = tf.train.load_checkpoint(str(op_dir / "checkpoints" / "latest" / "ckpt-2"))
-    theirs = tf.train.load_checkpoint(str(matmul_dir / "checkpoints" / "latest" / "ckpt-2"))
-    names = set(theirs.get_variable_to_shape_map()) - {"_CHECKPOINTABLE_OBJECT_GRAPH"}
-    for name in sorted(n for n in names if n.startswith("model/")):
-        np.testing.assert_allclose(ours.get_tensor(name), theirs.get_tensor(name), rtol=1e-3, atol=1e-5,
-                                   err_msg=name)
+    assert_checkpoint_tensors_close(op_dir / "checkpoints" / "latest" / "ckpt-2",
+                                    matmul_dir / "checkpoints" / "latest" / "ckpt-2", rtol=1e-3, atol=1e-5,
+                                    prefix="model/")
 
     # make_train_step builds the jit step for an op model made outside a config too.
     model = build_model(routing="fused_op", conv1_filters=16, primary_caps_types=4, digit_caps_dim=8)

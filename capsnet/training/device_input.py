@@ -62,41 +62,40 @@ class DeviceTrainingSet:
         self.device = device or training_device()
         with tf.device(self.device):
             self.images = tf.identity(tf.constant(images))
-            # int64: an int32 tensor "on a GPU" is kept in host memory by TensorFlow, and
-            # would be copied to the device at every call.
-            self.labels = tf.identity(tf.constant(np.asarray(labels, np.int64)))
+            self.labels = tf.identity(tf.constant(np.asarray(labels, np.int64)))  # int64: _on_device says why
             self.levels = tf.identity(tf.constant(uint8_levels()))  # the pixel values (batch_from_draws: why)
 
     def epoch(self, index):
         """Epoch `index`'s draws (epoch_draws', keyed by (seed, index)) on the device."""
-        with tf.device("/CPU:0"):  # drawn where make_dataset draws them: the same kernels
-            draws = epoch_draws(self.shape, training=True, seed=self.seed, epoch=index, **self.augmentation)
         with tf.device(self.device):
-            return DeviceEpoch({key: tf.identity(tf.cast(value, tf.int64) if value.dtype == tf.int32 else value)
-                                for key, value in draws.items()})
+            return DeviceEpoch({key: tf.identity(tf.cast(value, _on_device(value.dtype)))
+                                for key, value in self._draws(index, self.shape).items()})
 
     def draws_signature(self):
-        """The TensorSpecs of an epoch's draws (DeviceEpoch.draws), what epoch() makes."""
-        n = self.shape[0]
-        signature = {"index": tf.TensorSpec([n], tf.int64)}
-        if self.augmentation["flip"]:
-            signature["mirror"] = tf.TensorSpec([n], tf.bool)
-        if self.shift_pixels > 0:
-            signature["corner"] = tf.TensorSpec([n, 2], tf.int64)
-        if self.augmentation["erase_probability"] > 0:
-            signature["erase"] = tf.TensorSpec([n, 4], tf.int64)
-        return signature
+        """The TensorSpecs of an epoch's draws (DeviceEpoch.draws), what epoch() makes: those
+        of one example's draws, for N examples."""
+        one = self._draws(0, (1, *self.shape[1:]))
+        return {key: tf.TensorSpec([self.shape[0], *value.shape[1:]], _on_device(value.dtype))
+                for key, value in one.items()}
+
+    def _draws(self, index, shape):
+        with tf.device("/CPU:0"):  # drawn where make_dataset draws them: the same kernels
+            return epoch_draws(shape, training=True, seed=self.seed, epoch=index, **self.augmentation)
 
     def batch(self, draws, step, size):
         """(images float32 (size, H, W, C), labels int32 (size,)): the examples at positions
         step · batch_size ... + size of the epoch (`draws`: DeviceEpoch.draws)."""
         positions = tf.cast(step, tf.int64) * self.batch_size + tf.range(size, dtype=tf.int64)
         picked = {key: tf.gather(value, positions) for key, value in draws.items()}
-        picked = {key: value if key in ("index", "mirror") else tf.cast(value, tf.int32)
-                  for key, value in picked.items()}
         images, labels = batch_from_draws(self.images, self.labels, picked, shift_pixels=self.shift_pixels,
                                           shift_fill=self.shift_fill, levels=self.levels)
         return images, tf.cast(labels, tf.int32)
+
+
+def _on_device(dtype):
+    # An int32 tensor "on a GPU" is kept in host memory by TensorFlow, and would be copied
+    # to the device at every call: int64 there (batch_from_draws takes either).
+    return tf.int64 if dtype == tf.int32 else dtype
 
 
 class DeviceEpoch:
