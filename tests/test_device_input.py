@@ -48,8 +48,9 @@ def test_device_batches_are_make_datasets_batches(compiled):
 def test_device_loop_runs_the_steps_asked_and_stops_at_the_first_non_finite_one():
     """A stand-in step that counts its calls (a variable) and reports its batch's size and
     first label: a call of sizes [7, 7, 7, 2] runs four steps on the epoch's next batches
-    (the short one a program apart, both traced when the loop is made), and the values stop
-    at the step whose loss is not finite."""
+    (the short one a program apart), a full call (4 steps of 7) runs the program whose trip
+    count is a constant, all three traced when the loop is made; the values stop at the step
+    whose loss is not finite."""
     images, labels = some_split()
     training_set = DeviceTrainingSet(images, labels, batch_size=7, seed=0, shift_pixels=0)
     calls = tf.Variable(0.0)
@@ -64,9 +65,10 @@ def test_device_loop_runs_the_steps_asked_and_stops_at_the_first_non_finite_one(
                 "reconstruction_loss": tf.cast(labels[0], tf.float32), "accuracy": tf.reduce_mean(images),
                 "grad_norm": tf.constant(1.0)}
 
-    # Both programs traced before any call (their names then depend on nothing after: the docstring's why).
+    # The programs traced before any call (their names then depend on nothing after: the
+    # docstring's why): sizes 7 and 2 with a tensor trip count, size 7 with 4 steps.
     train_steps = make_device_train_loop(step, training_set, steps_per_execution=4, trace_sizes=(7, 2, 7))
-    assert sorted(traced) == [2, 7]
+    assert sorted(traced) == [2, 7, 7]
     epoch = training_set.epoch(0)
     expected = list(make_dataset(images, labels, batch_size=7, training=True, seed=0, epoch=0, shift_pixels=0))
     first = train_steps(epoch, tf.constant([7, 0, 0, 0], tf.int32))
@@ -84,7 +86,7 @@ def test_device_loop_runs_the_steps_asked_and_stops_at_the_first_non_finite_one(
     cut = train_steps(training_set.epoch(1), tf.constant([7, 7, 7, 0], tf.int32))
     assert cut["loss"].shape == (2,) and cut["loss"][0] == 6.0 and np.isnan(cut["loss"][1])
     assert float(calls.numpy()) == 8.0  # the step after the bad one ran all the same
-    assert sorted(traced) == [2, 7]  # no call traced again
+    assert sorted(traced) == [2, 7, 7]  # no call traced again
 
     # A call of no steps runs none; one past the epoch's examples is refused (XLA's gather
     # would clamp the positions: wrong batches, no error).
@@ -92,6 +94,25 @@ def test_device_loop_runs_the_steps_asked_and_stops_at_the_first_non_finite_one(
     with pytest.raises(ValueError, match=r"steps 6-6 of sizes \[7\] need examples up to 42, past the epoch's 30"):
         train_steps(epoch, tf.constant([7, 0, 0, 0], tf.int32))
     assert float(calls.numpy()) == 8.0 and epoch.steps_run == 5
+
+    # A full call: the constant trip count's program, the epoch's batches in turn as before.
+    bad_call.assign(-1.0)
+    epoch = training_set.epoch(2)
+    expected = list(make_dataset(images, labels, batch_size=7, training=True, seed=0, epoch=2, shift_pixels=0))
+    full = train_steps(epoch, tf.constant([7, 7, 7, 7], tf.int32))
+    np.testing.assert_array_equal(full["loss"].numpy(), [9.0, 10.0, 11.0, 12.0])
+    np.testing.assert_array_equal(full["reconstruction_loss"].numpy(), [float(y[0]) for _, y in expected[:4]])
+    assert epoch.steps_run == 4
+    assert sorted(traced) == [2, 7, 7]  # no call traced again
+
+    # Without the constant trip count: one program a size serves every call.
+    traced.clear()
+    one_program = make_device_train_loop(step, training_set, steps_per_execution=4, trace_sizes=(7, 2),
+                                         static_trip_count=False)
+    assert sorted(traced) == [2, 7]
+    full = one_program(training_set.epoch(2), tf.constant([7, 7, 7, 7], tf.int32))
+    np.testing.assert_array_equal(full["reconstruction_loss"].numpy(), [float(y[0]) for _, y in expected[:4]])
+    assert sorted(traced) == [2, 7]
 
 
 def test_device_training_set_refuses_per_example_augmentation_and_unknown_arguments():

@@ -6,10 +6,12 @@ queues behind the compute already there; at batch 512 the GPU waited ~0.7 ms of 
 between kernels, most of it before such copies (docs/benchmarks.md, twenty-third session;
 what the input's share is was not settled there). Here no step copies anything: the batch
 is gathered from device memory inside the step. Measured: +7 to +16% (twenty-fourth
-session). The host still drives every step: XLA's while loop, its length a value of the
-call, reads each iteration's condition on the host and launches the step's ~90 kernels
-from there, which is why the sixteenth session's XLA loop over batches stacked by
-TensorFlow ops (2d1cd98, reverted) gained nothing at batch 128.
+session). The host still launches every step's ~90 kernels (XLA's own loop), which is why
+the sixteenth session's XLA loop over batches stacked by TensorFlow ops (2d1cd98,
+reverted) gained nothing at batch 128. A loop whose length is a value of the call also
+reads each iteration's condition on the host (a copy and a wait); a call of
+steps_per_execution steps runs a program of that constant length instead, which does not:
++5 to +8% at batch 128, nothing measurable at 512 (twenty-fifth session).
 
 The batches are make_dataset's, bit for bit: the same per-epoch draws
 (capsnet.data.epoch_draws: the order, flips, shifts, erased boxes, drawn on the host once
@@ -106,7 +108,7 @@ class DeviceEpoch:
         self.draws, self.steps_run = draws, 0
 
 
-def make_device_train_loop(train_step, training_set, *, steps_per_execution, trace_sizes=()):
+def make_device_train_loop(train_step, training_set, *, steps_per_execution, trace_sizes=(), static_trip_count=True):
     """make_train_loop's twin for train.data_on_device: (epoch, batch_sizes) →
     {name: (K,) per-step values}, `epoch` a DeviceEpoch (its next K steps are run) and
     `batch_sizes` as make_train_loop's (the sizes of the K steps to run, then zeros;
@@ -114,7 +116,12 @@ def make_device_train_loop(train_step, training_set, *, steps_per_execution, tra
 
     The K steps are one XLA program (a while loop over `train_step`, make_train_step's with
     xla="jit", with the batch gathered and augmented in each iteration). A batch size is a
-    program of its own (a short last batch: a second one).
+    program of its own (a short last batch: a second one), and so is a call of
+    steps_per_execution steps at that size: its loop's trip count is a constant, which lets
+    XLA run the body that many times without reading the loop's condition on the host at
+    each iteration (a device-to-host copy and a wait); other calls (an epoch's first step,
+    the steps up to a log step or to the epoch's end) share one program whose trip count is
+    a tensor. `static_trip_count=False`: that one program for every call.
     The non-finite guard as make_train_loop's: the values stop at the first step whose loss
     or grad_norm is not finite; the program runs all K steps.
 
@@ -128,12 +135,14 @@ def make_device_train_loop(train_step, training_set, *, steps_per_execution, tra
     """
     programs = {}
 
-    def program(size):
-        # One per batch size, compiled at its first call; the steps to run (count) and where
-        # they start are tensors, so no other value compiles another.
-        if size not in programs:
+    def program(size, steps=None):
+        # One per (batch size, steps: None or steps_per_execution), compiled at its first
+        # call; where the steps start is a tensor, and so is their number (count) where
+        # `steps` is None, so no other value compiles another.
+        if (size, steps) not in programs:
             @tf.function(jit_compile=True, autograph=False)
             def run(draws, first_step, count):
+                trip_count = count if steps is None else steps
                 def body(i, values):
                     # A gather, not a slice, picks the batch: tf2xla takes a slice's start as a
                     # compile-time constant, which compiled the program again for every call.
@@ -144,15 +153,19 @@ def make_device_train_loop(train_step, training_set, *, steps_per_execution, tra
                                    for name in STEP_VALUES}
 
                 empty = {name: tf.zeros([steps_per_execution], tf.float32) for name in STEP_VALUES}
-                _, values = tf.while_loop(lambda i, _: i < count, body, (tf.constant(0), empty))
+                _, values = tf.while_loop(lambda i, _: i < trip_count, body, (tf.constant(0), empty))
                 return values
 
-            programs[size] = run
-        return programs[size]
+            programs[size, steps] = run
+        return programs[size, steps]
 
+    full_call = (steps_per_execution,) if static_trip_count else ()
     for size in sorted(set(trace_sizes)):
-        program(size).get_concrete_function(training_set.draws_signature(), tf.TensorSpec([], tf.int64),
-                                            tf.TensorSpec([], tf.int32))
+        # A short batch is an epoch's last, a call of one step: a full call only where that is one.
+        can_fill = size == training_set.batch_size or steps_per_execution == 1
+        for steps in (None, *full_call) if can_fill else (None,):
+            program(size, steps).get_concrete_function(training_set.draws_signature(), tf.TensorSpec([], tf.int64),
+                                                       tf.TensorSpec([], tf.int32))
 
     def train_steps(epoch, batch_sizes):
         sizes = [int(size) for size in np.asarray(batch_sizes) if size]  # a host constant: no wait
@@ -167,7 +180,9 @@ def make_device_train_loop(train_step, training_set, *, steps_per_execution, tra
         parts = []
         for size, group in itertools.groupby(sizes):
             count = len(list(group))
-            values = program(size)(epoch.draws, tf.constant(epoch.steps_run, tf.int64), tf.constant(count, tf.int32))
+            steps = count if count in full_call else None
+            values = program(size, steps)(epoch.draws, tf.constant(epoch.steps_run, tf.int64),
+                                          tf.constant(count, tf.int32))
             parts.append({name: value[:count] for name, value in values.items()})
             epoch.steps_run += count
         stacked = parts[0] if len(parts) == 1 else {name: tf.concat([part[name] for part in parts], 0)
