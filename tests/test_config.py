@@ -66,7 +66,7 @@ def test_group_choices_set_what_they_say():
     # a short cosine schedule over full batches of 512.
     fast, paper = train_cfg("experiment=fast_mnist"), train_cfg("experiment=paper_mnist")
     assert fast["custom_op"] is True and fast["model"] == paper["model"] and fast["data"] == paper["data"]
-    changed = {"epochs": 15, "batch_size": 512, "drop_remainder": True, "test_batch_size": 1000, "learning_rate": 0.005,
+    changed = {"epochs": 18, "batch_size": 512, "drop_remainder": True, "test_batch_size": 1000, "learning_rate": 0.005,
                "lr_schedule": "cosine", "warmup_epochs": 2, "xla": "jit", "precision": "mixed_bfloat16",
                "xla_cache_dir": "~/.cache/capsnet/xla", "data_on_device": True}
     assert {k: fast["train"][k] for k in changed} == changed
