@@ -323,9 +323,9 @@ def fresh_op_loader(monkeypatch, tmp_path):
 
 
 def assert_checkpoint_tensors_close(ours, theirs, *, rtol, atol, prefix=""):
-    """Every tensor of checkpoint `theirs` whose name starts with `prefix` is in `ours` and
-    within (rtol, atol) of it (checkpoint prefixes, e.g. <run>/checkpoints/latest/ckpt-2).
-    Returns the names compared, sorted."""
+    """Every tensor of checkpoint `theirs` whose name starts with `prefix` (a string or a
+    tuple of them) is in `ours` and within (rtol, atol) of it (0 and 0: equal; checkpoint
+    prefixes, e.g. <run>/checkpoints/latest/ckpt-2). Returns the names compared, sorted."""
     import tensorflow as tf
 
     ours, theirs = tf.train.load_checkpoint(str(ours)), tf.train.load_checkpoint(str(theirs))
