@@ -11,7 +11,7 @@ import tensorflow as tf
 from capsnet import config
 from capsnet.data import make_dataset
 from capsnet.errors import ConfigError
-from capsnet.training import train
+from capsnet.training import loop, train
 from capsnet.training.device_input import DeviceTrainingSet, make_device_train_loop
 from conftest import assert_checkpoint_tensors_close, read_events
 
@@ -125,28 +125,37 @@ def test_device_training_set_refuses_per_example_augmentation_and_unknown_argume
         DeviceTrainingSet(images, labels, batch_size=7, seed=0, shift_pixels=12)
 
 
-def test_data_on_device_trains_the_same_steps_as_the_pipeline(tiny_config, tmp_path):
+def test_data_on_device_trains_the_same_steps_as_the_pipeline(tiny_config, tmp_path, monkeypatch):
     """custom_op=true train.xla=jit with train.data_on_device=true against false: the same
-    batches (flips and erasing on; the epoch's last batch short: 53 = 3 × 16 + 5), so the
+    batches (flips and erasing on; the epoch's last batch short: 69 = 4 × 16 + 5), so the
     same per-step losses, test accuracy and final weights (float tolerance: a loop of
-    steps in one program is compiled apart from the single step)."""
-    common = ["custom_op=true", "train.xla=jit", "data.limit_train=53", "train.epochs=2", "train.log_every_steps=2",
-              "train.steps_per_execution=3", "data.flip=true", "data.erase_probability=0.5"]
+    steps in one program is compiled apart from the single step). Calls of 1 and 2 steps:
+    full calls (2 × 16) run the constant-length loop, the others the tensor-count one.
+    The finished run rerun trains nothing, and copies no training set to do so."""
+    common = ["custom_op=true", "train.xla=jit", "data.limit_train=69", "train.epochs=2", "train.log_every_steps=2",
+              "train.steps_per_execution=2", "data.flip=true", "data.erase_probability=0.5"]
     runs = {}
     for on_device in (False, True):
         run_dir = tmp_path / f"on_device_{on_device}"
         metrics = train(tiny_config(*common, f"train.data_on_device={str(on_device).lower()}", run_dir=run_dir))
-        assert metrics["global_step"] == 8
+        assert metrics["global_step"] == 10
         runs[on_device] = (run_dir, metrics, [(step, float(tf.make_ndarray(v.tensor)))
                                               for step, v in read_events(run_dir)["train/loss"]])
     (pipe_dir, pipe, pipe_losses), (dev_dir, dev, dev_losses) = runs[False], runs[True]
-    assert [s for s, _ in dev_losses] == [s for s, _ in pipe_losses] == [2, 4, 6, 8]
+    assert [s for s, _ in dev_losses] == [s for s, _ in pipe_losses] == [2, 4, 5, 6, 8, 10]  # log steps, epoch ends
     np.testing.assert_allclose([v for _, v in dev_losses], [v for _, v in pipe_losses], rtol=1e-5)
     assert dev["test_accuracy"] == pytest.approx(pipe["test_accuracy"], abs=0.02)  # 100 test images: 2 at most
     # atol 1e-4 (weights ~1e-2): on an H100 the two programs' TF32 convolutions left 5 of
     # conv1's 1,296 weights 2-4e-5 apart after the 8 steps.
     assert_checkpoint_tensors_close(dev_dir / "checkpoints" / "latest" / "ckpt-2",
                                     pipe_dir / "checkpoints" / "latest" / "ckpt-2", rtol=1e-3, atol=1e-4, prefix="model/")
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a finished run copied its training set to the device")
+
+    monkeypatch.setattr(loop, "DeviceTrainingSet", refused)
+    rerun = train(tiny_config(*common, "train.data_on_device=true", run_dir=dev_dir))
+    assert rerun["global_step"] == 10 and rerun["test_accuracy"] == dev["test_accuracy"]
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -261,7 +261,7 @@ def _train(cfg, progress):
     train_step = make_train_step(model, optimizer, input_shape=model.image_shape, losses=losses, xla=tcfg["xla"],
                                  strategy=strategy, all_reduce=all_reduce, two_digits=two_digits,
                                  weight_average=average)
-    if tcfg["data_on_device"]:
+    if tcfg["data_on_device"] and int(epoch) < tcfg["epochs"]:  # (a finished run rerun: nothing to copy)
         # The training split copied to the device once; each epoch only its draws (config.check_data_on_device).
         training_set = DeviceTrainingSet(train_images, train_labels, batch_size=batch_size, seed=seed, **augmentation)
         last_batch = examples_per_epoch - (steps_per_epoch - 1) * batch_size
@@ -269,7 +269,7 @@ def _train(cfg, progress):
                                              trace_sizes=(batch_size, last_batch))
     else:
         training_set = None
-        train_steps = make_train_loop(train_step, strategy=strategy)
+        train_steps = make_train_loop(train_step, strategy=strategy)  # (traces nothing until called)
     eval_step = make_eval_step(model, model.image_shape, jit_compile=tcfg["xla"] == "jit", two_digits=two_digits,
                                **losses)
 
