@@ -38,8 +38,9 @@ How:
   step: the steps without the input pipeline (no tf.data, no copy a step).
 - The steps run as train() runs them (capsnet.training.steps.make_train_loop), K =
   `--steps-per-execution` steps per compiled call (train.steps_per_execution; a list
-  measures each). A fresh model per (batch size, K); `--warmup` steps first (tracing,
-  XLA compilation, cuDNN/XLA autotuning), not timed. Then `--repeats` times: `--steps`
+  measures each). A fresh model per (batch size, K); `--warmup` steps first, at least
+  1 + `--steps` (tracing, XLA compilation of every call length, cuDNN/XLA autotuning), not
+  timed. Then `--repeats` times: `--steps`
   steps dispatched back to back and ONE device sync at the end (reading the last loss
   waits for every step, since each reads the weights the previous one wrote). The
   median repeat gives images/s and ms/step; the ratio column compares variants at the
@@ -198,7 +199,8 @@ def add_run_arguments(parser, *, default_variants, inputs=INPUTS):
                         help="comma-separated train.steps_per_execution values: steps per compiled call "
                              "(default 1)")
     parser.add_argument("--warmup", type=_positive_int, default=10,
-                        help="untimed steps first: tracing, XLA compilation, autotuning, NCCL setup (default 10)")
+                        help="untimed steps first, at least 1 + --steps: tracing, XLA compilation, autotuning, NCCL setup "
+                             "(default 10)")
     parser.add_argument("--repeats", type=_positive_int, default=5, help="timed repeats; the median counts (default 5)")
     parser.add_argument("--precision", type=_precisions, default=["float32"],
                         help="comma-separated train.precision values (default float32)")
@@ -349,7 +351,9 @@ def runner(train_steps, iterator, global_batch, per_call):
 
 def time_steps(runs, spec, tf_device=None):
     """Time each of `runs` (runner's): the first step alone (it traces: never timed),
-    `--warmup` - 1 more, then `--repeats` × `--steps` steps with ONE device sync each.
+    `--warmup` - 1 more but at least `--steps` (calls of every length the repeats make: the
+    device loop, --input on_device, compiles a full call's program apart from the others),
+    then `--repeats` × `--steps` steps with ONE device sync each.
     Several runs (the guard on and off) take turns, in alternating order from repeat to
     repeat, so a drift of the GPU's clocks over the run weighs on each alike.
     Returns per run (first loss, last loss, seconds of each repeat), and the peak bytes of
@@ -359,9 +363,8 @@ def time_steps(runs, spec, tf_device=None):
     import tensorflow as tf
 
     first = [run(1) for run in runs]
-    if spec["warmup"] > 1:
-        for run in runs:
-            run(spec["warmup"] - 1)  # finished before the clock starts
+    for run in runs:
+        run(max(spec["warmup"] - 1, spec["steps"]))  # finished before the clock starts
     memory_device = None
     if tf_device is not None:  # "/cpu:0" -> "CPU:0", the form the memory queries take
         device = tf.DeviceSpec.from_string(tf_device)
@@ -612,7 +615,7 @@ def main(argv=None):
     print(f"## CapsNet training throughput\n\n"
           f"{report['device'] or args.device} · TensorFlow {report['tensorflow'] or '?'} · {model} ({size}) · "
           f"{INPUT_NOTE[args.input]} · median of {args.repeats} × {args.steps} steps after "
-          f"{args.warmup} warm-up steps\n")
+          f"{max(args.warmup, 1 + args.steps)} warm-up steps\n")
     if rows:
         print(format_table(rows))
     for error in report["errors"]:

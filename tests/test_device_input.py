@@ -69,6 +69,8 @@ def test_device_loop_runs_the_steps_asked_and_stops_at_the_first_non_finite_one(
     # docstring's why): sizes 7 and 2 with a tensor trip count, size 7 with 4 steps.
     train_steps = make_device_train_loop(step, training_set, steps_per_execution=4, trace_sizes=(7, 2, 7))
     assert sorted(traced) == [2, 7, 7]
+    assert sorted(train_steps.programs, key=str) == [(2, None), (7, 4), (7, None)]
+    called = record_calls(train_steps)
     epoch = training_set.epoch(0)
     expected = list(make_dataset(images, labels, batch_size=7, training=True, seed=0, epoch=0, shift_pixels=0))
     first = train_steps(epoch, tf.constant([7, 0, 0, 0], tf.int32))
@@ -104,15 +106,40 @@ def test_device_loop_runs_the_steps_asked_and_stops_at_the_first_non_finite_one(
     np.testing.assert_array_equal(full["reconstruction_loss"].numpy(), [float(y[0]) for _, y in expected[:4]])
     assert epoch.steps_run == 4
     assert sorted(traced) == [2, 7, 7]  # no call traced again
+    # Only the full call ran the constant-length program ([7], [7, 7, 7, 2] and the cut [7, 7, 7] did not).
+    assert called == [(7, None), (7, None), (2, None), (7, None), (7, 4)]
 
     # Without the constant trip count: one program a size serves every call.
     traced.clear()
     one_program = make_device_train_loop(step, training_set, steps_per_execution=4, trace_sizes=(7, 2),
-                                         static_trip_count=False)
-    assert sorted(traced) == [2, 7]
+                                         static_steps=None)
+    assert sorted(traced) == [2, 7] and sorted(one_program.programs) == [(2, None), (7, None)]
     full = one_program(training_set.epoch(2), tf.constant([7, 7, 7, 7], tf.int32))
     np.testing.assert_array_equal(full["reconstruction_loss"].numpy(), [float(y[0]) for _, y in expected[:4]])
     assert sorted(traced) == [2, 7]
+
+    # Calls of one step at most (static_steps=1, as train() passes for such epochs): the
+    # constant-length programs only, the short batch's too.
+    traced.clear()
+    single = make_device_train_loop(step, training_set, steps_per_execution=4, trace_sizes=(7, 2), static_steps=1)
+    assert sorted(traced) == [2, 7] and sorted(single.programs) == [(2, 1), (7, 1)]
+    called = record_calls(single)
+    epoch = training_set.epoch(2)
+    for sizes in ([7, 0, 0, 0],) * 4 + ([2, 0, 0, 0],):
+        single(epoch, tf.constant(sizes, tf.int32))
+    assert called == [(7, 1)] * 4 + [(2, 1)] and sorted(traced) == [2, 7]
+
+
+def record_calls(train_steps):
+    """The keys of make_device_train_loop's programs in the order they are called (each
+    program wrapped in train_steps.programs, where train_steps looks it up at each call)."""
+    called = []
+    for key, run in list(train_steps.programs.items()):
+        def counted(*args, key=key, run=run):
+            called.append(key)
+            return run(*args)
+        train_steps.programs[key] = counted
+    return called
 
 
 def test_device_training_set_refuses_per_example_augmentation_and_unknown_arguments():
@@ -134,6 +161,14 @@ def test_data_on_device_trains_the_same_steps_as_the_pipeline(tiny_config, tmp_p
     The finished run rerun trains nothing, and copies no training set to do so."""
     common = ["custom_op=true", "train.xla=jit", "data.limit_train=69", "train.epochs=2", "train.log_every_steps=2",
               "train.steps_per_execution=2", "data.flip=true", "data.erase_probability=0.5"]
+    made = []  # (static_steps, the programs called) of each device loop train() makes
+
+    def recording(*args, **kwargs):
+        train_steps = make_device_train_loop(*args, **kwargs)
+        made.append((kwargs["static_steps"], record_calls(train_steps)))
+        return train_steps
+
+    monkeypatch.setattr(loop, "make_device_train_loop", recording)
     runs = {}
     for on_device in (False, True):
         run_dir = tmp_path / f"on_device_{on_device}"
@@ -143,6 +178,9 @@ def test_data_on_device_trains_the_same_steps_as_the_pipeline(tiny_config, tmp_p
                                               for step, v in read_events(run_dir)["train/loss"]])
     (pipe_dir, pipe, pipe_losses), (dev_dir, dev, dev_losses) = runs[False], runs[True]
     assert [s for s, _ in dev_losses] == [s for s, _ in pipe_losses] == [2, 4, 5, 6, 8, 10]  # log steps, epoch ends
+    # Calls of 1, 1, 2, 1 | 1, 2, 2 steps (the first of an epoch one step, none past a log
+    # step); the two calls of 2 full batches ran the constant-length loop.
+    assert made == [(2, [(16, None), (16, None), (16, 2), (5, None), (16, None), (16, 2), (16, None), (5, None)])]
     np.testing.assert_allclose([v for _, v in dev_losses], [v for _, v in pipe_losses], rtol=1e-5)
     assert dev["test_accuracy"] == pytest.approx(pipe["test_accuracy"], abs=0.02)  # 100 test images: 2 at most
     # atol 1e-4 (weights ~1e-2): on an H100 the two programs' TF32 convolutions left 5 of

@@ -108,7 +108,7 @@ class DeviceEpoch:
         self.draws, self.steps_run = draws, 0
 
 
-def make_device_train_loop(train_step, training_set, *, steps_per_execution, trace_sizes=(), static_trip_count=True):
+def make_device_train_loop(train_step, training_set, *, steps_per_execution, trace_sizes=(), static_steps="full"):
     """make_train_loop's twin for train.data_on_device: (epoch, batch_sizes) →
     {name: (K,) per-step values}, `epoch` a DeviceEpoch (its next K steps are run) and
     `batch_sizes` as make_train_loop's (the sizes of the K steps to run, then zeros;
@@ -117,16 +117,19 @@ def make_device_train_loop(train_step, training_set, *, steps_per_execution, tra
     The K steps are one XLA program (a while loop over `train_step`, make_train_step's with
     xla="jit", with the batch gathered and augmented in each iteration). A batch size is a
     program of its own (a short last batch: a second one), and so is a call of
-    steps_per_execution steps at that size: its loop's trip count is a constant, which lets
-    XLA run the body that many times without reading the loop's condition on the host at
-    each iteration (a device-to-host copy and a wait); other calls (an epoch's first step,
-    the steps up to a log step or to the epoch's end) share one program whose trip count is
-    a tensor. `static_trip_count=False`: that one program for every call.
+    `static_steps` steps at that size (default "full": steps_per_execution; train() passes
+    the longest call its epochs make): that loop's trip count is a constant, which lets XLA
+    run the body that many times without reading the loop's condition on the host at each
+    iteration (a device-to-host copy and a wait); other calls (an epoch's first step, the
+    steps up to a log step or to the epoch's end) share one program whose trip count is a
+    tensor. `static_steps=None`: that one program for every call. The programs, keyed by
+    (size, static_steps or None), are the returned function's `programs`.
     The non-finite guard as make_train_loop's: the values stop at the first step whose loss
     or grad_norm is not finite; the program runs all K steps.
 
     `trace_sizes`: the sizes the epochs' batches have (the full one, and the last one's if
-    short), whose programs are traced here, before any other thread runs: a program traced
+    short), whose programs that can be called are traced here (a short batch is an epoch's
+    last, a call of one step), before any other thread runs: a program traced
     later, beside train()'s thread that draws the next epoch (built_ahead), took the
     numbers in its loop's function names from a counter that thread moves too, so its XLA
     computation differed from run to run and train.xla_cache_dir never had it (seen on an
@@ -159,13 +162,15 @@ def make_device_train_loop(train_step, training_set, *, steps_per_execution, tra
             programs[size, steps] = run
         return programs[size, steps]
 
-    full_call = (steps_per_execution,) if static_trip_count else ()
+    if static_steps == "full":
+        static_steps = steps_per_execution
+    if static_steps is not None:
+        static_steps = integer("static_steps", static_steps, minimum=1, maximum=steps_per_execution)
     for size in sorted(set(trace_sizes)):
-        # A short batch is an epoch's last, a call of one step: a full call only where that is one.
-        can_fill = size == training_set.batch_size or steps_per_execution == 1
-        for steps in (None, *full_call) if can_fill else (None,):
-            program(size, steps).get_concrete_function(training_set.draws_signature(), tf.TensorSpec([], tf.int64),
-                                                       tf.TensorSpec([], tf.int32))
+        for steps in (None, static_steps):
+            if _can_call(size, steps, training_set.batch_size, static_steps):
+                program(size, steps).get_concrete_function(
+                    training_set.draws_signature(), tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.int32))
 
     def train_steps(epoch, batch_sizes):
         sizes = [int(size) for size in np.asarray(batch_sizes) if size]  # a host constant: no wait
@@ -180,7 +185,7 @@ def make_device_train_loop(train_step, training_set, *, steps_per_execution, tra
         parts = []
         for size, group in itertools.groupby(sizes):
             count = len(list(group))
-            steps = count if count in full_call else None
+            steps = count if count == static_steps else None
             values = program(size, steps)(epoch.draws, tf.constant(epoch.steps_run, tf.int64),
                                           tf.constant(count, tf.int32))
             parts.append({name: value[:count] for name, value in values.items()})
@@ -190,4 +195,16 @@ def make_device_train_loop(train_step, training_set, *, steps_per_execution, tra
         ran = steps_until_non_finite(stacked, len(sizes))
         return {name: value[:ran] for name, value in stacked.items()}
 
+    train_steps.programs = programs
     return train_steps
+
+
+def _can_call(size, steps, batch_size, static_steps):
+    """Whether make_device_train_loop's calls can run the program of (size, steps), static_steps
+    being the longest call (as train() passes it; a longer call still runs, its program
+    traced at that call): a short batch is an epoch's last, a call of one step; a call of
+    static_steps steps runs its own program, so with static_steps == 1 every call does and
+    none runs the shared one."""
+    if steps is None:
+        return static_steps != 1
+    return size == batch_size or steps == 1

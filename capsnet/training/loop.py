@@ -265,8 +265,12 @@ def _train(cfg, progress):
         # The training split copied to the device once; each epoch only its draws (config.check_data_on_device).
         training_set = DeviceTrainingSet(train_images, train_labels, batch_size=batch_size, seed=seed, **augmentation)
         last_batch = examples_per_epoch - (steps_per_epoch - 1) * batch_size
+        # The longest call train_epoch makes (an epoch's first is one step, none crosses a log
+        # step) runs a loop of constant length (make_device_train_loop says why).
+        longest = min(steps_per_call(steps_per_epoch, tcfg["steps_per_execution"], tcfg["progress_bar"]),
+                      tcfg["log_every_steps"], steps_per_epoch - 1)
         train_steps = make_device_train_loop(train_step, training_set, steps_per_execution=tcfg["steps_per_execution"],
-                                             trace_sizes=(batch_size, last_batch))
+                                             trace_sizes=(batch_size, last_batch), static_steps=longest or None)
     else:
         training_set = None
         train_steps = make_train_loop(train_step, strategy=strategy)  # (traces nothing until called)
@@ -427,6 +431,17 @@ def built_ahead(build, items):
             yield item, built
 
 
+def steps_per_call(steps_per_epoch, steps_per_execution, progress_bar):
+    """The most steps train_epoch runs in one call: steps_per_execution, or with a live
+    progress bar (train.progress_bar on a terminal) at most 1/20 of the epoch: the bar moves
+    only when a call's values are fetched, so it then moves ~20 times an epoch whatever
+    steps_per_execution is (the same steps and values; at 469 steps an epoch, 24-step
+    calls, whose host overhead is negligible)."""
+    if progress_bar and sys.stdout.isatty():
+        return min(steps_per_execution, max(1, math.ceil(steps_per_epoch / 20)))
+    return steps_per_execution
+
+
 def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size, steps_per_execution,
                 log_every_steps, writer, learning_rate, progress_bar=True, loss_scale=None):
     """One epoch of `train_steps` calls (make_train_loop, or make_device_train_loop with a
@@ -444,10 +459,7 @@ def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size,
     live = progress_bar and sys.stdout.isatty()
     bar = keras.utils.Progbar(steps_per_epoch, verbose=1 if live else 2,
                               stateful_metrics=["loss", "accuracy", "images/s"]) if progress_bar else None
-    # A live bar moves only when a call's values are fetched: calls of at most 1/20 of the
-    # epoch let it move ~20 times whatever steps_per_execution is (the same steps and
-    # values; at 469 steps an epoch, 24-step calls, whose host overhead is negligible).
-    per_call = min(steps_per_execution, max(1, math.ceil(steps_per_epoch / 20))) if live else steps_per_execution
+    per_call = steps_per_call(steps_per_epoch, steps_per_execution, progress_bar)
     epoch_window, log_window = MetricWindow(), MetricWindow()
     pending = []  # (per-step outputs still on the device, their batch sizes)
     tick = time.perf_counter()
