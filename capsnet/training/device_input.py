@@ -9,9 +9,10 @@ is gathered from device memory inside the step. Measured: +7 to +16% (twenty-fou
 session). The host still launches every step's ~90 kernels (XLA's own loop), which is why
 the sixteenth session's XLA loop over batches stacked by TensorFlow ops (2d1cd98,
 reverted) gained nothing at batch 128. A loop whose length is a value of the call also
-reads each iteration's condition on the host (a copy and a wait); a call of
-steps_per_execution steps runs a program of that constant length instead, which does not:
-+5 to +8% at batch 128, nothing measurable at 512 (twenty-fifth session).
+reads each iteration's condition on the host (a copy and a wait); the longest call an
+epoch makes (steps_per_execution steps, or fewer: make_device_train_loop's static_steps)
+runs a program of that constant length instead, which need not: +5 to +8% at batch 128,
+nothing measurable at 512 (twenty-fifth session).
 
 The batches are make_dataset's, bit for bit: the same per-epoch draws
 (capsnet.data.epoch_draws: the order, flips, shifts, erased boxes, drawn on the host once
