@@ -35,8 +35,8 @@ How (as benchmark_train, from which the timing protocol and helpers come):
   `--steps-per-execution` steps per compiled call (each value of the list measured;
   `--input device`: each replica's slice on its device once, no input pipeline a step;
   scaling compares the same value). `--warmup` untimed steps, at least 1 + `--steps`
-  (tracing, compiling, autotuning, NCCL setup; benchmark_train's time_steps), then `--repeats` × `--steps` steps with one device sync per
-  repeat; the median counts.
+  (tracing, compiling, autotuning, NCCL setup; benchmark_train's time_steps), then
+  `--repeats` × `--steps` steps with one device sync per repeat; the median counts.
 
 Prints a markdown table (stdout; progress on stderr) and with `--json PATH` writes JSON.
 Every mirrored configuration first checks that its all-reduce sums (train()'s
@@ -361,7 +361,7 @@ def main(argv=None):
           f"{report['device'] or args.device} ×{report['devices_visible'] or '?'} · TensorFlow "
           f"{report['tensorflow'] or '?'} · {model} ({size}) · {bt.INPUT_NOTE[args.input]} · batch per GPU fixed, "
           f"global batch = replicas × it · median of {args.repeats} × {args.steps} steps after "
-          f"{max(args.warmup, 1 + args.steps)} warm-up steps\n")
+          f"{bt.warmup_steps(args.warmup, args.steps)} warm-up steps\n")
     if rows:
         print(format_table(rows))
     for failure in failures:

@@ -349,6 +349,12 @@ def runner(train_steps, iterator, global_batch, per_call):
     return run
 
 
+def warmup_steps(warmup, steps):
+    """The untimed steps before the repeats: `--warmup`, at least one step and a repeat's
+    `steps` (time_steps says why)."""
+    return max(warmup, 1 + steps)
+
+
 def time_steps(runs, spec, tf_device=None):
     """Time each of `runs` (runner's): the first step alone (it traces: never timed),
     `--warmup` - 1 more but at least `--steps` (calls of every length the repeats make: the
@@ -364,7 +370,7 @@ def time_steps(runs, spec, tf_device=None):
 
     first = [run(1) for run in runs]
     for run in runs:
-        run(max(spec["warmup"] - 1, spec["steps"]))  # finished before the clock starts
+        run(warmup_steps(spec["warmup"], spec["steps"]) - 1)  # finished before the clock starts
     memory_device = None
     if tf_device is not None:  # "/cpu:0" -> "CPU:0", the form the memory queries take
         device = tf.DeviceSpec.from_string(tf_device)
@@ -615,7 +621,7 @@ def main(argv=None):
     print(f"## CapsNet training throughput\n\n"
           f"{report['device'] or args.device} · TensorFlow {report['tensorflow'] or '?'} · {model} ({size}) · "
           f"{INPUT_NOTE[args.input]} · median of {args.repeats} × {args.steps} steps after "
-          f"{max(args.warmup, 1 + args.steps)} warm-up steps\n")
+          f"{warmup_steps(args.warmup, args.steps)} warm-up steps\n")
     if rows:
         print(format_table(rows))
     for error in report["errors"]:

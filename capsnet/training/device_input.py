@@ -140,9 +140,9 @@ def make_device_train_loop(train_step, training_set, *, steps_per_execution, tra
     programs = {}
 
     def program(size, steps=None):
-        # One per (batch size, steps: None or steps_per_execution), compiled at its first
-        # call; where the steps start is a tensor, and so is their number (count) where
-        # `steps` is None, so no other value compiles another.
+        # One per (batch size, steps: None or static_steps), compiled at its first call;
+        # where the steps start is a tensor, and so is their number (count) where `steps`
+        # is None, so no other value compiles another.
         if (size, steps) not in programs:
             @tf.function(jit_compile=True, autograph=False)
             def run(draws, first_step, count):
