@@ -265,12 +265,13 @@ def _train(cfg, progress):
         # The training split copied to the device once; each epoch only its draws (config.check_data_on_device).
         training_set = DeviceTrainingSet(train_images, train_labels, batch_size=batch_size, seed=seed, **augmentation)
         last_batch = examples_per_epoch - (steps_per_epoch - 1) * batch_size
-        # The longest call train_epoch makes (an epoch's first is one step, none crosses a log
-        # step) runs a loop of constant length (make_device_train_loop says why).
-        longest = min(steps_per_call(steps_per_epoch, tcfg["steps_per_execution"], tcfg["progress_bar"]),
-                      tcfg["log_every_steps"], steps_per_epoch - 1)
+        # The longest call train_epoch makes in the epochs left runs a loop of constant length
+        # (make_device_train_loop says why).
+        per_call = steps_per_call(steps_per_epoch, tcfg["steps_per_execution"], tcfg["progress_bar"])
+        longest = max(max(execution_lengths(steps_per_epoch, done * steps_per_epoch, per_call, tcfg["log_every_steps"]))
+                      for done in range(int(epoch), tcfg["epochs"]))
         train_steps = make_device_train_loop(train_step, training_set, steps_per_execution=tcfg["steps_per_execution"],
-                                             trace_sizes=(batch_size, last_batch), static_steps=longest or None)
+                                             trace_sizes=(batch_size, last_batch), static_steps=longest)
     else:
         training_set = None
         train_steps = make_train_loop(train_step, strategy=strategy)  # (traces nothing until called)
@@ -302,7 +303,7 @@ def _train(cfg, progress):
     def epoch_input(epoch_index):
         # The epoch's batches on the training devices ahead of the steps (under a strategy:
         # the same global batches, split over the replicas); train.data_on_device: its draws there.
-        if tcfg["data_on_device"]:
+        if training_set is not None:
             return training_set.epoch(epoch_index)
         train_ds = make_split_dataset(data_cfg["name"], train_images, train_labels, batch_size=batch_size,
                                       training=True, seed=seed, epoch=epoch_index,
