@@ -265,8 +265,9 @@ fi
 if [[ $what == max_batch ]]; then
   # [xla-op]: the largest batch that trains on this GPU, per path (float32, whole-step jit): each
   # batch of $MAX_BATCHES (ascending) in its own process, two steps; the first failure ends a path,
-  # and its line says why (out of memory, or $MAX_TIMEOUT s: at 16,384 compiling and autotuning
-  # took more than 240 s on an H100, thirteenth session). MAX_AUTOTUNE=0 compiles without
+  # and its line says why (out of memory, or $MAX_TIMEOUT s). Compiling and autotuning take
+  # minutes at these sizes: 205 s at 8,192 (matmul path), ~7.5 min at 16,384, where both paths
+  # train (twenty-sixth session, H100): one batch a 10-minute call from there. MAX_AUTOTUNE=0 compiles without
   # XLA's autotuning (--xla_gpu_autotune_level=0: default algorithms): it shows what fits in
   # memory, not speed, and needs minutes a probe: the untuned convolutions took 97 s a step
   # at 8,192 (seventeenth session; tuned, 4,096 runs at ~82,000 images/s).
