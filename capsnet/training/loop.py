@@ -432,13 +432,19 @@ def built_ahead(build, items):
             yield item, built
 
 
+def live_progress_bar(progress_bar):
+    """Whether train.progress_bar draws a live bar (on a terminal; in a log file: one line
+    per epoch instead)."""
+    return bool(progress_bar) and sys.stdout.isatty()
+
+
 def steps_per_call(steps_per_epoch, steps_per_execution, progress_bar):
     """The most steps train_epoch runs in one call: steps_per_execution, or with a live
     progress bar (train.progress_bar on a terminal) at most 1/20 of the epoch: the bar moves
     only when a call's values are fetched, so it then moves ~20 times an epoch whatever
     steps_per_execution is (the same steps and values; at 469 steps an epoch, 24-step
     calls, whose host overhead is negligible)."""
-    if progress_bar and sys.stdout.isatty():
+    if live_progress_bar(progress_bar):
         return min(steps_per_execution, max(1, math.ceil(steps_per_epoch / 20)))
     return steps_per_execution
 
@@ -456,9 +462,7 @@ def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size,
     the dynamic loss scale (a variable, mixed_float16) if `loss_scale` is one.
     """
     steps_per_epoch = math.ceil(num_examples / batch_size)
-    # Interactive: a live bar; in a log file: one line per epoch.
-    live = progress_bar and sys.stdout.isatty()
-    bar = keras.utils.Progbar(steps_per_epoch, verbose=1 if live else 2,
+    bar = keras.utils.Progbar(steps_per_epoch, verbose=1 if live_progress_bar(progress_bar) else 2,
                               stateful_metrics=["loss", "accuracy", "images/s"]) if progress_bar else None
     per_call = steps_per_call(steps_per_epoch, steps_per_execution, progress_bar)
     epoch_window, log_window = MetricWindow(), MetricWindow()
