@@ -462,7 +462,8 @@ def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size,
     the dynamic loss scale (a variable, mixed_float16) if `loss_scale` is one.
     """
     steps_per_epoch = math.ceil(num_examples / batch_size)
-    bar = keras.utils.Progbar(steps_per_epoch, verbose=1 if live_progress_bar(progress_bar) else 2,
+    live = live_progress_bar(progress_bar)
+    bar = keras.utils.Progbar(steps_per_epoch, verbose=1 if live else 2,
                               stateful_metrics=["loss", "accuracy", "images/s"]) if progress_bar else None
     per_call = steps_per_call(steps_per_epoch, steps_per_execution, progress_bar)
     epoch_window, log_window = MetricWindow(), MetricWindow()
