@@ -465,14 +465,18 @@ MULTIMNIST_TEST_KEY = (2017, 6)
 
 
 def make_split_dataset(name, images, labels, *, batch_size, training, seed=0, epoch=0, shift_pixels=2,
-                       drop_remainder=False, **augmentation):
+                       pad_pixels=None, drop_remainder=False, **augmentation):
     """make_dataset (with the `augmentation` keywords of AUGMENTATION_OFF), or
     make_multimnist_dataset for an overlay dataset (`name`), which takes none of them but
-    their defaults (ConfigError naming the ones set)."""
+    their defaults (ConfigError naming the ones set). pad_pixels: the overlay's canvas
+    border (make_multimnist_dataset); other datasets shift on their own canvas (None)."""
     unknown = sorted(set(augmentation) - set(AUGMENTATION_OFF))
     if unknown:
         raise TypeError(f"make_split_dataset: unknown augmentation argument(s) {', '.join(unknown)}")
     if not is_overlay(name):
+        if pad_pixels is not None:
+            raise ConfigError(f"data.pad_pixels applies to multimnist only ({name} images are shifted on their own "
+                              f"canvas), got {pad_pixels!r}: set it to null")
         return make_dataset(images, labels, batch_size=batch_size, training=training, seed=seed, epoch=epoch,
                             shift_pixels=shift_pixels, drop_remainder=drop_remainder, **augmentation)
     on = [f"data.{k}={v}" for k, v in augmentation.items() if v != AUGMENTATION_OFF[k]]
@@ -480,18 +484,21 @@ def make_split_dataset(name, images, labels, *, batch_size, training, seed=0, ep
         raise ConfigError(f"{name} takes no flip/rotate/zoom/elastic/erase/shift_fill augmentation (its digits are "
                           f"shifted by data.shift_pixels on a zero canvas): set {', '.join(on)} to the default")
     return make_multimnist_dataset(images, labels, batch_size=batch_size, training=training, seed=seed,
-                                   epoch=epoch, shift_pixels=shift_pixels, drop_remainder=drop_remainder)
+                                   epoch=epoch, shift_pixels=shift_pixels, pad_pixels=pad_pixels,
+                                   drop_remainder=drop_remainder)
 
 
 def make_multimnist_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift_pixels=4,
-                            drop_remainder=False):
+                            pad_pixels=None, drop_remainder=False):
     """One epoch of MultiMNIST batches (Sabour et al. 2017, Sec. 6), generated on the fly.
 
     Each example of `images` (the base) is paired with a partner of a different class,
     drawn uniformly from the examples of the other classes; both are zero-padded by
-    `shift_pixels` on every side (28 → 36 for the paper's 4), each is shifted by
-    (dy, dx), each uniform in [-shift_pixels, shift_pixels], and the image is their sum
-    clipped to 255 (then scaled to [0, 1]). One pair per base example per epoch.
+    `pad_pixels` (None: `shift_pixels`) on every side (28 → 36 for the paper's 4), each is
+    shifted by (dy, dx), each uniform in [-shift_pixels, shift_pixels] (what a shift
+    larger than the pad moves off the canvas is lost, as in the authors' generator,
+    mnist_shift.py, whose README makes test pairs with shift 6, pad 4), and the image is
+    their sum clipped to 255 (then scaled to [0, 1]). One pair per base example per epoch.
 
     The partner and the two shifts are stateless functions of (key, base index): key =
     (seed, epoch) in training (a new pairing every epoch; the order is shuffled as in
@@ -502,22 +509,25 @@ def make_multimnist_dataset(images, labels, *, batch_size, training, seed=0, epo
     Args:
       images: uint8 (N, H, W, C) source digits; labels: integer (N,), at least two classes.
       batch_size, drop_remainder: as in make_dataset.
-      shift_pixels: the largest shift (paper: 4), also the canvas border (≥ 0).
+      shift_pixels: the largest shift (paper: 4), ≥ 0.
+      pad_pixels: the canvas border (≥ 0); None: shift_pixels.
 
     Returns:
       A `tf.data.Dataset` of (images float32 (B, H', W', C) in [0, 1], labels int32 (B, 2)
       (base class, partner class), digits float32 (B, 2, H', W', C): each digit alone,
-      shifted as in the image (the reconstruction targets)), H' = H + 2·shift_pixels.
+      shifted as in the image (the reconstruction targets)), H' = H + 2·pad_pixels.
     """
     images, labels, batch_size, seed, epoch = _check_epoch_arguments(
         images, labels, batch_size=batch_size, training=training, seed=seed, epoch=epoch,
         drop_remainder=drop_remainder)
     n = len(labels)
     shift_pixels = integer("data.shift_pixels", shift_pixels, minimum=0, maximum=64, error=ConfigError)
+    pad_pixels = shift_pixels if pad_pixels is None else integer("data.pad_pixels", pad_pixels, minimum=0,
+                                                                 maximum=64, error=ConfigError)
     if len(np.unique(labels)) < 2:
         raise DataError(f"MultiMNIST pairs digits of different classes: the {n} examples have only class "
                         f"{labels[0]}")
-    s = shift_pixels
+    s, p = shift_pixels, pad_pixels
     # Indices sorted by class: class k's examples are by_class[start[k]:start[k] + count[k]],
     # so the examples of every other class are by_class without that block.
     by_class = np.argsort(labels, kind="stable")                          # (N,)
@@ -561,7 +571,7 @@ def make_multimnist_dataset(images, labels, *, batch_size, training, seed=0, epo
         def load_pairs(draws):
             digits = []
             for source, corner in (("index", "corner_a"), ("partner", "corner_b")):
-                canvas = tf.pad(tf.gather(images_t, draws[source]), [[0, 0], [s, s], [s, s], [0, 0]])  # (b, H', W', C)
+                canvas = tf.pad(tf.gather(images_t, draws[source]), [[0, 0], [p, p], [p, p], [0, 0]])  # (b, H', W', C)
                 if s:
                     canvas = shift_batch(canvas, draws[corner], s)
                 digits.append(tf.cast(canvas, tf.int32))

@@ -30,11 +30,12 @@ def is_overlay(name):
     return name in DATASETS and DATASETS[name].overlay
 
 
-def example_shape(name, source_shape, shift_pixels):
+def example_shape(name, source_shape, shift_pixels, pad_pixels=None):
     """The (H, W, C) of the images the model sees: the source's, or for an overlay dataset
-    the canvas the shifted digits are drawn on, (H + 2·shift_pixels, W + 2·shift_pixels, C)
-    (MultiMNIST, shift 4: 28 → 36)."""
+    the canvas the shifted digits are drawn on, (H + 2·p, W + 2·p, C) with p = pad_pixels,
+    or shift_pixels where that is None (MultiMNIST, shift 4: 28 → 36)."""
     h, w, c = source_shape
     if is_overlay(name):
-        return (h + 2 * shift_pixels, w + 2 * shift_pixels, c)
+        p = shift_pixels if pad_pixels is None else pad_pixels
+        return (h + 2 * p, w + 2 * p, c)
     return (h, w, c)

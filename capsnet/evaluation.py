@@ -192,15 +192,15 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
                 f"{shapes[1]} ({member['run_dir']}): their capsule lengths cannot be averaged")
     images, labels = load_split(data_cfg["name"], "test", data_dir=data_cfg.get("dir"),
                                 limit=data_cfg.get("limit_test"))
-    # MultiMNIST: the test pairs on the canvas of the run's shift (the paper's 4 px).
-    shift_pixels = data_cfg["shift_pixels"]
+    # MultiMNIST: the test pairs of the run's shift and canvas (the paper's 4 px).
+    shift_pixels, pad_pixels = data_cfg["shift_pixels"], data_cfg["pad_pixels"]
     check_labels(labels, images, model=model, split=f"{data_cfg['name']} test",
-                 image_shape=example_shape(data_cfg["name"], images.shape[1:], shift_pixels))
+                 image_shape=example_shape(data_cfg["name"], images.shape[1:], shift_pixels, pad_pixels))
     for member in members:
         member["epoch"] = restore_model(member["model"], member["prefix"], member["weights"])
 
     dataset = make_split_dataset(data_cfg["name"], images, labels, batch_size=batch_size, training=False,
-                                 shift_pixels=shift_pixels)
+                                 shift_pixels=shift_pixels, pad_pixels=pad_pixels)
     ensemble = len(members) > 1 or args["tta"] != "none"
     reports, results = [], []
     for member in members:

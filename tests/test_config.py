@@ -46,7 +46,8 @@ def test_every_config_group_composes_and_checks(overrides):
     assert checked == cfg  # the composed config is already in its checked form
     assert set(checked) == {"model", "data", "train", "distribute", "custom_op", "seed", "deterministic", "debug",
                             "run_dir"}
-    assert set(checked["data"]) == {"name", "dir", "limit_train", "limit_test", "shift_pixels", *config.AUGMENTATION_OFF}
+    assert set(checked["data"]) == {"name", "dir", "limit_train", "limit_test", "shift_pixels", "pad_pixels",
+                                   *config.AUGMENTATION_OFF}
     assert set(checked["distribute"]) == {"strategy", "devices", "all_reduce", "scale_lr", "lr_base_batch_size"}
 
 

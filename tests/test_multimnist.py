@@ -27,31 +27,35 @@ def sources():
     return images, np.arange(60) % 10
 
 
-def np_shifted(image, s, dy, dx):
-    """`image` (H, W, C) zero-padded by s on each side, then shifted down dy and right dx (zero fill)."""
-    return numpy_shift(np.pad(image, ((s, s), (s, s), (0, 0))), dy, dx)
+def np_shifted(image, pad, dy, dx):
+    """`image` (H, W, C) zero-padded by `pad` on each side, then shifted down dy and right dx
+    (zero fill; what leaves the canvas is lost)."""
+    return numpy_shift(np.pad(image, ((pad, pad), (pad, pad), (0, 0))), dy, dx)
 
 
-def find_source(digit, images, s):
+def find_source(digit, images, s, pad):
     """(index, dy, dx) of the source image and ±s shift that `digit` (uint8 canvas) is, or None."""
     for index, image in enumerate(images):
         for dy in range(-s, s + 1):
             for dx in range(-s, s + 1):
-                if np.array_equal(np_shifted(image, s, dy, dx), digit):
+                if np.array_equal(np_shifted(image, pad, dy, dx), digit):
                     return index, dy, dx
     return None
 
 
-@pytest.mark.parametrize("training", [True, False])
-def test_pairs_are_shifted_digits_of_different_classes_overlaid_with_a_clipped_sum(sources, training):
+@pytest.mark.parametrize("training, pad", [(True, None), (False, None), (True, 1)])
+def test_pairs_are_shifted_digits_of_different_classes_overlaid_with_a_clipped_sum(sources, training, pad):
+    """pad None: the canvas border is the shift (the paper's MultiMNIST); pad 1 < shift 3: a
+    digit shifted past the border loses what leaves the canvas (the authors' generator)."""
     images, labels = sources
     x, y, d = collect(make_multimnist_dataset(images, labels, batch_size=16, training=training, seed=4,
-                                              epoch=1, shift_pixels=SHIFT))
-    canvas = SIZE + 2 * SHIFT
+                                              epoch=1, shift_pixels=SHIFT, pad_pixels=pad))
+    border = SHIFT if pad is None else pad
+    canvas = SIZE + 2 * border
     assert x.shape == (60, canvas, canvas, 1) and x.dtype == np.float32
     assert y.shape == (60, 2) and y.dtype == np.int32
     assert d.shape == (60, 2, canvas, canvas, 1) and d.dtype == np.float32
-    assert example_shape("multimnist", (SIZE, SIZE, 1), SHIFT) == (canvas, canvas, 1)
+    assert example_shape("multimnist", (SIZE, SIZE, 1), SHIFT, pad) == (canvas, canvas, 1)
     digits = np.rint(d * 255).astype(np.int64)
     np.testing.assert_allclose(d * 255, digits, atol=1e-4)  # multiples of 1/255
     # The overlay is the clipped sum of the two digits (and it does clip: noise digits saturate).
@@ -61,7 +65,7 @@ def test_pairs_are_shifted_digits_of_different_classes_overlaid_with_a_clipped_s
     bases, shifts = [], set()
     for n in range(60):
         assert y[n, 0] != y[n, 1]
-        found = [find_source(digits[n, k].astype(np.uint8), images, SHIFT) for k in range(2)]
+        found = [find_source(digits[n, k].astype(np.uint8), images, SHIFT, border) for k in range(2)]
         assert None not in found, f"example {n}: a digit is not a ±{SHIFT} px shift of a source"
         (a, *shift_a), (b, *shift_b) = found
         assert (labels[a], labels[b]) == tuple(y[n])
@@ -73,6 +77,9 @@ def test_pairs_are_shifted_digits_of_different_classes_overlaid_with_a_clipped_s
     else:
         assert bases == list(range(60))
     assert len(shifts) > 20  # the shifts spread over the (2s + 1)^2 = 49 offsets
+    # Past a border of 1 a shift of 2 or 3 crops the (zero-free) digit: some digits lost pixels.
+    kept = (digits > 0).sum(axis=(2, 3, 4))
+    assert (kept < SIZE * SIZE).any() == (border < SHIFT) and (kept <= SIZE * SIZE).all()
 
 
 def test_pairs_reproducible_independent_of_batching_and_new_every_epoch(sources):
@@ -227,6 +234,7 @@ def test_tiny_multimnist_run_trains_and_evaluates(tiny_idx_dir, tmp_path):
 
 
 def test_multimnist_config_errors(tiny_idx_dir, tmp_path):
+    from capsnet.config import check
     from capsnet.training import train
 
     with pytest.raises(ConfigError, match=r"images have shape \(36, 36, 1\) but model.input_shape is \[28, 28, 1\]"):
@@ -235,10 +243,24 @@ def test_multimnist_config_errors(tiny_idx_dir, tmp_path):
         train(compose_config("train", multimnist_overrides(tiny_idx_dir, tmp_path / "b", "data.rotate_degrees=5")))
     with pytest.raises(ConfigError, match="one device only: set distribute=none"):
         train(compose_config("train", multimnist_overrides(tiny_idx_dir, tmp_path / "c", "distribute=mirrored")))
+    # data.pad_pixels sets the canvas the pipeline draws (28 + 2 * 2), and the input shape it derives.
+    with pytest.raises(ConfigError, match=r"images have shape \(32, 32, 1\) but model.input_shape is \[36, 36, 1\]"):
+        train(compose_config("train", multimnist_overrides(tiny_idx_dir, tmp_path / "d", "data.pad_pixels=2")))
+    cfg = compose_config("train", ["experiment=paper_multimnist", "data.shift_pixels=6", "data.pad_pixels=4",
+                                   "run_dir=/unused"])
+    assert cfg["model"]["input_shape"] == [36, 36, 1]
+    assert compose_config("train", ["data=multimnist", "data.shift_pixels=6", "run_dir=/unused"]
+                          )["model"]["input_shape"] == [40, 40, 1]
+    # Only the overlay dataset has a canvas border: MNIST shifts on its own 28 x 28.
+    with pytest.raises(ConfigError, match=r"^data.pad_pixels applies to multimnist only \(mnist images are shifted on "
+                                          r"their own canvas\), got 2: set it to null$"):
+        check(compose_config("train", ["data=mnist", "data.pad_pixels=2", "run_dir=/unused"]))
+    with pytest.raises(ConfigError, match=r"data.pad_pixels must be .*>= 0|data.pad_pixels.*-1"):
+        check(compose_config("train", ["data=multimnist", "data.pad_pixels=-1", "run_dir=/unused"]))
 
 
-@pytest.mark.parametrize("training, shift", [(True, 4), (False, 4), (True, 0)])
-def test_batched_pairs_are_the_per_example_draws(sources, training, shift):
+@pytest.mark.parametrize("training, shift, pad", [(True, 4, None), (False, 4, None), (True, 0, None), (True, 4, 2)])
+def test_batched_pairs_are_the_per_example_draws(sources, training, shift, pad):
     """make_multimnist_dataset builds whole batches from the Philox words of its draws
     (capsnet.augment.seed_words): every pair, label and digit is, bit for bit, what the
     per-example draws give (fold_in, split, the partner's int64 draw, random_shift's
@@ -248,8 +270,9 @@ def test_batched_pairs_are_the_per_example_draws(sources, training, shift):
 
     images, labels = sources
     n, s = len(labels), shift
+    p = s if pad is None else pad
     batches = list(make_multimnist_dataset(images, labels, batch_size=16, training=training, seed=3, epoch=2,
-                                           shift_pixels=shift))
+                                           shift_pixels=shift, pad_pixels=pad))
     got = [np.concatenate([b[i].numpy() for b in batches]) for i in range(3)]
     order, _, pair_key = _epoch_order(n, training, 3, 2)
     if not training:
@@ -268,7 +291,7 @@ def test_batched_pairs_are_the_per_example_draws(sources, training, shift):
         partner = by_class[j + (count[k] if j >= start[k] else 0)]
         digits = []
         for source, shift_key in ((index, shift_a_key), (partner, shift_b_key)):
-            canvas = tf.pad(tf.constant(images[source]), [[s, s], [s, s], [0, 0]])
+            canvas = tf.pad(tf.constant(images[source]), [[p, p], [p, p], [0, 0]])
             digits.append((random_shift(canvas, s, shift_key) if s else canvas).numpy().astype(np.int32))
         want[0].append(np.minimum(digits[0] + digits[1], 255).astype(np.float32) / np.float32(255))
         want[1].append([labels[index], labels[partner]])

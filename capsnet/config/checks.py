@@ -47,7 +47,11 @@ def _distribute_rule(dcfg, prefix):
 
 def _data_rule(dcfg, prefix):
     """An overlay dataset (MultiMNIST) draws its digits shifted on a zero canvas: no other
-    augmentation (the words of capsnet.data.make_split_dataset, which checks it again)."""
+    augmentation, and only it has a canvas border (the words of
+    capsnet.data.make_split_dataset, which checks both again)."""
+    if not is_overlay(dcfg["name"]) and dcfg["pad_pixels"] is not None:
+        raise ConfigError(f"{prefix}pad_pixels applies to multimnist only ({dcfg['name']} images are shifted on "
+                          f"their own canvas), got {dcfg['pad_pixels']!r}: set it to null")
     if is_overlay(dcfg["name"]):
         on = [f"{prefix}{k}={v}" for k, v in AUGMENTATION_OFF.items() if dcfg[k] != v]
         if on:

@@ -17,14 +17,17 @@ from capsnet.validation import integer
 
 # --------------------------------------------------------------------------- derived values
 
-def dataset_shape(name, shift_pixels):
+def dataset_shape(name, shift_pixels, pad_pixels=None):
     """model.input_shape of dataset `name`: its images' (H, W, C), or MultiMNIST's canvas
-    (28 + 2·shift_pixels). Registered as the `dataset_shape` resolver."""
+    (28 + 2·pad_pixels, pad_pixels null: shift_pixels). Registered as the `dataset_shape`
+    resolver."""
     spec = DATASETS.get(name)
     if spec is None:
         _dataset_name("data.name", name)  # raises, naming the known ones
     shift = integer("data.shift_pixels", shift_pixels, minimum=0, error=ConfigError)
-    return list(example_shape(name, spec.image_shape, shift))
+    if pad_pixels is not None:
+        pad_pixels = integer("data.pad_pixels", pad_pixels, minimum=0, error=ConfigError)
+    return list(example_shape(name, spec.image_shape, shift, pad_pixels))
 
 
 def dataset_classes(name):

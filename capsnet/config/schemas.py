@@ -148,6 +148,12 @@ def _limit(name, value):
     return integer(name, value, minimum=1, hint=" (null: all examples)", error=ConfigError)
 
 
+def _canvas_border(name, value):
+    if value is None:
+        return None
+    return integer(name, value, minimum=0, hint=" (null: data.shift_pixels)", error=ConfigError)
+
+
 def _checkpoint(name, value):
     items = list(value) if isinstance(value, (list, tuple)) else [value]
     if not all(isinstance(item, str) or hasattr(item, "__fspath__") for item in items):
@@ -194,7 +200,8 @@ def _checked(default=MISSING, check=None, factory=None):
 class ModelConfig:
     """configs/model/: the arguments of capsnet.model.CapsNet, and how its routing runs."""
     # Derived from the dataset (see dataset_shape / dataset_classes below); a value given wins.
-    input_shape: Any = _checked("${dataset_shape:${data.name},${data.shift_pixels}}", _input_shape)
+    input_shape: Any = _checked("${dataset_shape:${data.name},${data.shift_pixels},${data.pad_pixels}}",
+                                _input_shape)
     num_classes: int = _checked("${dataset_classes:${data.name}}", _positive_int)
     conv1_filters: int = _checked(256, _positive_int)
     conv1_kernel_size: int = _checked(9, _positive_int)
@@ -220,6 +227,7 @@ class DataSourceConfig:
     limit_train: Optional[int] = _checked(None, _limit)
     limit_test: Optional[int] = _checked(None, _limit)
     shift_pixels: int = _checked(2, _integer)  # its range is the image's: checked by the data pipeline
+    pad_pixels: Optional[int] = _checked(None, _canvas_border)  # MultiMNIST's canvas border (null: shift_pixels)
 
 
 @dataclass

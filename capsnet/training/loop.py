@@ -171,7 +171,8 @@ def _train(cfg, progress):
     test_images, test_labels = load_split(data_cfg["name"], "test", data_dir=data_cfg.get("dir"),
                                           limit=data_cfg.get("limit_test"))
     marks.append(("data", time.perf_counter()))
-    image_shape = example_shape(data_cfg["name"], train_images.shape[1:], data_cfg["shift_pixels"])
+    image_shape = example_shape(data_cfg["name"], train_images.shape[1:], data_cfg["shift_pixels"],
+                                data_cfg["pad_pixels"])
     check_labels(train_labels, train_images, model=model, split=f"{data_cfg['name']} train", image_shape=image_shape)
     check_labels(test_labels, test_images, model=model, split=f"{data_cfg['name']} test", image_shape=image_shape)
     # train.drop_remainder: only full batches (a different few examples left out each epoch,
@@ -186,10 +187,10 @@ def _train(cfg, progress):
         steps_per_epoch = math.ceil(len(train_labels) / batch_size)
         examples_per_epoch = len(train_labels)
     augmentation = {"shift_pixels": data_cfg["shift_pixels"], **augmentation_options(data_cfg)}
-    # The test split: no augmentation (MultiMNIST: shift_pixels sets its fixed pairs' shifts).
+    # The test split: no augmentation (MultiMNIST: shift_pixels and pad_pixels set its fixed pairs' shifts).
     test_ds = make_split_dataset(data_cfg["name"], test_images, test_labels,
                                  batch_size=eval_batch_size(tcfg), training=False,
-                                 shift_pixels=data_cfg["shift_pixels"])
+                                 shift_pixels=data_cfg["shift_pixels"], pad_pixels=data_cfg["pad_pixels"])
     # A fixed set of test images for the reconstruction grid and the histograms, every epoch
     # (MultiMNIST: the first test pairs, made from the whole test split as in test_ds).
     n_show = min(len(test_labels), max(tcfg["num_images"], tcfg["histogram_examples"]))
@@ -306,7 +307,7 @@ def _train(cfg, progress):
         if training_set is not None:
             return training_set.epoch(epoch_index)
         train_ds = make_split_dataset(data_cfg["name"], train_images, train_labels, batch_size=batch_size,
-                                      training=True, seed=seed, epoch=epoch_index,
+                                      training=True, seed=seed, epoch=epoch_index, pad_pixels=data_cfg["pad_pixels"],
                                       drop_remainder=tcfg["drop_remainder"], **augmentation)
         return input_iterator(train_ds, strategy)
 
