@@ -241,10 +241,11 @@ def test_the_old_routing_flags_cannot_be_written(override, message):
 
 def old_run_config(**model_flags):
     """A config.yaml as the first releases saved it: no routing, no augmentation beyond
-    shifts, no weight average, no w_init_stddev, no distribute section."""
+    shifts, no canvas border (pad_pixels), no weight average, no w_init_stddev, no
+    distribute section."""
     cfg = train_cfg()
     model = {k: v for k, v in cfg["model"].items() if k not in ("routing", "w_init_stddev")}
-    data = {k: v for k, v in cfg["data"].items() if k not in config.AUGMENTATION_OFF}
+    data = {k: v for k, v in cfg["data"].items() if k not in (*config.AUGMENTATION_OFF, "pad_pixels")}
     train = {k: v for k, v in cfg["train"].items() if k != "ema_decay"}
     return {"model": {**model, **model_flags}, "data": data, "train": train, "custom_op": False, "seed": 3,
             "deterministic": False, "debug": False, "run_dir": "/old/run"}
@@ -254,6 +255,7 @@ def test_an_old_run_config_migrates_to_the_schema_defaults():
     migrated = config.check(config.migrate(old_run_config(jit_routing=False)))
     assert migrated["model"]["w_init_stddev"] == 0.1 and migrated["train"]["ema_decay"] == 0.0
     assert {k: migrated["data"][k] for k in config.AUGMENTATION_OFF} == config.AUGMENTATION_OFF
+    assert migrated["data"]["pad_pixels"] is None  # the canvas border was the shift
     assert migrated["distribute"] == {"strategy": "none", "devices": None, "all_reduce": "auto", "scale_lr": "none",
                                       "lr_base_batch_size": 100}
     assert migrated["seed"] == 3 and migrated["model"]["routing"] == "tf"
