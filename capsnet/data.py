@@ -27,7 +27,8 @@ from capsnet.augment import (corners_from_words, elastic_distort, erase_batch, e
                              random_rotate_zoom, seed_words, shift_batch, shift_corners, words_to_int64)
 from capsnet.config import (AUGMENTATION_OFF, PER_EXAMPLE_AUGMENTATION, SHIFT_FILLS,  # noqa: F401  (re-exported)
                             check_augmentation)
-from capsnet.datasets import DATASETS, DatasetSpec, example_shape, is_overlay  # noqa: F401  (re-exported)
+from capsnet.datasets import (DATASETS, DatasetSpec, check_canvas_border, example_shape,  # noqa: F401  (re-exported)
+                              is_overlay)
 from capsnet.errors import ConfigError, DataError
 from capsnet.idx import SPLITS, idx_file_names, read_idx
 from capsnet.validation import boolean, integer
@@ -473,10 +474,8 @@ def make_split_dataset(name, images, labels, *, batch_size, training, seed=0, ep
     unknown = sorted(set(augmentation) - set(AUGMENTATION_OFF))
     if unknown:
         raise TypeError(f"make_split_dataset: unknown augmentation argument(s) {', '.join(unknown)}")
+    check_canvas_border(name, pad_pixels)
     if not is_overlay(name):
-        if pad_pixels is not None:
-            raise ConfigError(f"data.pad_pixels applies to multimnist only ({name} images are shifted on their own "
-                              f"canvas), got {pad_pixels!r}: set it to null")
         return make_dataset(images, labels, batch_size=batch_size, training=training, seed=seed, epoch=epoch,
                             shift_pixels=shift_pixels, drop_remainder=drop_remainder, **augmentation)
     on = [f"data.{k}={v}" for k, v in augmentation.items() if v != AUGMENTATION_OFF[k]]

@@ -3,7 +3,9 @@ datasets, capsnet.config derives model.input_shape and model.num_classes from th
 (before the seconds-long TensorFlow import)."""
 import dataclasses
 
-__all__ = ["DatasetSpec", "DATASETS", "is_overlay", "example_shape"]
+from capsnet.errors import ConfigError
+
+__all__ = ["DatasetSpec", "DATASETS", "is_overlay", "check_canvas_border", "example_shape"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +30,14 @@ DATASETS = {
 def is_overlay(name):
     """Whether dataset `name` yields two-digit examples (labels (B, 2), see make_multimnist_dataset)."""
     return name in DATASETS and DATASETS[name].overlay
+
+
+def check_canvas_border(name, pad_pixels, prefix="data."):
+    """Only an overlay dataset has a canvas border (data.pad_pixels): any other shifts its
+    images on their own canvas, so a border set for it is refused (ConfigError, one line)."""
+    if pad_pixels is not None and not is_overlay(name):
+        raise ConfigError(f"{prefix}pad_pixels applies to multimnist only ({name} images are shifted on their own "
+                          f"canvas), got {pad_pixels!r}: set it to null")
 
 
 def example_shape(name, source_shape, shift_pixels, pad_pixels=None):

@@ -8,7 +8,7 @@ from omegaconf import MISSING
 
 from capsnet.config.schemas import (AUGMENTATION_OFF, ALL_REDUCE, AugmentationConfig, DataConfig, DistributeConfig,
                                     EvalAppConfig, ModelConfig, TrainAppConfig, TrainConfig)
-from capsnet.datasets import is_overlay
+from capsnet.datasets import check_canvas_border, is_overlay
 from capsnet.errors import ConfigError
 
 
@@ -49,9 +49,7 @@ def _data_rule(dcfg, prefix):
     """An overlay dataset (MultiMNIST) draws its digits shifted on a zero canvas: no other
     augmentation, and only it has a canvas border (the words of
     capsnet.data.make_split_dataset, which checks both again)."""
-    if not is_overlay(dcfg["name"]) and dcfg["pad_pixels"] is not None:
-        raise ConfigError(f"{prefix}pad_pixels applies to multimnist only ({dcfg['name']} images are shifted on "
-                          f"their own canvas), got {dcfg['pad_pixels']!r}: set it to null")
+    check_canvas_border(dcfg["name"], dcfg["pad_pixels"], prefix)
     if is_overlay(dcfg["name"]):
         on = [f"{prefix}{k}={v}" for k, v in AUGMENTATION_OFF.items() if dcfg[k] != v]
         if on:
