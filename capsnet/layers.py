@@ -26,7 +26,7 @@ from capsnet.conv import conv2d_to_blocks, space_to_depth_conv2d
 from capsnet.errors import CapsnetError
 from capsnet.precision import bias_add, float32_math
 from capsnet.routing import dynamic_routing, squash
-from capsnet.validation import boolean, positive_float, positive_int, positive_int_tuple
+from capsnet.validation import boolean, finite_float, positive_float, positive_int, positive_int_tuple
 
 __all__ = ["squash", "capsule_lengths", "Conv2D", "Dense", "PrimaryCaps", "DigitCaps", "Decoder"]
 
@@ -297,6 +297,8 @@ class DigitCaps(keras.layers.Layer):
     The only weight is W, shape (in_caps, num_caps, dim, in_dim): no bias and no
     trainable b_ij, as in the paper (1152·10·16·8 = 1,474,560 weights). That layout is
     shared by every `routing` mode, so weights and checkpoints work with any of them.
+    With `bias_init` set, a second weight b_j (num_caps, dim), as in the authors' code
+    (dynamic_routing's bias).
 
     Args:
         num_caps: output capsules j (classes).
@@ -318,7 +320,8 @@ class DigitCaps(keras.layers.Layer):
             "fused_op": prediction and all routing iterations in one compiled op
                 (`capsnet.ops.capsule_routing`), which never writes u_hat to memory; only
                 the final squash runs in TensorFlow. Needs stop_gradient_routing=True
-                (the op's gradient is that of stop-gradient routing).
+                (the op's gradient is that of stop-gradient routing) and no bias (the op
+            routes without one).
             `custom_op`, `jit_routing` and `fused_routing` (read-only) say what the mode
             implies, under the names of the flags it replaced.
         kernel_initializer: initializer for W. Default N(0, 0.1²) per entry (the
@@ -332,6 +335,9 @@ class DigitCaps(keras.layers.Layer):
             paper recipe a smaller one generalises better (paper model, H200,
             docs/results.md: Fashion-MNIST 93.48% with 0.01, 93.31% with 0.03, 92.96%
             with 0.1; MNIST 99.50% with 0.03, 99.45% with 0.1).
+        bias_init: None (the paper: no bias), or the value every entry of a bias b_j
+            starts at, added to s_j before the squash in each routing iteration (the
+            authors' code: 0.1).
 
     Input shape: `(batch, in_caps, in_dim)` capsules u.
     Output shape: a tuple `(v_j, c_ij)`: v_j `(batch, num_caps, dim)` and the final
@@ -341,14 +347,15 @@ class DigitCaps(keras.layers.Layer):
     """
 
     def __init__(self, num_caps=10, dim=16, routing_iterations=3, stop_gradient_routing=True,
-                 routing="matmul", kernel_initializer=None, **kwargs):
+                 routing="matmul", kernel_initializer=None, bias_init=None, **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
         self.num_caps = positive_int(f"{owner}: num_caps", num_caps)
         self.dim = positive_int(f"{owner}: dim", dim)
         self.routing_iterations = positive_int(f"{owner}: routing_iterations", routing_iterations)
         self.stop_gradient_routing = boolean(f"{owner}: stop_gradient_routing", stop_gradient_routing)
-        self.routing = check_routing(owner, routing, self.stop_gradient_routing)
+        self.bias_init = None if bias_init is None else finite_float(f"{owner}: bias_init", bias_init)
+        self.routing = check_routing(owner, routing, self.stop_gradient_routing, self.bias_init)
         if kernel_initializer is None:
             kernel_initializer = keras.initializers.RandomNormal(stddev=0.1)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
@@ -367,6 +374,9 @@ class DigitCaps(keras.layers.Layer):
             name="W", shape=(in_caps, self.num_caps, self.dim, in_dim),
             initializer=self.kernel_initializer, trainable=True,
         )
+        self.b_j = None if self.bias_init is None else self.add_weight(
+            name="b_j", shape=(self.num_caps, self.dim), initializer=keras.initializers.Constant(self.bias_init),
+            trainable=True)
         self.input_spec = keras.layers.InputSpec(ndim=3, axes={1: in_caps, 2: in_dim})
 
     def call(self, u):
@@ -389,7 +399,7 @@ class DigitCaps(keras.layers.Layer):
             err._keras_call_info_injected = True
             raise
         route = _dynamic_routing_xla if self.jit_routing else dynamic_routing
-        return route(u_hat, self.routing_iterations, self.stop_gradient_routing)
+        return route(u_hat, self.routing_iterations, self.stop_gradient_routing, self.b_j)
 
     def compute_output_shape(self, input_shape):
         in_caps, _ = self._in_shape(input_shape)
@@ -406,6 +416,7 @@ class DigitCaps(keras.layers.Layer):
             "routing": self.routing,
             **routing_flags(self.routing),  # read-only: what the mode implies
             "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+            "bias_init": self.bias_init,
         }
 
     @classmethod
@@ -420,9 +431,9 @@ class DigitCaps(keras.layers.Layer):
                              doc="Whether one compiled op does prediction and routing (fused_op).")
 
 
-def check_routing(owner, routing, stop_gradient_routing):
-    """`routing` if it is one of ROUTING_MODES that works with `stop_gradient_routing`, else
-    ValueError naming `owner`."""
+def check_routing(owner, routing, stop_gradient_routing, bias_init=None):
+    """`routing` if it is one of ROUTING_MODES that works with `stop_gradient_routing` and
+    a DigitCaps bias (`bias_init` not None), else ValueError naming `owner`."""
     if not isinstance(routing, str) or routing not in ROUTING_MODES:
         raise ValueError(f"{owner}: routing must be one of {', '.join(ROUTING_MODES)}, got {routing!r}")
     if routing == "fused_op" and not stop_gradient_routing:
@@ -430,6 +441,9 @@ def check_routing(owner, routing, stop_gradient_routing):
             f"{owner}: routing=fused_op, i.e. fused_routing=true needs custom_op=true (it is the compiled op) and "
             "stop_gradient_routing=true (its gradient is that of stop-gradient routing), got "
             "custom_op=true, stop_gradient_routing=false")
+    if routing == "fused_op" and bias_init is not None:
+        raise ValueError(f"{owner}: routing=fused_op routes without a capsule bias, got bias_init={bias_init!r}: "
+                         "use routing op or op_xla (model.routing=tf or xla), or no bias")
     return routing
 
 

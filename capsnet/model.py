@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from capsnet.config import CONV_FORMS
 from capsnet.layers import Conv2D, Decoder, DigitCaps, PrimaryCaps, capsule_lengths, check_routing, routing_argument, routing_flags
-from capsnet.validation import boolean, positive_float, positive_int, positive_int_tuple
+from capsnet.validation import boolean, finite_float, positive_float, positive_int, positive_int_tuple
 
 __all__ = ["CapsNet", "build_model"]
 
@@ -41,6 +41,9 @@ class CapsNet(keras.Model):
     `fused_routing`: read-only, what the mode implies (DigitCaps).
     `w_init_stddev`: DigitCaps' W starts as N(0, w_init_stddev²) per entry (see
     `capsnet.layers.DigitCaps`).
+    `digit_caps_bias`: None (the paper), or the start value of a bias on each digit
+    capsule, added to s_j in every routing iteration (the authors' code: 0.1; DigitCaps'
+    bias_init); not with routing="fused_op".
     `primary_caps_conv`: how PrimaryCaps computes its strided convolution (auto, strided,
     space_to_depth: PrimaryCaps' conv_form); the same values and weights in each.
     `dtype`: a Keras dtype policy for every layer: "float32" (the default) or a mixed one,
@@ -53,7 +56,7 @@ class CapsNet(keras.Model):
                  primary_caps_kernel_size=9, primary_caps_strides=2, digit_caps_dim=16,
                  routing_iterations=3, stop_gradient_routing=True, decoder=True,
                  decoder_units=(512, 1024), routing="matmul", w_init_stddev=0.1,
-                 primary_caps_conv="auto", **kwargs):
+                 primary_caps_conv="auto", digit_caps_bias=None, **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
         self.image_shape = positive_int_tuple(f"{owner}: input_shape", input_shape, length=3)
@@ -69,7 +72,9 @@ class CapsNet(keras.Model):
         self.stop_gradient_routing = boolean(f"{owner}: stop_gradient_routing", stop_gradient_routing)
         self.use_decoder = boolean(f"{owner}: decoder", decoder)
         self.decoder_units = positive_int_tuple(f"{owner}: decoder_units", decoder_units)
-        self.routing = check_routing(owner, routing, self.stop_gradient_routing)
+        self.digit_caps_bias = None if digit_caps_bias is None else finite_float(f"{owner}: digit_caps_bias",
+                                                                                 digit_caps_bias)
+        self.routing = check_routing(owner, routing, self.stop_gradient_routing, self.digit_caps_bias)
         self.w_init_stddev = positive_float(f"{owner}: w_init_stddev", w_init_stddev)
         if primary_caps_conv not in CONV_FORMS:
             raise ValueError(f"{owner}: primary_caps_conv must be one of {', '.join(CONV_FORMS)}, "
@@ -97,8 +102,8 @@ class CapsNet(keras.Model):
             num_caps=self.num_classes, dim=self.digit_caps_dim,
             routing_iterations=self.routing_iterations,
             stop_gradient_routing=self.stop_gradient_routing, routing=self.routing,
-            kernel_initializer=keras.initializers.RandomNormal(stddev=self.w_init_stddev), name="digit_caps",
-            dtype=self.dtype_policy)
+            kernel_initializer=keras.initializers.RandomNormal(stddev=self.w_init_stddev),
+            bias_init=self.digit_caps_bias, name="digit_caps", dtype=self.dtype_policy)
         self.decoder = (
             Decoder(units=self.decoder_units, output_shape=self.image_shape, name="decoder",
                     dtype=self.dtype_policy)
@@ -203,6 +208,7 @@ class CapsNet(keras.Model):
             **routing_flags(self.routing),  # read-only: what the mode implies
             "w_init_stddev": self.w_init_stddev,
             "primary_caps_conv": self.primary_caps.conv_form,
+            "digit_caps_bias": self.digit_caps_bias,
         }
 
     @classmethod

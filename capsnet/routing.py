@@ -33,12 +33,15 @@ def squash(s, axis=-1, epsilon=1e-7):
     return tf.cast(scale * s_math, s.dtype)
 
 
-def dynamic_routing(u_hat, iterations=3, stop_gradient=True):
+def dynamic_routing(u_hat, iterations=3, stop_gradient=True, bias=None):
     """Route predictions u_hat to output capsules; returns (v_j, c_ij).
 
     Procedure 1 of the paper, per sample: b_ij = 0; then `iterations` times:
-    c_ij = softmax_j(b_ij); s_j = Σ_i c_ij u_hat_j|i; v_j = squash(s_j); and, except
-    after the last iteration, b_ij += u_hat_j|i · v_j (agreement). `iterations` is a
+    c_ij = softmax_j(b_ij); s_j = Σ_i c_ij u_hat_j|i (+ bias_j); v_j = squash(s_j); and,
+    except after the last iteration, b_ij += u_hat_j|i · v_j (agreement). The bias
+    (None: none, as in the paper) is the authors' code's (github.com/Sarasra/models,
+    research/capsules, `_update_routing`): one learned vector per output capsule, added to
+    s_j before the squash in every iteration, so it also moves the agreements. `iterations` is a
     static int, so the loop is unrolled: no tf.while_loop, XLA compiles it whole.
 
     stop_gradient (default True): the inner iterations see tf.stop_gradient(u_hat),
@@ -62,6 +65,8 @@ def dynamic_routing(u_hat, iterations=3, stop_gradient=True):
         u_hat: predictions (batch, in_caps, out_caps, out_dim).
         iterations: routing rounds r ≥ 1 (paper: 3).
         stop_gradient: see above.
+        bias: None, or (out_caps, out_dim) added to every s_j (carries a gradient from the
+            final s_j; the inner iterations see it like u_hat, through stop_gradient).
 
     Returns (float32 for a 16-bit u_hat):
         v_j: output capsules (batch, out_caps, out_dim).
@@ -80,6 +85,12 @@ def dynamic_routing(u_hat, iterations=3, stop_gradient=True):
     # c_ij come out float32 (capsnet.precision). Under XLA the cast fuses into the reductions.
     u_hat = float32_math(u_hat)
     u_hat_routing = tf.stop_gradient(u_hat) if stop_gradient else u_hat
+    if bias is not None:
+        bias = float32_math(tf.convert_to_tensor(bias))
+        if bias.shape != u_hat.shape[2:]:
+            raise ValueError(f"dynamic_routing: bias must be (out_caps, out_dim) = {tuple(u_hat.shape[2:])}, got "
+                             f"shape {tuple(bias.shape)}")
+    bias_routing = tf.stop_gradient(bias) if stop_gradient and bias is not None else bias
     # b_ij starts at zero for every sample (routing is per example, never learned), so the
     # first round's c_ij = softmax_j(0) = 1/out_caps: written as that constant, not as the
     # softmax of a zero tensor, which XLA constant-folds element by element at compile time
@@ -91,6 +102,8 @@ def dynamic_routing(u_hat, iterations=3, stop_gradient=True):
         last = r == iterations - 1
         votes = u_hat if last else u_hat_routing
         s_j = tf.reduce_sum(c_ij[..., None] * votes, axis=1)          # (B, out_caps, out_dim)
+        if bias is not None:
+            s_j = s_j + (bias if last else bias_routing)
         v_j = squash(s_j)                                             # (B, out_caps, out_dim)
         if not last:
             # Agreement u_hat_j|i · v_j: predictions that match the output gain weight.

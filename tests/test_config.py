@@ -219,6 +219,10 @@ def test_routing_resolves_in_one_place(custom_op, routing, stop_gradient, mode):
     cfg = train_cfg(f"custom_op={str(custom_op).lower()}", f"model.routing={routing}",
                     f"model.stop_gradient_routing={str(stop_gradient).lower()}")
     assert config.routing_mode(cfg["custom_op"], cfg["model"]) == mode
+    # A capsule bias (the authors' code) keeps auto off the fused op, which routes without one.
+    biased = train_cfg(f"custom_op={str(custom_op).lower()}", f"model.routing={routing}",
+                       f"model.stop_gradient_routing={str(stop_gradient).lower()}", "model.digit_caps_bias=0.1")
+    assert config.routing_mode(biased["custom_op"], biased["model"]) == ("op" if mode == "fused_op" else mode)
 
 
 def test_every_routing_mode_is_reachable_and_every_written_combination_valid():

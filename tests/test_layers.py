@@ -83,6 +83,9 @@ LAYER_CASES = {
     # W only: (in_caps, num_caps, dim, in_dim)
     "digit_caps": (lambda: DigitCaps(num_caps=5, dim=6, routing_iterations=2),
                    (CAPSULES,), ((2, 5, 6), (2, 18, 5)), 18 * 5 * 6 * 4),
+    # with a capsule bias b_j (num_caps, dim) beside W
+    "digit_caps_bias": (lambda: DigitCaps(num_caps=5, dim=6, routing_iterations=2, bias_init=0.1),
+                        (CAPSULES,), ((2, 5, 6), (2, 18, 5)), 18 * 5 * 6 * 4 + 5 * 6),
     # the same with the fused prediction + routing op: same outputs and weight
     "digit_caps_fused": (lambda: DigitCaps(num_caps=5, dim=6, routing_iterations=2, routing="fused_op"),
                          (CAPSULES,), ((2, 5, 6), (2, 18, 5)), 18 * 5 * 6 * 4),
@@ -177,6 +180,28 @@ def test_digit_caps_matches_numpy(iterations):
     np.testing.assert_allclose(c_ij.numpy(), c_ref, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("routing", ["matmul", "matmul_xla", "op", "op_xla"])
+def test_digit_caps_with_a_bias_matches_numpy_on_every_unfused_path(routing):
+    """bias_init: b_j starts at that value and is added to s_j in every iteration (the
+    authors' code); every path but the fused op routes with it, to the NumPy reference."""
+    layer = DigitCaps(num_caps=5, dim=6, routing_iterations=3, routing=routing, bias_init=0.1,
+                      kernel_initializer=keras.initializers.RandomNormal(stddev=0.3, seed=1))
+    layer.build(CAPSULES.shape)
+    np.testing.assert_array_equal(layer.b_j.numpy(), np.full((5, 6), 0.1, np.float32))
+    bias = np.random.default_rng(2).normal(scale=0.2, size=(5, 6)).astype(np.float32)
+    layer.b_j.assign(bias)
+    v_j, c_ij = layer(CAPSULES)
+    v_ref, c_ref = np_dynamic_routing(np_capsule_prediction(CAPSULES, layer.W.numpy()), 3, bias=bias)
+    np.testing.assert_allclose(v_j.numpy(), v_ref, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(c_ij.numpy(), c_ref, rtol=1e-4, atol=1e-6)
+    config = layer.get_config()
+    assert config["bias_init"] == 0.1 and DigitCaps.from_config(config).bias_init == 0.1
+    with pytest.raises(ValueError, match=r"^DigitCaps: routing=fused_op routes without a capsule bias, got "
+                                          r"bias_init=0\.1: use routing op or op_xla \(model.routing=tf or xla\), "
+                                          r"or no bias$"):
+        DigitCaps(routing="fused_op", bias_init=0.1)
+
+
 def test_digit_caps_default_initializer_scale():
     layer = DigitCaps(num_caps=10, dim=16)
     layer(np.zeros((1, 1152, 8), np.float32))
@@ -248,6 +273,7 @@ def test_digit_caps_rejects_bad_fused_routing(kwargs, match):
     (dict(routing_iterations=0), "routing_iterations must be a positive integer, got 0"),
     (dict(stop_gradient_routing="yes"), "stop_gradient_routing must be true or false, got 'yes'"),
     (dict(routing=1), "routing must be one of matmul, matmul_xla, op, op_xla, fused_op, got 1"),
+    (dict(bias_init=float("nan")), "bias_init must be a finite number, got nan"),
 ])
 def test_digit_caps_rejects_bad_args(kwargs, match):
     with pytest.raises(ValueError, match=match):

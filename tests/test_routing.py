@@ -25,11 +25,12 @@ def np_softmax(x, axis):
     return e / e.sum(axis=axis, keepdims=True)
 
 
-def np_dynamic_routing(u_hat, iterations, c_fixed=None):
+def np_dynamic_routing(u_hat, iterations, c_fixed=None, bias=None):
     """Procedure 1, one sample at a time: returns v (B, J, D) and the final c (B, I, J).
 
     With c_fixed (B, I, J), the coupling coefficients are those constants (the
     function stop_gradient=True differentiates: routing decided, then s_j = Σ c u_hat).
+    bias (J, D): added to every s_j, as the authors' code's `_update_routing` does.
     """
     batch, in_caps, out_caps, _ = u_hat.shape
     v_all, c_all = [], []
@@ -40,7 +41,7 @@ def np_dynamic_routing(u_hat, iterations, c_fixed=None):
             c = np_softmax(logits, axis=1)              # softmax over parent capsules j
             if c_fixed is not None:
                 c = c_fixed[b]
-            s = np.einsum("ij,ijd->jd", c, u)
+            s = np.einsum("ij,ijd->jd", c, u) + (0.0 if bias is None else bias)
             v = np_squash(s, epsilon=EPSILON)
             if r < iterations - 1:
                 logits = logits + np.einsum("ijd,jd->ij", u, v)
@@ -134,6 +135,32 @@ def test_routing_matches_numpy(iterations, stop_gradient):
     np.testing.assert_allclose(v_j.numpy(), v_ref, rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(c_ij.numpy(), c_ref, rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(c_ij.numpy().sum(axis=-1), 1.0, rtol=1e-12)
+
+
+@pytest.mark.parametrize("stop_gradient", [True, False])
+def test_routing_with_a_capsule_bias_matches_numpy_and_its_gradients(stop_gradient):
+    """The bias is added to s_j in every iteration, so it moves the agreements (c_ij differ
+    from the unbiased routing's); its gradient: finite differences of the NumPy routing,
+    through every iteration without stop-gradient, through the final s_j alone (c_ij
+    frozen) with it."""
+    u_hat = random_u_hat(shape=(2, 5, 4, 3), seed=7)
+    bias = np.random.default_rng(8).normal(scale=0.3, size=(4, 3))
+    weights = np.random.default_rng(9).normal(size=(2, 4, 3))
+    b = tf.constant(bias)
+    with tf.GradientTape() as tape:
+        tape.watch(b)
+        v_j, c_ij = dynamic_routing(tf.constant(u_hat), 3, stop_gradient, bias=b)
+        loss = tf.reduce_sum(v_j * weights)
+    v_ref, c_ref = np_dynamic_routing(u_hat, 3, bias=bias)
+    np.testing.assert_allclose(v_j.numpy(), v_ref, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(c_ij.numpy(), c_ref, rtol=1e-9, atol=1e-12)
+    assert np.abs(c_ref - np_dynamic_routing(u_hat, 3)[1]).max() > 1e-3
+    c_frozen = c_ref if stop_gradient else None
+    expected = numeric_gradient(lambda x: np.sum(np_dynamic_routing(u_hat, 3, c_fixed=c_frozen, bias=x)[0] * weights),
+                                bias)
+    np.testing.assert_allclose(tape.gradient(loss, b).numpy(), expected, rtol=1e-5, atol=1e-8)
+    with pytest.raises(ValueError, match=r"bias must be \(out_caps, out_dim\) = \(4, 3\), got shape \(3, 4\)"):
+        dynamic_routing(tf.constant(u_hat), 3, bias=tf.zeros((3, 4), tf.float64))
 
 
 def test_routing_float32_matches_numpy():

@@ -777,6 +777,25 @@ def test_custom_op_trains_like_the_matmul_path_and_evaluates_the_same_on_both(
     assert matmul["loss"] == pytest.approx(op["loss"], rel=1e-4)
 
 
+def test_a_capsule_bias_trains_through_the_op_and_evaluates_the_same_on_both_paths(tiny_config, tmp_path, spy_on_op):
+    """model.digit_caps_bias (the authors' code's bias on s_j): custom_op=true then runs
+    the prediction op and TF routing (auto skips the fused op, which has no bias); the
+    bias learns and is checkpointed; one checkpoint evaluates the same on both paths."""
+    from capsnet.evaluation import evaluate
+
+    calls = spy_on_op(op="capsule_prediction")
+    metrics = train(tiny_config("custom_op=true", "train.epochs=1", "model.digit_caps_bias=0.1"))
+    assert calls and np.isfinite(metrics["history"][0]["train_loss"])
+    reader = tf.train.load_checkpoint(str(tmp_path / "run" / "checkpoints" / "latest"))
+    (b_j,) = [reader.get_tensor(name) for name in reader.get_variable_to_shape_map() if "b_j" in name]
+    assert b_j.shape == (10, 8) and not np.allclose(b_j, 0.1)  # it trained
+    op = evaluate(tmp_path / "run", which="latest", custom_op=True, output=tmp_path / "op.json")
+    matmul = evaluate(tmp_path / "run", which="latest", custom_op=False, output=tmp_path / "matmul.json")
+    assert op["accuracy"] == metrics["test_accuracy"]
+    assert abs(matmul["accuracy"] - op["accuracy"]) <= 1 / op["num_examples"]
+    assert matmul["loss"] == pytest.approx(op["loss"], rel=1e-4)
+
+
 def test_custom_op_library_without_cuda_while_tf_sees_a_gpu_is_refused(tiny_config, tmp_path, monkeypatch):
     """It would run the op on the CPU beside a GPU, silently; the stamp says how it was built."""
     from capsnet import ops

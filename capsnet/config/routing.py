@@ -8,17 +8,19 @@ from capsnet.validation import boolean
 
 def routing_mode(custom_op, model_cfg):
     """How DigitCaps runs (one of ROUTING_MODES) for `custom_op` and a model section's
-    `routing` (auto | tf | xla) and `stop_gradient_routing`. The one place that decides:
-    auto is the fused prediction + routing op wherever it applies (custom_op=true with
-    stop-gradient routing, the gradient the op implements), the fastest setting
-    (docs/benchmarks.md), and TF routing otherwise."""
+    `routing` (auto | tf | xla), `stop_gradient_routing` and `digit_caps_bias`. The one
+    place that decides: auto is the fused prediction + routing op wherever it applies
+    (custom_op=true with stop-gradient routing, the gradient the op implements, and no
+    capsule bias, which the op does not add), the fastest setting (docs/benchmarks.md),
+    and TF routing otherwise."""
     custom_op = _boolean("custom_op", custom_op)
     routing = _one_of(ROUTING)("model.routing", model_cfg.get("routing", "auto"))
     stop_gradient = _boolean("model.stop_gradient_routing", model_cfg.get("stop_gradient_routing", True))
+    bias = model_cfg.get("digit_caps_bias")
     prediction = "op" if custom_op else "matmul"
     if routing == "xla":
         return prediction + "_xla"
-    if routing == "auto" and custom_op and stop_gradient:
+    if routing == "auto" and custom_op and stop_gradient and bias is None:
         return "fused_op"
     return prediction
 

@@ -59,6 +59,10 @@ def _finite_float(name, value):
     return finite_float(name, value, error=ConfigError)
 
 
+def _optional_finite_float(name, value):
+    return None if value is None else _finite_float(name, value)
+
+
 def _boolean(name, value):
     return boolean(name, value, error=ConfigError)
 
@@ -217,6 +221,7 @@ class ModelConfig:
     decoder_units: List[int] = _checked(check=_int_list, factory=lambda: [512, 1024])
     w_init_stddev: float = _checked(0.1, _positive_float)
     primary_caps_conv: str = _checked("auto", _one_of(CONV_FORMS))
+    digit_caps_bias: Optional[float] = _checked(None, _optional_finite_float)
 
 
 @dataclass
