@@ -321,7 +321,7 @@ class DigitCaps(keras.layers.Layer):
                 (`capsnet.ops.capsule_routing`), which never writes u_hat to memory; only
                 the final squash runs in TensorFlow. Needs stop_gradient_routing=True
                 (the op's gradient is that of stop-gradient routing) and no bias (the op
-            routes without one).
+                routes without one).
             `custom_op`, `jit_routing` and `fused_routing` (read-only) say what the mode
             implies, under the names of the flags it replaced.
         kernel_initializer: initializer for W. Default N(0, 0.1²) per entry (the
@@ -374,9 +374,11 @@ class DigitCaps(keras.layers.Layer):
             name="W", shape=(in_caps, self.num_caps, self.dim, in_dim),
             initializer=self.kernel_initializer, trainable=True,
         )
+        # autocast=False: under a mixed policy the bias reaches the float32 routing sums as
+        # float32 (autocast would round it to 16 bits first, unlike evaluation in float32).
         self.b_j = None if self.bias_init is None else self.add_weight(
             name="b_j", shape=(self.num_caps, self.dim), initializer=keras.initializers.Constant(self.bias_init),
-            trainable=True)
+            trainable=True, autocast=False)
         self.input_spec = keras.layers.InputSpec(ndim=3, axes={1: in_caps, 2: in_dim})
 
     def call(self, u):

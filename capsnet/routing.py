@@ -86,7 +86,7 @@ def dynamic_routing(u_hat, iterations=3, stop_gradient=True, bias=None):
     u_hat = float32_math(u_hat)
     u_hat_routing = tf.stop_gradient(u_hat) if stop_gradient else u_hat
     if bias is not None:
-        bias = float32_math(tf.convert_to_tensor(bias))
+        bias = tf.cast(bias, u_hat.dtype)  # the routing's math dtype (float32 for 16-bit u_hat)
         if bias.shape != u_hat.shape[2:]:
             raise ValueError(f"dynamic_routing: bias must be (out_caps, out_dim) = {tuple(u_hat.shape[2:])}, got "
                              f"shape {tuple(bias.shape)}")

@@ -23,7 +23,7 @@ builds it) and the real compiled step (capsnet.training.steps.make_train_step), 
 
 The fused variants route inside the compiled op (capsnet.ops.capsule_routing):
 model.routing=auto, which capsnet.config.routing_mode resolves to the fused op with
-custom_op=true; the others route in TF ops (model.routing=tf). model.routing is set by
+custom_op=true (they refuse model.digit_caps_bias, which that op does not add); the others route in TF ops (model.routing=tf). model.routing is set by
 the variant; the other model.* keys come from the config and overrides as they are.
 
 How:
@@ -119,6 +119,9 @@ def variant_model_cfg(variant, model_cfg):
     model.routing=auto (with custom_op=true: the fused op, capsnet.config.routing_mode),
     the others model.routing=tf."""
     if variant in FUSED_VARIANTS:
+        if model_cfg.get("digit_caps_bias") is not None:
+            fail(f"{variant} times the fused routing op, which has no capsule bias: drop "
+                 f"model.digit_caps_bias={model_cfg['digit_caps_bias']} or that variant")
         return {**model_cfg, "routing": "auto"}
     # The other variants time the unfused paths: the op for u_hat alone, TF routing
     # (auto would pick the fused op for custom_op=true).

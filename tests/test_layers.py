@@ -202,6 +202,22 @@ def test_digit_caps_with_a_bias_matches_numpy_on_every_unfused_path(routing):
         DigitCaps(routing="fused_op", bias_init=0.1)
 
 
+@pytest.mark.parametrize("routing", ["matmul", "matmul_xla"])
+def test_digit_caps_bias_stays_float32_under_mixed_precision(routing):
+    """Under mixed_bfloat16 the bias reaches the float32 routing sums unrounded: with W = 0
+    (u_hat = 0) s_j is the bias alone, and v_j = squash(b_j) to float32 precision (a bias
+    rounded to bfloat16 would be off by ~1e-3 relative)."""
+    layer = DigitCaps(num_caps=5, dim=6, routing=routing, bias_init=0.1, kernel_initializer="zeros",
+                      dtype="mixed_bfloat16")
+    layer.build(CAPSULES.shape)
+    bias = np.full((5, 6), 0.1234567, np.float32) * np.arange(1, 7, dtype=np.float32)
+    layer.b_j.assign(bias)
+    v_j, _ = layer(CAPSULES)
+    assert v_j.dtype == tf.float32
+    np.testing.assert_allclose(v_j.numpy(), np.broadcast_to(np_squash(bias.astype(np.float64), epsilon=EPSILON),
+                                                            (2, 5, 6)), rtol=2e-6)
+
+
 def test_digit_caps_default_initializer_scale():
     layer = DigitCaps(num_caps=10, dim=16)
     layer(np.zeros((1, 1152, 8), np.float32))

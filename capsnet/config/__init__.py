@@ -31,6 +31,7 @@ the five ways DigitCaps can run (ROUTING_MODES, what the layer takes):
     true       auto (stop_gradient_routing=true)   fused_op   prediction + routing in one op
     true       auto (stop_gradient_routing=false)  op         (the fused op has only the
                                                                 stop-gradient gradient)
+    true       auto (model.digit_caps_bias set)    op         (the fused op has no bias)
 
 Only train.xla=jit still rules one out (model.routing=xla: jit compiles the routing
 already): checked by the train section's rule. The compiled ops have XLA kernels
