@@ -23,8 +23,9 @@ builds it) and the real compiled step (capsnet.training.steps.make_train_step), 
 
 The fused variants route inside the compiled op (capsnet.ops.capsule_routing):
 model.routing=auto, which capsnet.config.routing_mode resolves to the fused op with
-custom_op=true (they refuse model.digit_caps_bias, which that op does not add); the others route in TF ops (model.routing=tf). model.routing is set by
-the variant; the other model.* keys come from the config and overrides as they are.
+custom_op=true (they refuse model.digit_caps_bias, which that op does not add); the
+others route in TF ops (model.routing=tf). model.routing is set by the variant; the
+other model.* keys come from the config and overrides as they are.
 
 How:
 - Each variant runs in its own subprocess, one after the other on the same device:
@@ -601,6 +602,8 @@ def main(argv=None):
         worker(json.loads(args.worker))
         return 0
     cfg = compose_config(args.overrides)
+    for variant in args.variants:  # a variant the config rules out fails here, before its worker starts
+        variant_model_cfg(variant, cfg["model"])
     runs = [run_variant(variant, args, cfg) for variant in args.variants]
     rows = with_ratios(runs)
     first = next((run for run in runs if run.get("device")), runs[0])

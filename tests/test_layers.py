@@ -196,10 +196,6 @@ def test_digit_caps_with_a_bias_matches_numpy_on_every_unfused_path(routing):
     np.testing.assert_allclose(c_ij.numpy(), c_ref, rtol=1e-4, atol=1e-6)
     config = layer.get_config()
     assert config["bias_init"] == 0.1 and DigitCaps.from_config(config).bias_init == 0.1
-    with pytest.raises(ValueError, match=r"^DigitCaps: routing=fused_op routes without a capsule bias, got "
-                                          r"bias_init=0\.1: use routing op or op_xla \(model.routing=tf or xla\), "
-                                          r"or no bias$"):
-        DigitCaps(routing="fused_op", bias_init=0.1)
 
 
 @pytest.mark.parametrize("routing", ["matmul", "matmul_xla"])
@@ -278,6 +274,10 @@ def test_digit_caps_fused_routing_uses_only_the_fused_op(spy_on_op, monkeypatch)
      "fused_routing=true needs custom_op=true .*stop_gradient_routing=true .*got custom_op=true, "
      "stop_gradient_routing=false"),
     (dict(routing="yes"), "routing must be one of matmul, matmul_xla, op, op_xla, fused_op, got 'yes'"),
+    # the fused op routes without a capsule bias (the unfused paths take one)
+    (dict(routing="fused_op", bias_init=0.1),
+     r"^DigitCaps: routing=fused_op routes without a capsule bias, got bias_init=0\.1: use routing op or op_xla "
+     r"\(model.routing=tf or xla\), or no bias$"),
 ])
 def test_digit_caps_rejects_bad_fused_routing(kwargs, match):
     with pytest.raises(ValueError, match=match):
