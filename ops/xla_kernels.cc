@@ -7,6 +7,14 @@
 // The custom calls return a tuple: the op's outputs and, on the GPU, the
 // launchers' workspace (uint8, sized here from the shape), which XLA allocates
 // with the step's other buffers.
+//
+// Every operand and result is pinned to the row-major layout the kernels index
+// by. A custom call without layouts lets XLA's layout assignment pick them to suit
+// its neighbours (on the GPU, e.g. u_hat laid out for the routing's batched dot),
+// and the typed-FFI handler sees only dimensions: the kernels then read and write
+// the wrong elements. That trained the unfused op path (op prediction + TF routing)
+// under train.xla=jit on a GPU into a collapsed model (docs/results.md); the fused
+// op's operands happened to get row-major layouts.
 #include <string>
 #include <vector>
 
@@ -88,12 +96,13 @@ class CustomCallKernel : public XlaOpKernel {
     OP_REQUIRES_OK(ctx, DataTypeToPrimitiveType(ctx->input_type(0), &type));
     std::vector<xla::Shape> results;
     for (const TensorShape& s : shapes) {
-      results.push_back(xla::ShapeUtil::MakeShape(type, s.dim_sizes()));
+      results.push_back(xla::ShapeUtil::MakeShapeWithDescendingLayout(type, s.dim_sizes()));
     }
     if (on_gpu_ && workspace_ != Workspace::kNone) {
 #if GOOGLE_CUDA
       const std::size_t bytes = GpuWorkspaceBytes(ctx->input_type(0), workspace_, d, iterations);
-      results.push_back(xla::ShapeUtil::MakeShape(xla::U8, {static_cast<int64_t>(bytes)}));
+      results.push_back(
+          xla::ShapeUtil::MakeShapeWithDescendingLayout(xla::U8, {static_cast<int64_t>(bytes)}));
 #else
       ctx->SetStatus(errors::Unimplemented(
           target_, ": the capsnet op library was built without CUDA; rebuild it with nvcc "
@@ -102,11 +111,19 @@ class CustomCallKernel : public XlaOpKernel {
 #endif
     }
     std::vector<xla::XlaOp> operands;
-    for (int i = 0; i < ctx->num_inputs(); ++i) operands.push_back(ctx->Input(i));
-    xla::XlaOp call = xla::CustomCall(
+    std::vector<xla::Shape> operand_layouts;
+    for (int i = 0; i < ctx->num_inputs(); ++i) {
+      operands.push_back(ctx->Input(i));
+      xla::PrimitiveType operand_type;
+      OP_REQUIRES_OK(ctx, DataTypeToPrimitiveType(ctx->input_type(i), &operand_type));
+      operand_layouts.push_back(xla::ShapeUtil::MakeShapeWithDescendingLayout(
+          operand_type, ctx->InputShape(i).dim_sizes()));
+    }
+    xla::XlaOp call = xla::CustomCallWithLayout(
         ctx->builder(), target_, operands, xla::ShapeUtil::MakeTupleShape(results),
-        backend_config, /*has_side_effect=*/false, /*output_operand_aliasing=*/{},
-        /*literal=*/nullptr, xla::CustomCallSchedule::SCHEDULE_NONE,
+        operand_layouts, backend_config, /*has_side_effect=*/false,
+        /*output_operand_aliasing=*/{}, /*literal=*/nullptr,
+        xla::CustomCallSchedule::SCHEDULE_NONE,
         xla::CustomCallApiVersion::API_VERSION_TYPED_FFI);
     for (int i = 0; i < static_cast<int>(shapes.size()); ++i) {
       ctx->SetOutput(i, xla::GetTupleElement(call, i));

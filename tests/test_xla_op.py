@@ -3,6 +3,7 @@ tf.function(jit_compile=True) each op lowers to a custom call of our kernels. Ch
 against the NumPy references, forward and gradient, in every dtype; against the op run
 by TensorFlow (same kernels, so the same bits); and the lowering itself (custom calls in
 the HLO, the library loaded after TensorFlow made its XLA kernels)."""
+import re
 import subprocess
 import sys
 
@@ -135,6 +136,56 @@ def test_compiled_step_calls_our_kernels():
                    "capsnet_capsule_routing_grad"):
         assert f'custom_call_target="{target}"' in hlo, target
     assert "iterations = 2" in hlo
+
+
+def test_custom_calls_pin_row_major_layouts():
+    """Each custom call fixes its operands' and results' layouts to the row-major order the
+    kernels index by; without that, XLA's layout assignment may lay them out for their
+    neighbours (on a GPU it did: the unfused path below trained into a collapsed model)."""
+    u, W = inputs((2, 3, 2, 4, 5))
+    g1, g2 = tf.ones((2, 3, 2, 4), tf.float64), tf.ones((2, 2, 4), tf.float64)
+
+    def both(u, W, g1, g2):
+        return prediction_and_grads(u, W, g1), routing_and_grads(u, W, g2, 2)
+
+    hlo = jit(both).experimental_get_compiler_ir(tf.constant(u), tf.constant(W), g1, g2)(stage="hlo")
+    calls = [line for line in hlo.splitlines() if "custom_call_target=" in line]
+    assert len(calls) == 4, calls
+    shape = r"\w+\[([\d,]*)\]\{([\d,]*)\}"  # f64[2,3,5]{2,1,0}: dimensions, then minor-to-major
+    for line in calls:
+        result, operands = re.match(r"\s*\S+ = \((.*?)\) custom-call\((.*?)\)", line).groups()
+        constraints = re.search(r"operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}", line)
+        assert constraints, line
+        assert len(re.findall(shape, constraints.group(1))) == len(re.findall(shape, operands)), line
+        for dims, layout in re.findall(shape, result) + re.findall(shape, constraints.group(1)):
+            rank = len(dims.split(",")) if dims else 0
+            assert layout == ",".join(str(i) for i in reversed(range(rank))), line
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_unfused_path_under_jit_matches_the_matmul_prediction(device):
+    """The op's prediction feeding TF routing (model.routing=tf, or a capsule bias) inside
+    one XLA computation, at the paper's DigitCaps shape: the same v_j and gradients as the
+    matmul prediction in its place. u_hat's consumers (the agreement's batched dot) are
+    where XLA would pick another layout for an unpinned custom call's result."""
+    from capsnet.routing import dynamic_routing
+
+    u, W = inputs((8, 1152, 10, 16, 8), seed=7)
+    g = tf.constant(np.random.default_rng(8).normal(size=(8, 10, 16)), tf.float32)
+    bias = tf.constant(np.full((10, 16), 0.1), tf.float32)
+
+    def step(u, W, prediction):
+        with tf.GradientTape() as tape:
+            tape.watch([u, W])
+            v_j, c_ij = dynamic_routing(prediction(u, W), iterations=3, bias=bias)
+            loss = tf.reduce_sum(v_j * g)
+        return (v_j, c_ij, *tape.gradient(loss, [u, W]))
+
+    u, W = tf.constant(u, tf.float32), tf.constant(W, tf.float32)
+    got = jit(lambda u, W: step(u, W, ops.capsule_prediction))(u, W)
+    want = jit(lambda u, W: step(u, W, ops.capsule_prediction_matmul))(u, W)
+    for name, a, b in zip(("v_j", "c_ij", "grad_u", "grad_W"), got, want):
+        assert_close(a, b, 1e-4, name)
 
 
 def test_library_loaded_after_tensorflow_ran_ops_still_compiles():
