@@ -527,6 +527,10 @@ def test_collapse_rules():
     assert collapse_reason({"max_length": 0.9, "accuracy": 0.15}, 3, 10).startswith("test accuracy 0.1500 is at chance")
     assert collapse_reason({"max_length": 0.049, "accuracy": 0.9}, 1, 10) == \
         "every test capsule length is below 0.05 (longest 0.0490)"
+    # MultiMNIST (both digits right): chance is 1/45, not 1/10
+    assert collapse_reason({"max_length": 0.9, "accuracy": 0.12}, 3, 10, labels_per_example=2) is None
+    assert collapse_reason({"max_length": 0.4, "accuracy": 0.0246}, 3, 10, labels_per_example=2) == \
+        "test accuracy 0.0246 is at chance (0.0222 for 2 of 10 classes)"
 
 
 def test_a_healthy_run_is_not_flagged(trained_run):

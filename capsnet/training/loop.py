@@ -338,7 +338,7 @@ def _train(cfg, progress):
         # With a weight average, the test is the average's, and the trained weights' is logged beside it.
         clock.append(time.perf_counter())
         test, raw_test = test_pass(summaries_step=global_step)
-        collapse = collapse_reason(test, epoch_index + 1, model.num_classes)
+        collapse = collapse_reason(test, epoch_index + 1, model.num_classes, 2 if two_digits else 1)
         if chief:
             with writer.as_default(step=global_step):
                 tf.summary.scalar("test/max_capsule_length", test["max_length"])
@@ -569,17 +569,21 @@ COLLAPSE_CHANCE_FACTOR = 1.5
 COLLAPSE_AFTER_EPOCHS = 2
 
 
-def collapse_reason(test, epoch_number, num_classes):
+def collapse_reason(test, epoch_number, num_classes, labels_per_example=1):
     """Why the epoch's test results look collapsed, in words, or None.
 
     A run can go wrong without a NaN: every capsule length shrinks to ~0, or the
     predictions stop depending on the input, and the loss curve alone can look calm.
-    The accuracy test waits COLLAPSE_AFTER_EPOCHS epochs: a run may start at chance."""
+    The accuracy test waits COLLAPSE_AFTER_EPOCHS epochs: a run may start at chance.
+    Chance is one guess among the label sets: 1 / num_classes for one label per example,
+    1 / C(num_classes, 2) = 1/45 for MultiMNIST's two (both digits right)."""
     if test.get("max_length") is not None and test["max_length"] < COLLAPSE_MAX_LENGTH:
         return f"every test capsule length is below {COLLAPSE_MAX_LENGTH} (longest {test['max_length']:.4f})"
-    chance = 1.0 / num_classes
+    chance = 1.0 / math.comb(num_classes, labels_per_example)
     if epoch_number > COLLAPSE_AFTER_EPOCHS and test["accuracy"] <= COLLAPSE_CHANCE_FACTOR * chance:
-        return f"test accuracy {test['accuracy']:.4f} is at chance ({chance:.4f} for {num_classes} classes)"
+        labels = f"{num_classes} classes" if labels_per_example == 1 else \
+            f"{labels_per_example} of {num_classes} classes"
+        return f"test accuracy {test['accuracy']:.4f} is at chance ({chance:.4f} for {labels})"
     return None
 
 
