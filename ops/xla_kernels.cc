@@ -12,9 +12,9 @@
 // by. A custom call without layouts lets XLA's layout assignment pick them to suit
 // its neighbours (on the GPU, e.g. u_hat laid out for the routing's batched dot),
 // and the typed-FFI handler sees only dimensions: the kernels then read and write
-// the wrong elements. That trained the unfused op path (op prediction + TF routing)
-// under train.xla=jit on a GPU into a collapsed model (docs/results.md); the fused
-// op's operands happened to get row-major layouts.
+// the wrong elements: the likely reason the unfused op path (op prediction + TF
+// routing) under train.xla=jit trained into a collapsed model on a GPU, while the fused
+// op's runs trained well (docs/results.md, twenty-eighth session).
 #include <string>
 #include <vector>
 

@@ -138,32 +138,42 @@ def test_compiled_step_calls_our_kernels():
     assert "iterations = 2" in hlo
 
 
-def test_custom_calls_pin_row_major_layouts():
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_custom_calls_pin_row_major_layouts(device):
     """Each custom call fixes its operands' and results' layouts to the row-major order the
-    kernels index by; without that, XLA's layout assignment may lay them out for their
-    neighbours (on a GPU it did: the unfused path below trained into a collapsed model)."""
+    kernels index by, and they are still row-major after XLA's layout assignment (the
+    optimized HLO). Unpinned, layout assignment may lay them out for their neighbours; on a
+    GPU the unfused path below then trained into a collapsed model (docs/results.md)."""
     u, W = inputs((2, 3, 2, 4, 5))
     g1, g2 = tf.ones((2, 3, 2, 4), tf.float64), tf.ones((2, 2, 4), tf.float64)
 
     def both(u, W, g1, g2):
         return prediction_and_grads(u, W, g1), routing_and_grads(u, W, g2, 2)
 
-    hlo = jit(both).experimental_get_compiler_ir(tf.constant(u), tf.constant(W), g1, g2)(stage="hlo")
-    calls = [line for line in hlo.splitlines() if "custom_call_target=" in line]
-    assert len(calls) == 4, calls
+    ir = jit(both).experimental_get_compiler_ir(tf.constant(u), tf.constant(W), g1, g2)
     shape = r"\w+\[([\d,]*)\]\{([\d,]*)\}"  # f64[2,3,5]{2,1,0}: dimensions, then minor-to-major
-    for line in calls:
-        result, operands = re.match(r"\s*\S+ = \((.*?)\) custom-call\((.*?)\)", line).groups()
-        constraints = re.search(r"operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}", line)
-        assert constraints, line
-        assert len(re.findall(shape, constraints.group(1))) == len(re.findall(shape, operands)), line
-        for dims, layout in re.findall(shape, result) + re.findall(shape, constraints.group(1)):
-            rank = len(dims.split(",")) if dims else 0
-            assert layout == ",".join(str(i) for i in reversed(range(rank))), line
+    for stage in ("hlo", "optimized_hlo"):
+        calls = [line for line in ir(stage=stage).splitlines() if "custom_call_target=" in line]
+        assert len(calls) == 4, (stage, calls)
+        for line in calls:
+            parts = re.match(r"\s*\S+ = \((.*?)\) custom-call\((.*?)\)", line)
+            assert parts, (stage, line)
+            result, operands = parts.groups()
+            constraints = re.search(r"operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}", line)
+            assert constraints, (stage, line)
+            # (the optimized HLO names operands without their shapes: the constraints bind them)
+            shapes = {"result": re.findall(shape, result), "operands": re.findall(shape, operands),
+                      "constraints": re.findall(shape, constraints.group(1))}
+            assert len(shapes["result"]) == result.count("["), (stage, line)  # every element read
+            assert len(shapes["constraints"]) == operands.count("%"), (stage, line)  # one per operand
+            for dims, layout in (s for found in shapes.values() for s in found):
+                rank = len(dims.split(",")) if dims else 0
+                assert layout == ",".join(str(i) for i in reversed(range(rank))), (stage, line)
 
 
+@pytest.mark.parametrize("stop_gradient", [True, False])
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
-def test_unfused_path_under_jit_matches_the_matmul_prediction(device):
+def test_unfused_path_under_jit_matches_the_matmul_prediction(device, stop_gradient):
     """The op's prediction feeding TF routing (model.routing=tf, or a capsule bias) inside
     one XLA computation, at the paper's DigitCaps shape: the same v_j and gradients as the
     matmul prediction in its place. u_hat's consumers (the agreement's batched dot) are
@@ -177,7 +187,7 @@ def test_unfused_path_under_jit_matches_the_matmul_prediction(device):
     def step(u, W, prediction):
         with tf.GradientTape() as tape:
             tape.watch([u, W])
-            v_j, c_ij = dynamic_routing(prediction(u, W), iterations=3, bias=bias)
+            v_j, c_ij = dynamic_routing(prediction(u, W), iterations=3, stop_gradient=stop_gradient, bias=bias)
             loss = tf.reduce_sum(v_j * g)
         return (v_j, c_ij, *tape.gradient(loss, [u, W]))
 

@@ -563,7 +563,7 @@ def diverged(stop, epoch_number, last_good, tcfg, learning_rate):
 
 # A collapsed epoch (collapse_reason): every test capsule shorter than this (no class is
 # ever "present": the margin loss's m_minus side has won), or, after the first epochs,
-# a test accuracy within this factor of chance (1 / num_classes).
+# a test accuracy within this factor of chance (one guess among the label sets).
 COLLAPSE_MAX_LENGTH = 0.05
 COLLAPSE_CHANCE_FACTOR = 1.5
 COLLAPSE_AFTER_EPOCHS = 2
