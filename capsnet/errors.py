@@ -41,5 +41,10 @@ class TrainingDiverged(CapsnetError):
     """A training step's loss or gradients were not finite: training stopped, nothing saved."""
 
 
+class TrainingCollapsed(CapsnetError):
+    """The test results looked collapsed (training.loop.collapse_reason) for
+    train.collapse_patience epochs in a row: training stopped, every epoch saved."""
+
+
 class SweepJobsFailed(CapsnetError):
     """Jobs of a parallel sweep (hydra/launcher=gpus) ended with a non-zero exit status."""

@@ -533,6 +533,40 @@ def test_collapse_rules():
         "test accuracy 0.0246 is at chance (0.0222 for 2 of 10 classes)"
 
 
+def test_collapse_patience_counts_flagged_epochs_in_a_row():
+    from capsnet.training.loop import collapsed_for
+
+    def history(*flags, first=1):
+        return [{"epoch": first + i, "collapsed": flag} for i, flag in enumerate(flags)]
+
+    assert collapsed_for(history(False, True, True), 2)
+    assert not collapsed_for(history(False, True, True), 3)
+    assert not collapsed_for(history(True, False, True), 2)  # not in a row
+    assert not collapsed_for(history(True, True, True), None)  # null: train on
+    assert not collapsed_for([{"epoch": 1, "collapsed": True}, {"epoch": 3, "collapsed": True}], 2)  # a gap
+    assert not collapsed_for([{"epoch": 1}, {"epoch": 2}], 1)  # lines saved before the flag existed
+
+
+def test_a_run_collapsed_for_the_patience_stops_with_one_line(tiny_config, tmp_path):
+    """learning_rate=1 on the tiny data (as above): with collapse_patience=1 the first
+    flagged epoch ends training with TrainingCollapsed, after that epoch is saved."""
+    from capsnet.errors import TrainingCollapsed
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(TrainingCollapsed) as err:
+        train(tiny_config("train.learning_rate=1", "train.epochs=6", "train.collapse_patience=1"))
+    lines = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
+    assert [h["collapsed"] for h in lines] == [False] * (len(lines) - 1) + [True]  # stopped at the first
+    stopped = lines[-1]["epoch"]
+    assert stopped < 6
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"training stopped at epoch {stopped}: the test results looked collapsed for 1 "
+                              f"epochs in a row ({lines[-1]['collapse']})")
+    assert str(run_dir) in message and "train.collapse_patience=null" in message
+    assert tf.train.latest_checkpoint(str(run_dir / "checkpoints" / "latest")).endswith(f"ckpt-{stopped}")
+
+
 def test_a_healthy_run_is_not_flagged(trained_run):
     history = trained_run[1]["history"]
     assert [h["collapsed"] for h in history] == [False] * 4

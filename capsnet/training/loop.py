@@ -37,7 +37,7 @@ import tensorflow as tf
 from capsnet import config
 from capsnet.console import say
 from capsnet.data import augmentation_options, example_shape, is_overlay, load_split, make_split_dataset
-from capsnet.errors import ConfigError, Interrupted, TrainingDiverged
+from capsnet.errors import ConfigError, Interrupted, TrainingCollapsed, TrainingDiverged
 from capsnet.losses import loss_params
 from capsnet.scoring import json_safe
 from capsnet.training.checkpoints import (BestCheckpoint, check_nothing_committed, check_resumable, checkpoint_numbers,
@@ -376,6 +376,12 @@ def _train(cfg, progress):
             f" | test loss {test['loss']:.4f} acc {test['accuracy']:.4f}{raw}"
             f"{' (best)' if is_best else ''}{f' [COLLAPSED: {collapse}]' if collapse else ''}"
             f" | {clock[-1] - clock[0]:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+        if collapsed_for(history, tcfg["collapse_patience"]):
+            writer.close()
+            raise TrainingCollapsed(
+                f"training stopped at epoch {epoch_index + 1}: the test results looked collapsed for "
+                f"{tcfg['collapse_patience']} epochs in a row ({collapse}); every epoch is saved in {run_dir}; "
+                f"train.collapse_patience=null trains on regardless")
 
     # ---- final metrics
     if test is None:
@@ -585,6 +591,15 @@ def collapse_reason(test, epoch_number, num_classes, labels_per_example=1):
             f"{labels_per_example} of {num_classes} classes"
         return f"test accuracy {test['accuracy']:.4f} is at chance ({chance:.4f} for {labels})"
     return None
+
+
+def collapsed_for(history, patience):
+    """Whether the last `patience` epochs of `history` (history_entry lines, in epoch order)
+    were all flagged collapsed, and consecutive; False for patience None (train on)."""
+    if not patience or len(history) < patience:
+        return False
+    last = history[-patience:]
+    return all(h.get("collapsed", False) for h in last) and last[-1]["epoch"] - last[0]["epoch"] == patience - 1
 
 
 def last_epoch_was_best(history, epochs_done):
