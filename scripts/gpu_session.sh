@@ -59,8 +59,8 @@ side_by_side() {
 }
 
 if [[ $what == verify || $what == all ]]; then
-  # The op tests on the GPU (gpu-marked ones run only here) and the model's op-vs-matmul test.
-  python3 -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_routing_op.py tests/test_layers.py tests/test_model.py 2>&1 | tee "$out/pytest_gpu.log" | tail -15
+  # The op tests on the GPU (gpu-marked ones run only here; test_xla_op: the op inside XLA) and the model's op-vs-matmul test.
+  python3 -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_routing_op.py tests/test_xla_op.py tests/test_layers.py tests/test_model.py 2>&1 | tee "$out/pytest_gpu.log" | tail -15
 fi
 if [[ $what == train || $what == all ]]; then
   # A short real run with the compiled op on /GPU:0.
