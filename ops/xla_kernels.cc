@@ -11,10 +11,10 @@
 // Every operand and result is pinned to the row-major layout the kernels index
 // by. A custom call without layouts lets XLA's layout assignment pick them to suit
 // its neighbours (on the GPU, e.g. u_hat laid out for the routing's batched dot),
-// and the typed-FFI handler sees only dimensions: the kernels then read and write
-// the wrong elements: the likely reason the unfused op path (op prediction + TF
-// routing) under train.xla=jit trained into a collapsed model on a GPU, while the fused
-// op's runs trained well (docs/results.md, twenty-eighth session).
+// and the typed-FFI handler sees only dimensions, so the kernels would read and
+// write the wrong elements. That is the likely reason the unfused op path (op
+// prediction + TF routing) under train.xla=jit trained into a collapsed model on a
+// GPU while the fused op's runs trained well (docs/results.md, twenty-eighth session).
 #include <string>
 #include <vector>
 

@@ -562,7 +562,7 @@ def test_a_run_collapsed_for_the_patience_stops_with_one_line(tiny_config, tmp_p
     message = str(err.value)
     assert "\n" not in message
     assert message.startswith(f"training stopped at epoch {stopped}: the test results looked collapsed for 1 "
-                              f"epochs in a row ({lines[-1]['collapse']})")
+                              f"epoch in a row ({lines[-1]['collapse']})")
     assert str(run_dir) in message and "train.collapse_patience=null" in message
     assert tf.train.latest_checkpoint(str(run_dir / "checkpoints" / "latest")).endswith(f"ckpt-{stopped}")
 

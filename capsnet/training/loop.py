@@ -378,10 +378,11 @@ def _train(cfg, progress):
             f" | {clock[-1] - clock[0]:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
         if collapsed_for(history, tcfg["collapse_patience"]):
             writer.close()
+            patience = tcfg["collapse_patience"]
             raise TrainingCollapsed(
                 f"training stopped at epoch {epoch_index + 1}: the test results looked collapsed for "
-                f"{tcfg['collapse_patience']} epochs in a row ({collapse}); every epoch is saved in {run_dir}; "
-                f"train.collapse_patience=null trains on regardless")
+                f"{patience} epoch{'s' if patience > 1 else ''} in a row ({collapse}); every epoch is saved in "
+                f"{run_dir}; train.collapse_patience=null trains on regardless")
 
     # ---- final metrics
     if test is None:
