@@ -112,12 +112,10 @@ class CustomCallKernel : public XlaOpKernel {
     }
     std::vector<xla::XlaOp> operands;
     std::vector<xla::Shape> operand_layouts;
-    for (int i = 0; i < ctx->num_inputs(); ++i) {
+    for (int i = 0; i < ctx->num_inputs(); ++i) {  // every input of the four ops has type T
       operands.push_back(ctx->Input(i));
-      xla::PrimitiveType operand_type;
-      OP_REQUIRES_OK(ctx, DataTypeToPrimitiveType(ctx->input_type(i), &operand_type));
-      operand_layouts.push_back(xla::ShapeUtil::MakeShapeWithDescendingLayout(
-          operand_type, ctx->InputShape(i).dim_sizes()));
+      operand_layouts.push_back(
+          xla::ShapeUtil::MakeShapeWithDescendingLayout(type, ctx->InputShape(i).dim_sizes()));
     }
     xla::XlaOp call = xla::CustomCallWithLayout(
         ctx->builder(), target_, operands, xla::ShapeUtil::MakeTupleShape(results),

@@ -376,9 +376,9 @@ def _train(cfg, progress):
             f" | test loss {test['loss']:.4f} acc {test['accuracy']:.4f}{raw}"
             f"{' (best)' if is_best else ''}{f' [COLLAPSED: {collapse}]' if collapse else ''}"
             f" | {clock[-1] - clock[0]:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
-        if collapsed_for(history, tcfg["collapse_patience"]):
+        patience = tcfg["collapse_patience"]
+        if collapsed_for(history, patience):
             writer.close()
-            patience = tcfg["collapse_patience"]
             raise TrainingCollapsed(
                 f"training stopped at epoch {epoch_index + 1}: the test results looked collapsed for "
                 f"{patience} epoch{'s' if patience > 1 else ''} in a row ({collapse}); every epoch is saved in "
