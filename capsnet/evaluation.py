@@ -67,7 +67,7 @@ def format_report(report):
         lines = [
             f"checkpoint: {report['checkpoint']} (epoch {report['epoch']}, {WEIGHT_NAMES[report['weights']]})",
             f"dataset: {report['dataset']} test, {report['num_examples']} {kind}, custom_op={report['custom_op']}, "
-            f"precision={report['precision']}",
+            f"precision={report['precision']}, xla={report['xla']}",
             f"{scored} {report['accuracy']:.4%}  loss {report['loss']:.5f}  "
             f"(margin {report['margin_loss']:.5f}, reconstruction {report['reconstruction_loss']:.3f})  "
             f"{report['images_per_sec']:.1f} images/s",
@@ -90,7 +90,7 @@ def format_report(report):
 
 
 def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_test=None,
-             custom_op=None, batch_size=None, weights=None, precision=None, output=None, tta="none"):
+             custom_op=None, batch_size=None, weights=None, precision=None, xla=None, output=None, tta="none"):
     """Evaluate `checkpoint` on the test split; returns the report and writes it as JSON.
 
     Args:
@@ -108,6 +108,10 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
             (train.ema_decay > 0), else the trained weights; "ema" or "raw" to choose.
         precision: None = the run's train.precision; or one of config.PRECISIONS (the
             weights are float32 in every precision).
+        xla: None = as the run's per-epoch test pass was compiled: "jit" for a run trained
+            with train.xla=jit, else "none"; or "none" / "jit". In 16-bit precisions the
+            XLA-compiled pass rounds differently, so only the run's own setting reproduces
+            its in-run test score exactly.
         output: JSON path; None = `<checkpoint>.eval.json` (an ensemble or tta:
             `<first checkpoint>.ensemble-<hash of the passes>.eval.json`).
         tta: "none"; "flip": every member also scores the test images mirrored
@@ -121,7 +125,7 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     Returns:
         dict with accuracy, loss, margin_loss, reconstruction_loss, images_per_sec,
         per_class_accuracy, confusion_matrix, num_examples, checkpoint, epoch,
-        dataset, custom_op, weights, precision. MultiMNIST (two digits per example):
+        dataset, custom_op, weights, precision, xla. MultiMNIST (two digits per example):
         accuracy = both digits right, per_class_accuracy = per-class recall among the top two,
         per_class_examples, confusion_matrix None (pair_report). An ensemble's report
         has the ensemble's accuracy, per-class scores, num_examples, images/s, dataset,
@@ -139,9 +143,9 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     # (evaluate.py has checked them already; tests and scripts call evaluate() directly).
     args = config.check_section(config.EvalAppConfig, {
         "checkpoint": checkpoints, "which": which, "custom_op": custom_op, "batch_size": batch_size,
-        "weights": weights, "precision": precision, "output": output, "tta": tta,
+        "weights": weights, "precision": precision, "xla": xla, "output": output, "tta": tta,
         "data": {"name": data_name, "dir": data_dir, "limit_test": limit_test}})
-    members = [resolve_member(c, which=which, custom_op=custom_op, weights=weights, precision=precision)
+    members = [resolve_member(c, which=which, custom_op=custom_op, weights=weights, precision=precision, xla=xla)
                for c in checkpoints]
     first = members[0]
     prefixes = [member["prefix"] for member in members]
@@ -205,7 +209,7 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     reports, results = [], []
     for member in members:
         eval_step = make_eval_step(member["model"], model.image_shape, **member["losses"],
-                                   two_digits=is_overlay(data_cfg["name"]))
+                                   jit_compile=member["xla"] == "jit", two_digits=is_overlay(data_cfg["name"]))
         views = tta_views(dataset, args["tta"], shift_fill=member["cfg"]["data"]["shift_fill"])
         for view, view_dataset in views.items():
             result = evaluate_model(eval_step, view_dataset, model.num_classes, keep_lengths=ensemble)
@@ -228,6 +232,7 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
                 "batch_size": batch_size,
                 "weights": member["weights"],
                 "precision": member["precision"],
+                "xla": member["xla"],
                 **({"view": view} if len(views) > 1 else {}),
             })
     if ensemble:
@@ -249,12 +254,12 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     return report
 
 
-def resolve_member(checkpoint, *, which, custom_op, weights, precision=None):
+def resolve_member(checkpoint, *, which, custom_op, weights, precision=None, xla=None):
     """One checkpoint to evaluate, resolved and its run config checked (no model yet):
-    prefix, run_dir, cfg (config.check's), custom_op, losses, weights, precision (None: the
-    run's). The arguments are checked as evaluate()'s are (export calls this alone)."""
+    prefix, run_dir, cfg (config.check's), custom_op, losses, weights, precision and xla
+    (None: the run's). The arguments are checked as evaluate()'s are (export calls this alone)."""
     config.check_section(config.EvalAppConfig, {"checkpoint": checkpoint, "which": which, "custom_op": custom_op,
-                                                "weights": weights, "precision": precision})
+                                                "weights": weights, "precision": precision, "xla": xla})
     prefix, run_dir, saved = resolve_checkpoint(checkpoint, which)
     prefix, run_dir = str(Path(prefix).resolve()), Path(run_dir).resolve()
     cfg = check_run_config(saved, run_dir)
@@ -266,9 +271,16 @@ def resolve_member(checkpoint, *, which, custom_op, weights, precision=None):
     if weights == "ema" and not kept_average:
         raise ConfigError(f"weights=ema: the run {run_dir} kept no average of its weights (train.ema_decay was 0); "
                           "use weights=raw (an ensemble: weights=null, each member's own)")
+    if xla is None:
+        # The run's test pass: compiled with the step under train.xla=jit (autocluster is a
+        # process-wide setting, not the eval step's, so such runs are evaluated without XLA).
+        xla = "jit" if cfg["train"]["xla"] == "jit" else "none"
+    if xla == "jit" and cfg["model"]["routing"] == "xla":
+        raise ConfigError(f"xla=jit: the run {run_dir} routes with model.routing=xla, an XLA computation of its own "
+                          "that cannot be nested in a compiled test pass: use xla=none")
     return {"prefix": prefix, "run_dir": run_dir, "cfg": cfg, "custom_op": custom_op,
             "losses": loss_params(cfg["train"]), "weights": weights,
-            "precision": cfg["train"]["precision"] if precision is None else precision}
+            "precision": cfg["train"]["precision"] if precision is None else precision, "xla": xla}
 
 
 def check_run_config(saved, run_dir):
@@ -311,8 +323,8 @@ def ensemble_report(reports, results, num_classes):
     lengths = np.mean([result["lengths"] for result in results], axis=0)   # (N, classes)
     predictions = predict(tf.constant(lengths), tf.constant(labels)).numpy()
     scores = score(labels, predictions, num_classes)
-    member_keys = ("checkpoint", "run_dir", "epoch", "weights", "custom_op", "precision", "accuracy", "loss", "margin_loss",
-                   "reconstruction_loss", "images_per_sec", "view")
+    member_keys = ("checkpoint", "run_dir", "epoch", "weights", "custom_op", "precision", "xla", "accuracy", "loss",
+                   "margin_loss", "reconstruction_loss", "images_per_sec", "view")
     return {
         **scores,
         "num_examples": len(labels),

@@ -121,12 +121,26 @@ def test_a_config_that_does_not_match_the_checkpoint_is_reported(trained_run, tm
     ({"batch_size": True}, "batch_size must be a positive integer .*got True"),
     ({"custom_op": "abc"}, "custom_op must be true or false .*got 'abc'"),
     ({"custom_op": "no"}, "custom_op must be true or false .*got 'no'"),
+    ({"xla": "autocluster"}, r"xla must be one of none, jit \(or null: as trained\), got 'autocluster'"),
 ])
 def test_bad_evaluate_arguments_are_one_line_config_errors(trained_run, tmp_path, kwargs, message):
     with pytest.raises(ConfigError, match=message) as err:
         evaluate(trained_run[0], output=tmp_path / "never.json", **kwargs)
     assert "\n" not in str(err.value)
     assert not (tmp_path / "never.json").exists()
+
+
+def test_xla_jit_for_a_run_routed_by_its_own_xla_computation_is_a_config_error(trained_run, tmp_path):
+    # model.routing=xla compiles the routing on its own; nested in a compiled pass it aborted
+    # the process on a GPU (check_xla), so evaluate() says so first.
+    run_dir = tmp_path / "edited"
+    shutil.copytree(trained_run[0], run_dir)
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config["model"]["routing"] = "xla"
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(ConfigError, match=r"xla=jit: the run .*edited routes with model.routing=xla.*use xla=none"):
+        evaluate(run_dir, xla="jit", output=tmp_path / "never.json")
+    assert evaluate(run_dir, which="latest", output=tmp_path / "plain.json")["xla"] == "none"
 
 
 def test_bad_values_in_the_run_config_are_config_errors(trained_run, tmp_path):

@@ -23,6 +23,7 @@ from capsnet.validation import (boolean, finite_float, float_in_range, integer, 
 ROUTING = ("auto", "tf", "xla")                                        # model.routing
 ROUTING_MODES = ("matmul", "matmul_xla", "op", "op_xla", "fused_op")  # what DigitCaps takes
 XLA_MODES = ("none", "autocluster", "jit")                              # train.xla
+EVAL_XLA = ("none", "jit")                                              # evaluate.py xla (autocluster is process-wide)
 CONV_FORMS = ("auto", "strided", "space_to_depth")                      # model.primary_caps_conv
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")            # train.precision (Keras policy names)
 STRATEGIES = ("none", "mirrored", "multi_worker")                       # distribute.strategy
@@ -182,6 +183,12 @@ def _eval_precision(name, value):
     return value
 
 
+def _eval_xla(name, value):
+    if value is not None and value not in EVAL_XLA:
+        raise ConfigError(f"{name} must be one of {', '.join(EVAL_XLA)} (or null: as trained), got {value!r}")
+    return value
+
+
 def _eval_weights(name, value):
     if value is not None and value not in WEIGHTS:
         raise ConfigError(f"{name} must be one of {', '.join(WEIGHTS)} (or null: the run's average if it kept "
@@ -334,6 +341,7 @@ class EvalAppConfig:
     batch_size: Optional[int] = _checked(None, _eval_batch_size)
     weights: Optional[str] = _checked(None, _eval_weights)
     precision: Optional[str] = _checked(None, _eval_precision)
+    xla: Optional[str] = _checked(None, _eval_xla)
     output: Optional[str] = _checked(None, _optional_string)
     tta: str = _checked("none", _one_of(TTA))
     data: EvalDataConfig = field(default_factory=EvalDataConfig)
