@@ -12,9 +12,10 @@
 // by. A custom call without layouts lets XLA's layout assignment pick them to suit
 // its neighbours (on the GPU, e.g. u_hat laid out for the routing's batched dot),
 // and the typed-FFI handler sees only dimensions, so the kernels would read and
-// write the wrong elements. That is the likely reason the unfused op path (op
-// prediction + TF routing) under train.xla=jit trained into a collapsed model on a
-// GPU while the fused op's runs trained well (docs/results.md, twenty-eighth session).
+// write the wrong elements. That is why the unfused op path (op prediction + TF
+// routing) under train.xla=jit trained into a collapsed model on a GPU while the
+// fused op's runs trained well; with the layouts pinned it trains (H100,
+// docs/verification.md, twenty-ninth session).
 #include <string>
 #include <vector>
 
