@@ -4,7 +4,8 @@ erasing (Zhong et al. 2017). Pure TensorFlow functions without a pipeline:
 capsnet.data.make_dataset and make_multimnist_dataset apply them. Shifts, flips and erased
 boxes are drawn for a whole epoch at once (`flip_mask`, `shift_corners`, `erase_boxes`:
 per-example draws keyed by each example's index, from TensorFlow's Philox computed in
-vectorised ops) and applied to batches (`shift_batch`, `erase_batch`).
+vectorised ops) and applied to batches (`shift_batch`, `erase_batch`); the elastic noise
+likewise, a batch at a time (`elastic_noise`, for `elastic_distort`).
 """
 import math
 
@@ -134,8 +135,13 @@ def example_words(stream_key, indices, blocks=1):
     if indices.dtype != tf.int64:
         # fold_in draws c in the data's dtype: only int64 indices give the seeds computed here.
         raise TypeError(f"example_words: indices must be int64 (as the pipelines' example order), got {indices.dtype}")
-    c = tf.random.stateless_uniform([], seed=stream_key, dtype=tf.int64, minval=None, maxval=None, alg="philox")
-    return seed_words(tf.fill(tf.shape(indices), c), indices, blocks)
+    return seed_words(tf.fill(tf.shape(indices), fold_in_seed(stream_key)), indices, blocks)
+
+
+def fold_in_seed(stream_key):
+    """c of stateless_fold_in(stream_key, index) = (c, index): a full-range int64 draw from
+    `stream_key`, the same for every index (int64 scalar)."""
+    return tf.random.stateless_uniform([], seed=stream_key, dtype=tf.int64, minval=None, maxval=None, alg="philox")
 
 
 def seed_words(seed0, seed1, blocks=1):
@@ -144,14 +150,34 @@ def seed_words(seed0, seed1, blocks=1):
     four 32-bit words (uint64 (B,)), from the key and counter the seed gives
     (StatelessRandomGetKeyCounter). A draw of k values takes the words in order, a block
     after another (example_words: why)."""
-    seed0, seed1 = (seed if seed.dtype == tf.uint64 else tf.bitcast(tf.cast(seed, tf.int64), tf.uint64)
-                    for seed in (tf.convert_to_tensor(seed0), tf.convert_to_tensor(seed1)))
-    counter = [_low32(seed0), _high32(seed0), _low32(seed1), _high32(seed1)]
-    mix = _philox4x32(counter, [_word(0x3EC8F720, seed0), _word(0x02461E29, seed0)])
-    zero = tf.zeros_like(seed0)
+    mix, zero = _key_counter(seed0, seed1)
     # The counter's low word counts the blocks (from 0: no carry for the few drawn here).
     return [_philox4x32([zero + tf.constant(block, tf.uint64), zero, mix[2], mix[3]], [mix[0], mix[1]])
             for block in range(blocks)]
+
+
+def seed_word_stream(seed0, seed1, count):
+    """The first `count` words (uint64 (B, count)) that a stateless draw reads for the
+    seeds (seed0, seed1) (as seed_words'): seed_words' blocks, all computed at once (one
+    Philox over a (B, blocks) grid instead of a chain of ops per block), their words in
+    order, for draws of hundreds of values (elastic_noise)."""
+    mix, zero = _key_counter(seed0, seed1)
+    blocks = -(-int(count) // 4)
+    if blocks > 2**31:  # the counter's low word: no carry into the next
+        raise ValueError(f"seed_word_stream: {count} words need more than 2^31 blocks")
+    mix, zero = [word[:, None] for word in mix], zero[:, None]                 # (B, 1)
+    block = zero + tf.constant(np.arange(blocks, dtype=np.uint64)[None, :])   # (B, blocks)
+    words = _philox4x32([block, zero, mix[2], mix[3]], [mix[0], mix[1]])      # 4 × (B, blocks)
+    return tf.reshape(tf.stack(words, axis=2), [-1, blocks * 4])[:, :count]
+
+
+def _key_counter(seed0, seed1):
+    """StatelessRandomGetKeyCounter's Philox block for the seeds: its four words (the key,
+    words 0-1, and the counter's high words, 2-3), and zeros shaped as the seeds (uint64)."""
+    seed0, seed1 = (seed if seed.dtype == tf.uint64 else tf.bitcast(tf.cast(seed, tf.int64), tf.uint64)
+                    for seed in (tf.convert_to_tensor(seed0), tf.convert_to_tensor(seed1)))
+    counter = [_low32(seed0), _high32(seed0), _low32(seed1), _high32(seed1)]
+    return _philox4x32(counter, [_word(0x3EC8F720, seed0), _word(0x02461E29, seed0)]), tf.zeros_like(seed0)
 
 
 def words_to_int64(low, high):
@@ -233,6 +259,22 @@ def gaussian_kernel(sigma):
     radius = max(1, math.ceil(3 * sigma))
     taps = np.exp(-0.5 * (np.arange(-radius, radius + 1) / sigma) ** 2)
     return (taps / taps.sum()).astype(np.float32)
+
+
+def elastic_noise(fold_in_seeds, indices, height, width):
+    """The displacement noise of the examples `indices` (int64 (B,)): float32 (B, height,
+    width, 2), uniform in [-1, 1), equal to the per-example draws
+        tf.random.stateless_uniform([height, width, 2], seed=stateless_fold_in(stream_key, index),
+                                    minval=-1, maxval=1, alg="philox")
+    where `fold_in_seeds` (int64 (B,)) holds fold_in_seed(stream_key) for each example
+    (example_words: why a batch computes what those ops compute). A few ops for the whole
+    batch, so the noise can be drawn inside a compiled step (train.data_on_device).
+    A float32 draw is 1.m − 1 with m a word's low 23 bits (float_draws), then scaled
+    to [minval, maxval) as 2u − 1: exact in float32."""
+    count = int(height) * int(width) * 2
+    words = seed_word_stream(fold_in_seeds, indices, count)                  # (B, H·W·2)
+    u = tf.cast(tf.bitwise.bitwise_and(words, tf.constant(0x7FFFFF, tf.uint64)), tf.float64) / 2.0**23
+    return tf.reshape(tf.cast(2.0 * u - 1.0, tf.float32), [-1, int(height), int(width), 2])
 
 
 def elastic_distort(images, noise, alpha, sigma):

@@ -23,8 +23,9 @@ import socket
 import numpy as np
 import tensorflow as tf
 
-from capsnet.augment import (corners_from_words, elastic_distort, erase_batch, erase_boxes, example_words, flip_mask,
-                             random_rotate_zoom, seed_words, shift_batch, shift_corners, words_to_int64)
+from capsnet.augment import (corners_from_words, elastic_distort, elastic_noise, erase_batch, erase_boxes, example_words,
+                             flip_mask, fold_in_seed, random_rotate_zoom, seed_words, shift_batch, shift_corners,
+                             words_to_int64)
 from capsnet.config import (AUGMENTATION_OFF, PER_EXAMPLE_AUGMENTATION, SHIFT_FILLS,  # noqa: F401  (re-exported)
                             check_augmentation)
 from capsnet.datasets import (DATASETS, DatasetSpec, check_canvas_border, example_shape,  # noqa: F401  (re-exported)
@@ -304,9 +305,9 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
         zero rectangle, its area uniform in [0.02, erase_max_area] of the image, its
         aspect ratio log-uniform in [0.3, 1/0.3] (Zhong: 0.5 and 0.4). erase_probability
         0 (default): none.
-      Augmentations apply in the order flip, rotate/zoom, shift, elastic, erase (the last
-        two on whole batches: their draws are per example, so batching does not change
-        them).
+      Augmentations apply in the order flip, rotate/zoom, shift, elastic, erase (all but
+        rotate/zoom on whole batches, batch_from_draws: their draws are per example, so
+        batching does not change them).
 
     Returns:
       A `tf.data.Dataset` of (images float32 (B, H, W, C) in [0, 1], labels int32 (B,)).
@@ -329,15 +330,18 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
         labels_t = tf.constant(labels.astype(np.int32))   # (N,)
         draws, keys = _epoch_draws(images.shape, training=training, seed=seed, epoch=epoch,
                                    shift_pixels=shift_pixels, flip=flip, erase_probability=erase_probability,
-                                   erase_max_area=erase_max_area)
+                                   erase_max_area=erase_max_area, elastic=elastic_alpha > 0)
         dataset = tf.data.Dataset.from_tensor_slices(draws)
+        elastic = {"elastic_alpha": elastic_alpha, "elastic_sigma": elastic_sigma}
 
-        per_example = {"rotate_degrees": rotate_degrees, "zoom": zoom, "elastic_alpha": elastic_alpha}
+        per_example = {"rotate_degrees": rotate_degrees, "zoom": zoom}
         if not (training and any(per_example[key] > 0 for key in PER_EXAMPLE_AUGMENTATION)):
-            # Flips and shifts (the presets' augmentations) or none: the map gathers and
-            # crops whole batches, ~6x the per-example map's speed (MNIST, 2 cores).
+            # Flips, shifts (the presets' augmentations), elastic distortion, erasing, or
+            # none: the map gathers and crops whole batches, ~6x the per-example map's
+            # speed (MNIST, 2 cores).
             def load_batch(draws):
-                return batch_from_draws(images_t, labels_t, draws, shift_pixels=shift_pixels, shift_fill=shift_fill)
+                return batch_from_draws(images_t, labels_t, draws, shift_pixels=shift_pixels, shift_fill=shift_fill,
+                                        **elastic)
 
             # Batched, then mapped: tf.distribute cannot read the batch size through the map
             # and splits the batches over replicas by its older rebatching; the slices are
@@ -345,7 +349,7 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
             dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
             dataset = dataset.map(load_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
             return dataset.prefetch(tf.data.AUTOTUNE)
-        affine_key, elastic_key = keys["affine"], keys["elastic"]
+        affine_key = keys["affine"]
 
         def example_key(stream_key, index):
             # Keyed by the example's index in `images`, not by its position in a batch
@@ -353,9 +357,9 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
             return tf.random.experimental.stateless_fold_in(stream_key, index, alg="philox")
 
         def load_example(draws):
-            # Rotation, zoom or elastic distortion: one example at a time, in the order
-            # flip, rotate/zoom, shift (the elastic distortion and the erasing on whole
-            # batches below, in that order: what they need rides along in `later`).
+            # Rotation or zoom: one example at a time, in the order flip, rotate/zoom,
+            # shift (the elastic distortion and the erasing on whole batches below, in that
+            # order: what they need rides along in `later`).
             index = draws["index"]
             image = tf.gather(images_t, index)  # (H, W, C) uint8
             if "mirror" in draws:
@@ -366,23 +370,11 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
             if "corner" in draws:
                 image = shift_batch(image[None], draws["corner"][None], shift_pixels, fill=shift_fill)[0]
             example = (tf.cast(image, tf.float32) / 255.0, tf.gather(labels_t, index))
-            later = {}
-            if elastic_alpha > 0:
-                # The example's displacement noise (keyed by its index, like the other
-                # draws), applied below to whole batches: one chain of ops per batch
-                # instead of one per image.
-                later["noise"] = tf.random.stateless_uniform([h, w, 2], seed=example_key(elastic_key, index),
-                                                             minval=-1.0, maxval=1.0, alg="philox")
-            if "erase" in draws:
-                later["erase"] = draws["erase"]
-            return (*example, later) if later else example
+            later = {key: draws[key] for key in ("index", "elastic_seed", "erase") if key in draws}
+            return (*example, later) if len(later) > 1 else example
 
         def finish_batch(x, y, later):
-            if "noise" in later:
-                x = elastic_distort(x, later["noise"], elastic_alpha, elastic_sigma)
-            if "erase" in later:
-                x = erase_batch(x, later["erase"])  # last: after the elastic distortion
-            return x, y
+            return _distort_and_erase(x, later, **elastic), y
 
         dataset = dataset.map(load_example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
@@ -393,21 +385,28 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
 
 
 def epoch_draws(images_shape, *, training, seed=0, epoch=0, shift_pixels=2, flip=False, erase_probability=0.0,
-                erase_max_area=0.4):
-    """An epoch's example order and its per-example flips, shifts and erased boxes, as
-    make_dataset draws them for images of `images_shape` (N, H, W, C): {"index": int64 (N,),
-    "mirror": bool (N,) if flip, "corner": int32 (N, 2) if shift_pixels, "erase": int32
-    (N, 4) if erase_probability}, entry i for the epoch's i-th example (training; else
-    range(N) and nothing drawn). batch_from_draws makes a batch of any slice of it: what
-    make_dataset's batches are, and what train.data_on_device gathers on the device
-    (capsnet.training.device_input). Arguments as make_dataset's (which checks them)."""
+                erase_max_area=0.4, elastic=False):
+    """An epoch's example order and its per-example flips, shifts, elastic noise seeds and
+    erased boxes, as make_dataset draws them for images of `images_shape` (N, H, W, C):
+    {"index": int64 (N,), "mirror": bool (N,) if flip, "corner": int32 (N, 2) if
+    shift_pixels, "elastic_seed": int64 (N,) if elastic (the seed the example's noise is
+    drawn from with its index, capsnet.augment.elastic_noise: the same for every example,
+    a column so that a batch's slice carries it), "erase": int32 (N, 4) if
+    erase_probability}, entry i for the epoch's i-th example (training; else range(N) and
+    nothing drawn). batch_from_draws makes a batch of any slice of it: what make_dataset's
+    batches are, and what train.data_on_device gathers on the device
+    (capsnet.training.device_input). Arguments as make_dataset's (which checks them;
+    `elastic`: whether elastic_alpha > 0)."""
     return _epoch_draws(images_shape, training=training, seed=seed, epoch=epoch, shift_pixels=shift_pixels,
-                        flip=flip, erase_probability=erase_probability, erase_max_area=erase_max_area)[0]
+                        flip=flip, erase_probability=erase_probability, erase_max_area=erase_max_area,
+                        elastic=elastic)[0]
 
 
-def _epoch_draws(images_shape, *, training, seed, epoch, shift_pixels, flip, erase_probability, erase_max_area):
+def _epoch_draws(images_shape, *, training, seed, epoch, shift_pixels, flip, erase_probability, erase_max_area,
+                 elastic=False):
     """epoch_draws' dict, and the keys of the streams drawn per example later (make_dataset's
-    rotation/zoom and elastic noise): {"affine", "elastic"}, None when not training."""
+    rotation/zoom; the elastic noise's, whose seeds are in the dict): {"affine", "elastic"},
+    None when not training."""
     n, h, w, _ = images_shape
     order, key, shift_key = _epoch_order(n, training, seed, epoch)
     keys = {"affine": None, "elastic": None}
@@ -428,15 +427,19 @@ def _epoch_draws(images_shape, *, training, seed, epoch, shift_pixels, flip, era
         draws["mirror"] = flip_mask(flip_key, order)                      # (N,) bool
     if shift_pixels > 0:
         draws["corner"] = shift_corners(shift_key, order, shift_pixels)   # (N, 2) int32
+    if elastic:
+        draws["elastic_seed"] = tf.fill([n], fold_in_seed(keys["elastic"]))    # (N,) int64
     if erase_probability > 0:
         draws["erase"] = erase_boxes(erase_key, order, h, w, erase_probability, erase_max_area)  # (N, 4) int32
     return draws, keys
 
 
-def batch_from_draws(images, labels, draws, *, shift_pixels, shift_fill="zero", levels=None):
+def batch_from_draws(images, labels, draws, *, shift_pixels, shift_fill="zero", elastic_alpha=0.0, elastic_sigma=4.0,
+                     levels=None):
     """A batch of (images float32 (B, H, W, C) in [0, 1], labels (B,)) from B entries of
     epoch_draws (each of its tensors sliced alike): the examples draws["index"] of
-    `images` uint8 (N, H, W, C) and `labels` (N,), mirrored, shifted and erased as drawn.
+    `images` uint8 (N, H, W, C) and `labels` (N,), mirrored, shifted, elastically
+    distorted (by elastic_alpha and elastic_sigma, as make_dataset's) and erased as drawn.
     A few ops for the whole batch, wherever they run (tf.data's map, or a compiled step).
     A pixel p becomes p / 255; inside XLA pass `levels`, float32 (256,) with levels[p] =
     p / 255 computed on the host (uint8_levels): XLA's p / 255 is not the host's (its CPU
@@ -448,10 +451,21 @@ def batch_from_draws(images, labels, draws, *, shift_pixels, shift_fill="zero", 
     # int32 as drawn; a cast of no op in tf.data, int64 as the device keeps them (device_input).
     if "corner" in draws:
         batch = shift_batch(batch, tf.cast(draws["corner"], tf.int32), shift_pixels, fill=shift_fill)
-    if "erase" in draws:
-        batch = erase_batch(batch, tf.cast(draws["erase"], tf.int32))
     pixels = tf.cast(batch, tf.float32) / 255.0 if levels is None else tf.gather(levels, tf.cast(batch, tf.int32))
-    return pixels, tf.gather(labels, draws["index"])
+    return (_distort_and_erase(pixels, draws, elastic_alpha=elastic_alpha, elastic_sigma=elastic_sigma),
+            tf.gather(labels, draws["index"]))
+
+
+def _distort_and_erase(pixels, draws, *, elastic_alpha, elastic_sigma):
+    """The batch's last two augmentations, on float pixels (B, H, W, C): the elastic
+    distortion (if draws has "elastic_seed"), then the erasing (if "erase"; zero, as 0 / 255
+    is, so erasing before or after the division is the same)."""
+    if "elastic_seed" in draws:
+        noise = elastic_noise(draws["elastic_seed"], draws["index"], pixels.shape[1], pixels.shape[2])
+        pixels = elastic_distort(pixels, noise, elastic_alpha, elastic_sigma)
+    if "erase" in draws:
+        pixels = erase_batch(pixels, tf.cast(draws["erase"], tf.int32))  # last: after the elastic distortion
+    return pixels
 
 
 def uint8_levels():

@@ -2,7 +2,7 @@
 builds them (make_split_dataset per epoch, shuffled and augmented by (seed, epoch)).
 
     python scripts/benchmark_input.py --data-dir ../shared/data/mnist [--dataset mnist]
-        [--batch-size 100] [--epochs 3] [--shift-pixels 2] [--flip] [--erase-probability 0.5]
+        [--batch-size 100] [--epochs 3] [--shift-pixels 2] [--flip] [--erase-probability 0.5] [--elastic-alpha 16]
 
 Each epoch is timed from building its dataset to its last batch (on the host, nothing
 else running), so the per-epoch tracing of the pipeline's functions counts; the first
@@ -32,6 +32,8 @@ def main(argv=None):
     parser.add_argument("--flip", action="store_true", help="also mirror left-right (as paper_fashion_mnist)")
     parser.add_argument("--erase-probability", type=float, default=0.0,
                         help="also random erasing with this probability (data.erase_probability; default 0: none)")
+    parser.add_argument("--elastic-alpha", type=float, default=0.0,
+                        help="also elastic distortion of this scale, sigma 4 (data.elastic_alpha; default 0: none)")
     args = parser.parse_args(argv)
 
     from capsnet.data import load_split, make_split_dataset
@@ -39,12 +41,15 @@ def main(argv=None):
     images, labels = load_split(args.dataset, "train", data_dir=args.data_dir)
     print(f"{args.dataset}: {len(labels)} training images, batch {args.batch_size}, shift {args.shift_pixels}"
           f"{', flips' if args.flip else ''}"
-          f"{f', erasing {args.erase_probability}' if args.erase_probability else ''}; {os.cpu_count()} cores visible")
+          f"{f', erasing {args.erase_probability}' if args.erase_probability else ''}"
+          f"{f', elastic alpha {args.elastic_alpha:g}' if args.elastic_alpha else ''}; {os.cpu_count()} cores visible")
+    # Only the augmentations asked for, so the script also runs on a tree without the newer ones.
+    extra = {key: value for key, value in (("erase_probability", args.erase_probability),
+                                           ("elastic_alpha", args.elastic_alpha)) if value}
     for epoch in range(args.epochs):
         start = time.perf_counter()
         dataset = make_split_dataset(args.dataset, images, labels, batch_size=args.batch_size, training=True,
-                                     seed=0, epoch=epoch, shift_pixels=args.shift_pixels, flip=args.flip,
-                                     erase_probability=args.erase_probability)
+                                     seed=0, epoch=epoch, shift_pixels=args.shift_pixels, flip=args.flip, **extra)
         batches = iter(dataset)
         count = len(next(batches)[1])  # (images, labels[, digits])
         ready = time.perf_counter() - start

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from capsnet.augment import elastic_distort, rotate_zoom
-from capsnet.data import load_split, make_dataset
+from capsnet.augment import elastic_distort, elastic_noise, fold_in_seed, rotate_zoom
+from capsnet.data import _ELASTIC_STREAM, _epoch_order, load_split, make_dataset
 from capsnet.errors import ConfigError, DataError
 from capsnet.idx import read_idx, write_idx
 from conftest import collect, load_script, numpy_shift
@@ -511,6 +511,49 @@ def test_elastic_distort_matches_numpy(alpha, sigma):
         np.testing.assert_allclose(got[b, ..., 0], numpy_elastic(images[b], noise[b], alpha, sigma), atol=0.05)
     if alpha == 0:
         np.testing.assert_array_equal(got[..., 0], images)  # no displacement: the images themselves
+
+
+@pytest.mark.parametrize("height, width", [(28, 28), (5, 7), (1, 1)])
+def test_elastic_noise_is_the_per_example_draw(height, width):
+    """elastic_noise's batch (Philox computed in vectorised ops, for H·W·2 words: 1,568 for
+    MNIST, and counts not a multiple of a block's four) equals the per-example
+    stateless_uniform draw keyed by stateless_fold_in(key, index), bit for bit, eagerly and
+    inside XLA (where train.data_on_device draws it)."""
+    key = tf.constant([5, 9], tf.int64)
+    indices = tf.constant([0, 3, 59_999, 2**40], tf.int64)
+    seeds = tf.fill([4], fold_in_seed(key))
+    want = np.stack([tf.random.stateless_uniform([height, width, 2], minval=-1.0, maxval=1.0, alg="philox",
+                                                 seed=tf.random.experimental.stateless_fold_in(key, i, alg="philox"))
+                     for i in indices])
+    np.testing.assert_array_equal(elastic_noise(seeds, indices, height, width).numpy(), want)
+    compiled = tf.function(lambda s, i: elastic_noise(s, i, height, width), jit_compile=True, autograph=False)
+    np.testing.assert_array_equal(compiled(seeds, indices).numpy(), want)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(rotate_degrees=10)], ids=["batched", "per-example"])
+def test_elastic_batches_are_the_per_example_formula(kwargs):
+    """make_dataset with elastic distortion, whole batches drawn at once (alone, or after
+    the per-example rotation), equals what it computed before the noise was batched: the
+    same epoch without it (same order, shifts, rotations), then elastic_distort with each
+    example's noise drawn by its own stateless_uniform op, keyed by stateless_fold_in of
+    the epoch's elastic stream and the example's index. Bit for bit: earlier runs replay."""
+    n, seed, epoch = 40, 11, 3
+    images = tiny_images(n, seed=4)[..., None]
+    labels = np.arange(n) % 10
+    common = dict(batch_size=16, training=True, seed=seed, epoch=epoch, shift_pixels=2, **kwargs)
+    plain, _ = collect(make_dataset(images, labels, **common))
+    got, got_y = collect(make_dataset(images, labels, elastic_alpha=20, elastic_sigma=3, **common))
+    order = _epoch_order(n, True, seed, epoch)[0].numpy()
+    stream = tf.random.experimental.stateless_fold_in(tf.constant([seed, epoch], tf.int64), _ELASTIC_STREAM,
+                                                      alg="philox")
+    noise = np.stack([tf.random.stateless_uniform([28, 28, 2], minval=-1.0, maxval=1.0, alg="philox",
+                                                  seed=tf.random.experimental.stateless_fold_in(stream, i, alg="philox"))
+                      for i in order])
+    want = np.concatenate([elastic_distort(tf.constant(plain[b:b + 16]), tf.constant(noise[b:b + 16]), 20, 3).numpy()
+                           for b in range(0, n, 16)])
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_y, labels[order])
+    assert np.abs(got - plain).max() > 0.1  # distorted
 
 
 def test_elastic_augmentation_moves_strokes_locally():

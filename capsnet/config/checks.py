@@ -161,13 +161,13 @@ def check(cfg):
 
 # The augmentations that run per example in tf.data (capsnet.data.make_dataset), which
 # train.data_on_device's batches do not have.
-PER_EXAMPLE_AUGMENTATION = ("rotate_degrees", "zoom", "elastic_alpha")
+PER_EXAMPLE_AUGMENTATION = ("rotate_degrees", "zoom")
 
 
 def check_data_on_device(cfg):
     """train.data_on_device=true's needs (capsnet.training.device_input): the call's steps
     are one XLA program (train.xla=jit) on one device, over a dataset of single images
-    augmented a batch at a time (flip, shift, erase)."""
+    augmented a batch at a time (flip, shift, elastic, erase)."""
     if cfg["train"]["xla"] != "jit":
         raise ConfigError(f"train.data_on_device=true runs each call's steps as one XLA program: set train.xla=jit "
                           f"(got {cfg['train']['xla']})")
@@ -179,7 +179,7 @@ def check_data_on_device(cfg):
                           f"{cfg['data']['name']} pairs its digits in tf.data: set train.data_on_device=false")
     on = [f"data.{key}={cfg['data'][key]}" for key in PER_EXAMPLE_AUGMENTATION if cfg["data"][key]]
     if on:
-        raise ConfigError(f"train.data_on_device=true augments whole batches on the device (flip, shift, erase); "
+        raise ConfigError(f"train.data_on_device=true augments whole batches on the device (flip, shift, elastic, erase); "
                           f"{', '.join(on)} runs per example in tf.data: set it to 0 or train.data_on_device=false")
 
 

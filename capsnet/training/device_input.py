@@ -15,10 +15,14 @@ runs a program of that constant length instead, which need not: +5 to +8% at bat
 nothing measurable at 512 (twenty-fifth session).
 
 The batches are make_dataset's, bit for bit: the same per-epoch draws
-(capsnet.data.epoch_draws: the order, flips, shifts, erased boxes, drawn on the host once
-an epoch and copied to the device, 8-56 bytes an example) and the same batch_from_draws,
-here inside the step. What the mode needs (one device, train.xla=jit, single-image data,
-no per-example augmentation) is config.check_data_on_device's.
+(capsnet.data.epoch_draws: the order, flips, shifts, erased boxes, the elastic noise's
+seed, drawn on the host once an epoch and copied to the device, 8-64 bytes an example)
+and the same batch_from_draws, here inside the step. The elastic noise itself (H·W·2
+floats an example) is drawn there too, from the seed and the example's index, bit for
+bit; the distortion's convolutions and sums, compiled by XLA, round apart from
+TensorFlow's kernels (within 1e-5; tests/test_device_input.py). What the mode needs (one
+device, train.xla=jit, single-image data, no per-example augmentation: rotation and zoom)
+is config.check_data_on_device's.
 """
 import itertools
 
@@ -47,21 +51,24 @@ class DeviceTrainingSet:
     batches it, for use inside a compiled step."""
 
     def __init__(self, images, labels, *, batch_size, seed, shift_pixels, flip=False, shift_fill="zero",
-                 erase_probability=0.0, erase_max_area=0.4, device=None, **per_example):
+                 elastic_alpha=0.0, elastic_sigma=4.0, erase_probability=0.0, erase_max_area=0.4, device=None,
+                 **per_example):
         unknown = sorted(set(per_example) - set(AUGMENTATION_OFF))
         if unknown:
             raise TypeError(f"DeviceTrainingSet: unknown augmentation argument(s) {', '.join(unknown)}")
         on = [f"data.{key}={per_example[key]}" for key in PER_EXAMPLE_AUGMENTATION if per_example.get(key)]
         if on:  # config.check_data_on_device's rule, for a caller without a config
             raise ConfigError(f"train.data_on_device=true augments whole batches on the device (flip, shift, "
-                              f"erase); {', '.join(on)} runs per example in tf.data")
+                              f"elastic, erase); {', '.join(on)} runs per example in tf.data")
         self.batch_size, self.seed, self.shape = int(batch_size), int(seed), images.shape
         # make_dataset's check (the range is the image's), as the same config key.
         self.shift_pixels = integer("data.shift_pixels", shift_pixels, minimum=0, maximum=min(images.shape[1:3]) - 1,
                                     error=ConfigError)
         self.shift_fill = shift_fill
+        self.elastic = {"elastic_alpha": float(elastic_alpha), "elastic_sigma": float(elastic_sigma)}
         self.augmentation = {"shift_pixels": self.shift_pixels, "flip": bool(flip),
-                             "erase_probability": float(erase_probability), "erase_max_area": float(erase_max_area)}
+                             "erase_probability": float(erase_probability), "erase_max_area": float(erase_max_area),
+                             "elastic": elastic_alpha > 0}
         self.device = device or training_device()
         with tf.device(self.device):
             self.images = tf.identity(tf.constant(images))
@@ -91,7 +98,7 @@ class DeviceTrainingSet:
         positions = tf.cast(step, tf.int64) * self.batch_size + tf.range(size, dtype=tf.int64)
         picked = {key: tf.gather(value, positions) for key, value in draws.items()}
         images, labels = batch_from_draws(self.images, self.labels, picked, shift_pixels=self.shift_pixels,
-                                          shift_fill=self.shift_fill, levels=self.levels)
+                                          shift_fill=self.shift_fill, levels=self.levels, **self.elastic)
         return images, tf.cast(labels, tf.int32)
 
 
