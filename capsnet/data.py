@@ -23,9 +23,9 @@ import socket
 import numpy as np
 import tensorflow as tf
 
-from capsnet.augment import (corners_from_words, elastic_distort, elastic_noise, erase_batch, erase_boxes, example_words,
-                             flip_mask, fold_in_seed, random_rotate_zoom, seed_words, shift_batch, shift_corners,
-                             words_to_int64)
+from capsnet.augment import (corners_from_words, elastic_distort, elastic_noise, erase_batch, erase_boxes,
+                             example_words, flip_mask, fold_in_seed, random_rotate_zoom, seed_words, shift_batch,
+                             shift_corners, words_to_int64)
 from capsnet.config import (AUGMENTATION_OFF, PER_EXAMPLE_AUGMENTATION, SHIFT_FILLS,  # noqa: F401  (re-exported)
                             check_augmentation)
 from capsnet.datasets import (DATASETS, DatasetSpec, check_canvas_border, example_shape,  # noqa: F401  (re-exported)

@@ -546,9 +546,9 @@ def test_elastic_batches_are_the_per_example_formula(kwargs):
     order = _epoch_order(n, True, seed, epoch)[0].numpy()
     stream = tf.random.experimental.stateless_fold_in(tf.constant([seed, epoch], tf.int64), _ELASTIC_STREAM,
                                                       alg="philox")
+    fold_in = tf.random.experimental.stateless_fold_in
     noise = np.stack([tf.random.stateless_uniform([28, 28, 2], minval=-1.0, maxval=1.0, alg="philox",
-                                                  seed=tf.random.experimental.stateless_fold_in(stream, i, alg="philox"))
-                      for i in order])
+                                                  seed=fold_in(stream, i, alg="philox")) for i in order])
     want = np.concatenate([elastic_distort(tf.constant(plain[b:b + 16]), tf.constant(noise[b:b + 16]), 20, 3).numpy()
                            for b in range(0, n, 16)])
     np.testing.assert_array_equal(got, want)

@@ -153,7 +153,8 @@ def record_calls(train_steps):
 
 def test_device_training_set_refuses_per_example_augmentation_and_unknown_arguments():
     images, labels = some_split()
-    with pytest.raises(ConfigError, match=r"\(flip, shift, elastic, erase\); data\.zoom=0\.1 runs per example in tf\.data$"):
+    with pytest.raises(ConfigError,
+                       match=r"\(flip, shift, elastic, erase\); data\.zoom=0\.1 runs per example in tf\.data$"):
         DeviceTrainingSet(images, labels, batch_size=7, seed=0, shift_pixels=2, rotate_degrees=0.0, zoom=0.1)
     with pytest.raises(TypeError, match="unknown augmentation argument"):
         DeviceTrainingSet(images, labels, batch_size=7, seed=0, shift_pixels=2, sharpen=1.0)

@@ -179,8 +179,9 @@ def check_data_on_device(cfg):
                           f"{cfg['data']['name']} pairs its digits in tf.data: set train.data_on_device=false")
     on = [f"data.{key}={cfg['data'][key]}" for key in PER_EXAMPLE_AUGMENTATION if cfg["data"][key]]
     if on:
-        raise ConfigError(f"train.data_on_device=true augments whole batches on the device (flip, shift, elastic, erase); "
-                          f"{', '.join(on)} runs per example in tf.data: set it to 0 or train.data_on_device=false")
+        raise ConfigError(f"train.data_on_device=true augments whole batches on the device (flip, shift, elastic, "
+                          f"erase); {', '.join(on)} runs per example in tf.data: set it to 0 or "
+                          f"train.data_on_device=false")
 
 
 def check_eval(cfg):
