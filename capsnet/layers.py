@@ -65,7 +65,12 @@ class Conv2D(keras.layers.Conv2D):
       those blocks already (an (H, W) map's, as `output_blocks` gives them).
     - `call(inputs, output_blocks=b)`: a stride-1 "valid" convolution whose output comes
       as its b×b blocks, (B, ⌈H'/b⌉, ⌈W'/b⌉, b·b·filters).
+
+    `kernel_scale` (attribute, default 1): the output is kernel_scale · (inputs ∗ kernel)
+    + bias, the kernel variable unscaled (PrimaryCaps' `kernel_scale` says why).
     """
+
+    kernel_scale = 1.0
 
     def build(self, input_shape):
         super().build(input_shape)
@@ -82,16 +87,19 @@ class Conv2D(keras.layers.Conv2D):
             raise ValueError(f"{self.name}: expected axis -1 of the input to have {channels} channels{form}, "
                              f"got shape {tuple(inputs.shape)}")
         repeats = 1
+        # Scaling the kernel (81·C·filters values) costs less than scaling the output, and
+        # its gradient is the same: kernel_scale times the unscaled one.
+        kernel = self.kernel if self.kernel_scale == 1.0 else self.kernel * self.kernel_scale
         if output_blocks is not None:
             if self.strides != (1, 1) or self.padding != "valid":
                 raise ValueError(f"{self.name}: output_blocks needs strides 1 and padding 'valid', "
                                  f"got strides {self.strides}, padding {self.padding!r}")
-            outputs = conv2d_to_blocks(inputs, self.kernel, output_blocks)
+            outputs = conv2d_to_blocks(inputs, kernel, output_blocks)
             repeats = output_blocks * output_blocks  # channel groups of the blocks: one bias each
         elif space_to_depth:
-            outputs = space_to_depth_conv2d(inputs, self.kernel, self.strides, map_size=map_size)
+            outputs = space_to_depth_conv2d(inputs, kernel, self.strides, map_size=map_size)
         else:
-            outputs = self.convolution_op(inputs, self.kernel)
+            outputs = self.convolution_op(inputs, kernel)
         if self.use_bias:
             outputs = bias_add(outputs, self.bias if repeats == 1 else tf.tile(self.bias, [repeats]))
         if self.activation is keras.activations.relu and _in_xla_computation():
@@ -130,15 +138,28 @@ class PrimaryCaps(keras.layers.Layer):
     into an XLA computation (train.xla=jit) and the strided one elsewhere, the faster of
     the two in each place (docs/benchmarks.md, eleventh session).
 
+    `kernel_scale` and `bias_init` (model.primary_caps_scale, primary_caps_bias): the
+    capsules' pre-activation is kernel_scale · (inputs ∗ kernel) + bias, the bias starting
+    at bias_init. 1 and 0 (the defaults): the paper's convolution. The authors' code
+    (conv_slim_capsule: PrimaryCaps as a capsule layer with one routing iteration, whose
+    coupling coefficients are 1/num_types) has 1/32 and 0.1. The kernel starts at its
+    initializer's draw divided by kernel_scale, so the layer starts as the unscaled one
+    (the authors' kernel starts from a truncated N(0, 0.1²), ~0.003 after the 1/32,
+    against Glorot's ~0.007 here); what the scale changes is the learning: under Adam a
+    step moves the kernel by about the learning rate whatever its gradient's scale, so the
+    pre-activation moves kernel_scale times as far.
+
     Input shape: `(batch, H, W, C)` feature maps.
     Output shape: `(batch, H'·W'·num_types, dim)` capsules u, |u_i| < 1, with
     H' = (H − kernel_size) // strides + 1 for "valid" padding (ceil(H / strides) for "same").
     """
 
     def __init__(self, num_types=32, dim=8, kernel_size=9, strides=2, padding="valid",
-                 kernel_initializer="glorot_uniform", conv_form="auto", **kwargs):
+                 kernel_initializer="glorot_uniform", conv_form="auto", kernel_scale=1.0, bias_init=0.0, **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
+        self.kernel_scale = positive_float(f"{owner}: kernel_scale", kernel_scale)
+        self.bias_init = finite_float(f"{owner}: bias_init", bias_init)
         self.num_types = positive_int(f"{owner}: num_types", num_types)
         self.dim = positive_int(f"{owner}: dim", dim)
         self.kernel_size = positive_int_tuple(f"{owner}: kernel_size", kernel_size, length=2)
@@ -159,8 +180,10 @@ class PrimaryCaps(keras.layers.Layer):
         self.conv = Conv2D(
             self.num_types * self.dim, self.kernel_size, strides=self.strides,
             padding=self.padding, activation=None,
-            kernel_initializer=self.kernel_initializer, name="conv", dtype=self.dtype_policy,
+            kernel_initializer=self.kernel_initializer, bias_initializer=keras.initializers.Constant(self.bias_init),
+            name="conv", dtype=self.dtype_policy,
         )
+        self.conv.kernel_scale = self.kernel_scale
 
     def _grid(self, input_shape):
         """(H', W') of the capsule grid for an input of `input_shape`, validating it."""
@@ -186,6 +209,8 @@ class PrimaryCaps(keras.layers.Layer):
     def build(self, input_shape):
         self._grid(input_shape)
         self.conv.build(input_shape)
+        if self.kernel_scale != 1.0:
+            self.conv.kernel.assign(self.conv.kernel / self.kernel_scale)  # the unscaled layer's start
         # The channels are checked by self.conv: map_size inputs have b·b times as many.
         self.input_spec = keras.layers.InputSpec(ndim=4)
 
@@ -243,6 +268,8 @@ class PrimaryCaps(keras.layers.Layer):
             "padding": self.padding,
             "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
             "conv_form": self.conv_form,
+            "kernel_scale": self.kernel_scale,
+            "bias_init": self.bias_init,
         }
 
 

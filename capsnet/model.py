@@ -46,6 +46,11 @@ class CapsNet(keras.Model):
     bias_init); not with routing="fused_op".
     `primary_caps_conv`: how PrimaryCaps computes its strided convolution (auto, strided,
     space_to_depth: PrimaryCaps' conv_form); the same values and weights in each.
+    `primary_caps_scale`, `primary_caps_bias`: PrimaryCaps' pre-activation is
+    primary_caps_scale · (conv1's maps ∗ kernel) + bias, the bias starting at
+    primary_caps_bias (PrimaryCaps' kernel_scale and bias_init): 1 and 0, the paper's
+    convolution; the authors' code has 1/32 and 0.1. The layer starts as the unscaled one;
+    the scale sets how far Adam moves it a step.
     `dtype`: a Keras dtype policy for every layer: "float32" (the default) or a mixed one,
     "mixed_bfloat16" / "mixed_float16" (train.precision): float32 weights, 16-bit compute,
     float32 where it must be (capsnet.precision); the outputs are float32 in every policy.
@@ -56,7 +61,8 @@ class CapsNet(keras.Model):
                  primary_caps_kernel_size=9, primary_caps_strides=2, digit_caps_dim=16,
                  routing_iterations=3, stop_gradient_routing=True, decoder=True,
                  decoder_units=(512, 1024), routing="matmul", w_init_stddev=0.1,
-                 primary_caps_conv="auto", digit_caps_bias=None, **kwargs):
+                 primary_caps_conv="auto", digit_caps_bias=None, primary_caps_scale=1.0, primary_caps_bias=0.0,
+                 **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
         self.image_shape = positive_int_tuple(f"{owner}: input_shape", input_shape, length=3)
@@ -97,7 +103,8 @@ class CapsNet(keras.Model):
         self.primary_caps = PrimaryCaps(
             num_types=self.primary_caps_types, dim=self.primary_caps_dim,
             kernel_size=self.primary_caps_kernel_size, strides=self.primary_caps_strides,
-            padding="valid", conv_form=primary_caps_conv, name="primary_caps", dtype=self.dtype_policy)
+            padding="valid", conv_form=primary_caps_conv, kernel_scale=primary_caps_scale,
+            bias_init=primary_caps_bias, name="primary_caps", dtype=self.dtype_policy)
         self.digit_caps = DigitCaps(
             num_caps=self.num_classes, dim=self.digit_caps_dim,
             routing_iterations=self.routing_iterations,
@@ -209,6 +216,8 @@ class CapsNet(keras.Model):
             "w_init_stddev": self.w_init_stddev,
             "primary_caps_conv": self.primary_caps.conv_form,
             "digit_caps_bias": self.digit_caps_bias,
+            "primary_caps_scale": self.primary_caps.kernel_scale,
+            "primary_caps_bias": self.primary_caps.bias_init,
         }
 
     @classmethod

@@ -142,6 +142,48 @@ def test_primary_caps_ordering_and_squash():
                                    rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("conv_form", ["strided", "space_to_depth"])
+def test_primary_caps_scale_and_bias_are_the_authors_pre_activation(conv_form):
+    """kernel_scale s and bias_init b (the authors' conv_slim_capsule: 1/32 and 0.1): each
+    capsule squashes s · (patch ∗ kernel) + bias, against NumPy at several grid positions
+    and inside XLA; the bias starts at b, the kernel at the initializer's draw / s (from
+    the same seed, the capsules start as the unscaled layer's with that bias); the
+    kernel's gradient is s times that of the unscaled layer computing the same capsules
+    (whose kernel is s times as large)."""
+    s, b = 1 / 32, 0.1
+    keras.utils.set_random_seed(4)
+    layer = PrimaryCaps(num_types=3, dim=4, kernel_size=3, strides=2, kernel_scale=s, bias_init=b,
+                        conv_form=conv_form)
+    u = layer(FEATURES).numpy()
+    keras.utils.set_random_seed(4)
+    plain = PrimaryCaps(num_types=3, dim=4, kernel_size=3, strides=2, bias_init=b, conv_form=conv_form)
+    np.testing.assert_allclose(plain(FEATURES).numpy(), u, rtol=1e-5, atol=1e-6)  # the same start
+    np.testing.assert_array_equal(layer.conv.kernel.numpy(), plain.conv.kernel.numpy() / s)
+    kernel, bias = (w.numpy() for w in layer.conv.weights)
+    np.testing.assert_array_equal(bias, np.full(12, b, np.float32))
+    for h, w in [(0, 0), (1, 4), (4, 3)]:
+        patch = FEATURES[:, 2 * h:2 * h + 3, 2 * w:2 * w + 3, :]
+        pre = s * np.einsum("bhwc,hwcf->bf", patch.astype(np.float64), kernel) + bias       # (2, 12)
+        for t in range(3):
+            np.testing.assert_allclose(u[:, (h * 5 + w) * 3 + t], np_squash(pre[:, 4 * t:4 * t + 4], epsilon=EPSILON),
+                                       rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(tf.function(layer, jit_compile=True)(FEATURES).numpy(), u, rtol=1e-5, atol=1e-6)
+    # The unscaled layer with kernel s · K computes the same capsules; the gradient with
+    # respect to K is s times its gradient with respect to s · K.
+    plain.conv.kernel.assign(layer.conv.kernel * s)
+    plain.conv.bias.assign(layer.conv.bias)
+    weights = tf.constant(rng.normal(size=u.shape), tf.float32)
+    grads = []
+    for each in (layer, plain):
+        with tf.GradientTape() as tape:
+            capsules = each(FEATURES)
+            loss = tf.reduce_sum(weights * capsules)
+        grads.append(tape.gradient(loss, each.conv.kernel).numpy())
+        np.testing.assert_allclose(capsules.numpy(), u, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(grads[0], s * grads[1], rtol=1e-4, atol=1e-9)
+    assert PrimaryCaps.from_config(layer.get_config()).kernel_scale == s
+
+
 def test_primary_caps_has_no_relu():
     layer = PrimaryCaps(num_types=3, dim=4, kernel_size=3, strides=2)
     assert np.any(layer(FEATURES).numpy() < 0)
@@ -153,6 +195,8 @@ def test_primary_caps_has_no_relu():
     (dict(kernel_size=(3, 3, 3)), r"kernel_size must be 2 positive integers, got \(3, 3, 3\)"),
     (dict(strides=0), "strides must be 2 positive integers"),
     (dict(padding="full"), "padding must be 'valid' or 'same', got 'full'"),
+    (dict(kernel_scale=0), "kernel_scale must be a positive number, got 0"),
+    (dict(bias_init=float("nan")), "bias_init must be a finite number, got nan"),
 ])
 def test_primary_caps_rejects_bad_args(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -121,10 +121,11 @@ def test_every_weight_gets_a_gradient_and_a_step_lowers_the_loss():
 
 def test_config_round_trip():
     model = build_model(routing_iterations=2, stop_gradient_routing=False, num_classes=7, w_init_stddev=0.02,
-                        **SMALL)
+                        primary_caps_scale=0.25, primary_caps_bias=0.1, **SMALL)
     config = model.get_config()
     assert config["routing_iterations"] == 2 and config["stop_gradient_routing"] is False
     assert config["w_init_stddev"] == 0.02
+    assert config["primary_caps_scale"] == 0.25 and config["primary_caps_bias"] == 0.1
     clone = CapsNet.from_config(config)
     assert clone.get_config() == config
     clone.build((None, 28, 28, 1))
@@ -141,6 +142,19 @@ def test_w_init_stddev_sets_the_spread_of_W(stddev):
     W = build_model(w_init_stddev=stddev, **SMALL).digit_caps.W.numpy()
     assert abs(W.std() / stddev - 1) < 0.01 and abs(W.mean()) < 0.01 * stddev
     assert config(f"model.w_init_stddev={stddev}")["model"]["w_init_stddev"] == stddev
+
+
+def test_primary_caps_scale_and_bias_reach_primary_caps():
+    """model.primary_caps_scale / primary_caps_bias (the authors' 1/32 and 0.1) set
+    PrimaryCaps' kernel scale and its conv bias's start; the defaults are the paper's
+    convolution (scale 1, bias 0). The capsules' math: tests/test_layers.py."""
+    authors = build_model(primary_caps_scale=1 / 32, primary_caps_bias=0.1, **SMALL)
+    assert authors.primary_caps.conv.kernel_scale == 1 / 32
+    np.testing.assert_array_equal(authors.primary_caps.conv.bias.numpy(), np.float32(0.1))
+    paper = build_model(**SMALL)
+    assert paper.primary_caps.conv.kernel_scale == 1.0 and not paper.primary_caps.conv.bias.numpy().any()
+    model_cfg = config("model.primary_caps_scale=0.03125", "model.primary_caps_bias=0.1")["model"]
+    assert (model_cfg["primary_caps_scale"], model_cfg["primary_caps_bias"]) == (0.03125, 0.1)
 
 
 def test_weights_load_across_custom_op(tmp_path):

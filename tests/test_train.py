@@ -207,6 +207,8 @@ def test_bad_train_values_raise_config_error(tiny_config, override, key):
     ("model.input_shape=[28,28]", "input_shape must be 3 positive integers"),
     ("model.decoder_units=[32,abc]", "decoder_units must be a non-empty sequence of positive integers"),
     ("model.w_init_stddev=-0.1", "w_init_stddev must be a positive number, got -0.1"),
+    ("model.primary_caps_scale=0", "primary_caps_scale must be a positive number, got 0"),
+    ("model.primary_caps_bias=inf", "primary_caps_bias must be a finite number, got inf"),
     # The augmentation options, named as config keys.
     ("data.shift_fill=reflect", "data.shift_fill must be one of zero, edge, got 'reflect'"),
     ("data.elastic_alpha=-3", r"data\.elastic_alpha must be a number in \[0, 100\], got -3"),
@@ -407,11 +409,11 @@ def test_resume_keeps_the_keys_of_the_runs_learning_rate_schedule(tiny_config, s
 
 @pytest.mark.parametrize("changed", ["data.zoom=0.1", "data.elastic_alpha=30", "data.shift_fill=edge",
                                      "data.erase_probability=0.5", "model.w_init_stddev=0.01", "train.ema_decay=0.9",
-                                     "train.drop_remainder=True"])
+                                     "train.drop_remainder=True", "model.primary_caps_scale=0.5"])
 def test_resume_of_a_run_saved_before_the_later_options(trained_run, tiny_config, tmp_path, changed):
     """A config.yaml without the options added later (data.flip / rotate_degrees / zoom /
-    elastic_* / shift_fill / erase_*, model.w_init_stddev, train.ema_decay / lr_schedule / warmup_epochs /
-    drop_remainder) was trained with their
+    elastic_* / shift_fill / erase_*, model.w_init_stddev / primary_caps_scale / primary_caps_bias,
+    train.ema_decay / lr_schedule / warmup_epochs / drop_remainder) was trained with their
     defaults: resuming with the defaults continues, changing one is refused."""
     run_dir = tmp_path / "old"
     shutil.copytree(trained_run[0], run_dir)
@@ -419,7 +421,7 @@ def test_resume_of_a_run_saved_before_the_later_options(trained_run, tiny_config
     for key in ("flip", "rotate_degrees", "zoom", "elastic_alpha", "elastic_sigma", "shift_fill", "erase_probability",
                 "erase_max_area"):
         del saved["data"][key]
-    del saved["model"]["w_init_stddev"]
+    del saved["model"]["w_init_stddev"], saved["model"]["primary_caps_scale"], saved["model"]["primary_caps_bias"]
     del saved["train"]["ema_decay"]
     del saved["train"]["lr_schedule"], saved["train"]["warmup_epochs"], saved["train"]["drop_remainder"]
     (run_dir / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))

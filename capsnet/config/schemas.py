@@ -229,6 +229,8 @@ class ModelConfig:
     w_init_stddev: float = _checked(0.1, _positive_float)
     primary_caps_conv: str = _checked("auto", _one_of(CONV_FORMS))
     digit_caps_bias: Optional[float] = _checked(None, _optional_finite_float)
+    primary_caps_scale: float = _checked(1.0, _positive_float)
+    primary_caps_bias: float = _checked(0.0, _finite_float)
 
 
 @dataclass
