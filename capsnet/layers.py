@@ -87,8 +87,8 @@ class Conv2D(keras.layers.Conv2D):
             raise ValueError(f"{self.name}: expected axis -1 of the input to have {channels} channels{form}, "
                              f"got shape {tuple(inputs.shape)}")
         repeats = 1
-        # Scaling the kernel (81·C·filters values) costs less than scaling the output, and
-        # its gradient is the same: kernel_scale times the unscaled one.
+        # Scaling the kernel (k·k·C·filters values) costs less than scaling the output, and
+        # gives the same output and the same gradient (kernel_scale times the unscaled one).
         kernel = self.kernel if self.kernel_scale == 1.0 else self.kernel * self.kernel_scale
         if output_blocks is not None:
             if self.strides != (1, 1) or self.padding != "valid":
