@@ -150,34 +150,28 @@ def seed_words(seed0, seed1, blocks=1):
     four 32-bit words (uint64 (B,)), from the key and counter the seed gives
     (StatelessRandomGetKeyCounter). A draw of k values takes the words in order, a block
     after another (example_words: why)."""
-    mix, zero = _key_counter(seed0, seed1)
-    # The counter's low word counts the blocks (from 0: no carry for the few drawn here).
-    return [_philox4x32([zero + tf.constant(block, tf.uint64), zero, mix[2], mix[3]], [mix[0], mix[1]])
-            for block in range(blocks)]
+    words = seed_word_stream(seed0, seed1, 4 * blocks)                       # (B, 4·blocks)
+    return [tf.unstack(words[:, 4 * block:4 * block + 4], axis=1) for block in range(blocks)]
 
 
 def seed_word_stream(seed0, seed1, count):
     """The first `count` words (uint64 (B, count)) that a stateless draw reads for the
-    seeds (seed0, seed1) (as seed_words'): seed_words' blocks, all computed at once (one
-    Philox over a (B, blocks) grid instead of a chain of ops per block), their words in
-    order, for draws of hundreds of values (elastic_noise)."""
-    mix, zero = _key_counter(seed0, seed1)
-    blocks = -(-int(count) // 4)
-    if blocks > 2**31:  # the counter's low word: no carry into the next
-        raise ValueError(f"seed_word_stream: {count} words need more than 2^31 blocks")
-    mix, zero = [word[:, None] for word in mix], zero[:, None]                 # (B, 1)
-    block = zero + tf.constant(np.arange(blocks, dtype=np.uint64)[None, :])   # (B, blocks)
-    words = _philox4x32([block, zero, mix[2], mix[3]], [mix[0], mix[1]])      # 4 × (B, blocks)
-    return tf.reshape(tf.stack(words, axis=2), [-1, blocks * 4])[:, :count]
-
-
-def _key_counter(seed0, seed1):
-    """StatelessRandomGetKeyCounter's Philox block for the seeds: its four words (the key,
-    words 0-1, and the counter's high words, 2-3), and zeros shaped as the seeds (uint64)."""
+    seeds (seed0, seed1) (int64 (B,) each, or uint64 holding their bits), in order:
+    seed_words' blocks as one array, all computed at once (one Philox over a (B, blocks)
+    grid), for draws of hundreds of values too (elastic_noise)."""
     seed0, seed1 = (seed if seed.dtype == tf.uint64 else tf.bitcast(tf.cast(seed, tf.int64), tf.uint64)
                     for seed in (tf.convert_to_tensor(seed0), tf.convert_to_tensor(seed1)))
+    # StatelessRandomGetKeyCounter: one Philox block of the seeds gives the key (mix 0-1)
+    # and the counter's high words (mix 2-3).
     counter = [_low32(seed0), _high32(seed0), _low32(seed1), _high32(seed1)]
-    return _philox4x32(counter, [_word(0x3EC8F720, seed0), _word(0x02461E29, seed0)]), tf.zeros_like(seed0)
+    mix = _philox4x32(counter, [_word(0x3EC8F720, seed0), _word(0x02461E29, seed0)])
+    blocks = -(-int(count) // 4)
+    if blocks > 2**31:  # the counter's low word counts the blocks: no carry into the next
+        raise ValueError(f"seed_word_stream: {count} words need more than 2^31 blocks")
+    mix, zero = [word[:, None] for word in mix], tf.zeros_like(seed0)[:, None]  # (B, 1)
+    block = zero + tf.constant(np.arange(blocks, dtype=np.uint64)[None, :])    # (B, blocks)
+    words = _philox4x32([block, zero, mix[2], mix[3]], [mix[0], mix[1]])       # 4 × (B, blocks)
+    return tf.reshape(tf.stack(words, axis=2), [-1, blocks * 4])[:, :count]
 
 
 def words_to_int64(low, high):

@@ -328,7 +328,7 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
     with tf.device("/CPU:0"):
         images_t = tf.constant(images)                    # (N, H, W, C) uint8
         labels_t = tf.constant(labels.astype(np.int32))   # (N,)
-        draws, keys = _epoch_draws(images.shape, training=training, seed=seed, epoch=epoch,
+        draws, affine_key = _epoch_draws(images.shape, training=training, seed=seed, epoch=epoch,
                                    shift_pixels=shift_pixels, flip=flip, erase_probability=erase_probability,
                                    erase_max_area=erase_max_area, elastic=elastic_alpha > 0)
         dataset = tf.data.Dataset.from_tensor_slices(draws)
@@ -349,8 +349,6 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
             dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
             dataset = dataset.map(load_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
             return dataset.prefetch(tf.data.AUTOTUNE)
-        affine_key = keys["affine"]
-
         def example_key(stream_key, index):
             # Keyed by the example's index in `images`, not by its position in a batch
             # or thread, so its augmentation is the same however the map runs.
@@ -404,19 +402,17 @@ def epoch_draws(images_shape, *, training, seed=0, epoch=0, shift_pixels=2, flip
 
 def _epoch_draws(images_shape, *, training, seed, epoch, shift_pixels, flip, erase_probability, erase_max_area,
                  elastic=False):
-    """epoch_draws' dict, and the keys of the streams drawn per example later (make_dataset's
-    rotation/zoom; the elastic noise's, whose seeds are in the dict): {"affine", "elastic"},
-    None when not training."""
+    """epoch_draws' dict, and the key of the stream drawn per example later (make_dataset's
+    rotation/zoom), None when not training."""
     n, h, w, _ = images_shape
     order, key, shift_key = _epoch_order(n, training, seed, epoch)
-    keys = {"affine": None, "elastic": None}
     draws = {"index": order}
     if not training:
-        return draws, keys
+        return draws, None
     # More independent streams from the (seed, epoch) key: the flips and the rotation/zoom
     # split from the shifts' key, the elastic noise and the erased boxes folded into it.
-    flip_key, keys["affine"] = tf.unstack(tf.random.experimental.stateless_split(shift_key, 2, alg="philox"))
-    keys["elastic"] = tf.random.experimental.stateless_fold_in(key, _ELASTIC_STREAM, alg="philox")
+    flip_key, affine_key = tf.unstack(tf.random.experimental.stateless_split(shift_key, 2, alg="philox"))
+    elastic_key = tf.random.experimental.stateless_fold_in(key, _ELASTIC_STREAM, alg="philox")
     erase_key = tf.random.experimental.stateless_fold_in(key, _ERASE_STREAM, alg="philox")
     # The epoch's flips, shifts and erased boxes, drawn up front for every example in one
     # pass: flip_mask, shift_corners and erase_boxes give what a per-example draw keyed by
@@ -428,10 +424,10 @@ def _epoch_draws(images_shape, *, training, seed, epoch, shift_pixels, flip, era
     if shift_pixels > 0:
         draws["corner"] = shift_corners(shift_key, order, shift_pixels)   # (N, 2) int32
     if elastic:
-        draws["elastic_seed"] = tf.fill([n], fold_in_seed(keys["elastic"]))    # (N,) int64
+        draws["elastic_seed"] = tf.fill([n], fold_in_seed(elastic_key))    # (N,) int64
     if erase_probability > 0:
         draws["erase"] = erase_boxes(erase_key, order, h, w, erase_probability, erase_max_area)  # (N, 4) int32
-    return draws, keys
+    return draws, affine_key
 
 
 def batch_from_draws(images, labels, draws, *, shift_pixels, shift_fill="zero", elastic_alpha=0.0, elastic_sigma=4.0,
