@@ -37,6 +37,10 @@ How:
   capsnet.training.distribute.input_iterator), the data itself costs nothing.
   `--input device` instead copies the batch to the device once and gives it to every
   step: the steps without the input pipeline (no tf.data, no copy a step).
+  `--input on_device` times train.data_on_device=true's loop over a synthetic training
+  set of 60,000, each batch augmented on the device as the config's data section says
+  (2-pixel shifts; an override such as data.elastic_alpha=16 adds that distortion). The
+  other inputs repeat one batch unaugmented, so they refuse augmentation overrides.
 - The steps run as train() runs them (capsnet.training.steps.make_train_loop), K =
   `--steps-per-execution` steps per compiled call (train.steps_per_execution; a list
   measures each). A fresh model per (batch size, K); `--warmup` steps first, at least
@@ -236,8 +240,17 @@ def reject_reserved_overrides(parser, overrides, reserved, set_by):
             parser.error(f"{key} is set by {set_by}, not by an override")
 
 
+def augmentation_set(data_cfg):
+    """The data section's augmentation beyond shifts, as the overrides that set it
+    (["data.elastic_alpha=16", ...]); [] when every option is off."""
+    from capsnet.data import AUGMENTATION_OFF, augmentation_options
+
+    return [f"data.{key}={value}" for key, value in augmentation_options(data_cfg).items()
+            if value != AUGMENTATION_OFF[key]]
+
+
 def compose_config(overrides):
-    """The model and train sections and seed of configs/train.yaml with `overrides` (plain dicts)."""
+    """The model, train and data sections and seed of configs/train.yaml with `overrides` (plain dicts)."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
@@ -249,6 +262,7 @@ def compose_config(overrides):
         return {
             "model": OmegaConf.to_container(cfg.model, resolve=True),
             "train": OmegaConf.to_container(cfg.train, resolve=True),
+            "data": OmegaConf.to_container(cfg.data, resolve=True),
             "seed": int(cfg.seed),
         }
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
@@ -313,18 +327,20 @@ def step_input(spec, dataset, *, device=None, strategy=None):
 def device_train_loop(spec, step, batch_size, input_shape, num_classes, per_call, tf_device):
     """--input on_device: (train_steps, its first argument) as train() makes them with
     train.data_on_device=true, over a synthetic uint8 training set of MNIST's size (drawn
-    from spec's seed, shifted by 2 pixels as the paper's MNIST). Epochs 0 and 1 are drawn
+    from spec's seed), augmented as the config's data section says (train()'s arguments:
+    the paper's MNIST shifts by 2 pixels; data.elastic_alpha etc. as set). Epochs 0 and 1 are drawn
     up front and taken in turn, so no step waits for an epoch's draws (train() draws the
     next epoch's while this one trains)."""
     import numpy as np
 
+    from capsnet.data import augmentation_options
     from capsnet.training.device_input import DeviceTrainingSet, make_device_train_loop
 
     rng = np.random.default_rng(spec["seed"])
     images = rng.integers(0, 256, (MNIST_TRAIN_EXAMPLES, *input_shape), dtype=np.uint8)
     labels = rng.integers(0, num_classes, MNIST_TRAIN_EXAMPLES)
-    training_set = DeviceTrainingSet(images, labels, batch_size=batch_size, seed=spec["seed"], shift_pixels=2,
-                                     device=tf_device)
+    training_set = DeviceTrainingSet(images, labels, batch_size=batch_size, seed=spec["seed"], device=tf_device,
+                                     shift_pixels=spec["data"]["shift_pixels"], **augmentation_options(spec["data"]))
     device_steps = make_device_train_loop(step, training_set, steps_per_execution=per_call)
     epochs = [training_set.epoch(0), training_set.epoch(1)]
     steps_per_epoch = MNIST_TRAIN_EXAMPLES // batch_size
@@ -602,6 +618,10 @@ def main(argv=None):
         worker(json.loads(args.worker))
         return 0
     cfg = compose_config(args.overrides)
+    augmentation = augmentation_set(cfg["data"])
+    if augmentation and args.input != "on_device":
+        fail(f"{', '.join(augmentation)}: only --input on_device augments its batches (the other inputs repeat "
+             f"one synthetic batch)")
     for variant in args.variants:  # a variant the config rules out fails here, before its worker starts
         variant_model_cfg(variant, cfg["model"])
     runs = [run_variant(variant, args, cfg) for variant in args.variants]
@@ -618,6 +638,7 @@ def main(argv=None):
         "overrides": args.overrides,
         "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "seed": cfg["seed"],
         "input": args.input,
+        "augmentation": augmentation,
         "results": rows,
         "errors": [{"variant": run["variant"], "error": run["error"]} for run in runs if run["error"]],
     }

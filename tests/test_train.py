@@ -898,7 +898,23 @@ def test_benchmark_train_times_the_data_on_device_loop(tmp_path):
     assert sorted(rows) == ["matmul+jit", "op+fused+jit"]
     assert rows["op+fused+jit"]["first_loss"] == pytest.approx(rows["matmul+jit"]["first_loss"], rel=1e-4)
     assert all(np.isfinite(row["last_loss"]) and row["last_loss"] != row["first_loss"] for row in rows.values())
-    assert "train.data_on_device=true" in result.stdout
+    assert "train.data_on_device=true" in result.stdout and report["augmentation"] == []
+
+    # An augmentation override reaches the device's batches: the same weights see elastically
+    # distorted images, so the first loss moves; the inputs that repeat one batch refuse it.
+    command = [sys.executable, str(REPO / "scripts" / "benchmark_train.py"), "--device", "cpu", "--batch-sizes", "8",
+               "--steps", "4", "--repeats", "1", "--warmup", "1", "--steps-per-execution", "2",
+               "--variants", "matmul+jit", "--json", str(output), *TINY_MODEL, "data.elastic_alpha=16"]
+    result = subprocess.run([*command, "--input", "on_device"], env=entry_point_env(), capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    elastic = json.loads(output.read_text())
+    assert elastic["augmentation"] == ["data.elastic_alpha=16"]
+    first = elastic["results"][0]["first_loss"]
+    assert np.isfinite(first) and first != pytest.approx(rows["matmul+jit"]["first_loss"], rel=1e-4)
+    refused = subprocess.run([*command, "--input", "device"], env=entry_point_env(), capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode == 2 and "error: data.elastic_alpha=16: only --input on_device" in refused.stderr
 
 
 def test_benchmark_conv_times_the_true_gradients(tmp_path):
