@@ -333,6 +333,7 @@ def main(argv=None):
         worker(json.loads(args.worker))
         return 0
     cfg = bt.compose_config(args.overrides)
+    bt.augmentation_set(cfg["data"], args.input)  # none applies here: a set option fails
     runs = [run_variant(variant, args, cfg) for variant in args.variants]
     rows = with_scaling(runs)
     first = next((run for run in runs if run.get("device")), runs[0])

@@ -240,13 +240,19 @@ def reject_reserved_overrides(parser, overrides, reserved, set_by):
             parser.error(f"{key} is set by {set_by}, not by an override")
 
 
-def augmentation_set(data_cfg):
+def augmentation_set(data_cfg, input_kind):
     """The data section's augmentation beyond shifts, as the overrides that set it
-    (["data.elastic_alpha=16", ...]); [] when every option is off."""
+    (["data.elastic_alpha=16", ...]; [] when every option is off). Only `--input on_device`
+    augments its batches: for another input a set option fails with one line, since it
+    would be silently ignored (benchmark_train, benchmark_scale and profile_train)."""
     from capsnet.data import AUGMENTATION_OFF, augmentation_options
 
-    return [f"data.{key}={value}" for key, value in augmentation_options(data_cfg).items()
-            if value != AUGMENTATION_OFF[key]]
+    augmentation = [f"data.{key}={value}" for key, value in augmentation_options(data_cfg).items()
+                    if value != AUGMENTATION_OFF[key]]
+    if augmentation and input_kind != "on_device":
+        fail(f"{', '.join(augmentation)}: only benchmark_train's --input on_device augments its batches (the "
+             f"other inputs repeat one synthetic batch)")
+    return augmentation
 
 
 def compose_config(overrides):
@@ -618,10 +624,7 @@ def main(argv=None):
         worker(json.loads(args.worker))
         return 0
     cfg = compose_config(args.overrides)
-    augmentation = augmentation_set(cfg["data"])
-    if augmentation and args.input != "on_device":
-        fail(f"{', '.join(augmentation)}: only --input on_device augments its batches (the other inputs repeat "
-             f"one synthetic batch)")
+    augmentation = augmentation_set(cfg["data"], args.input)
     for variant in args.variants:  # a variant the config rules out fails here, before its worker starts
         variant_model_cfg(variant, cfg["model"])
     runs = [run_variant(variant, args, cfg) for variant in args.variants]

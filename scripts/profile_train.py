@@ -272,7 +272,9 @@ def main(argv=None):
         parser.error("--all-reduce: with --replicas > 1 only (one device has no all-reduce)")
     args.all_reduce = args.all_reduce or "auto"
     bt.reject_reserved_overrides(parser, args.overrides, bt.RESERVED_KEYS, "the arguments")
-    report = profile(args, bt.compose_config(args.overrides))
+    cfg = bt.compose_config(args.overrides)
+    bt.augmentation_set(cfg["data"], args.input)  # none applies here: a set option fails
+    report = profile(args, cfg)
     print(format_report(report))
     if args.json is not None:
         bt.write_json(args.json, report)

@@ -914,7 +914,13 @@ def test_benchmark_train_times_the_data_on_device_loop(tmp_path):
     assert np.isfinite(first) and first != pytest.approx(rows["matmul+jit"]["first_loss"], rel=1e-4)
     refused = subprocess.run([*command, "--input", "device"], env=entry_point_env(), capture_output=True,
                              text=True, timeout=120)
-    assert refused.returncode == 2 and "error: data.elastic_alpha=16: only --input on_device" in refused.stderr
+    assert refused.returncode == 2 and "error: data.elastic_alpha=16: only benchmark_train's --input on_device" \
+        in refused.stderr
+    for script in (["benchmark_scale.py", "--device", "cpu"], ["profile_train.py"]):  # one batch repeated too
+        refused = subprocess.run([sys.executable, str(REPO / "scripts" / script[0]), *script[1:],
+                                  "data.erase_probability=0.5"], env=entry_point_env(), capture_output=True,
+                                 text=True, timeout=120)
+        assert refused.returncode == 2 and "error: data.erase_probability=0.5: only" in refused.stderr, script
 
 
 def test_benchmark_conv_times_the_true_gradients(tmp_path):
