@@ -27,7 +27,7 @@ from capsnet.augment import (corners_from_words, elastic_distort, elastic_noise,
                              example_words, flip_mask, fold_in_seed, random_rotate_zoom, seed_words, shift_batch,
                              shift_corners, words_to_int64)
 from capsnet.config import (AUGMENTATION_OFF, PER_EXAMPLE_AUGMENTATION, SHIFT_FILLS,  # noqa: F401  (re-exported)
-                            check_augmentation)
+                            augmentation_on, augmentation_options, check_augmentation)
 from capsnet.datasets import (DATASETS, DatasetSpec, check_canvas_border, example_shape,  # noqa: F401  (re-exported)
                               is_overlay)
 from capsnet.errors import ConfigError, DataError
@@ -237,12 +237,6 @@ def _check_split(name, spec, images, labels, images_src, labels_src):
 _ELASTIC_STREAM = 3
 _ERASE_STREAM = 4
 AUGMENTATION_KEYS = ("shift_pixels", *AUGMENTATION_OFF)
-
-
-def augmentation_options(data_cfg):
-    """The AUGMENTATION_OFF keys of a `data` config section, each at its default where the
-    section lacks it (a run saved before the key existed trained without it)."""
-    return {key: data_cfg.get(key, off) for key, off in AUGMENTATION_OFF.items()}
 
 
 def _check_epoch_arguments(images, labels, *, batch_size, training, seed, epoch, drop_remainder):
@@ -488,7 +482,7 @@ def make_split_dataset(name, images, labels, *, batch_size, training, seed=0, ep
     if not is_overlay(name):
         return make_dataset(images, labels, batch_size=batch_size, training=training, seed=seed, epoch=epoch,
                             shift_pixels=shift_pixels, drop_remainder=drop_remainder, **augmentation)
-    on = [f"data.{k}={v}" for k, v in augmentation.items() if v != AUGMENTATION_OFF[k]]
+    on = augmentation_on(augmentation)
     if on:
         raise ConfigError(f"{name} takes no flip/rotate/zoom/elastic/erase/shift_fill augmentation (its digits are "
                           f"shifted by data.shift_pixels on a zero canvas): set {', '.join(on)} to the default")

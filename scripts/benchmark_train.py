@@ -245,10 +245,9 @@ def augmentation_set(data_cfg, input_kind):
     (["data.elastic_alpha=16", ...]; [] when every option is off). Only `--input on_device`
     augments its batches: for another input a set option fails with one line, since it
     would be silently ignored (benchmark_train, benchmark_scale and profile_train)."""
-    from capsnet.data import AUGMENTATION_OFF, augmentation_options
+    from capsnet.config import augmentation_on  # TensorFlow-free: this runs in the parent process
 
-    augmentation = [f"data.{key}={value}" for key, value in augmentation_options(data_cfg).items()
-                    if value != AUGMENTATION_OFF[key]]
+    augmentation = augmentation_on(data_cfg)
     if augmentation and input_kind != "on_device":
         fail(f"{', '.join(augmentation)}: only benchmark_train's --input on_device augments its batches (the "
              f"other inputs repeat one synthetic batch)")
@@ -339,7 +338,7 @@ def device_train_loop(spec, step, batch_size, input_shape, num_classes, per_call
     next epoch's while this one trains)."""
     import numpy as np
 
-    from capsnet.data import augmentation_options
+    from capsnet.config import augmentation_options
     from capsnet.training.device_input import DeviceTrainingSet, make_device_train_loop
 
     rng = np.random.default_rng(spec["seed"])

@@ -55,7 +55,8 @@ from capsnet.config.routing import routing_from_flags, routing_mode
 from capsnet.config.schemas import (ALL_REDUCE, APP_SCHEMAS, AUGMENTATION_OFF, CONV_FORMS, GROUP_SCHEMAS, ROUTING, ROUTING_MODES,
                                     SCALE_LR, SHIFT_FILLS, STRATEGIES, WEIGHTS, WHICH, XLA_MODES, PRECISIONS, AugmentationConfig,
                                     DataConfig, DataSourceConfig, DistributeConfig, EvalAppConfig, EvalDataConfig,
-                                    ModelConfig, TrainAppConfig, TrainConfig)
+                                    ModelConfig, TrainAppConfig, TrainConfig, augmentation_on,
+                                    augmentation_options)
 
 __all__ = [
     "ModelConfig", "DataSourceConfig", "AugmentationConfig", "DataConfig", "TrainConfig", "DistributeConfig", "TrainAppConfig",
@@ -64,7 +65,7 @@ __all__ = [
     "check_all_reduce_in_step", "check_data_on_device", "PER_EXAMPLE_AUGMENTATION",
     "dataset_shape", "dataset_classes", "GROUP_SCHEMAS", "APP_SCHEMAS",
     "ROUTING", "ROUTING_MODES", "CONV_FORMS", "XLA_MODES", "PRECISIONS", "STRATEGIES", "ALL_REDUCE", "SCALE_LR", "AUGMENTATION_OFF",
-    "SHIFT_FILLS", "WHICH", "WEIGHTS",
+    "augmentation_options", "augmentation_on", "SHIFT_FILLS", "WHICH", "WEIGHTS",
 ]
 
 register()

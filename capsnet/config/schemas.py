@@ -354,3 +354,16 @@ class EvalAppConfig:
 GROUP_SCHEMAS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "distribute": DistributeConfig}
 APP_SCHEMAS = {"train_schema": TrainAppConfig, "eval_schema": EvalAppConfig}
 AUGMENTATION_OFF = {f.name: f.default for f in dataclasses.fields(AugmentationConfig)}
+
+
+def augmentation_options(data_cfg):
+    """The AUGMENTATION_OFF keys of a `data` config section, each at its default where the
+    section lacks it (a run saved before the key existed trained without it)."""
+    return {key: data_cfg.get(key, off) for key, off in AUGMENTATION_OFF.items()}
+
+
+def augmentation_on(data_cfg):
+    """The options of augmentation_options(data_cfg) that are not off, as the overrides that
+    set them (["data.elastic_alpha=16", ...]; [] when all are off), for one-line errors."""
+    return [f"data.{key}={value}" for key, value in augmentation_options(data_cfg).items()
+            if value != AUGMENTATION_OFF[key]]
