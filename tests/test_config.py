@@ -169,6 +169,7 @@ def test_the_cli_prints_a_type_error_as_one_line(tmp_path):
     (["train.lambda_=-1"], "lambda_ must be >= 0"),
     (["train.ema_decay=1.0"], "train.ema_decay must be a number in [0, 1)"),
     (["train.collapse_patience=0"], "train.collapse_patience must be a positive integer"),
+    (["train.test_every_epochs=0"], "train.test_every_epochs must be a positive integer"),
     (["data.rotate_degrees=200"], "data.rotate_degrees must be a number in [0, 180], got 200"),
     (["data.shift_fill=reflect"], "data.shift_fill must be one of zero, edge, got 'reflect'"),
     (["data.erase_probability=1.5"], "data.erase_probability must be a number in [0, 1], got 1.5"),

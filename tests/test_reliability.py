@@ -671,3 +671,53 @@ def test_last_epoch_was_best_is_the_strict_rule():
     assert last_epoch_was_best(history[:2], 2) and last_epoch_was_best(history[:1], 1)
     assert not last_epoch_was_best(history, 3)  # a tie is not a new best (train's rule: >)
     assert not last_epoch_was_best(history[:2], 3) and not last_epoch_was_best([], 0)
+
+
+# --------------------------------------------------------------------------- train.test_every_epochs
+
+def test_test_every_epochs_tests_every_nth_and_the_last_epoch():
+    from capsnet.training.loop import is_test_epoch
+
+    assert [e for e in range(1, 11) if is_test_epoch(e, 3, 10)] == [3, 6, 9, 10]
+    assert [e for e in range(1, 5) if is_test_epoch(e, 1, 4)] == [1, 2, 3, 4]
+    assert [e for e in range(1, 5) if is_test_epoch(e, 10, 4)] == [4]
+
+
+def test_collapse_patience_and_best_count_only_the_epochs_tested():
+    from capsnet.training.loop import collapsed_for, last_epoch_was_best
+
+    untested = lambda e: {"epoch": e}  # noqa: E731 (history_entry's line of an epoch without a test pass)
+    tested = lambda e, flag, acc=0.5: {"epoch": e, "collapsed": flag, "test_accuracy": acc}  # noqa: E731
+    assert collapsed_for([untested(1), tested(2, True), untested(3), tested(4, True), untested(5)], 2)
+    assert not collapsed_for([tested(2, False), untested(3), tested(4, True)], 2)
+    assert not collapsed_for([tested(2, True), tested(4, True)], 2)  # epoch 3 missing from the history: a gap
+    assert last_epoch_was_best([tested(2, False, 0.5), untested(3), tested(4, False, 0.6)], 4)
+    assert not last_epoch_was_best([tested(2, False, 0.5), untested(3), tested(4, False, 0.5)], 4)
+    assert not last_epoch_was_best([tested(2, False, 0.5), untested(3)], 3)  # not tested: cannot be best
+
+
+def test_a_run_testing_every_third_epoch_trains_the_same_and_saves_every_epoch(trained_run, tiny_config, tmp_path):
+    """train.test_every_epochs=3 over trained_run's 4 epochs: epochs 3 and 4 are tested (the
+    last always), 1 and 2 only trained and saved; the training itself is trained_run's (same
+    seed), so the tests it runs match trained_run's at the same epochs. A resume to 7 epochs
+    tests 6 and 7."""
+    metrics = train(tiny_config("train.test_every_epochs=3"))
+    ours, theirs = metrics["history"], trained_run[1]["history"]
+    assert [h["epoch"] for h in ours] == [1, 2, 3, 4]
+    assert ["test_accuracy" in h for h in ours] == [False, False, True, True]
+    assert ["collapsed" in h for h in ours] == [False, False, True, True]
+    for mine, reference in zip(ours, theirs):
+        assert mine["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-3)
+    for mine, reference in zip(ours[2:], theirs[2:]):
+        assert mine["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-3)
+    assert metrics["test_loss"] == pytest.approx(theirs[3]["test_loss"], rel=1e-3)
+    assert metrics["best_epoch"] == (3 if ours[2]["test_accuracy"] >= ours[3]["test_accuracy"] else 4)
+    best = tf.train.latest_checkpoint(str(tmp_path / "run" / "checkpoints" / "best"))
+    assert best.endswith(f"ckpt-{metrics['best_epoch']}")
+    state = tf.train.get_checkpoint_state(str(tmp_path / "run" / "checkpoints" / "latest"))
+    assert [Path(p).name for p in state.all_model_checkpoint_paths] == ["ckpt-2", "ckpt-3", "ckpt-4"]
+
+    resumed = train(tiny_config("train.test_every_epochs=3", "train.epochs=7"))
+    assert [("test_accuracy" in h) for h in resumed["history"]] == [False, False, True, True, False, True, True]
+    lines = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
+    assert lines == json.loads(json.dumps(resumed["history"]))

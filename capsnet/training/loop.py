@@ -336,17 +336,23 @@ def _train(cfg, progress):
         # Test pass, images and histograms; then the epoch's records, the checkpoint LAST.
         # On every worker (the same weights and data): each decides is_best and saves as the chief does.
         # With a weight average, the test is the average's, and the trained weights' is logged beside it.
+        # train.test_every_epochs > 1: only every Nth epoch and the last are tested (and can be best/);
+        # the others are still saved, so a restart loses no more than before.
         clock.append(time.perf_counter())
-        test, raw_test = test_pass(summaries_step=global_step)
-        collapse = collapse_reason(test, epoch_index + 1, model.num_classes, 2 if two_digits else 1)
-        if chief:
-            with writer.as_default(step=global_step):
-                tf.summary.scalar("test/max_capsule_length", test["max_length"])
-                tf.summary.scalar("test/collapsed", float(collapse is not None))
-                if collapse is not None:
-                    tf.summary.text("test/collapse", f"epoch {epoch_index + 1}: {collapse}")
+        if is_test_epoch(epoch_index + 1, tcfg["test_every_epochs"], tcfg["epochs"]):
+            test, raw_test = test_pass(summaries_step=global_step)
+            collapse = collapse_reason(test, epoch_index + 1, model.num_classes, 2 if two_digits else 1)
+            if chief:
+                with writer.as_default(step=global_step):
+                    tf.summary.scalar("test/max_capsule_length", test["max_length"])
+                    tf.summary.scalar("test/collapsed", float(collapse is not None))
+                    if collapse is not None:
+                        tf.summary.text("test/collapse", f"epoch {epoch_index + 1}: {collapse}")
+            is_best = test["accuracy"] > float(best_accuracy)
+        else:
+            test = raw_test = collapse = None
+            is_best = False
         epoch.assign(epoch_index + 1)
-        is_best = test["accuracy"] > float(best_accuracy)
         if is_best:
             best_accuracy.assign(test["accuracy"])
         entry = history_entry(epoch_index + 1, global_step, next_learning_rate(), train_means, test, raw_test,
@@ -371,17 +377,20 @@ def _train(cfg, progress):
                 for phase, seconds in phases.items():
                     tf.summary.scalar(f"time/{phase}_seconds", seconds)
         raw = f" (trained weights: {raw_test['accuracy']:.4f})" if raw_test is not None else ""
+        tested = (f" | test loss {test['loss']:.4f} acc {test['accuracy']:.4f}{raw}"
+                  f"{' (best)' if is_best else ''}{f' [COLLAPSED: {collapse}]' if collapse else ''}"
+                  if test is not None else "")
         progress["epoch"] = None
         say(f"epoch {epoch_index + 1}: train loss {train_means['loss']:.4f} acc {train_means['accuracy']:.4f}"
-            f" | test loss {test['loss']:.4f} acc {test['accuracy']:.4f}{raw}"
-            f"{' (best)' if is_best else ''}{f' [COLLAPSED: {collapse}]' if collapse else ''}"
-            f" | {clock[-1] - clock[0]:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+            f"{tested} | {clock[-1] - clock[0]:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
         patience = tcfg["collapse_patience"]
-        if collapsed_for(history, patience):
+        if collapse is not None and collapsed_for(history, patience):
             writer.close()
+            passes = (f"{patience} epoch{'s' if patience > 1 else ''}" if tcfg["test_every_epochs"] == 1 else
+                      f"{patience} test pass{'es' if patience > 1 else ''} (one every {tcfg['test_every_epochs']} epochs)")
             raise TrainingCollapsed(
                 f"training stopped at epoch {epoch_index + 1}: the test results looked collapsed for "
-                f"{patience} epoch{'s' if patience > 1 else ''} in a row ({collapse}); every epoch is saved in "
+                f"{passes} in a row ({collapse}); every epoch is saved in "
                 f"{run_dir}; train.collapse_patience=null trains on regardless")
 
     # ---- final metrics
@@ -389,7 +398,8 @@ def _train(cfg, progress):
         # Nothing left to train (a finished run rerun): measure the checkpoint as it is.
         test, raw_test = test_pass()
     train_speeds = [h["train_images_per_sec"] for h in history if "train_images_per_sec" in h]
-    best_epoch = max(history, key=lambda h: h["test_accuracy"])["epoch"] if history else None
+    tested = [h for h in history if "test_accuracy" in h]
+    best_epoch = max(tested, key=lambda h: h["test_accuracy"])["epoch"] if tested else None
     metrics = {
         "test_accuracy": test["accuracy"],
         "test_loss": test["loss"],
@@ -594,30 +604,46 @@ def collapse_reason(test, epoch_number, num_classes, labels_per_example=1):
     return None
 
 
+def is_test_epoch(epoch_number, test_every_epochs, epochs):
+    """Whether epoch `epoch_number` (1-based) gets a test pass: every `test_every_epochs`th
+    epoch, and the last of the `epochs` (its results are the run's final metrics)."""
+    return epoch_number % test_every_epochs == 0 or epoch_number == epochs
+
+
 def collapsed_for(history, patience):
-    """Whether the last `patience` epochs of `history` (history_entry lines, in epoch order)
-    were all flagged collapsed, and consecutive; False for patience None (train on)."""
-    if not patience or len(history) < patience:
+    """Whether the last `patience` test passes of `history` (history_entry lines, in epoch
+    order; an epoch without a test pass has no `collapsed`) were all flagged collapsed, with
+    no epoch missing from the history since the first of them; False for patience None
+    (train on)."""
+    if not patience:
         return False
-    last = history[-patience:]
-    return all(h.get("collapsed", False) for h in last) and last[-1]["epoch"] - last[0]["epoch"] == patience - 1
+    tested = [i for i, h in enumerate(history) if "collapsed" in h]
+    if len(tested) < patience:
+        return False
+    since = history[tested[-patience]:]
+    return (all(history[i]["collapsed"] for i in tested[-patience:])
+            and since[-1]["epoch"] - since[0]["epoch"] == len(since) - 1)
 
 
 def last_epoch_was_best(history, epochs_done):
-    """Whether epoch `epochs_done` was a new best: its history line's test accuracy beats
-    every earlier epoch's (the rule train() saves best/ by)."""
-    if not history or history[-1]["epoch"] != epochs_done:
+    """Whether epoch `epochs_done` was a new best: it was tested, and its history line's test
+    accuracy beats every earlier test's (the rule train() saves best/ by)."""
+    if not history or history[-1]["epoch"] != epochs_done or "test_accuracy" not in history[-1]:
         return False
-    earlier = [h["test_accuracy"] for h in history[:-1]]
+    earlier = [h["test_accuracy"] for h in history[:-1] if "test_accuracy" in h]
     return history[-1]["test_accuracy"] > max(earlier, default=-1.0)
 
 
-def history_entry(epoch, global_step, learning_rate, train_means, test, raw_test=None, collapse=None):
-    """The epoch's line of history.jsonl: train_* means, test_* results (and the trained
-    weights' test_raw_* beside a weight average's test), and whether it looked collapsed
-    (collapse_reason: `collapsed`, and the reason as `collapse`)."""
-    return {"epoch": epoch, "global_step": global_step, "learning_rate": learning_rate,
-            **{f"train_{k}": v for k, v in train_means.items()},
+def history_entry(epoch, global_step, learning_rate, train_means, test=None, raw_test=None, collapse=None):
+    """The epoch's line of history.jsonl: train_* means, and for an epoch with a test pass
+    (test not None) its test_* results (and the trained weights' test_raw_* beside a weight
+    average's test) and whether it looked collapsed (collapse_reason: `collapsed`, and the
+    reason as `collapse`)."""
+    entry = {"epoch": epoch, "global_step": global_step, "learning_rate": learning_rate,
+             **{f"train_{k}": v for k, v in train_means.items()}}
+    if test is None:
+        return entry
+    return {**entry,
             **{f"test_{k}": test[k] for k in ("loss", "margin_loss", "reconstruction_loss", "accuracy",
                                               "images_per_sec")},
             "test_max_length": test.get("max_length"), "collapsed": collapse is not None,
