@@ -241,6 +241,16 @@ def test_xla_cache_dir_is_filled_by_one_run_and_read_by_the_next(tiny_idx_dir, t
                  for run in ("first", "second")]
     for key in ("train_loss", "test_loss", "test_accuracy"):
         assert histories[1][key] == pytest.approx(histories[0][key], rel=1e-6), key
+    # A resumed run (the first, one epoch more) restores its checkpoint before it traces its steps,
+    # which moved TensorFlow's uid counter and so the programs' names: it found nothing in the
+    # cache and compiled again until each trace started from an aligned uid (steps.align_trace_names).
+    epochs = int(next(a for a in args if a.startswith("train.epochs=")).split("=")[1])
+    resumed = run_entry_point("train.py", *args, f"train.epochs={epochs + 1}", f"hydra.run.dir={tmp_path / 'first'}",
+                              cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stderr + resumed.stdout
+    assert len((tmp_path / "first" / "history.jsonl").read_text().splitlines()) == epochs + 1
+    assert {path.name: path.stat().st_mtime_ns for path in cache.iterdir()} == written
     # The epoch's line says where its time went.
     line = next(line for line in second.stdout.splitlines() if line.startswith("epoch 1:"))
     assert " s: train " in line and ", test " in line and ", save " in line, line

@@ -50,9 +50,9 @@ from capsnet.training.distribute import (check_all_reduce, check_global_batch, c
 from capsnet.training.model_setup import build_capsnet, check_labels, check_op_library
 from capsnet.training.optimizer import build_optimizer, checkpoint_nodes, loss_scale, scaled_learning_rate, steps_done
 from capsnet.training.run_lock import RunLock
-from capsnet.training.steps import (eval_batch_size, evaluate_model, execution_lengths, make_eval_step,
-                                    make_train_loop, make_train_step, set_autoclustering, set_determinism,
-                                    set_xla_cache)
+from capsnet.training.steps import (align_trace_names, eval_batch_size, evaluate_model, execution_lengths,
+                                    make_eval_step, make_train_loop, make_train_step, set_autoclustering,
+                                    set_determinism, set_xla_cache)
 from capsnet.training.summaries import (MetricWindow, write_epoch_summaries, write_hparams,
                                         write_train_scalars)
 from capsnet.training.weight_average import WeightAverage
@@ -262,6 +262,10 @@ def _train(cfg, progress):
     train_step = make_train_step(model, optimizer, input_shape=model.image_shape, losses=losses, xla=tcfg["xla"],
                                  strategy=strategy, all_reduce=all_reduce, two_digits=two_digits,
                                  weight_average=average)
+    # The compiled programs are traced here, before the thread that builds the next epoch's
+    # input starts (its traces move the same uid counter), each from an aligned uid
+    # (align_trace_names): a rerun or resumed run finds them in train.xla_cache_dir.
+    align_trace_names()
     if tcfg["data_on_device"] and int(epoch) < tcfg["epochs"]:  # (a finished run rerun: nothing to copy)
         # The training split copied to the device once; each epoch only its draws (config.check_data_on_device).
         training_set = DeviceTrainingSet(train_images, train_labels, batch_size=batch_size, seed=seed, **augmentation)
@@ -276,8 +280,12 @@ def _train(cfg, progress):
     else:
         training_set = None
         train_steps = make_train_loop(train_step, strategy=strategy)  # (traces nothing until called)
+        if strategy is None:
+            train_step.get_concrete_function()  # the loop's trace then calls this one
     eval_step = make_eval_step(model, model.image_shape, jit_compile=tcfg["xla"] == "jit", two_digits=two_digits,
                                **losses)
+    align_trace_names()
+    eval_step.get_concrete_function()
 
     def test_pass(summaries_step=None):
         """(test, raw_test): the test split through eval_step with the run's weights (with a

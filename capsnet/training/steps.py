@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import config as tf_config
+from tensorflow.python.framework import ops as tf_ops
 
 from capsnet import config
 from capsnet.errors import ConfigError, DataError
@@ -59,6 +60,26 @@ def set_tf_xla_flag(flag, value=None):
     elif existing.group(0) != setting:
         os.environ["TF_XLA_FLAGS"] = " ".join(pattern.sub(setting, flags, count=1).split())
     return None if existing is None else existing.group(0)
+
+
+# align_trace_names: the uid a compiled program's trace starts from is moved up to a multiple of this.
+UID_ALIGNMENT = 1 << 16
+
+
+def align_trace_names():
+    """Move TensorFlow's process-wide uid counter to just past the next multiple of
+    UID_ALIGNMENT; call right before tracing a compiled program.
+
+    Why: XLA's persistent cache (train.xla_cache_dir) keys a computation by its HLO, whose
+    names carry that counter (`__inference_train_step_9187`, its loops' bodies). A resumed
+    run restores its checkpoint first and traced the same steps ~160 uids later than the
+    fresh run that filled the cache (9350), so it never found them and compiled again: ~50 s
+    of every resumed call of a MultiMNIST run on an H100 (docs/results.md). From an aligned
+    counter the same program gets the same names whatever ran before it, unless a multiple
+    falls between the two starts (for 160 uids, 1 time in 400: then it compiles, as before).
+    Costs at most UID_ALIGNMENT counter steps (~10 ms)."""
+    while tf_ops.uid() % UID_ALIGNMENT:
+        pass
 
 
 XLA_CACHE_FLAG = "--tf_xla_persistent_cache_directory"
