@@ -38,7 +38,8 @@ side_by_side() {
   while read -r name args; do
     [[ -z $name ]] && continue
     local run="/tmp/runs/$name"
-    echo "$name: $(cat "$run/history.jsonl" 2>/dev/null | wc -l) epochs; $(grep '^epoch [0-9]*:' "$logs/$name.log" | tail -1 | cut -c1-160)"
+    # The last tested epoch's line (train.test_every_epochs > 1 leaves the others without test results).
+    echo "$name: $(cat "$run/history.jsonl" 2>/dev/null | wc -l) epochs; $(grep '^epoch [0-9]*:.*| test loss' "$logs/$name.log" | tail -1 | cut -c1-160)"
     cp "$run/history.jsonl" "$logs/$name.history.jsonl" 2>/dev/null
     tar czf "$out/runs.tgz" -C "$logs" .
     if [[ -f "$run/metrics.json" && ${EVALUATE:-1} == 1 ]]; then
