@@ -280,7 +280,7 @@ def _train(cfg, progress):
     else:
         training_set = None
         train_steps = make_train_loop(train_step, strategy=strategy)  # (traces nothing until called)
-        if strategy is None:
+        if strategy is None and int(epoch) < tcfg["epochs"]:
             train_step.get_concrete_function()  # the loop's trace then calls this one
     eval_step = make_eval_step(model, model.image_shape, jit_compile=tcfg["xla"] == "jit", two_digits=two_digits,
                                **losses)
