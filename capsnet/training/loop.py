@@ -384,13 +384,14 @@ def _train(cfg, progress):
             with writer.as_default(step=global_step):
                 for phase, seconds in phases.items():
                     tf.summary.scalar(f"time/{phase}_seconds", seconds)
-        raw = f" (trained weights: {raw_test['accuracy']:.4f})" if raw_test is not None else ""
-        tested = (f" | test loss {test['loss']:.4f} acc {test['accuracy']:.4f}{raw}"
-                  f"{' (best)' if is_best else ''}{f' [COLLAPSED: {collapse}]' if collapse else ''}"
-                  if test is not None else "")
+        test_line = ""
+        if test is not None:
+            raw = f" (trained weights: {raw_test['accuracy']:.4f})" if raw_test is not None else ""
+            test_line = (f" | test loss {test['loss']:.4f} acc {test['accuracy']:.4f}{raw}"
+                         f"{' (best)' if is_best else ''}{f' [COLLAPSED: {collapse}]' if collapse else ''}")
         progress["epoch"] = None
         say(f"epoch {epoch_index + 1}: train loss {train_means['loss']:.4f} acc {train_means['accuracy']:.4f}"
-            f"{tested} | {clock[-1] - clock[0]:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+            f"{test_line} | {clock[-1] - clock[0]:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
         patience = tcfg["collapse_patience"]
         if collapse is not None and collapsed_for(history, patience):
             writer.close()
