@@ -74,9 +74,11 @@ def align_trace_names():
     names carry that counter (`__inference_train_step_9187`, its loops' bodies). A resumed
     run restores its checkpoint first and traced the same steps ~160 uids later than the
     fresh run that filled the cache (9350), so it never found them and compiled again: ~50 s
-    of every resumed call of a MultiMNIST run on an H100 (docs/results.md). From an aligned
-    counter the same program gets the same names whatever ran before it, unless a multiple
-    falls between the two starts (for 160 uids, 1 time in 400: then it compiles, as before).
+    of every resumed call of a MultiMNIST run on an H100. Aligned, a resumed call's first
+    epoch took 6.6-6.9 s against a fresh call's 31.1 s on an H200 (docs/benchmarks.md,
+    thirty-fourth session). From an aligned counter the same program gets the same names
+    whatever ran before it, unless a multiple falls between the two starts (for 160 uids,
+    1 time in 400: then it compiles, as before).
     Costs at most UID_ALIGNMENT counter steps (~10 ms)."""
     while tf_ops.uid() % UID_ALIGNMENT:
         pass
