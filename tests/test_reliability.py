@@ -675,13 +675,87 @@ def test_last_epoch_was_best_is_the_strict_rule():
 
 # --------------------------------------------------------------------------- train.test_every_epochs
 
-def test_test_every_epochs_tests_every_nth_and_the_last_epoch():
-    from capsnet.training.loop import is_test_epoch
+def test_the_test_and_save_schedules_take_every_nth_and_the_last_epoch():
+    from capsnet.training.loop import on_schedule
 
-    assert [e for e in range(1, 11) if is_test_epoch(e, 3, 10)] == [3, 6, 9, 10]
-    assert [e for e in range(1, 5) if is_test_epoch(e, 1, 4)] == [1, 2, 3, 4]
-    assert [e for e in range(1, 5) if is_test_epoch(e, 10, 4)] == [4]
+    assert [e for e in range(1, 11) if on_schedule(e, 3, 10)] == [3, 6, 9, 10]
+    assert [e for e in range(1, 5) if on_schedule(e, 1, 4)] == [1, 2, 3, 4]
+    assert [e for e in range(1, 5) if on_schedule(e, 10, 4)] == [4]
 
+
+
+# --------------------------------------------------------------------------- train.save_every_epochs
+
+def saved_epochs(run_dir, which="latest"):
+    state = tf.train.get_checkpoint_state(str(run_dir / "checkpoints" / which))
+    return [int(Path(p).name.split("-")[1]) for p in state.all_model_checkpoint_paths]
+
+
+def test_a_run_saving_every_third_epoch_trains_the_same_and_saves_on_schedule(trained_run, tiny_config, tmp_path):
+    """train.save_every_epochs=3 over trained_run's 4 epochs, tested at the last only (so no
+    earlier best forces a save): latest/ holds epochs 3 and 4, the training is trained_run's."""
+    metrics = train(tiny_config("train.save_every_epochs=3", "train.test_every_epochs=4"))
+    for mine, reference in zip(metrics["history"], trained_run[1]["history"], strict=True):
+        assert mine["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-3)
+    assert metrics["test_loss"] == pytest.approx(trained_run[1]["test_loss"], rel=1e-3)
+    assert saved_epochs(tmp_path / "run") == [3, 4]
+    assert saved_epochs(tmp_path / "run", "best") == [4]
+
+
+def test_a_new_best_is_saved_whatever_the_save_schedule(tiny_config, tmp_path):
+    """Tested every epoch and saved on schedule only at the last (save_every 10 > 4 epochs):
+    the saved epochs are exactly the new bests, counted from the history, and the last."""
+    metrics = train(tiny_config("train.save_every_epochs=10", "train.keep_checkpoints=10"))
+    bests, high = [], -1.0
+    for entry in metrics["history"]:
+        if entry["test_accuracy"] > high:
+            bests.append(entry["epoch"])
+            high = entry["test_accuracy"]
+    assert saved_epochs(tmp_path / "run") == sorted({*bests, 4})
+    assert saved_epochs(tmp_path / "run", "best") == [bests[-1]]
+
+
+def test_an_interrupted_run_redoes_the_epochs_since_its_last_save(trained_run, tiny_config, tmp_path, monkeypatch):
+    """Saved every 2nd epoch, Ctrl-C in epoch 4: epochs 3-4 are lost (the line says so) and the
+    rerun redoes them from ckpt-2, ending as trained_run (the uninterrupted run) did, with one
+    history line an epoch."""
+    from capsnet.errors import Interrupted
+    from capsnet.training import loop
+
+    calls, real = [], loop.train_epoch
+
+    def interrupt_the_fourth(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_epoch", interrupt_the_fourth)
+    overrides = ("train.save_every_epochs=2", "train.test_every_epochs=4")
+    with pytest.raises(Interrupted) as stop:
+        train(tiny_config(*overrides))
+    assert str(stop.value) == ("interrupted in epoch 4 (epochs 3-4 are lost: an epoch counts once checkpointed); "
+                               "rerun the same command to resume from epoch 3")
+    assert saved_epochs(tmp_path / "run") == [2]
+    monkeypatch.undo()
+    metrics = train(tiny_config(*overrides))
+    assert [h["epoch"] for h in metrics["history"]] == [1, 2, 3, 4]
+    for mine, reference in zip(metrics["history"], trained_run[1]["history"], strict=True):
+        assert mine["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-3)
+    assert metrics["test_loss"] == pytest.approx(trained_run[1]["test_loss"], rel=1e-3)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
+    assert [line["epoch"] for line in lines] == [1, 2, 3, 4]
+
+
+def test_the_interrupt_line_names_every_epoch_lost():
+    from capsnet.training.loop import interrupted
+
+    state = lambda done, trained, epoch: {"done": done, "trained": trained, "epoch": epoch}  # noqa: E731
+    assert interrupted(state(5, 5, None)) == "interrupted after epoch 5; rerun the same command to resume from epoch 6"
+    assert interrupted(state(5, 5, 6)).startswith("interrupted in epoch 6 (its progress is lost: ")
+    assert interrupted(state(5, 7, None)).startswith("interrupted after epoch 7 (epochs 6-7 are lost: ")
+    assert interrupted(state(5, 7, 8)) == ("interrupted in epoch 8 (epochs 6-8 are lost: an epoch counts once "
+                                           "checkpointed); rerun the same command to resume from epoch 6")
 
 def test_collapse_patience_and_best_count_only_the_epochs_tested():
     from capsnet.training.loop import collapsed_for, last_epoch_was_best

@@ -292,6 +292,7 @@ class TrainConfig:
     reconstruction_weight: float = _checked(0.0005, _reconstruction_weight)
     ema_decay: float = _checked(0.0, _ema_decay)
     test_every_epochs: int = _checked(1, _positive_int)
+    save_every_epochs: int = _checked(1, _positive_int)
     collapse_patience: Optional[int] = _checked(10, _optional_positive_int)
     keep_checkpoints: int = _checked(3, _positive_int)
     log_every_steps: int = _checked(50, _positive_int)

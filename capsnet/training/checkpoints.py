@@ -12,11 +12,12 @@ counter and the best accuracy so far, then continues with the next epoch. The on
 randomness after weight initialization is the data's: order and shifts are stateless
 functions of (seed, epoch) (capsnet.data), so there is no generator state to save, and
 with deterministic=true a resumed run ends bitwise equal to an uninterrupted one.
-A run killed mid-epoch loses that epoch only. TensorBoard's step is the global step
+A run killed mid-epoch loses that epoch only (with train.save_every_epochs=N > 1, also the
+epochs trained since the last one saved). TensorBoard's step is the global step
 (optimizer.iterations), so the curves continue where the checkpoint left them.
 
-An epoch ends with: its history line, then checkpoints/latest/ckpt-N, the commit point: a
-run killed before it redoes the epoch, and the history line that epoch wrote is
+An epoch ends with: its history line, then checkpoints/latest/ckpt-N (every epoch, or on
+train.save_every_epochs' schedule), the commit point: a run killed before it redoes the epoch, and the history line that epoch wrote is
 superseded on restart (`read_history`). Then, if it is the best, best/ckpt-N as links to
 latest's files (a run killed before that is repaired on restart: `BestCheckpoint`).
 

@@ -10,7 +10,8 @@ A run dir holds:
     config.yaml                the resolved config (evaluate.py rebuilds the model from it)
     train.lock                 held by the training running in it (capsnet.training.run_lock)
     events.out.tfevents.*      TensorBoard: scalars, reconstructions, histograms, HParams
-    checkpoints/latest/ckpt-N  the last `train.keep_checkpoints` epochs (N = epochs done)
+    checkpoints/latest/ckpt-N  the last `train.keep_checkpoints` epochs saved (N = epochs done; every
+                               `train.save_every_epochs`th, the last, each new best)
     checkpoints/best/ckpt-N    the epoch with the highest test accuracy (of the epochs done)
     history.jsonl              one line of metrics per finished epoch
     metrics.json               the final metrics, written at the end
@@ -65,7 +66,7 @@ def train(cfg):
 
     The run dir is locked for the run's life (capsnet.training.run_lock: one training per
     run dir), released however train() ends."""
-    progress = {"locks": [], "epoch": None, "done": None}
+    progress = {"locks": [], "epoch": None, "done": None, "trained": None}
     try:
         return _train(cfg, progress)
     except KeyboardInterrupt as interrupt:
@@ -81,16 +82,21 @@ def interrupted(progress):
     """The line for Ctrl-C: where the run stopped (`progress`, kept by _train) and how to go on."""
     if progress["done"] is None:
         return "interrupted before training started; rerun the same command to start (or resume) the run"
-    if progress["epoch"] is None:
-        return (f"interrupted after epoch {progress['done']}; rerun the same command to resume "
-                f"(from epoch {progress['done'] + 1})")
-    return (f"interrupted in epoch {progress['epoch']} (its progress is lost: an epoch counts once checkpointed); "
-            f"rerun the same command to resume from epoch {progress['done'] + 1}")
+    done, running = progress["done"], progress["epoch"]
+    resume = f"rerun the same command to resume from epoch {done + 1}"
+    if running is None and progress["trained"] == done:
+        return f"interrupted after epoch {done}; {resume}"
+    # Lost: the epoch running, and with train.save_every_epochs > 1 the ones trained since the last save.
+    last = running if running is not None else progress["trained"]
+    where = f"in epoch {running}" if running is not None else f"after epoch {last}"
+    lost = "its progress is lost" if last == done + 1 else f"epochs {done + 1}-{last} are lost"
+    return f"interrupted {where} ({lost}: an epoch counts once checkpointed); {resume}"
 
 
 def _train(cfg, progress):
     """train()'s body; puts the run dir's RunLock in progress["locks"] once it takes it, and
-    keeps progress["done"] (epochs checkpointed) and progress["epoch"] (the one running)."""
+    keeps progress["done"] (epochs checkpointed), progress["trained"] (epochs finished) and
+    progress["epoch"] (the one running)."""
     locks = progress["locks"]
     # ---- config and setup
     # Every value checked up front, before TensorFlow touches a device or the data is read
@@ -307,7 +313,7 @@ def _train(cfg, progress):
     # with mixed_float16 it leaves out the steps skipped for overflow): epochs end at checkpoints,
     # and a resume keeps what sets the steps of an epoch.
     global_step = int(epoch) * steps_per_epoch
-    progress["done"] = int(epoch)
+    progress["done"] = progress["trained"] = int(epoch)
 
     def epoch_input(epoch_index):
         # The epoch's batches on the training devices ahead of the steps (under a strategy:
@@ -344,10 +350,9 @@ def _train(cfg, progress):
         # Test pass, images and histograms; then the epoch's records, the checkpoint LAST.
         # On every worker (the same weights and data): each decides is_best and saves as the chief does.
         # With a weight average, the test is the average's, and the trained weights' is logged beside it.
-        # train.test_every_epochs > 1: only every Nth epoch and the last are tested (and can be best/);
-        # the others are still saved, so a restart loses no more than before.
+        # train.test_every_epochs > 1: only every Nth epoch and the last are tested (and can be best/).
         clock.append(time.perf_counter())
-        if is_test_epoch(epoch_index + 1, tcfg["test_every_epochs"], tcfg["epochs"]):
+        if on_schedule(epoch_index + 1, tcfg["test_every_epochs"], tcfg["epochs"]):
             test, raw_test = test_pass(summaries_step=global_step)
             collapse = collapse_reason(test, epoch_index + 1, model.num_classes, 2 if two_digits else 1)
             if chief:
@@ -370,13 +375,19 @@ def _train(cfg, progress):
             with history_path.open("a") as f:
                 f.write(json.dumps(entry) + "\n")  # a redone epoch's line supersedes this one (read_history)
         clock.append(time.perf_counter())
-        # The commit point: until this checkpoint exists, a restart redoes the epoch.
-        saved = save_or_fail(lambda: latest.save(checkpoint_number=epoch_index + 1), checkpoints_dir / "latest",
-                             epoch_index + 1)
-        progress["done"] = epoch_index + 1
-        if is_best:
-            best.adopt(epoch_index + 1, saved)  # the same files: no second write
-            best.commit(epoch_index + 1)
+        patience = tcfg["collapse_patience"]
+        stopping = collapse is not None and collapsed_for(history, patience)
+        # The commit point: until a checkpoint of this epoch exists, a restart redoes it (and the
+        # epochs since the last one saved: train.save_every_epochs > 1 saves only every Nth and the
+        # last; a new best is always saved, best/ being links to its files, and so is a collapse stop).
+        if is_best or stopping or on_schedule(epoch_index + 1, tcfg["save_every_epochs"], tcfg["epochs"]):
+            saved = save_or_fail(lambda: latest.save(checkpoint_number=epoch_index + 1), checkpoints_dir / "latest",
+                                 epoch_index + 1)
+            progress["done"] = epoch_index + 1
+            if is_best:
+                best.adopt(epoch_index + 1, saved)  # the same files: no second write
+                best.commit(epoch_index + 1)
+        progress["trained"] = epoch_index + 1
         clock.append(time.perf_counter())
         # Where the epoch's wall time went (TensorBoard's time/ scalars and the epoch's line).
         phases = dict(zip(("train", "test", "save"), np.diff(clock)))
@@ -392,14 +403,13 @@ def _train(cfg, progress):
         progress["epoch"] = None
         say(f"epoch {epoch_index + 1}: train loss {train_means['loss']:.4f} acc {train_means['accuracy']:.4f}"
             f"{test_line} | {clock[-1] - clock[0]:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
-        patience = tcfg["collapse_patience"]
-        if collapse is not None and collapsed_for(history, patience):
+        if stopping:
             writer.close()
             passes = (f"{patience} epoch{'s' if patience > 1 else ''}" if tcfg["test_every_epochs"] == 1 else
                       f"{patience} test pass{'es' if patience > 1 else ''} (one every {tcfg['test_every_epochs']} epochs)")
             raise TrainingCollapsed(
                 f"training stopped at epoch {epoch_index + 1}: the test results looked collapsed for "
-                f"{passes} in a row ({collapse}); every epoch is saved in "
+                f"{passes} in a row ({collapse}); the epoch is saved in "
                 f"{run_dir}; train.collapse_patience=null trains on regardless")
 
     # ---- final metrics
@@ -613,10 +623,11 @@ def collapse_reason(test, epoch_number, num_classes, labels_per_example=1):
     return None
 
 
-def is_test_epoch(epoch_number, test_every_epochs, epochs):
-    """Whether epoch `epoch_number` (1-based) gets a test pass: every `test_every_epochs`th
-    epoch, and the last of the `epochs` (its results are the run's final metrics)."""
-    return epoch_number % test_every_epochs == 0 or epoch_number == epochs
+def on_schedule(epoch_number, every, epochs):
+    """Whether epoch `epoch_number` (1-based) is one of every `every`th epochs or the last of
+    the `epochs`: when train.test_every_epochs tests (the last: the run's final metrics)
+    and train.save_every_epochs saves (the last: the run's final checkpoint)."""
+    return epoch_number % every == 0 or epoch_number == epochs
 
 
 def collapsed_for(history, patience):
