@@ -20,10 +20,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from capsnet import config
 from capsnet.console import say
-from capsnet.errors import CapsnetError, Interrupted
+from capsnet.errors import CapsnetError, Interrupted, Terminated
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a program stopped by Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM: a training stopped, saved, at the end of an epoch (errors.Terminated)
 
 # The user's own HYDRA_FULL_ERROR, read before run() sets it for its own purposes.
 _user_full_error_value = os.environ.get("HYDRA_FULL_ERROR")
@@ -84,7 +85,7 @@ def reports_user_errors(task):
             if _full_errors_requested() or cfg.get("debug", False) is True:
                 raise
             say(" ".join((str(exc) or "interrupted").split()), stream=sys.stderr)
-            sys.exit(EXIT_INTERRUPTED)
+            sys.exit(EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED)
         except (CapsnetError, OmegaConfBaseException) as exc:
             _remove_unused_run_dir()
             # OmegaConf errors here come from resolving the config (a bad interpolation).

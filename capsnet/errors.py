@@ -37,13 +37,18 @@ class Interrupted(KeyboardInterrupt):
     stopped and how to resume it. A KeyboardInterrupt, so that whatever catches one still does."""
 
 
+class Terminated(Interrupted):
+    """SIGTERM during training (a job's time limit, a preemption): the run finished and saved
+    the epoch it was in, then stopped; str(err) is the one line to print."""
+
+
 class TrainingDiverged(CapsnetError):
     """A training step's loss or gradients were not finite: training stopped, nothing saved."""
 
 
 class TrainingCollapsed(CapsnetError):
     """The test results looked collapsed (training.loop.collapse_reason) for
-    train.collapse_patience epochs in a row: training stopped, every epoch saved."""
+    train.collapse_patience epochs in a row: training stopped, that epoch saved."""
 
 
 class SweepJobsFailed(CapsnetError):

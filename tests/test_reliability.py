@@ -747,6 +747,67 @@ def test_an_interrupted_run_redoes_the_epochs_since_its_last_save(trained_run, t
     assert [line["epoch"] for line in lines] == [1, 2, 3, 4]
 
 
+
+def test_sigterm_stops_the_run_at_the_end_of_its_epoch_saved(trained_run, tiny_config, tmp_path, monkeypatch):
+    """SIGTERM in epoch 2 of a run that would save only at its last epoch: epoch 2 is finished
+    and saved, train() raises Terminated with the line to print, the handler it replaced is
+    back; the rerun resumes from epoch 3 and ends as trained_run did."""
+    import os
+
+    from capsnet.errors import Terminated
+    from capsnet.training import loop
+
+    calls, real = [], loop.train_epoch
+
+    def terminate_in_the_second(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_epoch", terminate_in_the_second)
+    overrides = ("train.save_every_epochs=10", "train.test_every_epochs=10")
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Terminated) as stop:
+        train(tiny_config(*overrides))
+    assert str(stop.value) == "stopped by SIGTERM after epoch 2 (saved); rerun the same command to resume from epoch 3"
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert saved_epochs(tmp_path / "run") == [2]
+    monkeypatch.undo()
+    metrics = train(tiny_config(*overrides))
+    for mine, reference in zip(metrics["history"], trained_run[1]["history"], strict=True):
+        assert mine["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-3)
+    assert metrics["test_loss"] == pytest.approx(trained_run[1]["test_loss"], rel=1e-3)
+    assert saved_epochs(tmp_path / "run") == [2, 4]
+
+
+@pytest.mark.slow
+def test_train_py_stops_on_sigterm_with_one_line_and_exit_143(tiny_idx_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = tiny_overrides(tiny_idx_dir, run_dir, "train.epochs=200", "data.limit_train=32", "data.limit_test=16",
+                               "train.save_every_epochs=1000", "train.test_every_epochs=1000")
+    log = tmp_path / "out.log"
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, str(REPO / "train.py"), *overrides], cwd=tmp_path,
+                                   env=entry_point_env(), stdout=out, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while "epoch 3/" not in log.read_text() and process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            process.send_signal(signal.SIGTERM)
+            _, stderr = process.communicate(timeout=60)
+        finally:
+            process.kill()
+    assert process.returncode == 143, stderr
+    assert "Traceback" not in stderr, stderr
+    notice, line = stderr.splitlines()[-2:]
+    assert notice.startswith("SIGTERM: the run stops, saved, at the end of the epoch it is in")
+    epoch = int(line.removeprefix("stopped by SIGTERM after epoch ").split(" ", 1)[0])
+    assert line == (f"stopped by SIGTERM after epoch {epoch} (saved); rerun the same command to resume from "
+                    f"epoch {epoch + 1}")
+    assert epoch >= 3 and saved_epochs(run_dir) == [epoch]  # the only checkpoint: on schedule it saves at 200
+    assert (run_dir / "train.lock").read_text() == ""
+
 def test_the_interrupt_line_names_every_epoch_lost():
     from capsnet.training.loop import interrupted
 

@@ -23,11 +23,14 @@ capsnet.training.weight_average.
 """
 import concurrent.futures
 import contextlib
+import functools
 import json
 import logging
 import math
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -38,7 +41,7 @@ import tensorflow as tf
 from capsnet import config
 from capsnet.console import say
 from capsnet.data import augmentation_options, example_shape, is_overlay, load_split, make_split_dataset
-from capsnet.errors import ConfigError, Interrupted, TrainingCollapsed, TrainingDiverged
+from capsnet.errors import ConfigError, Interrupted, Terminated, TrainingCollapsed, TrainingDiverged
 from capsnet.losses import loss_params
 from capsnet.scoring import json_safe
 from capsnet.training.checkpoints import (BestCheckpoint, check_nothing_committed, check_resumable, checkpoint_numbers,
@@ -65,8 +68,10 @@ def train(cfg):
     """Train (or resume) the run in cfg["run_dir"]; returns the final metrics (also metrics.json).
 
     The run dir is locked for the run's life (capsnet.training.run_lock: one training per
-    run dir), released however train() ends."""
-    progress = {"locks": [], "epoch": None, "done": None, "trained": None}
+    run dir), released however train() ends. SIGTERM (a job's time limit, a preemption)
+    stops the run at the end of the epoch it is in, saved (errors.Terminated); a second
+    SIGTERM stops it at once, as Ctrl-C does."""
+    progress = {"locks": [], "epoch": None, "done": None, "trained": None, "terminate": False}
     try:
         return _train(cfg, progress)
     except KeyboardInterrupt as interrupt:
@@ -74,8 +79,18 @@ def train(cfg):
             raise
         raise Interrupted(interrupted(progress)) from None
     finally:
+        if "sigterm" in progress:  # the handler _train set, and the one it replaced
+            signal.signal(signal.SIGTERM, progress.pop("sigterm"))
         for lock in progress["locks"]:
             lock.release()
+
+
+def _on_sigterm(progress, signum, frame):
+    if progress["terminate"]:
+        raise KeyboardInterrupt  # the second SIGTERM: stop now (train() names what is lost)
+    progress["terminate"] = True
+    say("SIGTERM: the run stops, saved, at the end of the epoch it is in (a second SIGTERM stops it at once)",
+        stream=sys.stderr)
 
 
 def interrupted(progress):
@@ -331,6 +346,12 @@ def _train(cfg, progress):
         # Read where the steps were just fetched, so it waits for nothing.
         return float(schedule(steps_done(optimizer)))
 
+    # From here SIGTERM ends the run at an epoch's end, saved (train()). Only the main thread may
+    # set a handler; a multi-worker run keeps the default (its workers save together, and a
+    # signal reaches one of them). Before here a SIGTERM loses nothing trained.
+    if threading.current_thread() is threading.main_thread() and dcfg["strategy"] != "multi_worker":
+        replaced = signal.signal(signal.SIGTERM, functools.partial(_on_sigterm, progress))
+        progress["sigterm"] = signal.SIG_DFL if replaced is None else replaced
     for epoch_index, iterator in built_ahead(epoch_input, range(int(epoch), tcfg["epochs"])):
         progress["epoch"] = epoch_index + 1
         say(f"epoch {epoch_index + 1}/{tcfg['epochs']}")
@@ -377,10 +398,11 @@ def _train(cfg, progress):
         clock.append(time.perf_counter())
         patience = tcfg["collapse_patience"]
         stopping = collapse is not None and collapsed_for(history, patience)
+        terminating = progress["terminate"]  # read once: a SIGTERM from here on stops at the next epoch's end
         # The commit point: until a checkpoint of this epoch exists, a restart redoes it (and the
         # epochs since the last one saved: train.save_every_epochs > 1 saves only every Nth and the
-        # last; a new best is always saved, best/ being links to its files, and so is a collapse stop).
-        if is_best or stopping or on_schedule(epoch_index + 1, tcfg["save_every_epochs"], tcfg["epochs"]):
+        # last; a new best is always saved, best/ being links to its files, and so is a stop).
+        if is_best or stopping or terminating or on_schedule(epoch_index + 1, tcfg["save_every_epochs"], tcfg["epochs"]):
             saved = save_or_fail(lambda: latest.save(checkpoint_number=epoch_index + 1), checkpoints_dir / "latest",
                                  epoch_index + 1)
             progress["done"] = epoch_index + 1
@@ -403,6 +425,10 @@ def _train(cfg, progress):
         progress["epoch"] = None
         say(f"epoch {epoch_index + 1}: train loss {train_means['loss']:.4f} acc {train_means['accuracy']:.4f}"
             f"{test_line} | {clock[-1] - clock[0]:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+        if terminating and epoch_index + 1 < tcfg["epochs"]:
+            writer.close()
+            raise Terminated(f"stopped by SIGTERM after epoch {epoch_index + 1} (saved); rerun the same command to "
+                             f"resume from epoch {epoch_index + 2}")
         if stopping:
             writer.close()
             passes = (f"{patience} epoch{'s' if patience > 1 else ''}" if tcfg["test_every_epochs"] == 1 else
