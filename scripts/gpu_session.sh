@@ -31,6 +31,7 @@ side_by_side() {
   mkdir -p "$logs"
   while read -r name args; do
     [[ -z $name ]] && continue
+    # timeout's SIGTERM: train.py finishes and saves the epoch it is in (a few seconds), then exits.
     timeout "${TRAIN_TIMEOUT:-540}" python3 train.py $args train.progress_bar=false hydra.run.dir="/tmp/runs/$name" \
       > "$logs/$name.log" 2>&1 &
   done <<< "$RUNS"
