@@ -17,9 +17,11 @@ epochs trained since the last one saved). TensorBoard's step is the global step
 (optimizer.iterations), so the curves continue where the checkpoint left them.
 
 An epoch ends with: its history line, then checkpoints/latest/ckpt-N (every epoch, or on
-train.save_every_epochs' schedule), the commit point: a run killed before it redoes the epoch, and the history line that epoch wrote is
-superseded on restart (`read_history`). Then, if it is the best, best/ckpt-N as links to
-latest's files (a run killed before that is repaired on restart: `BestCheckpoint`).
+train.save_every_epochs' schedule), the commit point: a run killed before it redoes the
+epoch, and the history line that epoch wrote is superseded on restart (`read_history`).
+Then, if it is the best, best/ckpt-N as links to latest's files (a run killed before that
+is repaired on restart: `BestCheckpoint`). SIGTERM ends a run at an epoch's end, saved
+(capsnet.training.loop.train).
 
 Resuming refuses a config that would change the run's trajectory (RESUME_KEYS: the
 model, the data, the seed, the optimizer and loss values; `check_resumable`) and names

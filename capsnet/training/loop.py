@@ -402,7 +402,8 @@ def _train(cfg, progress):
         # The commit point: until a checkpoint of this epoch exists, a restart redoes it (and the
         # epochs since the last one saved: train.save_every_epochs > 1 saves only every Nth and the
         # last; a new best is always saved, best/ being links to its files, and so is a stop).
-        if is_best or stopping or terminating or on_schedule(epoch_index + 1, tcfg["save_every_epochs"], tcfg["epochs"]):
+        on_save_schedule = on_schedule(epoch_index + 1, tcfg["save_every_epochs"], tcfg["epochs"])
+        if is_best or stopping or terminating or on_save_schedule:
             saved = save_or_fail(lambda: latest.save(checkpoint_number=epoch_index + 1), checkpoints_dir / "latest",
                                  epoch_index + 1)
             progress["done"] = epoch_index + 1
