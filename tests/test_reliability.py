@@ -470,10 +470,11 @@ def test_data_errors_name_their_key(tiny_config, override, message):
         train(tiny_config(override))
 
 
-@pytest.mark.slow
-def test_ctrl_c_prints_one_line_and_exits_130(tiny_idx_dir, tmp_path):
-    run_dir = tmp_path / "run"
-    overrides = tiny_overrides(tiny_idx_dir, run_dir, "train.epochs=200", "data.limit_train=32", "data.limit_test=16")
+def signal_train_py_in_epoch_3(signum, tiny_idx_dir, tmp_path, *extra):
+    """train.py on a 200-epoch tiny run in tmp_path/run, sent `signum` once epoch 3 starts:
+    (exit status, stderr)."""
+    overrides = tiny_overrides(tiny_idx_dir, tmp_path / "run", "train.epochs=200", "data.limit_train=32",
+                               "data.limit_test=16", *extra)
     log = tmp_path / "out.log"
     with log.open("w") as out:
         process = subprocess.Popen([sys.executable, str(REPO / "train.py"), *overrides], cwd=tmp_path,
@@ -482,11 +483,18 @@ def test_ctrl_c_prints_one_line_and_exits_130(tiny_idx_dir, tmp_path):
             deadline = time.monotonic() + 120
             while "epoch 3/" not in log.read_text() and process.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
-            process.send_signal(signal.SIGINT)
+            process.send_signal(signum)
             _, stderr = process.communicate(timeout=60)
         finally:
             process.kill()
-    assert process.returncode == 130
+    return process.returncode, stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_prints_one_line_and_exits_130(tiny_idx_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    returncode, stderr = signal_train_py_in_epoch_3(signal.SIGINT, tiny_idx_dir, tmp_path)
+    assert returncode == 130
     assert stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
     assert stderr.startswith("interrupted ") and "rerun the same command to resume" in stderr
     done = int(tf.train.latest_checkpoint(str(run_dir / "checkpoints" / "latest")).rsplit("-", 1)[1])
@@ -683,7 +691,6 @@ def test_the_test_and_save_schedules_take_every_nth_and_the_last_epoch():
     assert [e for e in range(1, 5) if on_schedule(e, 10, 4)] == [4]
 
 
-
 # --------------------------------------------------------------------------- train.save_every_epochs
 
 def saved_epochs(run_dir, which="latest"):
@@ -691,13 +698,34 @@ def saved_epochs(run_dir, which="latest"):
     return [int(Path(p).name.split("-")[1]) for p in state.all_model_checkpoint_paths]
 
 
+def before_epoch(monkeypatch, number, action):
+    """`action()` just before the loop trains epoch `number` of this process's next run
+    (training.loop.train_epoch wrapped; monkeypatch.undo() unwraps it)."""
+    from capsnet.training import loop
+
+    calls, real = [], loop.train_epoch
+
+    def wrapped(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == number:
+            action()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_epoch", wrapped)
+
+
+def assert_trained_as(metrics, reference):
+    """A run's losses match the reference run's (trained_run's metrics) epoch for epoch."""
+    for mine, theirs in zip(metrics["history"], reference["history"], strict=True):
+        assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-3)
+    assert metrics["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-3)
+
+
 def test_a_run_saving_every_third_epoch_trains_the_same_and_saves_on_schedule(trained_run, tiny_config, tmp_path):
     """train.save_every_epochs=3 over trained_run's 4 epochs, tested at the last only (so no
     earlier best forces a save): latest/ holds epochs 3 and 4, the training is trained_run's."""
     metrics = train(tiny_config("train.save_every_epochs=3", "train.test_every_epochs=4"))
-    for mine, reference in zip(metrics["history"], trained_run[1]["history"], strict=True):
-        assert mine["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-3)
-    assert metrics["test_loss"] == pytest.approx(trained_run[1]["test_loss"], rel=1e-3)
+    assert_trained_as(metrics, trained_run[1])
     assert saved_epochs(tmp_path / "run") == [3, 4]
     assert saved_epochs(tmp_path / "run", "best") == [4]
 
@@ -720,17 +748,11 @@ def test_an_interrupted_run_redoes_the_epochs_since_its_last_save(trained_run, t
     rerun redoes them from ckpt-2, ending as trained_run (the uninterrupted run) did, with one
     history line an epoch."""
     from capsnet.errors import Interrupted
-    from capsnet.training import loop
 
-    calls, real = [], loop.train_epoch
+    def ctrl_c():
+        raise KeyboardInterrupt
 
-    def interrupt_the_fourth(*args, **kwargs):
-        calls.append(None)
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(loop, "train_epoch", interrupt_the_fourth)
+    before_epoch(monkeypatch, 4, ctrl_c)
     overrides = ("train.save_every_epochs=2", "train.test_every_epochs=4")
     with pytest.raises(Interrupted) as stop:
         train(tiny_config(*overrides))
@@ -740,12 +762,9 @@ def test_an_interrupted_run_redoes_the_epochs_since_its_last_save(trained_run, t
     monkeypatch.undo()
     metrics = train(tiny_config(*overrides))
     assert [h["epoch"] for h in metrics["history"]] == [1, 2, 3, 4]
-    for mine, reference in zip(metrics["history"], trained_run[1]["history"], strict=True):
-        assert mine["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-3)
-    assert metrics["test_loss"] == pytest.approx(trained_run[1]["test_loss"], rel=1e-3)
+    assert_trained_as(metrics, trained_run[1])
     lines = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
     assert [line["epoch"] for line in lines] == [1, 2, 3, 4]
-
 
 
 def test_sigterm_stops_the_run_at_the_end_of_its_epoch_saved(trained_run, tiny_config, tmp_path, monkeypatch):
@@ -755,17 +774,8 @@ def test_sigterm_stops_the_run_at_the_end_of_its_epoch_saved(trained_run, tiny_c
     import os
 
     from capsnet.errors import Terminated
-    from capsnet.training import loop
 
-    calls, real = [], loop.train_epoch
-
-    def terminate_in_the_second(*args, **kwargs):
-        calls.append(None)
-        if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(loop, "train_epoch", terminate_in_the_second)
+    before_epoch(monkeypatch, 2, lambda: os.kill(os.getpid(), signal.SIGTERM))
     overrides = ("train.save_every_epochs=10", "train.test_every_epochs=10")
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(Terminated) as stop:
@@ -775,30 +785,16 @@ def test_sigterm_stops_the_run_at_the_end_of_its_epoch_saved(trained_run, tiny_c
     assert saved_epochs(tmp_path / "run") == [2]
     monkeypatch.undo()
     metrics = train(tiny_config(*overrides))
-    for mine, reference in zip(metrics["history"], trained_run[1]["history"], strict=True):
-        assert mine["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-3)
-    assert metrics["test_loss"] == pytest.approx(trained_run[1]["test_loss"], rel=1e-3)
+    assert_trained_as(metrics, trained_run[1])
     assert saved_epochs(tmp_path / "run") == [2, 4]
 
 
 @pytest.mark.slow
 def test_train_py_stops_on_sigterm_with_one_line_and_exit_143(tiny_idx_dir, tmp_path):
     run_dir = tmp_path / "run"
-    overrides = tiny_overrides(tiny_idx_dir, run_dir, "train.epochs=200", "data.limit_train=32", "data.limit_test=16",
-                               "train.save_every_epochs=1000", "train.test_every_epochs=1000")
-    log = tmp_path / "out.log"
-    with log.open("w") as out:
-        process = subprocess.Popen([sys.executable, str(REPO / "train.py"), *overrides], cwd=tmp_path,
-                                   env=entry_point_env(), stdout=out, stderr=subprocess.PIPE, text=True)
-        try:
-            deadline = time.monotonic() + 120
-            while "epoch 3/" not in log.read_text() and process.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            process.send_signal(signal.SIGTERM)
-            _, stderr = process.communicate(timeout=60)
-        finally:
-            process.kill()
-    assert process.returncode == 143, stderr
+    returncode, stderr = signal_train_py_in_epoch_3(signal.SIGTERM, tiny_idx_dir, tmp_path,
+                                                    "train.save_every_epochs=1000", "train.test_every_epochs=1000")
+    assert returncode == 143, stderr
     assert "Traceback" not in stderr, stderr
     notice, line = stderr.splitlines()[-2:]
     assert notice.startswith("SIGTERM: the run stops, saved, at the end of the epoch it is in")
@@ -807,6 +803,7 @@ def test_train_py_stops_on_sigterm_with_one_line_and_exit_143(tiny_idx_dir, tmp_
                     f"epoch {epoch + 1}")
     assert epoch >= 3 and saved_epochs(run_dir) == [epoch]  # the only checkpoint: on schedule it saves at 200
     assert (run_dir / "train.lock").read_text() == ""
+
 
 def test_the_interrupt_line_names_every_epoch_lost():
     from capsnet.training.loop import interrupted
