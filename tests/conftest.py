@@ -178,6 +178,13 @@ def trained_run(tiny_idx_dir, tmp_path_factory):
     return run_dir, metrics
 
 
+def assert_trained_as(metrics, reference):
+    """A run's losses match the reference run's (trained_run's metrics) epoch for epoch."""
+    for mine, theirs in zip(metrics["history"], reference["history"], strict=True):
+        assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-3)
+    assert metrics["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-3)
+
+
 # --------------------------------------------------------------------------- subprocesses
 
 def repo_env(*paths):

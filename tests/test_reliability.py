@@ -20,7 +20,7 @@ from capsnet.errors import CheckpointError, ConfigError, DataError, TrainingDive
 from capsnet.training import train
 from capsnet.training import steps as steps_module
 from capsnet.training.steps import STEP_VALUES, make_train_loop
-from conftest import REPO, entry_point_env, run_entry_point, tiny_overrides
+from conftest import REPO, assert_trained_as, entry_point_env, run_entry_point, tiny_overrides
 
 STEPS_PER_EPOCH = 20  # 320 tiny training images / batch 16
 
@@ -712,13 +712,6 @@ def before_epoch(monkeypatch, number, action):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(loop, "train_epoch", wrapped)
-
-
-def assert_trained_as(metrics, reference):
-    """A run's losses match the reference run's (trained_run's metrics) epoch for epoch."""
-    for mine, theirs in zip(metrics["history"], reference["history"], strict=True):
-        assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-3)
-    assert metrics["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-3)
 
 
 def test_a_run_saving_every_third_epoch_trains_the_same_and_saves_on_schedule(trained_run, tiny_config, tmp_path):
