@@ -18,7 +18,6 @@ import math
 import keras
 import tensorflow as tf
 from tensorflow.compiler.tf2xla.ops import gen_xla_ops
-from tensorflow.python.ops import control_flow_util
 
 from capsnet import ops
 from capsnet.config import CONV_FORMS, ROUTING_MODES, routing_from_flags, routing_mode
@@ -27,6 +26,7 @@ from capsnet.errors import CapsnetError
 from capsnet.precision import bias_add, float32_math
 from capsnet.routing import dynamic_routing, squash
 from capsnet.validation import boolean, finite_float, positive_float, positive_int, positive_int_tuple
+from capsnet.xla_context import in_xla_computation
 
 __all__ = ["squash", "capsule_lengths", "Conv2D", "Dense", "PrimaryCaps", "DigitCaps", "Decoder"]
 
@@ -102,7 +102,7 @@ class Conv2D(keras.layers.Conv2D):
             outputs = self.convolution_op(inputs, kernel)
         if self.use_bias:
             outputs = bias_add(outputs, self.bias if repeats == 1 else tf.tile(self.bias, [repeats]))
-        if self.activation is keras.activations.relu and _in_xla_computation():
+        if self.activation is keras.activations.relu and in_xla_computation():
             return relu_one_buffer(outputs)
         return outputs if self.activation is None else self.activation(outputs)
 
@@ -218,14 +218,14 @@ class PrimaryCaps(keras.layers.Layer):
         """Whether call() computes on space-to-depth blocks in the computation being built
         (conv_form, and for "auto" whether it goes into XLA): then it also takes its input
         as blocks (map_size)."""
-        return _in_xla_computation() if self._blocks is None else self._blocks
+        return in_xla_computation() if self._blocks is None else self._blocks
 
     def call(self, inputs, map_size=None):
         """inputs: (B, H, W, C) feature maps, or with map_size=(H, W) (only when
         uses_blocks()) their b×b space-to-depth blocks (B, ⌈H/b⌉, ⌈W/b⌉, b·b·C), b = the
         stride, as conv1 delivers them (Conv2D's output_blocks)."""
         h, w = self._grid(inputs.shape if map_size is None else (inputs.shape[0], *map_size, inputs.shape[-1]))
-        in_xla = _in_xla_computation()
+        in_xla = in_xla_computation()
         blocks = self.uses_blocks()
         if map_size is not None and not blocks:
             raise ValueError(f"{self.name}: map_size (blocks as input) needs the blocks form "
@@ -304,15 +304,6 @@ def relu_one_buffer(x):
         return tf.where(positive, dy, tf.zeros_like(dy))
 
     return y, grad
-
-
-def _in_xla_computation():
-    """Whether the ops being built go into an XLA computation (a jit_compile function,
-    or one nested in it). TensorFlow has no public query for it; its own while_v2 and
-    cond_v2 ask this one."""
-    if tf.executing_eagerly():
-        return False
-    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
 @keras.saving.register_keras_serializable(package="capsnet")

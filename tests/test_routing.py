@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from capsnet.routing import dynamic_routing, squash
+from capsnet.routing import dynamic_routing, routing_softmax, squash
 
 
 # ----------------------------------------------------------------- NumPy reference
@@ -204,6 +204,65 @@ def test_routing_compiles_with_xla_and_unknown_batch():
     v_ref, c_ref = np_dynamic_routing(u_hat.astype(np.float64), 3)
     np.testing.assert_allclose(v_j.numpy(), v_ref, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(c_ij.numpy(), c_ref, rtol=1e-4, atol=1e-6)
+
+
+def softmax_ops(fn, spec):
+    return [op.type for op in fn.get_concrete_function(spec).graph.get_operations()].count("Softmax")
+
+
+# exp(b − logsumexp(b)) rounds b − logsumexp(b) at b's magnitude: a relative error of up to
+# ~|b|·2⁻²⁴ in float32 (≤ 1.2e-4 for the row near 1000 below), where softmax's b − max(b) is exact.
+@pytest.mark.parametrize("dtype, rtol", [(np.float32, 2e-4), (np.float64, 1e-12)])
+def test_routing_softmax_inside_xla_is_the_softmax_without_a_softmax_op(dtype, rtol):
+    """Inside XLA c_ij is exp(b − logsumexp(b)) (no Softmax op for XLA's GPU compiler to
+    make its own kernel of), outside tf.nn.softmax; both against NumPy's softmax, with a
+    row of logits near 1000, where an unshifted exp overflows, and the gradient of Σ c·w
+    against softmax's Jacobian."""
+    rng = np.random.default_rng(11)
+    b = rng.normal(scale=5.0, size=(3, 6, 10)).astype(dtype)
+    b[0, 0] += 1000.0
+    w = rng.normal(size=b.shape).astype(dtype)
+
+    def value_and_gradient(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            c = routing_softmax(x)
+            loss = tf.reduce_sum(c * w)
+        return c, tape.gradient(loss, x)
+
+    spec = tf.TensorSpec(b.shape, dtype)
+    compiled, plain = tf.function(value_and_gradient, jit_compile=True), tf.function(value_and_gradient)
+    assert softmax_ops(compiled, spec) == 0 and softmax_ops(plain, spec) == 1
+    expected = np_softmax(b.astype(np.float64), axis=-1)
+    # d Σ c·w / d b_j = c_j (w_j − Σ_k c_k w_k): softmax's Jacobian applied to w.
+    expected_gradient = expected * (w - np.sum(expected * w, axis=-1, keepdims=True))
+    for fn in (compiled, plain):
+        c, gradient = fn(tf.constant(b))
+        assert c.dtype == dtype and np.all(np.isfinite(c.numpy()))
+        np.testing.assert_allclose(c.numpy(), expected, rtol=rtol, atol=rtol * 1e-3)
+        np.testing.assert_allclose(gradient.numpy(), expected_gradient, rtol=rtol * 10, atol=rtol * 1e-2)
+        np.testing.assert_allclose(c.numpy().sum(axis=-1), 1.0, rtol=rtol)
+
+
+def test_routing_compiled_by_xla_has_the_routing_gradients():
+    """Through every iteration (no stop-gradient) with a capsule bias, the routing compiled
+    by XLA (its softmax the logsumexp form) against the NumPy routing's finite differences."""
+    u_hat = random_u_hat(shape=(2, 5, 4, 3), seed=12)
+    weights = np.random.default_rng(13).normal(size=(2, 4, 3))
+    bias = np.random.default_rng(14).normal(scale=0.3, size=(4, 3))
+
+    @tf.function(jit_compile=True)
+    def loss_and_gradient(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            v_j, _ = dynamic_routing(x, 3, stop_gradient=False, bias=tf.constant(bias))
+            loss = tf.reduce_sum(v_j * weights)
+        return loss, tape.gradient(loss, x)
+
+    loss, gradient = loss_and_gradient(tf.constant(u_hat))
+    reference = lambda x: np.sum(np_dynamic_routing(x, 3, bias=bias)[0] * weights)  # noqa: E731
+    np.testing.assert_allclose(loss.numpy(), reference(u_hat), rtol=1e-12)
+    np.testing.assert_allclose(gradient.numpy(), numeric_gradient(reference, u_hat), rtol=1e-5, atol=1e-8)
 
 
 def test_routing_first_round_is_no_softmax_of_a_constant():
