@@ -89,8 +89,7 @@ def test_the_cli_lists_missing_parts_and_refuses_a_non_empty_run_dir(carry_run, 
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
     staging = ["--staging", str(tmp_path / "staging-out"), "--part-mib", "0.5"]
     assert carry_run.main(["out", str(run_of_two_epochs), *staging]) == 0
-    manifest, _ = carry_run.read_manifest(tmp_path / "out")
-    names = [part for part, _, _ in manifest]
+    names = [part for part, _, _ in carry_run.read_manifest(tmp_path / "out").parts]
     first = capsys.readouterr().out
     assert first.startswith(f"carry_run: {', '.join(names[:4])} of {len(names)} parts in $OUT")
     assert len(names) > 4 and first.rstrip().endswith("next: --first 4")
