@@ -1,0 +1,261 @@
+"""Seeds of training recipes side by side: each run's final test accuracy, each group's mean
+and spread, its in-run mean at chosen epochs, and its difference from a reference group on
+the seeds both ran. Markdown on stdout, as docs/results.md's tables are.
+
+    .venv/bin/python scripts/compare_runs.py 'A=/tmp/runs/w512e16_*' 'T64=/tmp/runs/t64_*' \\
+        [--reference A] [--at 25,50,75,100] [--threshold 0.996] [--json PATH]
+
+Each positional argument is NAME=PATTERN: the run dirs (train.py's hydra.run.dir) that the glob
+PATTERN matches form group NAME (quote the pattern so that the shell leaves it alone). A bare
+PATTERN is a group named after it. --reference (default: the first group) is what the others
+are compared with, seed by seed.
+
+What a run contributes, read from its own files (no TensorFlow is imported):
+- its seed and train.epochs: config.yaml (train.py writes the resolved config there);
+- final: the test accuracy of its last tested epoch in history.jsonl. These are the weights
+  `evaluate.py which=latest` scores (the average's with train.ema_decay > 0), and in
+  float32 the same number. A run stopped before train.epochs is marked `*` and still counts:
+  the note under its table says so;
+- evaluate.py: the accuracy in the report evaluate.py left at its default place,
+  `checkpoints/latest/ckpt-<last epoch>.eval.json`, if there is one (the last path evaluated
+  with the default output; a report of another epoch is not this run's final);
+- best epoch, first epoch at or above --threshold, the last epoch's training accuracy.
+
+A group's spread is the sample standard deviation of its finals, and its standard error is
+that over the square root of the number of runs. The comparison is paired: on the seeds both
+groups ran, the mean of the per-seed differences, with the standard error of that mean.
+Pairing by seed removes what the two recipes' runs share (the data order, the start) when
+they have the same seed.
+
+A pattern that matches nothing, a run dir without history.jsonl or config.yaml, a run with no
+tested epoch, two runs of one group with the same seed, or an unknown --reference is a user
+error: `error: ...` on one line, exit status 2.
+"""
+import argparse
+import glob
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a clone without `pip install -e .` too
+
+from capsnet.cli import fail  # noqa: E402  (`error: ...` on one line, exit 2, as train.py does)
+
+
+class CompareError(Exception):
+    """A user error: the message is the one line shown."""
+
+
+class Run(NamedTuple):
+    path: Path
+    seed: int
+    epochs: int                 # train.epochs of its config: what a finished run has done
+    last_epoch: int             # the last epoch in history.jsonl
+    final: float                # test accuracy of the last tested epoch
+    evaluated: float | None     # evaluate.py's report of the final checkpoint, at its default place
+    best: tuple[float, int]     # (test accuracy, epoch) of the best tested epoch
+    first_at: int | None        # first epoch whose test accuracy is >= the threshold
+    train_accuracy: float       # the last epoch's
+    tested: dict[int, float]    # epoch -> test accuracy
+
+    @property
+    def finished(self):
+        return self.last_epoch >= self.epochs
+
+
+def read_run(path, threshold):
+    """One run dir's Run, from config.yaml, history.jsonl and evaluate.py's default report."""
+    path = Path(path)
+    history_file, config_file = path / "history.jsonl", path / "config.yaml"
+    if not history_file.is_file():
+        raise CompareError(f"{path} has no history.jsonl: not a train.py run dir")
+    if not config_file.is_file():
+        raise CompareError(f"{path} has no config.yaml (train.py writes the run's seed there)")
+    config = yaml.safe_load(config_file.read_text())
+    records = [json.loads(line) for line in history_file.read_text().splitlines() if line.strip()]
+    tested = {r["epoch"]: r["test_accuracy"] for r in records if r.get("test_accuracy") is not None}
+    if not tested:
+        raise CompareError(f"{path}: no epoch of history.jsonl has a test accuracy")
+    last_tested = max(tested)
+    best_epoch = max(tested, key=lambda e: (tested[e], -e))  # the earliest of equal bests
+    report = path / "checkpoints" / "latest" / f"ckpt-{records[-1]['epoch']}.eval.json"
+    evaluated = json.loads(report.read_text()).get("accuracy") if report.is_file() else None
+    return Run(path=path, seed=int(config["seed"]), epochs=int(config["train"]["epochs"]),
+               last_epoch=records[-1]["epoch"], final=tested[last_tested], evaluated=evaluated,
+               best=(tested[best_epoch], best_epoch),
+               first_at=min((e for e, a in tested.items() if a >= threshold), default=None),
+               train_accuracy=records[-1]["train_accuracy"], tested=tested)
+
+
+def parse_group(arg):
+    """NAME=PATTERN (or a bare PATTERN) -> (name, sorted run dirs)."""
+    name, sep, pattern = arg.partition("=")
+    if not sep:
+        name, pattern = arg, arg
+    paths = sorted(p for p in glob.glob(pattern) if Path(p).is_dir())
+    if not name or not paths:
+        raise CompareError(f"{arg}: matches no directory (give NAME=PATTERN, the pattern a glob of run dirs)")
+    return name, paths
+
+
+def spread(values):
+    """(mean, sample standard deviation, standard error of the mean); sd and se are None for one value."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, None, None
+    sd = statistics.stdev(values)
+    return mean, sd, sd / math.sqrt(len(values))
+
+
+def by_seed(name, runs):
+    seeds = {}
+    for run in runs:
+        if run.seed in seeds:
+            raise CompareError(f"group {name}: {seeds[run.seed].path} and {run.path} both ran seed {run.seed}")
+        seeds[run.seed] = run
+    return seeds
+
+
+def paired(runs, reference):
+    """(seeds both ran, mean difference, its standard error) of finals, runs minus reference."""
+    ours, theirs = by_seed("", runs), by_seed("", reference)
+    common = sorted(set(ours) & set(theirs))
+    if not common:
+        return common, None, None
+    mean, _, se = spread([ours[s].final - theirs[s].final for s in common])
+    return common, mean, se
+
+
+def summarize(groups, reference, at, threshold):
+    """Every group's numbers as one JSON-able dict (what --json writes and the tables show)."""
+    ref_runs = groups[reference]
+    out = {"reference": reference, "threshold": threshold, "groups": {}}
+    for name, runs in groups.items():
+        by_seed(name, runs)
+        finals = [r.final for r in runs]
+        mean, sd, se = spread(finals)
+        in_run = {}
+        for epoch in at:
+            accs = [r.tested.get(epoch) for r in runs]
+            in_run[epoch] = statistics.fmean(accs) if None not in accs else None
+        group = {"runs": [{"path": str(r.path), "seed": r.seed, "final": r.final, "evaluated": r.evaluated,
+                           "last_epoch": r.last_epoch, "epochs": r.epochs, "finished": r.finished,
+                           "best": r.best[0], "best_epoch": r.best[1], "first_at_threshold": r.first_at,
+                           "train_accuracy": r.train_accuracy} for r in sorted(runs, key=lambda r: r.seed)],
+                 "mean": mean, "sd": sd, "se": se, "min": min(finals), "max": max(finals),
+                 "in_run_mean": in_run}
+        if name != reference:
+            seeds, diff, diff_se = paired(runs, ref_runs)
+            group["vs_reference"] = {"seeds": seeds, "mean_difference": diff, "se": diff_se}
+        out["groups"][name] = group
+    return out
+
+
+def pct(x, digits=2):
+    return "–" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def points(x, digits=3):
+    return "–" if x is None else f"{100 * x:+.{digits}f}"
+
+
+def markdown(summary, at):
+    threshold = summary["threshold"]
+    lines = []
+    for name, g in summary["groups"].items():
+        lines += [f"### {name} ({len(g['runs'])} runs)", "",
+                  f"| seed | final | evaluate.py | best epoch | first ≥ {pct(threshold)} | train acc, last epoch | run |",
+                  "|---:|---:|---:|---:|---:|---:|---|"]
+        for r in g["runs"]:
+            mark = "" if r["finished"] else f" * (epoch {r['last_epoch']} of {r['epochs']})"
+            first = r["first_at_threshold"] if r["first_at_threshold"] is not None else "–"
+            lines.append(f"| {r['seed']} | {pct(r['final'])}{mark} | {pct(r['evaluated'])} | "
+                         f"{pct(r['best'])} ({r['best_epoch']}) | {first} | {pct(r['train_accuracy'])} | {r['path']} |")
+        sd = "–" if g["sd"] is None else f"{100 * g['sd']:.3f}"
+        se = "–" if g["se"] is None else f"{100 * g['se']:.3f}"
+        lines += ["", f"Mean {pct(g['mean'], 3)} (min {pct(g['min'])}, max {pct(g['max'])}; sd {sd}, "
+                      f"standard error {se} points)."]
+        shown = [e for e in at if g["in_run_mean"][e] is not None]
+        if shown:
+            lines.append(f"In-run mean at epoch {' / '.join(map(str, shown))}: "
+                         f"{' / '.join(pct(g['in_run_mean'][e], 3) for e in shown)}.")
+        unfinished = [r for r in g["runs"] if not r["finished"]]
+        if unfinished:
+            lines.append(f"* {len(unfinished)} run(s) stopped before train.epochs: their last tested epoch counts.")
+        lines.append("")
+    lines += [f"| group | runs | mean | min | max | sd | vs {summary['reference']} (paired seeds) |",
+              "|---|---:|---:|---:|---:|---:|---|"]
+    for name, g in summary["groups"].items():
+        sd = "–" if g["sd"] is None else f"{100 * g['sd']:.3f}"
+        vs = g.get("vs_reference")
+        if vs is None:
+            cell = "reference"
+        elif not vs["seeds"]:
+            cell = "no common seed"
+        else:
+            err = "" if vs["se"] is None else f" ± {100 * vs['se']:.3f}"
+            cell = f"{points(vs['mean_difference'])}{err} points ({len(vs['seeds'])} seeds)"
+        lines.append(f"| {name} | {len(g['runs'])} | {pct(g['mean'], 3)} | {pct(g['min'])} | {pct(g['max'])} | "
+                     f"{sd} | {cell} |")
+    return "\n".join(lines)
+
+
+def epochs_list(text):
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated epochs, e.g. 25,50,75,100") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: epochs count from 1")
+    return values
+
+
+def fraction(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: an accuracy in (0, 1], e.g. 0.996")
+    return value
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("groups", nargs="+", metavar="NAME=PATTERN", help="a group of run dirs (a quoted glob)")
+    parser.add_argument("--reference", help="the group the others are compared with (default: the first)")
+    parser.add_argument("--at", type=epochs_list, default=[25, 50, 75, 100],
+                        help="epochs whose in-run mean test accuracy is shown, where every run of a group "
+                             "was tested (default 25,50,75,100)")
+    parser.add_argument("--threshold", type=fraction, default=0.996,
+                        help="the test accuracy whose first epoch is shown (default 0.996)")
+    parser.add_argument("--json", type=Path, help="also write the numbers here as JSON")
+    args = parser.parse_args(argv)
+    try:
+        groups = {}
+        for arg in args.groups:
+            name, paths = parse_group(arg)
+            if name in groups:
+                raise CompareError(f"group {name} given twice")
+            groups[name] = [read_run(p, args.threshold) for p in paths]
+        reference = args.reference or next(iter(groups))
+        if reference not in groups:
+            raise CompareError(f"--reference {reference}: not a group (groups: {', '.join(groups)})")
+        summary = summarize(groups, reference, args.at, args.threshold)
+    except CompareError as exc:
+        fail(str(exc))
+    print(markdown(summary, args.at))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

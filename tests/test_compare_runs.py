@@ -1,0 +1,133 @@
+"""scripts/compare_runs.py: a real tiny run and evaluate.py's report of it, the group numbers
+against NumPy on made-up histories, the seed pairing, and one-line errors."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import load_script
+
+compare_runs = load_script("compare_runs")
+
+
+def fake_run(root, name, seed, test_accs, *, epochs=None, train_acc=0.99, untested=()):
+    """A run dir as train.py leaves one: config.yaml and history.jsonl, one line an epoch
+    (epochs in `untested` without a test pass, as train.test_every_epochs > 1 leaves them)."""
+    run = root / name
+    run.mkdir(parents=True)
+    run.joinpath("config.yaml").write_text(f"train:\n  epochs: {epochs or len(test_accs)}\nseed: {seed}\n")
+    lines = []
+    for epoch, acc in enumerate(test_accs, start=1):
+        record = {"epoch": epoch, "train_accuracy": train_acc, "train_loss": 0.1}
+        if epoch not in untested:
+            record["test_accuracy"] = acc
+        lines.append(json.dumps(record))
+    run.joinpath("history.jsonl").write_text("\n".join(lines) + "\n")
+    return run
+
+
+def test_a_real_run_and_evaluate_py_report_of_its_final_checkpoint(trained_run, tmp_path, capsys):
+    from capsnet.evaluation import evaluate
+
+    run_dir = shutil.copytree(trained_run[0], tmp_path / "real")
+    history = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    # Before evaluate.py ran there is no report to show.
+    assert compare_runs.read_run(run_dir, 0.5).evaluated is None
+
+    report = evaluate(run_dir, which="latest")  # written at its default place
+    run = compare_runs.read_run(run_dir, 0.5)
+    assert run.evaluated == report["accuracy"]
+    assert run.final == history[-1]["test_accuracy"] == metrics["test_accuracy"]
+    assert run.seed == 0 and run.epochs == run.last_epoch == len(history) and run.finished
+    assert run.train_accuracy == history[-1]["train_accuracy"]
+
+    summary = compare_runs.main([f"tiny={run_dir}", "--threshold", "0.5"])
+    printed = capsys.readouterr().out
+    assert summary["groups"]["tiny"]["mean"] == run.final
+    assert f"| 0 | {100 * run.final:.2f}% | {100 * report['accuracy']:.2f}% |" in printed
+
+
+def test_group_numbers_against_numpy(tmp_path):
+    rng = np.random.default_rng(0)
+    finals = {}
+    for seed in range(6):
+        accs = list(0.99 + 0.009 * rng.random(8))
+        finals[seed] = accs
+        fake_run(tmp_path, f"a_{seed}", seed, accs)
+    name, paths = compare_runs.parse_group(f"A={tmp_path}/a_*")
+    runs = [compare_runs.read_run(p, 0.995) for p in paths]
+    summary = compare_runs.summarize({name: runs}, "A", [2, 8, 9], 0.995)["groups"]["A"]
+
+    last = np.array([finals[s][-1] for s in range(6)])
+    assert summary["mean"] == pytest.approx(last.mean())
+    assert summary["sd"] == pytest.approx(last.std(ddof=1))
+    assert summary["se"] == pytest.approx(last.std(ddof=1) / np.sqrt(6))
+    assert (summary["min"], summary["max"]) == (pytest.approx(last.min()), pytest.approx(last.max()))
+    at = np.array([finals[s] for s in range(6)])
+    assert summary["in_run_mean"][2] == pytest.approx(at[:, 1].mean())
+    assert summary["in_run_mean"][8] == pytest.approx(at[:, 7].mean())
+    assert summary["in_run_mean"][9] is None  # no run has an epoch 9
+    for row in summary["runs"]:
+        accs = np.array(finals[row["seed"]])
+        assert row["best"] == pytest.approx(accs.max()) and row["best_epoch"] == accs.argmax() + 1
+        above = np.flatnonzero(accs >= 0.995)
+        assert row["first_at_threshold"] == (above[0] + 1 if above.size else None)
+
+
+def test_paired_difference_uses_common_seeds_only(tmp_path):
+    ref = {0: 0.9960, 1: 0.9970, 2: 0.9950, 3: 0.9965}
+    new = {1: 0.9975, 2: 0.9958, 3: 0.9962, 7: 0.9990}  # seed 0 missing, seed 7 extra
+    for seed, acc in ref.items():
+        fake_run(tmp_path, f"ref_{seed}", seed, [0.98, acc])
+    for seed, acc in new.items():
+        fake_run(tmp_path, f"new_{seed}", seed, [0.98, acc])
+    groups = {name: [compare_runs.read_run(p, 0.99) for p in paths]
+              for name, paths in map(compare_runs.parse_group, [f"ref={tmp_path}/ref_*", f"new={tmp_path}/new_*"])}
+    vs = compare_runs.summarize(groups, "ref", [2], 0.99)["groups"]["new"]["vs_reference"]
+
+    diffs = np.array([new[s] - ref[s] for s in (1, 2, 3)])
+    assert vs["seeds"] == [1, 2, 3]
+    assert vs["mean_difference"] == pytest.approx(diffs.mean())
+    assert vs["se"] == pytest.approx(diffs.std(ddof=1) / np.sqrt(3))
+
+
+def test_untested_epochs_and_unfinished_runs(tmp_path, capsys):
+    # Tested every 2nd epoch: the last epoch (5) untested, so the final is epoch 4's test.
+    fake_run(tmp_path, "sparse", 0, [0.90, 0.91, 0.92, 0.93, 0.99], untested=(1, 3, 5))
+    run = compare_runs.read_run(tmp_path / "sparse", 0.5)
+    assert run.final == 0.93 and run.last_epoch == 5 and sorted(run.tested) == [2, 4]
+    # Stopped at epoch 3 of 10: counted, and marked.
+    fake_run(tmp_path, "cut", 1, [0.90, 0.95, 0.96], epochs=10)
+    summary = compare_runs.main([f"g={tmp_path}/*"])
+    out = capsys.readouterr().out
+    assert summary["groups"]["g"]["mean"] == pytest.approx((0.93 + 0.96) / 2)
+    assert "96.00% * (epoch 3 of 10)" in out and "1 run(s) stopped before train.epochs" in out
+
+
+def test_json_output(tmp_path):
+    fake_run(tmp_path, "r0", 0, [0.99, 0.995])
+    fake_run(tmp_path, "r1", 1, [0.99, 0.997])
+    out = tmp_path / "summary.json"
+    summary = compare_runs.main([f"{tmp_path}/r*", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(summary))
+    assert json.loads(out.read_text())["groups"][f"{tmp_path}/r*"]["mean"] == pytest.approx(0.996)
+
+
+@pytest.mark.parametrize("setup, args, message", [
+    (lambda d: None, ["A={d}/none_*"], "matches no directory"),
+    (lambda d: (d / "empty").mkdir(), ["A={d}/empty"], "has no history.jsonl"),
+    (lambda d: (d / "h").mkdir() or (d / "h" / "history.jsonl").write_text("{}\n"), ["A={d}/h"], "has no config.yaml"),
+    (lambda d: fake_run(d, "u", 0, [0.9, 0.9], untested=(1, 2)), ["A={d}/u"], "no epoch of history.jsonl has a test"),
+    (lambda d: (fake_run(d, "x1", 3, [0.9]), fake_run(d, "x2", 3, [0.9])), ["A={d}/x*"], "both ran seed 3"),
+    (lambda d: fake_run(d, "r", 0, [0.9]), ["A={d}/r", "--reference", "B"], "--reference B: not a group"),
+    (lambda d: fake_run(d, "r", 0, [0.9]), ["A={d}/r", "A={d}/r"], "group A given twice"),
+])
+def test_bad_input_is_one_line(tmp_path, capsys, setup, args, message):
+    setup(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        compare_runs.main([a.format(d=tmp_path) for a in args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
