@@ -14,6 +14,9 @@
   shifted digits of different classes overlaid on a 36×36 canvas, generated on the fly
   from the MNIST arrays with the same stateless keying; `make_split_dataset(name, ...)`
   picks one or the other by dataset name.
+- Both are an epoch's draws made on the host (`epoch_draws`, `multimnist_draws`) and
+  batches made from slices of them (`batch_from_draws`, `pairs_from_draws`): tf.data's map
+  runs the latter, and so does train.data_on_device inside the compiled step.
 """
 import contextlib
 import logging
@@ -523,14 +526,38 @@ def make_multimnist_dataset(images, labels, *, batch_size, training, seed=0, epo
     images, labels, batch_size, seed, epoch = _check_epoch_arguments(
         images, labels, batch_size=batch_size, training=training, seed=seed, epoch=epoch,
         drop_remainder=drop_remainder)
-    n = len(labels)
+    shift_pixels, pad_pixels = check_pair_shifts(shift_pixels, pad_pixels)
+    with tf.device("/CPU:0"):  # as in make_dataset
+        images_t = tf.constant(images)                                    # (N, H, W, C) uint8
+        labels_t = tf.constant(labels.astype(np.int32))                   # (N,)
+        draws = multimnist_draws(labels, training=training, seed=seed, epoch=epoch, shift_pixels=shift_pixels)
+        dataset = tf.data.Dataset.from_tensor_slices(draws).batch(batch_size, drop_remainder=drop_remainder)
+        dataset = dataset.map(lambda d: pairs_from_draws(images_t, labels_t, d, shift_pixels=shift_pixels,
+                                                         pad_pixels=pad_pixels),
+                              num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        return dataset.prefetch(tf.data.AUTOTUNE)
+
+
+def check_pair_shifts(shift_pixels, pad_pixels):
+    """MultiMNIST's (shift_pixels, pad_pixels) checked (ConfigError naming the key), the
+    pad's None resolved to shift_pixels."""
     shift_pixels = integer("data.shift_pixels", shift_pixels, minimum=0, maximum=64, error=ConfigError)
     pad_pixels = shift_pixels if pad_pixels is None else integer("data.pad_pixels", pad_pixels, minimum=0,
                                                                  maximum=64, error=ConfigError)
+    return shift_pixels, pad_pixels
+
+
+def multimnist_draws(labels, *, training, seed=0, epoch=0, shift_pixels=4):
+    """An epoch's MultiMNIST pairs as make_multimnist_dataset draws them, for `labels` (N,):
+    {"index": int64 (N,) the base examples in the epoch's order, "partner": int64 (N,)
+    each one's partner, and if shift_pixels "corner_a", "corner_b": int32 (N, 2) the two
+    digits' crop corners}, entry i for the epoch's i-th pair. pairs_from_draws makes a
+    batch of any slice of it: what make_multimnist_dataset's batches are, and what
+    train.data_on_device gathers on the device (capsnet.training.device_input)."""
+    n = len(labels)
     if len(np.unique(labels)) < 2:
         raise DataError(f"MultiMNIST pairs digits of different classes: the {n} examples have only class "
                         f"{labels[0]}")
-    s, p = shift_pixels, pad_pixels
     # Indices sorted by class: class k's examples are by_class[start[k]:start[k] + count[k]],
     # so the examples of every other class are by_class without that block.
     by_class = np.argsort(labels, kind="stable")                          # (N,)
@@ -540,8 +567,7 @@ def make_multimnist_dataset(images, labels, *, batch_size, training, seed=0, epo
     low = int(classes[0])
 
     with tf.device("/CPU:0"):  # as in make_dataset
-        images_t = tf.constant(images)                                    # (N, H, W, C) uint8
-        labels_t = tf.constant(labels.astype(np.int32))                   # (N,)
+        labels_t = tf.constant(np.asarray(labels).astype(np.int32))       # (N,)
         by_class_t = tf.constant(by_class.astype(np.int64))
         count_t, start_t = tf.constant(count.astype(np.int64)), tf.constant(start.astype(np.int64))
         order, _, pair_key = _epoch_order(n, training, seed, epoch)
@@ -550,13 +576,13 @@ def make_multimnist_dataset(images, labels, *, batch_size, training, seed=0, epo
 
         # Every pair's draws, made up front for the whole epoch in one pass: what these
         # per-example draws give (keyed by the base example's index: the same pair however
-        # the map runs),
+        # the batches are made),
         #   key = stateless_fold_in(pair_key, index)
         #   partner_key, shift_a_key, shift_b_key = stateless_split(key, 3)
         #   j = stateless_uniform([], partner_key, 0, N - count[k], int64)
         #   corners = stateless_uniform([2], shift_key, 0, 2s + 1, int32)   (each digit's shift)
         # computed from their Philox words (capsnet.augment.example_words, seed_words;
-        # tests/test_multimnist.py checks them against the per-example ops). The map then
+        # tests/test_multimnist.py checks them against the per-example ops). A batch then
         # only gathers and crops.
         split = example_words(pair_key, order, blocks=3)  # three int64 seeds an example
         keys = [(words_to_int64(w[0], w[1]), words_to_int64(w[2], w[3])) for w in split]
@@ -567,26 +593,30 @@ def make_multimnist_dataset(images, labels, *, batch_size, training, seed=0, epo
         partner_words = seed_words(*keys[0])[0]
         j = tf.cast(words_to_int64(partner_words[0], partner_words[1]) % tf.cast(n - count_k, tf.uint64), tf.int64)
         draws = {"index": order, "partner": tf.gather(by_class_t, j + tf.where(j >= start_k, count_k, 0))}
-        if s:
-            draws["corner_a"] = corners_from_words(seed_words(*keys[1])[0], s)  # (N, 2) int32
-            draws["corner_b"] = corners_from_words(seed_words(*keys[2])[0], s)
+        if shift_pixels:
+            draws["corner_a"] = corners_from_words(seed_words(*keys[1])[0], shift_pixels)  # (N, 2) int32
+            draws["corner_b"] = corners_from_words(seed_words(*keys[2])[0], shift_pixels)
+        return draws
 
-        def load_pairs(draws):
-            digits = []
-            for source, corner in (("index", "corner_a"), ("partner", "corner_b")):
-                canvas = tf.pad(tf.gather(images_t, draws[source]), [[0, 0], [p, p], [p, p], [0, 0]])  # (b, H', W', C)
-                if s:
-                    canvas = shift_batch(canvas, draws[corner], s)
-                digits.append(tf.cast(canvas, tf.int32))
-            overlay = tf.minimum(digits[0] + digits[1], 255)                            # clipped sum
-            pair_labels = tf.stack([tf.gather(labels_t, draws["index"]), tf.gather(labels_t, draws["partner"])],
-                                   axis=1)                                              # (b, 2)
-            return (tf.cast(overlay, tf.float32) / 255.0, pair_labels,
-                    tf.cast(tf.stack(digits, axis=1), tf.float32) / 255.0)              # (b, 2, H', W', C)
 
-        dataset = tf.data.Dataset.from_tensor_slices(draws).batch(batch_size, drop_remainder=drop_remainder)
-        dataset = dataset.map(load_pairs, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        return dataset.prefetch(tf.data.AUTOTUNE)
+def pairs_from_draws(images, labels, draws, *, shift_pixels, pad_pixels, levels=None):
+    """A MultiMNIST batch (make_multimnist_dataset's three tensors) from B entries of
+    multimnist_draws (each of its tensors sliced alike), of `images` uint8 (N, H, W, C)
+    and `labels` (N,): both digits padded by pad_pixels, shifted as drawn, and summed,
+    clipped to 255. A pixel p becomes p / 255, or levels[p] (batch_from_draws: why)."""
+    scale = ((lambda x: tf.cast(x, tf.float32) / 255.0) if levels is None else (lambda x: tf.gather(levels, x)))
+    p = pad_pixels
+    digits = []
+    for source, corner in (("index", "corner_a"), ("partner", "corner_b")):
+        canvas = tf.pad(tf.gather(images, draws[source]), [[0, 0], [p, p], [p, p], [0, 0]])  # (b, H', W', C)
+        if shift_pixels:
+            # int32 as drawn; int64 as the device keeps them (device_input).
+            canvas = shift_batch(canvas, tf.cast(draws[corner], tf.int32), shift_pixels)
+        digits.append(tf.cast(canvas, tf.int32))
+    overlay = tf.minimum(digits[0] + digits[1], 255)                                    # clipped sum
+    pair_labels = tf.stack([tf.gather(labels, draws["index"]), tf.gather(labels, draws["partner"])],
+                           axis=1)                                                      # (b, 2)
+    return scale(overlay), pair_labels, scale(tf.stack(digits, axis=1))                 # (b, 2, H', W', C)
 
 
 def _check_examples(images, labels):

@@ -20,16 +20,18 @@ seed, drawn on the host once an epoch and copied to the device, 8-64 bytes an ex
 and the same batch_from_draws, here inside the step. The elastic noise itself (H·W·2
 floats an example) is drawn there too, from the seed and the example's index, bit for
 bit; the distortion's convolutions and sums, compiled by XLA, round apart from
-TensorFlow's kernels (within 1e-5; tests/test_device_input.py). What the mode needs (one
-device, train.xla=jit, single-image data, no per-example augmentation: rotation and zoom)
-is config.check_data_on_device's.
+TensorFlow's kernels (within 1e-5; tests/test_device_input.py). MultiMNIST's pairs
+(DevicePairSet) likewise: multimnist_draws on the host, pairs_from_draws in the step, the
+same pairs as make_multimnist_dataset's. What the mode needs (one device, train.xla=jit,
+no per-example augmentation: rotation and zoom) is config.check_data_on_device's.
 """
 import itertools
 
 import numpy as np
 import tensorflow as tf
 
-from capsnet.data import batch_from_draws, epoch_draws, uint8_levels
+from capsnet.data import (batch_from_draws, check_pair_shifts, epoch_draws, multimnist_draws, pairs_from_draws,
+                          uint8_levels)
 from capsnet.config import AUGMENTATION_OFF, PER_EXAMPLE_AUGMENTATION
 from capsnet.errors import ConfigError
 from capsnet.training.steps import STEP_VALUES, steps_until_non_finite
@@ -102,6 +104,48 @@ class DeviceTrainingSet:
         return images, tf.cast(labels, tf.int32)
 
 
+class DevicePairSet:
+    """DeviceTrainingSet's twin for MultiMNIST: the base digits on `device` (images uint8
+    (N, H, W, C), labels (N,)); each epoch's pairs drawn on the host (multimnist_draws;
+    48 bytes a pair there) and the batch paired, shifted and overlaid inside the step
+    (pairs_from_draws): `batch` → make_multimnist_dataset's batch, (images float32
+    (size, H', W', C), labels int32 (size, 2), digits float32 (size, 2, H', W', C))."""
+
+    def __init__(self, images, labels, *, batch_size, seed, shift_pixels, pad_pixels=None, device=None):
+        self.batch_size, self.seed, self.shape = int(batch_size), int(seed), images.shape
+        self.shift_pixels, self.pad_pixels = check_pair_shifts(shift_pixels, pad_pixels)
+        self.host_labels = np.asarray(labels)
+        self.device = device or training_device()
+        with tf.device(self.device):
+            self.images = tf.identity(tf.constant(images))
+            self.labels = tf.identity(tf.constant(self.host_labels.astype(np.int64)))  # int64: _on_device says why
+            self.levels = tf.identity(tf.constant(uint8_levels()))
+        self._signature = None
+
+    def epoch(self, index):
+        with tf.device(self.device):
+            return DeviceEpoch({key: tf.identity(tf.cast(value, _on_device(value.dtype)))
+                                for key, value in self._draws(index).items()})
+
+    def draws_signature(self):
+        if self._signature is None:  # an epoch's draws have the same specs every epoch
+            self._signature = {key: tf.TensorSpec(value.shape, _on_device(value.dtype))
+                               for key, value in self._draws(0).items()}
+        return self._signature
+
+    def _draws(self, index):
+        with tf.device("/CPU:0"):
+            return multimnist_draws(self.host_labels, training=True, seed=self.seed, epoch=index,
+                                    shift_pixels=self.shift_pixels)
+
+    def batch(self, draws, step, size):
+        positions = tf.cast(step, tf.int64) * self.batch_size + tf.range(size, dtype=tf.int64)
+        picked = {key: tf.gather(value, positions) for key, value in draws.items()}
+        images, labels, digits = pairs_from_draws(self.images, self.labels, picked, shift_pixels=self.shift_pixels,
+                                                  pad_pixels=self.pad_pixels, levels=self.levels)
+        return images, tf.cast(labels, tf.int32), digits
+
+
 def _on_device(dtype):
     # An int32 tensor "on a GPU" is kept in host memory by TensorFlow, and would be copied
     # to the device at every call: int64 there (batch_from_draws takes either).
@@ -157,8 +201,8 @@ def make_device_train_loop(train_step, training_set, *, steps_per_execution, tra
                 def body(i, values):
                     # A gather, not a slice, picks the batch: tf2xla takes a slice's start as a
                     # compile-time constant, which compiled the program again for every call.
-                    images, labels = training_set.batch(draws, first_step + tf.cast(i, tf.int64), size)
-                    out = train_step(images, labels)
+                    # (images, labels), or MultiMNIST's (images, labels, digits)
+                    out = train_step(*training_set.batch(draws, first_step + tf.cast(i, tf.int64), size))
                     at = tf.range(steps_per_execution) == i
                     return i + 1, {name: tf.where(at, tf.cast(out[name], tf.float32), values[name])
                                    for name in STEP_VALUES}

@@ -47,7 +47,7 @@ from capsnet.scoring import json_safe
 from capsnet.training.checkpoints import (BestCheckpoint, check_nothing_committed, check_resumable, checkpoint_numbers,
                                          checkpoint_weights, read_history, recover_latest, resume_from, save_or_fail,
                                          write_run_config)
-from capsnet.training.device_input import DeviceTrainingSet, make_device_train_loop
+from capsnet.training.device_input import DevicePairSet, DeviceTrainingSet, make_device_train_loop
 from capsnet.training.distribute import (check_all_reduce, check_global_batch, check_tf_config, check_workers_agree,
                                          input_iterator, is_chief, make_strategy, resolve_all_reduce,
                                          trains_on_gpu)
@@ -289,7 +289,12 @@ def _train(cfg, progress):
     align_trace_names()
     if tcfg["data_on_device"] and int(epoch) < tcfg["epochs"]:  # (a finished run rerun: nothing to copy)
         # The training split copied to the device once; each epoch only its draws (config.check_data_on_device).
-        training_set = DeviceTrainingSet(train_images, train_labels, batch_size=batch_size, seed=seed, **augmentation)
+        if two_digits:
+            training_set = DevicePairSet(train_images, train_labels, batch_size=batch_size, seed=seed,
+                                         shift_pixels=data_cfg["shift_pixels"], pad_pixels=data_cfg["pad_pixels"])
+        else:
+            training_set = DeviceTrainingSet(train_images, train_labels, batch_size=batch_size, seed=seed,
+                                             **augmentation)
         last_batch = examples_per_epoch - (steps_per_epoch - 1) * batch_size
         # The longest call train_epoch makes in the epochs left runs a loop of constant length
         # (make_device_train_loop says why).
