@@ -122,9 +122,9 @@ def by_seed(name, runs):
     return seeds
 
 
-def paired(runs, reference):
-    """(seeds both ran, mean difference, its standard error) of finals, runs minus reference."""
-    ours, theirs = by_seed("", runs), by_seed("", reference)
+def paired(ours, theirs):
+    """(seeds both ran, mean difference, its standard error) of finals, ours minus theirs
+    (each {seed: Run}, by_seed's)."""
     common = sorted(set(ours) & set(theirs))
     if not common:
         return common, None, None
@@ -134,10 +134,9 @@ def paired(runs, reference):
 
 def summarize(groups, reference, at, threshold):
     """Every group's numbers as one JSON-able dict (what --json writes and the tables show)."""
-    ref_runs = groups[reference]
+    seeds = {name: by_seed(name, runs) for name, runs in groups.items()}  # every group checked first
     out = {"reference": reference, "threshold": threshold, "groups": {}}
     for name, runs in groups.items():
-        by_seed(name, runs)
         finals = [r.final for r in runs]
         mean, sd, se = spread(finals)
         in_run = {}
@@ -151,8 +150,8 @@ def summarize(groups, reference, at, threshold):
                  "mean": mean, "sd": sd, "se": se, "min": min(finals), "max": max(finals),
                  "in_run_mean": in_run}
         if name != reference:
-            seeds, diff, diff_se = paired(runs, ref_runs)
-            group["vs_reference"] = {"seeds": seeds, "mean_difference": diff, "se": diff_se}
+            common, diff, diff_se = paired(seeds[name], seeds[reference])
+            group["vs_reference"] = {"seeds": common, "mean_difference": diff, "se": diff_se}
         out["groups"][name] = group
     return out
 

@@ -123,6 +123,8 @@ def test_json_output(tmp_path):
     (lambda d: (d / "h").mkdir() or (d / "h" / "history.jsonl").write_text("{}\n"), ["A={d}/h"], "has no config.yaml"),
     (lambda d: fake_run(d, "u", 0, [0.9, 0.9], untested=(1, 2)), ["A={d}/u"], "no epoch of history.jsonl has a test"),
     (lambda d: (fake_run(d, "x1", 3, [0.9]), fake_run(d, "x2", 3, [0.9])), ["A={d}/x*"], "both ran seed 3"),
+    (lambda d: (fake_run(d, "a", 0, [0.9]), fake_run(d, "x1", 3, [0.9]), fake_run(d, "x2", 3, [0.9])),
+     ["A={d}/a", "B={d}/x*", "--reference", "B"], "group B: "),
     (lambda d: fake_run(d, "r", 0, [0.9]), ["A={d}/r", "--reference", "B"], "--reference B: not a group"),
     (lambda d: fake_run(d, "r", 0, [0.9]), ["A={d}/r", "A={d}/r"], "group A given twice"),
 ])
