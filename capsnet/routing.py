@@ -35,13 +35,16 @@ def squash(s, axis=-1, epsilon=1e-7):
 
 
 def routing_softmax(b_ij):
-    """c_ij = softmax_j(b_ij) (Eq. 3) over the last axis, in the form that runs faster where
-    it runs: tf.nn.softmax, one kernel, in TensorFlow; exp(b_ij − logsumexp_j(b_ij)) inside an
+    """c_ij = softmax_j(b_ij) (Eq. 3) over the last axis, in a form chosen for where it
+    runs: tf.nn.softmax, one kernel, in TensorFlow; exp(b_ij − logsumexp_j(b_ij)) inside an
     XLA computation. XLA's GPU compiler makes a softmax a Triton kernel of its own (0.27 ms a
     step for the MultiMNIST preset's 320,000 rows of 10 on an H100, far more than its bytes
     take to move), and the routing's fusions split around it. The second form XLA fuses with
-    the routing's other math: that step went from 4.30 to 3.16 ms of GPU time
-    (docs/benchmarks.md, thirty-sixth session). The two agree to within rounding, gradients
+    the routing's other math: that step went from 4.30 to 3.16 ms of GPU time, its epoch
+    from 3.27 to 2.54 s (docs/benchmarks.md, thirty-sixth and thirty-seventh sessions). On
+    the paper MNIST model's stop-gradient routing it gained nothing (bfloat16 1-8% slower at
+    batch 512; not profiled); what that model trains with by default, the fused op, has no
+    softmax of XLA's. The two agree to within rounding, gradients
     included (tests/test_routing.py); the second rounds b_ij − logsumexp at b_ij's
     magnitude, a relative error of up to ~|b_ij|·2⁻²⁴ in float32 (softmax's b_ij − max is
     exact), far below the bfloat16 rounding of the u_hat that b_ij sums."""
