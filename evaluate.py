@@ -39,7 +39,8 @@ def main(cfg: DictConfig):
     report = evaluate(cfg["checkpoint"], which=cfg["which"], data_name=cfg["data"]["name"],
                       data_dir=cfg["data"]["dir"], limit_test=cfg["data"]["limit_test"],
                       custom_op=cfg["custom_op"], batch_size=cfg["batch_size"], weights=cfg["weights"],
-                      precision=cfg["precision"], xla=cfg["xla"], output=cfg["output"], tta=cfg["tta"])
+                      precision=cfg["precision"], tf32=cfg["tf32"], xla=cfg["xla"], output=cfg["output"],
+                      tta=cfg["tta"])
     print(format_report(report))
     print(to_json_line(report), flush=True)  # the last line: machine-readable
 

@@ -30,6 +30,7 @@ from capsnet.augment import shift_batch
 from capsnet.data import example_shape, is_overlay, load_split, make_split_dataset
 from capsnet.errors import CheckpointError, ConfigError
 from capsnet.losses import loss_params
+from capsnet.precision import set_tensor_float_32
 from capsnet.scoring import json_safe, predict, score
 from capsnet.training.checkpoints import resolve_checkpoint, restore_model
 from capsnet.training.model_setup import build_capsnet, check_labels, check_op_library
@@ -67,7 +68,7 @@ def format_report(report):
         lines = [
             f"checkpoint: {report['checkpoint']} (epoch {report['epoch']}, {WEIGHT_NAMES[report['weights']]})",
             f"dataset: {report['dataset']} test, {report['num_examples']} {kind}, custom_op={report['custom_op']}, "
-            f"precision={report['precision']}, xla={report['xla']}",
+            f"precision={report['precision']}, tf32={report['tf32']}, xla={report['xla']}",
             f"{scored} {report['accuracy']:.4%}  loss {report['loss']:.5f}  "
             f"(margin {report['margin_loss']:.5f}, reconstruction {report['reconstruction_loss']:.3f})  "
             f"{report['images_per_sec']:.1f} images/s",
@@ -90,7 +91,8 @@ def format_report(report):
 
 
 def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_test=None,
-             custom_op=None, batch_size=None, weights=None, precision=None, xla=None, output=None, tta="none"):
+             custom_op=None, batch_size=None, weights=None, precision=None, tf32=None, xla=None, output=None,
+             tta="none"):
     """Evaluate `checkpoint` on the test split; returns the report and writes it as JSON.
 
     Args:
@@ -108,6 +110,8 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
             (train.ema_decay > 0), else the trained weights; "ema" or "raw" to choose.
         precision: None = the run's train.precision; or one of config.PRECISIONS (the
             weights are float32 in every precision).
+        tf32: None = the run's train.tf32; or True / False: TensorFloat-32 for the pass's
+            float32 matmuls and convolutions on GPUs that have it (set for each member's pass).
         xla: None = as the run's per-epoch test pass was compiled: "jit" for a run trained
             with train.xla=jit, else "none"; or "none" / "jit". In 16-bit precisions the
             XLA-compiled pass rounds differently, so only the run's own setting reproduces
@@ -125,7 +129,7 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     Returns:
         dict with accuracy, loss, margin_loss, reconstruction_loss, images_per_sec,
         per_class_accuracy, confusion_matrix, num_examples, checkpoint, epoch,
-        dataset, custom_op, weights, precision, xla. MultiMNIST (two digits per example):
+        dataset, custom_op, weights, precision, tf32, xla. MultiMNIST (two digits per example):
         accuracy = both digits right, per_class_accuracy = per-class recall among the top two,
         per_class_examples, confusion_matrix None (pair_report). An ensemble's report
         has the ensemble's accuracy, per-class scores, num_examples, images/s, dataset,
@@ -143,10 +147,10 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     # (evaluate.py has checked them already; tests and scripts call evaluate() directly).
     args = config.check_section(config.EvalAppConfig, {
         "checkpoint": checkpoints, "which": which, "custom_op": custom_op, "batch_size": batch_size,
-        "weights": weights, "precision": precision, "xla": xla, "output": output, "tta": tta,
+        "weights": weights, "precision": precision, "tf32": tf32, "xla": xla, "output": output, "tta": tta,
         "data": {"name": data_name, "dir": data_dir, "limit_test": limit_test}})
-    members = [resolve_member(c, which=which, custom_op=custom_op, weights=weights, precision=precision, xla=xla)
-               for c in checkpoints]
+    members = [resolve_member(c, which=which, custom_op=custom_op, weights=weights, precision=precision, tf32=tf32,
+                              xla=xla) for c in checkpoints]
     first = members[0]
     prefixes = [member["prefix"] for member in members]
     repeated = sorted({prefix for prefix in prefixes if prefixes.count(prefix) > 1})
@@ -208,6 +212,7 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     ensemble = len(members) > 1 or args["tta"] != "none"
     reports, results = [], []
     for member in members:
+        set_tensor_float_32(member["tf32"])  # process-wide: before the member's pass is traced and run
         eval_step = make_eval_step(member["model"], model.image_shape, **member["losses"],
                                    jit_compile=member["xla"] == "jit", two_digits=is_overlay(data_cfg["name"]))
         views = tta_views(dataset, args["tta"], shift_fill=member["cfg"]["data"]["shift_fill"])
@@ -232,6 +237,7 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
                 "batch_size": batch_size,
                 "weights": member["weights"],
                 "precision": member["precision"],
+                "tf32": member["tf32"],
                 "xla": member["xla"],
                 **({"view": view} if len(views) > 1 else {}),
             })
@@ -254,12 +260,13 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     return report
 
 
-def resolve_member(checkpoint, *, which, custom_op, weights, precision=None, xla=None):
+def resolve_member(checkpoint, *, which, custom_op, weights, precision=None, tf32=None, xla=None):
     """One checkpoint to evaluate, resolved and its run config checked (no model yet):
-    prefix, run_dir, cfg (config.check's), custom_op, losses, weights, precision and xla
-    (None: the run's). The arguments are checked as evaluate()'s are (export calls this alone)."""
+    prefix, run_dir, cfg (config.check's), custom_op, losses, weights, precision, tf32 and
+    xla (None: the run's). The arguments are checked as evaluate()'s are (export calls this alone)."""
     config.check_section(config.EvalAppConfig, {"checkpoint": checkpoint, "which": which, "custom_op": custom_op,
-                                                "weights": weights, "precision": precision, "xla": xla})
+                                                "weights": weights, "precision": precision, "tf32": tf32,
+                                                "xla": xla})
     prefix, run_dir, saved = resolve_checkpoint(checkpoint, which)
     prefix, run_dir = str(Path(prefix).resolve()), Path(run_dir).resolve()
     cfg = check_run_config(saved, run_dir)
@@ -280,7 +287,8 @@ def resolve_member(checkpoint, *, which, custom_op, weights, precision=None, xla
                           "that cannot be nested in a compiled test pass: use xla=none")
     return {"prefix": prefix, "run_dir": run_dir, "cfg": cfg, "custom_op": custom_op,
             "losses": loss_params(cfg["train"]), "weights": weights,
-            "precision": cfg["train"]["precision"] if precision is None else precision, "xla": xla}
+            "precision": cfg["train"]["precision"] if precision is None else precision,
+            "tf32": cfg["train"]["tf32"] if tf32 is None else tf32, "xla": xla}
 
 
 def check_run_config(saved, run_dir):

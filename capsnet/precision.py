@@ -12,6 +12,11 @@ softmax, the routing sums s_j, the capsule lengths that are the class scores, an
 losses. mixed_float16 also needs dynamic loss scaling (`build_optimizer` wraps Adam in
 Keras' LossScaleOptimizer); bfloat16 has float32's exponent range and does not.
 Checkpoints hold float32 variables in every precision, so a run may resume in another.
+
+train.tf32 (`set_tensor_float_32`) is the other half of float32: on Ampere and later GPUs
+TensorFlow runs float32 matmuls and convolutions in TensorFloat-32 (10-bit mantissa inputs,
+float32 sums) unless told not to. It decides XLA's dots and convolutions (their precision
+config) and the compiled op's float32 kernels as well (ops/capsnet_kernels.h, RoutingAlgo).
 """
 import tensorflow as tf
 
@@ -22,6 +27,13 @@ def float32_math(x):
     """`x` as float32 if it is a 16-bit float tensor, else unchanged (float64 stays float64)."""
     x = tf.convert_to_tensor(x)
     return tf.cast(x, tf.float32) if x.dtype in _SIXTEEN_BIT else x
+
+
+def set_tensor_float_32(enabled):
+    """TensorFloat-32 for float32 matmuls and convolutions (train.tf32) on or off for this
+    PROCESS, set every run: a sweep's jobs share one process, so a `false` job must not
+    leave it off for the next. Nothing to set on a CPU, where there is no TF32."""
+    tf.config.experimental.enable_tensor_float_32_execution(bool(enabled))
 
 
 def needs_loss_scaling(precision):

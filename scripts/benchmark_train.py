@@ -459,6 +459,7 @@ def time_training(spec, batch_size, tf_device, per_call=1, precision="float32", 
             "batch_size": batch_size,
             "steps_per_execution": per_call,
             "precision": precision,
+            "tf32": spec["train"]["tf32"],
             "guard": guard,
             "images_per_sec": spec["steps"] * batch_size / median,
             # Of the rows timed together (--guard on,off: both models at once).
@@ -482,6 +483,7 @@ def worker(spec):
     from capsnet.errors import CapsnetError
     from capsnet.training.model_setup import check_op_library
     from capsnet import config
+    from capsnet.precision import set_tensor_float_32
     from capsnet.training.steps import set_autoclustering
 
     result = {"variant": spec["variant"], "results": [], "error": None, "tensorflow": tf.__version__}
@@ -490,6 +492,7 @@ def worker(spec):
         config.check_xla(spec["xla"], routing)
         # Before TensorFlow sets up its devices: it reads the XLA flags then (see set_autoclustering).
         set_autoclustering(spec["xla"] == "autocluster")
+        set_tensor_float_32(spec["train"]["tf32"])  # train.tf32 (TensorFlow's default: on), as train.py sets it
         if spec["device"] == "gpu" and not tf.config.list_physical_devices("GPU"):
             raise CapsnetError("no GPU visible to TensorFlow: run on a GPU machine (CUDA drivers, "
                                "tensorflow[and-cuda]) or pass --device cpu for a smoke run")

@@ -13,13 +13,13 @@ import tensorflow as tf
 
 from capsnet import ops
 from capsnet.errors import ConfigError
-from capsnet.evaluation import evaluate
+from capsnet.evaluation import evaluate, format_report
 from capsnet.layers import capsule_lengths
 from capsnet.model import build_model
 from capsnet.precision import bias_add
 from capsnet.routing import dynamic_routing, squash
 from capsnet.training import train
-from conftest import np_capsule_prediction, read_events
+from conftest import assert_trained_as, np_capsule_prediction, read_events
 from test_routing_op import inputs as routing_inputs
 from test_routing_op import np_routing
 
@@ -372,3 +372,50 @@ def test_the_guard_norm_is_the_norm_of_all_gradients_together(jit):
     if jit:
         norm = tf.function(norm, jit_compile=True)
     assert float(norm()) == pytest.approx(want, rel=1e-5)
+
+
+# --------------------------------------------------------------------------- train.tf32
+
+@pytest.fixture
+def tf32_settings(monkeypatch):
+    """The values the code under test sets TensorFloat-32 to, in order; TensorFlow's default
+    (on) is put back afterwards, whatever a test left."""
+    settings = []
+    real = tf.config.experimental.enable_tensor_float_32_execution
+
+    def spy(enabled):
+        settings.append(enabled)
+        real(enabled)
+
+    monkeypatch.setattr(tf.config.experimental, "enable_tensor_float_32_execution", spy)
+    yield settings
+    real(True)
+
+
+def test_train_tf32_false_turns_tensorfloat32_off_and_true_back_on(tiny_config, trained_run, tf32_settings,
+                                                                   tmp_path):
+    """A sweep's jobs share a process: each run sets the switch to its own value. On this CPU
+    there is no TF32, so the run trains as trained_run (TF32 on) did, loss for loss."""
+    metrics = train(tiny_config("train.tf32=false"))
+    assert tf32_settings == [False] and not tf.config.experimental.tensor_float_32_execution_enabled()
+    assert_trained_as(metrics, trained_run[1])
+    assert "tf32: false" in (tmp_path / "run" / "config.yaml").read_text()
+    train(tiny_config("train.epochs=1", run_dir=tmp_path / "default"))
+    assert tf32_settings == [False, True] and tf.config.experimental.tensor_float_32_execution_enabled()
+
+
+def test_evaluate_sets_tf32_as_the_run_trained_or_as_asked(trained_run, tf32_settings, tmp_path):
+    as_trained = evaluate(trained_run[0], which="latest", output=tmp_path / "a.json")
+    strict = evaluate(trained_run[0], which="latest", tf32=False, output=tmp_path / "b.json")
+    assert tf32_settings == [True, False]  # trained_run kept the default: on
+    assert (as_trained["tf32"], strict["tf32"]) == (True, False)
+    assert "tf32=False" in format_report(strict)
+    # No TF32 on a CPU: the same scores either way.
+    assert (strict["accuracy"], strict["loss"]) == (as_trained["accuracy"], as_trained["loss"])
+
+
+def test_a_bad_tf32_value_is_a_one_line_error(tiny_config, trained_run, tmp_path):
+    with pytest.raises(ConfigError, match=r"^train\.tf32 must be true or false, got 'sometimes'$"):
+        tiny_config("train.tf32=sometimes")
+    with pytest.raises(ConfigError, match=r"^tf32 must be true or false \(or null: as trained\), got 'off'$"):
+        evaluate(trained_run[0], tf32="off", output=tmp_path / "x.json")

@@ -171,7 +171,7 @@ def _eval_batch_size(name, value):
                         expected="a positive integer (or null: the run's train.batch_size)", error=ConfigError)
 
 
-def _eval_custom_op(name, value):
+def _eval_boolean(name, value):
     if value is None:
         return None
     return boolean(name, value, expected="true or false (or null: as trained)", error=ConfigError)
@@ -285,6 +285,7 @@ class TrainConfig:
     warmup_epochs: float = _checked(0.0, _warmup_epochs)
     xla: str = _checked("none", _one_of(XLA_MODES))
     precision: str = _checked("float32", _one_of(PRECISIONS))
+    tf32: bool = _checked(True, _boolean)
     xla_cache_dir: Optional[str] = _checked(None, _optional_string)
     m_plus: float = _checked(0.9, _finite_float)
     m_minus: float = _checked(0.1, _finite_float)
@@ -341,10 +342,11 @@ class EvalAppConfig:
     """configs/eval.yaml: what evaluate.py composes."""
     checkpoint: Any = _checked(MISSING, _checkpoint)
     which: str = _checked("best", _one_of(WHICH))
-    custom_op: Optional[bool] = _checked(None, _eval_custom_op)
+    custom_op: Optional[bool] = _checked(None, _eval_boolean)
     batch_size: Optional[int] = _checked(None, _eval_batch_size)
     weights: Optional[str] = _checked(None, _eval_weights)
     precision: Optional[str] = _checked(None, _eval_precision)
+    tf32: Optional[bool] = _checked(None, _eval_boolean)
     xla: Optional[str] = _checked(None, _eval_xla)
     output: Optional[str] = _checked(None, _optional_string)
     tta: str = _checked("none", _one_of(TTA))

@@ -43,6 +43,7 @@ from capsnet.console import say
 from capsnet.data import augmentation_options, example_shape, is_overlay, load_split, make_split_dataset
 from capsnet.errors import ConfigError, Interrupted, Terminated, TrainingCollapsed, TrainingDiverged
 from capsnet.losses import loss_params
+from capsnet.precision import set_tensor_float_32
 from capsnet.scoring import json_safe
 from capsnet.training.checkpoints import (BestCheckpoint, check_nothing_committed, check_resumable, checkpoint_numbers,
                                          checkpoint_weights, read_history, recover_latest, resume_from, save_or_fail,
@@ -140,6 +141,7 @@ def _train(cfg, progress):
     if replaced:
         say(f"notice: {replaced}")
     set_determinism(cfg["deterministic"])
+    set_tensor_float_32(tcfg["tf32"])
     # Before the first tensor (multi_worker configures the process's collective ops then);
     # None = one device. Variables made in a scope() are mirrored over the replicas.
     strategy = make_strategy(dcfg)
