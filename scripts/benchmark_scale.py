@@ -144,7 +144,7 @@ def mirrored_runner(spec, batch_size, devices, all_reduce, per_call=1):
     strategy = make_strategy(config.check_section(config.DistributeConfig, {
         "strategy": "mirrored", "devices": devices, "all_reduce": all_reduce}, "distribute."))
     all_reduce = resolve_all_reduce(all_reduce, "mirrored", spec["xla"], spec["precision"],
-                                    strategy.extended.worker_devices)
+                                    strategy.extended.worker_devices, train_cfg["weight_decay"])
     replicas = strategy.num_replicas_in_sync
     global_batch = batch_size * replicas
     keras.utils.set_random_seed(spec["seed"])  # the weights of time_training

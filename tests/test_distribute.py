@@ -775,6 +775,18 @@ def test_auto_all_reduce_is_the_compiled_one_where_it_applies(all_reduce, strate
     from capsnet.training.distribute import resolve_all_reduce
 
     assert resolve_all_reduce(all_reduce, strategy, xla, precision, devices) == resolved
+    if resolved == "xla" and all_reduce == "auto":
+        # Weight decay is applied outside the compiled update: auto falls back to TensorFlow's all-reduce.
+        assert resolve_all_reduce(all_reduce, strategy, xla, precision, devices, weight_decay=0.01) == "collective"
+
+
+def test_the_compiled_all_reduce_with_weight_decay_is_a_one_line_config_error(tiny_config):
+    from capsnet.config import check
+
+    with pytest.raises(ConfigError, match=r"^distribute\.all_reduce=xla applies plain Adam updates, without weight "
+                                          r"decay: set distribute\.all_reduce=collective or train\.weight_decay=0 "
+                                          r"\(got 0\.01\)$"):
+        check(tiny_config("distribute=mirrored", "train.xla=jit", "distribute.all_reduce=xla", "train.weight_decay=0.01"))
 
 
 @pytest.mark.parametrize("scale_lr, base, factor", [("none", 100, 1.0), ("linear", 8, 2.0), ("linear", 64, 0.25),

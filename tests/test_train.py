@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -132,12 +133,45 @@ def test_drop_remainder_trains_full_batches_only(tiny_config, tmp_path, monkeypa
      "train.warmup_epochs=4 must be fewer than train.epochs=4"),
     (["train.lr_schedule=linear"], "train.lr_schedule must be one of exponential, cosine, got 'linear'"),
     (["train.warmup_epochs=-1"], r"train.warmup_epochs must be a number in \[0, 1000\], got -1"),
+    (["train.weight_decay=-0.01"], r"train.weight_decay must be >= 0, got -0.01"),
 ])
 def test_bad_schedule_values_are_one_line_config_errors(tiny_config, tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message) as err:
         train(tiny_config(*overrides))
     assert "\n" not in str(err.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_weight_decay_shrinks_kernels_and_W_by_lr_times_decay_and_leaves_biases(tiny_config):
+    """One update with train.weight_decay=wd against the same update without: every kernel
+    and DigitCaps' W ends lower by lr · wd · w (decoupled: Adam's step is the same in both),
+    every bias (the layers' and DigitCaps' b_j) exactly where Adam alone puts it."""
+    from capsnet.training.model_setup import build_capsnet
+    from capsnet.training.optimizer import build_optimizer
+
+    wd, lr = 0.5, 0.01
+    cfg = tiny_config("model.digit_caps_bias=0.1", f"train.learning_rate={lr}")
+    models, optimizers = [], []
+    for decay in (0.0, wd):
+        keras.utils.set_random_seed(3)
+        model = build_capsnet(cfg["model"], custom_op=False)
+        optimizer, _ = build_optimizer({**cfg["train"], "weight_decay": decay}, 10, model)
+        models.append(model)
+        optimizers.append(optimizer)
+    before = [v.numpy() for v in models[0].trainable_variables]
+    grads = [np.random.default_rng(i).normal(size=v.shape).astype(np.float32) for i, v in enumerate(before)]
+    for model, optimizer in zip(models, optimizers):
+        optimizer.apply_gradients(zip([tf.constant(g) for g in grads], model.trainable_variables))
+    decayed = 0
+    for w0, plain, with_decay in zip(before, models[0].trainable_variables, models[1].trainable_variables):
+        assert plain.path.split("/")[-1] == with_decay.path.split("/")[-1]
+        if plain.name in ("bias", "b_j"):
+            np.testing.assert_array_equal(with_decay.numpy(), plain.numpy())
+        else:
+            np.testing.assert_allclose(with_decay.numpy(), plain.numpy() - lr * wd * w0, rtol=0, atol=2e-7)
+            decayed += 1
+    assert decayed == 6  # conv1, PrimaryCaps' conv, W and the decoder's three kernels
+    assert optimizers[0].weight_decay is None  # 0: the paper's Adam, no decay term at all
 
 
 # --------------------------------------------------------------------------- configs
@@ -314,6 +348,7 @@ def test_tensorboard_logs(trained_run):
     assert start.hparams["lr_schedule"].string_value == "exponential"
     assert start.hparams["seed"].number_value == 0
     assert start.hparams["precision"].string_value == "float32"
+    assert start.hparams["tf32"].bool_value is True and start.hparams["weight_decay"].number_value == 0.0
     experiment = plugin_data_pb2.HParamsPluginData.FromString(
         events["_hparams_/experiment"][0][1].metadata.plugin_data.content).experiment
     assert {m.name.tag for m in experiment.metric_infos} == {"test/accuracy", "train/images_per_sec"}
@@ -372,6 +407,7 @@ def test_test_batch_size_sets_the_test_pass_batches_not_its_scores(trained_run, 
      ["data.shift_pixels: 2 -> 0", "train.batch_size: 16 -> 32", "train.lr_staircase: False -> True"]),
     (["data.rotate_degrees=5", "data.flip=true"], ["data.flip: False -> True", "data.rotate_degrees: 0 -> 5"]),
     (["train.ema_decay=0.99"], ["train.ema_decay: 0.0 -> 0.99"]),  # the run kept no average to continue
+    (["train.weight_decay=0.01"], ["train.weight_decay: 0.0 -> 0.01"]),
     # A cosine schedule's end is part of the run: train.epochs is compared only then.
     (["train.lr_schedule=cosine"], ["train.lr_schedule: 'exponential' -> 'cosine'"]),
 ])

@@ -120,10 +120,11 @@ def check_xla(xla, routing):
                           "the routing with it): set model.routing=auto")
 
 
-def check_all_reduce_in_step(all_reduce, xla, loss_scaling):
+def check_all_reduce_in_step(all_reduce, xla, loss_scaling, weight_decay=0.0):
     """distribute.all_reduce=xla puts the all-reduce and the Adam update into each replica's
     compiled step: there must be one (train.xla=jit), and no loss scaling, whose
-    skip-or-apply decision (Keras' LossScaleOptimizer) is not in that compiled update.
+    skip-or-apply decision (Keras' LossScaleOptimizer) is not in that compiled update, nor
+    weight decay (Keras applies it outside update_step).
     `check`'s rule, and make_train_step's guard (a step made outside a config), as check_xla."""
     if all_reduce != "xla":
         return
@@ -133,6 +134,9 @@ def check_all_reduce_in_step(all_reduce, xla, loss_scaling):
     if loss_scaling:
         raise ConfigError("distribute.all_reduce=xla has no loss scaling in its compiled update (mixed_float16's): "
                           "use train.precision=float32 or mixed_bfloat16, or distribute.all_reduce=collective")
+    if weight_decay:
+        raise ConfigError(f"distribute.all_reduce=xla applies plain Adam updates, without weight decay: set "
+                          f"distribute.all_reduce=collective or train.weight_decay=0 (got {weight_decay})")
 
 
 def check(cfg):
@@ -151,7 +155,7 @@ def check(cfg):
         raise ConfigError(f"data.name={data_name} trains on one device only: set distribute=none")
     # capsnet.precision.needs_loss_scaling's rule (that module imports TensorFlow).
     check_all_reduce_in_step(checked["distribute"]["all_reduce"], checked["train"]["xla"],
-                             checked["train"]["precision"] == "mixed_float16")
+                             checked["train"]["precision"] == "mixed_float16", checked["train"]["weight_decay"])
     if checked["train"]["data_on_device"]:
         check_data_on_device(checked)
     if not checked["run_dir"]:

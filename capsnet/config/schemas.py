@@ -124,7 +124,7 @@ def _warmup_epochs(name, value):
     return float_in_range(name, value, 0, 1000, error=ConfigError)
 
 
-def _reconstruction_weight(name, value):
+def _non_negative_float(name, value):
     value = finite_float(name, value, error=ConfigError)
     if value < 0:
         raise ConfigError(f"{name} must be >= 0, got {value!r}")
@@ -290,7 +290,8 @@ class TrainConfig:
     m_plus: float = _checked(0.9, _finite_float)
     m_minus: float = _checked(0.1, _finite_float)
     lambda_: float = _checked(0.5, _finite_float)
-    reconstruction_weight: float = _checked(0.0005, _reconstruction_weight)
+    reconstruction_weight: float = _checked(0.0005, _non_negative_float)
+    weight_decay: float = _checked(0.0, _non_negative_float)
     ema_decay: float = _checked(0.0, _ema_decay)
     test_every_epochs: int = _checked(1, _positive_int)
     save_every_epochs: int = _checked(1, _positive_int)

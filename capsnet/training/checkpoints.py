@@ -389,7 +389,7 @@ def save_or_fail(save, directory, number):
 RESUME_KEYS = {
     "data": ("name", "dir", "limit_train", "limit_test", *AUGMENTATION_KEYS),
     "train": ("batch_size", "drop_remainder", "learning_rate", "lr_schedule", "m_plus", "m_minus", "lambda_",
-              "reconstruction_weight", "ema_decay"),
+              "reconstruction_weight", "weight_decay", "ema_decay"),
 }
 RESUME_FREE_MODEL_KEYS = ("routing", "primary_caps_conv")  # how, not what, it computes
 # What each train.lr_schedule reads besides the learning rate: a resume keeps the keys of the

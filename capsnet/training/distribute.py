@@ -123,11 +123,11 @@ def make_strategy(dcfg):
                           f"(one training per process, no -m sweep): {' '.join(str(exc).split())}") from exc
 
 
-def resolve_all_reduce(all_reduce, strategy_name, xla, precision, devices):
+def resolve_all_reduce(all_reduce, strategy_name, xla, precision, devices, weight_decay=0.0):
     """What distribute.all_reduce=auto means for a mirrored run (`strategy_name`: distribute.strategy):
     "xla" (the all-reduce and Adam's update inside each replica's compiled step,
     capsnet.training.steps) where it applies — train.xla=jit, several replicas, every one a
-    GPU, no loss scaling — else "collective" (TensorFlow's own all-reduce between the
+    GPU, no loss scaling, no weight decay — else "collective" (TensorFlow's own all-reduce between the
     compiled steps). On 2 H200s "xla" was 9-11% faster in mixed_bfloat16 (three runs) and
     between -2% and +6% in float32 (the op path's five runs and the matmul path's two;
     docs/benchmarks.md, twenty-second session).
@@ -136,7 +136,8 @@ def resolve_all_reduce(all_reduce, strategy_name, xla, precision, devices):
     if all_reduce != "auto" or strategy_name != "mirrored":
         return all_reduce
     gpus = len(devices) > 1 and _all_gpus(devices)
-    return "xla" if xla == "jit" and gpus and precision != "mixed_float16" else "collective"
+    plain_adam = precision != "mixed_float16" and not weight_decay  # what the compiled update applies
+    return "xla" if xla == "jit" and gpus and plain_adam else "collective"
 
 
 def _all_gpus(devices):

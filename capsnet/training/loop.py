@@ -164,7 +164,7 @@ def _train(cfg, progress):
     if strategy is not None:
         check_global_batch(batch_size, strategy)
         all_reduce = resolve_all_reduce(all_reduce, dcfg["strategy"], tcfg["xla"], tcfg["precision"],
-                                        strategy.extended.worker_devices)
+                                        strategy.extended.worker_devices, tcfg["weight_decay"])
         log.info("distribute=%s: %d replicas, global batch %d = %d per replica, all-reduce %s; this process: %s%s",
                  dcfg["strategy"], strategy.num_replicas_in_sync, batch_size,
                  batch_size // strategy.num_replicas_in_sync, all_reduce, ", ".join(strategy.extended.worker_devices),

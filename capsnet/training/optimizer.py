@@ -1,4 +1,4 @@
-"""The paper's optimizer: Adam on a decaying learning rate.
+"""The paper's optimizer: Adam on a decaying learning rate (optionally with decoupled weight decay).
 
 - `learning_rate_schedule(train_cfg, steps_per_epoch)`: lr(step), a pure function of the
   optimizer's step counter (restoring the counter restores the LR): the paper's
@@ -66,7 +66,9 @@ def scaled_learning_rate(learning_rate, batch_size, scale_lr, base_batch_size):
 
 
 def build_optimizer(train_cfg, steps_per_epoch, model):
-    """The paper's optimizer for `model`: Adam on the LR schedule of `train_cfg`.
+    """The paper's optimizer for `model`: Adam on the LR schedule of `train_cfg`, with
+    decoupled weight decay where train.weight_decay > 0 (Keras' own: w -= lr · decay · w
+    each update, biases excluded).
 
     Returns (optimizer, schedule). `train_cfg` is a config's `train` section (see
     learning_rate_schedule for `steps_per_epoch`). Adam's moments are created
@@ -78,7 +80,13 @@ def build_optimizer(train_cfg, steps_per_epoch, model):
     scale; it doubles after 2000 finite steps).
     """
     schedule = learning_rate_schedule(train_cfg, steps_per_epoch)
-    optimizer = keras.optimizers.Adam(learning_rate=schedule)
+    weight_decay = train_cfg.get("weight_decay", 0.0)
+    optimizer = keras.optimizers.Adam(learning_rate=schedule, weight_decay=weight_decay or None)
+    if weight_decay:
+        # Decoupled (Loshchilov & Hutter 2019, AdamW): each update also shrinks the weights by
+        # lr · weight_decay, apart from Adam's normalised step. Biases are left alone, as usual:
+        # the layers' `bias` and DigitCaps' `b_j` (variable names, matched as Keras does).
+        optimizer.exclude_from_weight_decay(var_names=["bias", "b_j"])
     if needs_loss_scaling(train_cfg.get("precision", "float32")):
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     optimizer.build(model.trainable_variables)

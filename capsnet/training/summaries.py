@@ -13,8 +13,8 @@ import tensorflow as tf
 from capsnet import config
 
 # Values shown side by side in TensorBoard's HParams dashboard, and the metrics they explain.
-HPARAMS = ("custom_op", "routing", "xla", "precision", "dataset", "batch_size", "routing_iterations", "seed", "learning_rate",
-           "lr_schedule", "decoder")
+HPARAMS = ("custom_op", "routing", "xla", "precision", "tf32", "dataset", "batch_size", "routing_iterations", "seed",
+           "learning_rate", "lr_schedule", "weight_decay", "decoder")
 HPARAM_METRICS = ("test/accuracy", "train/images_per_sec")
 
 
@@ -64,12 +64,14 @@ def write_hparams(writer, run_dir, cfg, data_cfg):
         "routing": config.routing_mode(cfg["custom_op"], cfg["model"]),  # the mode DigitCaps runs
         "xla": str(cfg["train"]["xla"]),
         "precision": str(cfg["train"]["precision"]),
+        "tf32": bool(cfg["train"]["tf32"]),
         "dataset": str(data_cfg["name"]),
         "batch_size": int(cfg["train"]["batch_size"]),
         "routing_iterations": int(cfg["model"]["routing_iterations"]),
         "seed": int(cfg["seed"]),
         "learning_rate": float(cfg["train"]["learning_rate"]),
         "lr_schedule": str(cfg["train"]["lr_schedule"]),
+        "weight_decay": float(cfg["train"]["weight_decay"]),
         "decoder": bool(cfg["model"]["decoder"]),
     }
     with writer.as_default():
