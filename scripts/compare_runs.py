@@ -19,7 +19,12 @@ What a run contributes, read from its own files (no TensorFlow is imported):
 - evaluate.py: the accuracy in the report evaluate.py left at its default place,
   `checkpoints/latest/ckpt-<last epoch>.eval.json`, if there is one (the last path evaluated
   with the default output; a report of another epoch is not this run's final);
-- best epoch, first epoch at or above --threshold, the last epoch's training accuracy.
+- best epoch, first epoch at or above --threshold, the last epoch's training accuracy;
+- its recipe: config.yaml's values (in today's shape: a key added since takes the default the
+  run had, capsnet.config.migrate) but for where and how it ran (seed, run dir, data dir, XLA
+  cache, progress bar, debug). Each group is shown with the keys its recipe changes from the
+  reference group's, and any key its own runs disagree on: a glob that caught another recipe's
+  runs shows there.
 
 A group's spread is the sample standard deviation of its finals, and its standard error is
 that over the square root of the number of runs. The comparison is paired: on the seeds both
@@ -46,6 +51,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a clone without `pip install -e .` too
 
 from capsnet.cli import fail  # noqa: E402  (`error: ...` on one line, exit 2, as train.py does)
+from capsnet.config import migrate  # noqa: E402  (no TensorFlow either)
+from capsnet.errors import ConfigError  # noqa: E402
+
+# config.yaml keys that say where or how a run was made, not what it trained.
+NOT_RECIPE = {"seed", "run_dir", "debug", "data.dir", "train.xla_cache_dir", "train.progress_bar"}
 
 
 class CompareError(Exception):
@@ -63,6 +73,7 @@ class Run(NamedTuple):
     first_at: int | None        # first epoch whose test accuracy is >= the threshold
     train_accuracy: float       # the last epoch's
     tested: dict[int, float]    # epoch -> test accuracy
+    recipe: dict                # dotted config key -> value, NOT_RECIPE left out
 
     @property
     def finished(self):
@@ -78,6 +89,10 @@ def read_run(path, threshold):
     if not config_file.is_file():
         raise CompareError(f"{path} has no config.yaml (train.py writes the run's seed there)")
     config = yaml.safe_load(config_file.read_text())
+    try:
+        recipe = {k: v for k, v in flatten(migrate(config)).items() if k not in NOT_RECIPE}
+    except ConfigError as exc:
+        raise CompareError(f"{config_file}: {exc}") from None
     records = [json.loads(line) for line in history_file.read_text().splitlines() if line.strip()]
     tested = {r["epoch"]: r["test_accuracy"] for r in records if r.get("test_accuracy") is not None}
     if not tested:
@@ -90,7 +105,40 @@ def read_run(path, threshold):
                last_epoch=records[-1]["epoch"], final=tested[last_tested], evaluated=evaluated,
                best=(tested[best_epoch], best_epoch),
                first_at=min((e for e, a in tested.items() if a >= threshold), default=None),
-               train_accuracy=records[-1]["train_accuracy"], tested=tested)
+               train_accuracy=records[-1]["train_accuracy"], tested=tested, recipe=recipe)
+
+
+def flatten(section, prefix=""):
+    """A config as {dotted key: value}, lists as tuples (comparable, hashable)."""
+    flat = {}
+    for key, value in section.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = tuple(value) if isinstance(value, list) else value
+    return flat
+
+
+def group_recipe(runs):
+    """(the values every run of the group shares, {key: the values its runs disagree on})."""
+    keys = set().union(*(r.recipe for r in runs))
+    values = {k: [r.recipe.get(k, ABSENT) for r in runs] for k in sorted(keys)}
+    shared = {k: v[0] for k, v in values.items() if all(x == v[0] for x in v)}
+    varies = {k: sorted({repr(x) for x in v}) for k, v in values.items() if k not in shared}
+    return shared, varies
+
+
+ABSENT = "(absent)"
+
+
+def recipe_changes(ours, theirs):
+    """{key: (theirs, ours)} where two groups' recipes (group_recipe's pairs) differ: the keys
+    each shares across its runs (one group's runs may lack a key: ABSENT); a key the runs of
+    either disagree on is not compared (its `varies` says so)."""
+    (ours, ours_vary), (theirs, theirs_vary) = ours, theirs
+    keys = (set(ours) | set(theirs)) - set(ours_vary) - set(theirs_vary)
+    return {k: (theirs.get(k, ABSENT), ours.get(k, ABSENT)) for k in sorted(keys)
+            if ours.get(k, ABSENT) != theirs.get(k, ABSENT)}
 
 
 def parse_group(arg):
@@ -135,6 +183,7 @@ def paired(ours, theirs):
 def summarize(groups, reference, at, threshold):
     """Every group's numbers as one JSON-able dict (what --json writes and the tables show)."""
     seeds = {name: by_seed(name, runs) for name, runs in groups.items()}  # every group checked first
+    recipes = {name: group_recipe(runs) for name, runs in groups.items()}
     out = {"reference": reference, "threshold": threshold, "groups": {}}
     for name, runs in groups.items():
         finals = [r.final for r in runs]
@@ -148,16 +197,23 @@ def summarize(groups, reference, at, threshold):
                            "best": r.best[0], "best_epoch": r.best[1], "first_at_threshold": r.first_at,
                            "train_accuracy": r.train_accuracy} for r in sorted(runs, key=lambda r: r.seed)],
                  "mean": mean, "sd": sd, "se": se, "min": min(finals), "max": max(finals),
-                 "in_run_mean": in_run}
+                 "in_run_mean": in_run, "varies": recipes[name][1]}
         if name != reference:
             common, diff, diff_se = paired(seeds[name], seeds[reference])
-            group["vs_reference"] = {"seeds": common, "mean_difference": diff, "se": diff_se}
+            changes = recipe_changes(recipes[name], recipes[reference])
+            group["vs_reference"] = {"seeds": common, "mean_difference": diff, "se": diff_se,
+                                     "recipe": {k: list(v) for k, v in changes.items()}}
         out["groups"][name] = group
     return out
 
 
 def pct(x, digits=2):
     return "–" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def value(x):
+    """A config value as config.yaml would show it (a list for a tuple)."""
+    return str(list(x)) if isinstance(x, tuple) else str(x)
 
 
 def points(x, digits=3):
@@ -184,6 +240,13 @@ def markdown(summary, at):
         if shown:
             lines.append(f"In-run mean at epoch {' / '.join(map(str, shown))}: "
                          f"{' / '.join(pct(g['in_run_mean'][e], 3) for e in shown)}.")
+        vs = g.get("vs_reference")
+        if vs is not None:
+            changed = "; ".join(f"{k} {value(a)} → {value(b)}" for k, (a, b) in vs["recipe"].items())
+            lines.append(f"Recipe against {summary['reference']}: {changed or 'the same'}.")
+        if g["varies"]:
+            lines.append("Its runs differ in: " + "; ".join(f"{k} ({', '.join(v)})" for k, v in g["varies"].items())
+                         + ".")
         unfinished = [r for r in g["runs"] if not r["finished"]]
         if unfinished:
             lines.append(f"* {len(unfinished)} run(s) stopped before train.epochs: their last tested epoch counts.")

@@ -5,18 +5,22 @@ import shutil
 
 import numpy as np
 import pytest
+import yaml
 
 from conftest import load_script
 
 compare_runs = load_script("compare_runs")
 
 
-def fake_run(root, name, seed, test_accs, *, epochs=None, train_acc=0.99, untested=()):
-    """A run dir as train.py leaves one: config.yaml and history.jsonl, one line an epoch
-    (epochs in `untested` without a test pass, as train.test_every_epochs > 1 leaves them)."""
+def fake_run(root, name, seed, test_accs, *, epochs=None, train_acc=0.99, untested=(), config=None):
+    """A run dir as train.py leaves one: config.yaml (`config`'s sections besides train.epochs
+    and the seed) and history.jsonl, one line an epoch (epochs in `untested` without a test
+    pass, as train.test_every_epochs > 1 leaves them)."""
     run = root / name
     run.mkdir(parents=True)
-    run.joinpath("config.yaml").write_text(f"train:\n  epochs: {epochs or len(test_accs)}\nseed: {seed}\n")
+    config = {**(config or {}), "seed": seed}
+    config["train"] = {**config.get("train", {}), "epochs": epochs or len(test_accs)}
+    run.joinpath("config.yaml").write_text(yaml.safe_dump(config))
     lines = []
     for epoch, acc in enumerate(test_accs, start=1):
         record = {"epoch": epoch, "train_accuracy": train_acc, "train_loss": 0.1}
@@ -115,6 +119,28 @@ def test_json_output(tmp_path):
     summary = compare_runs.main([f"{tmp_path}/r*", "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(summary))
     assert json.loads(out.read_text())["groups"][f"{tmp_path}/r*"]["mean"] == pytest.approx(0.996)
+
+
+def test_each_group_shows_what_its_recipe_changes_and_what_its_runs_disagree_on(tmp_path, capsys):
+    # A's runs: written before train.tf32 existed (no key: the default, TF32 on, as migrate says).
+    for seed in (0, 1):
+        fake_run(tmp_path, f"a_{seed}", seed, [0.99], config={"model": {"primary_caps_types": 32}})
+        fake_run(tmp_path, f"t_{seed}", seed, [0.99],
+                 config={"model": {"primary_caps_types": 16}, "train": {"tf32": True},
+                         "data": {"dir": f"/somewhere/{seed}"}})  # where the data was: not the recipe
+    # A glob that caught two recipes: the group says so.
+    fake_run(tmp_path, "m_0", 0, [0.99], config={"train": {"weight_decay": 0.05, "input": [1, 2]}})
+    fake_run(tmp_path, "m_1", 1, [0.99], config={"train": {"weight_decay": 0.2}})
+    summary = compare_runs.main([f"A={tmp_path}/a_*", f"T16={tmp_path}/t_*", f"M={tmp_path}/m_*", "--at", "1"])
+    out = capsys.readouterr().out
+    assert summary["groups"]["T16"]["vs_reference"]["recipe"] == {"model.primary_caps_types": [32, 16]}
+    assert "Recipe against A: model.primary_caps_types 32 → 16." in out
+    assert summary["groups"]["A"]["varies"] == summary["groups"]["T16"]["varies"] == {}
+    assert summary["groups"]["M"]["varies"] == {"train.input": ["'(absent)'", "(1, 2)"],
+                                                "train.weight_decay": ["0.05", "0.2"]}
+    assert "Its runs differ in: train.input ('(absent)', (1, 2)); train.weight_decay (0.05, 0.2)." in out
+    # Only what all of M's runs share is compared with A: the defaults, so nothing.
+    assert "Recipe against A: the same." in out.split("### M")[1]
 
 
 @pytest.mark.parametrize("setup, args, message", [
