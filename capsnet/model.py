@@ -8,7 +8,7 @@ PrimaryCaps 32 types × 8-D @9×9 stride 2 (6·6·32 = 1152 capsules) → DigitC
 import keras
 import tensorflow as tf
 
-from capsnet.config import CONV_FORMS
+from capsnet.config import CONV_FORMS, INITIALIZERS
 from capsnet.layers import Conv2D, Decoder, DigitCaps, PrimaryCaps, capsule_lengths, check_routing, routing_argument, routing_flags
 from capsnet.validation import boolean, finite_float, positive_float, positive_int, positive_int_tuple
 
@@ -41,6 +41,14 @@ class CapsNet(keras.Model):
     `fused_routing`: read-only, what the mode implies (DigitCaps).
     `w_init_stddev`: DigitCaps' W starts as N(0, w_init_stddev²) per entry (see
     `capsnet.layers.DigitCaps`).
+    `initializers` (capsnet.config.INITIALIZERS): how the other weights start. "keras" (the
+    default): Keras' defaults, Glorot-uniform kernels and zero biases. "authors": the
+    authors' code's (research/capsules in github.com/Sarasra/models, variables.py: truncated
+    normals, every bias at 0.1): Conv1 σ 0.05, PrimaryCaps σ 0.1 as that code stores it
+    (before its scale: meant with primary_caps_scale 1/32), the decoder σ 0.1, and W a
+    truncated normal of σ w_init_stddev (TF1's truncated_normal and Keras' TruncatedNormal
+    both redraw beyond 2σ: the spread is ~0.88σ). PrimaryCaps' and DigitCaps' biases keep
+    their own keys.
     `digit_caps_bias`: None (the paper), or the start value of a bias on each digit
     capsule, added to s_j in every routing iteration (the authors' code: 0.1; DigitCaps'
     bias_init); not with routing="fused_op".
@@ -60,7 +68,7 @@ class CapsNet(keras.Model):
                  conv1_kernel_size=9, primary_caps_types=32, primary_caps_dim=8,
                  primary_caps_kernel_size=9, primary_caps_strides=2, digit_caps_dim=16,
                  routing_iterations=3, stop_gradient_routing=True, decoder=True,
-                 decoder_units=(512, 1024), routing="matmul", w_init_stddev=0.1,
+                 decoder_units=(512, 1024), routing="matmul", w_init_stddev=0.1, initializers="keras",
                  primary_caps_conv="auto", digit_caps_bias=None, primary_caps_scale=1.0, primary_caps_bias=0.0,
                  **kwargs):
         super().__init__(**kwargs)
@@ -82,6 +90,13 @@ class CapsNet(keras.Model):
                                                                                  digit_caps_bias)
         self.routing = check_routing(owner, routing, self.stop_gradient_routing, self.digit_caps_bias)
         self.w_init_stddev = positive_float(f"{owner}: w_init_stddev", w_init_stddev)
+        if initializers not in INITIALIZERS:
+            raise ValueError(f"{owner}: initializers must be one of {', '.join(INITIALIZERS)}, got {initializers!r}")
+        self.initializers = initializers
+        scale = positive_float(f"{owner}: primary_caps_scale", primary_caps_scale)
+        init = authors_initializers(self.w_init_stddev, scale) if initializers == "authors" else {
+            "conv1": {}, "primary_caps": {}, "decoder": {},
+            "W": keras.initializers.RandomNormal(stddev=self.w_init_stddev)}
         if primary_caps_conv not in CONV_FORMS:
             raise ValueError(f"{owner}: primary_caps_conv must be one of {', '.join(CONV_FORMS)}, "
                              f"got {primary_caps_conv!r}")
@@ -99,21 +114,21 @@ class CapsNet(keras.Model):
 
         self.conv1 = Conv2D(
             self.conv1_filters, self.conv1_kernel_size, strides=1, padding="valid",
-            activation="relu", name="conv1", dtype=self.dtype_policy)
+            activation="relu", name="conv1", dtype=self.dtype_policy, **init["conv1"])
         self.primary_caps = PrimaryCaps(
             num_types=self.primary_caps_types, dim=self.primary_caps_dim,
             kernel_size=self.primary_caps_kernel_size, strides=self.primary_caps_strides,
             padding="valid", conv_form=primary_caps_conv, kernel_scale=primary_caps_scale,
-            bias_init=primary_caps_bias, name="primary_caps", dtype=self.dtype_policy)
+            bias_init=primary_caps_bias, name="primary_caps", dtype=self.dtype_policy, **init["primary_caps"])
         self.digit_caps = DigitCaps(
             num_caps=self.num_classes, dim=self.digit_caps_dim,
             routing_iterations=self.routing_iterations,
             stop_gradient_routing=self.stop_gradient_routing, routing=self.routing,
-            kernel_initializer=keras.initializers.RandomNormal(stddev=self.w_init_stddev),
+            kernel_initializer=init["W"],
             bias_init=self.digit_caps_bias, name="digit_caps", dtype=self.dtype_policy)
         self.decoder = (
             Decoder(units=self.decoder_units, output_shape=self.image_shape, name="decoder",
-                    dtype=self.dtype_policy)
+                    dtype=self.dtype_policy, **init["decoder"])
             if self.use_decoder else None)
 
     @property
@@ -214,6 +229,7 @@ class CapsNet(keras.Model):
             "routing": self.routing,
             **routing_flags(self.routing),  # read-only: what the mode implies
             "w_init_stddev": self.w_init_stddev,
+            "initializers": self.initializers,
             "primary_caps_conv": self.primary_caps.conv_form,
             "digit_caps_bias": self.digit_caps_bias,
             "primary_caps_scale": self.primary_caps.kernel_scale,
@@ -228,6 +244,18 @@ class CapsNet(keras.Model):
     custom_op = property(lambda self: self.digit_caps.custom_op)
     jit_routing = property(lambda self: self.digit_caps.jit_routing)
     fused_routing = property(lambda self: self.digit_caps.fused_routing)
+
+
+def authors_initializers(w_init_stddev, primary_caps_scale):
+    """model.initializers=authors: each layer's initializer arguments, and W's initializer.
+    PrimaryCaps divides its kernel's draw by its scale at build (the unscaled layer's
+    start), so its draw is scaled here: the kernel it stores starts as the authors' does."""
+    truncated = keras.initializers.TruncatedNormal
+    bias = keras.initializers.Constant(0.1)
+    return {"conv1": {"kernel_initializer": truncated(stddev=0.05), "bias_initializer": bias},
+            "primary_caps": {"kernel_initializer": truncated(stddev=0.1 * primary_caps_scale)},
+            "decoder": {"kernel_initializer": truncated(stddev=0.1), "bias_initializer": bias},
+            "W": truncated(stddev=w_init_stddev)}
 
 
 def build_model(**kwargs):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from capsnet.errors import OpLibraryError
+from capsnet.errors import ConfigError, OpLibraryError
 from capsnet.losses import margin_loss, reconstruction_loss
 from capsnet.model import CapsNet, build_model
 from conftest import compose_config
@@ -118,6 +118,58 @@ def test_every_weight_gets_a_gradient_and_a_step_lowers_the_loss():
 
 
 # ----------------------------------------------------------------- config and weights
+
+def _truncated(values, stddev):
+    """A draw of Keras' TruncatedNormal(stddev) (redrawn beyond 2σ): inside ±2σ, its spread
+    ~0.88σ; a sample of thousands lands within 5% of that."""
+    assert np.abs(values).max() <= 2 * stddev
+    assert values.std() == pytest.approx(0.8796 * stddev, rel=0.05)
+
+
+def test_the_authors_initializers_start_every_layer_as_their_code_does():
+    """model.initializers=authors against the authors' variables.py (truncated normals, biases
+    at 0.1): Conv1 σ 0.05; PrimaryCaps' stored kernel σ 0.1, its effective one 1/32 of it;
+    the decoder σ 0.1; W σ w_init_stddev. The biases with keys of their own keep them."""
+    model = build_model(initializers="authors", w_init_stddev=0.05, primary_caps_scale=0.03125,
+                        primary_caps_bias=0.2, digit_caps_bias=0.3, conv1_filters=64, primary_caps_types=8,
+                        digit_caps_dim=8, decoder_units=(64, 128))
+    _truncated(model.conv1.kernel.numpy(), 0.05)
+    np.testing.assert_array_equal(model.conv1.bias.numpy(), np.float32(0.1))
+    stored = model.primary_caps.conv.kernel.numpy()
+    _truncated(stored, 0.1)
+    _truncated(model.primary_caps.kernel_scale * stored, 0.1 * 0.03125)  # what the conv applies
+    np.testing.assert_array_equal(model.primary_caps.conv.bias.numpy(), np.float32(0.2))
+    _truncated(model.digit_caps.W.numpy(), 0.05)
+    np.testing.assert_array_equal(model.digit_caps.b_j.numpy(), np.float32(0.3))
+    for layer in model.decoder.dense_layers:
+        _truncated(layer.kernel.numpy(), 0.1)
+        np.testing.assert_array_equal(layer.bias.numpy(), np.float32(0.1))
+
+
+def test_keras_initializers_stay_the_default():
+    model = build_model(**SMALL)
+    assert model.get_config()["initializers"] == "keras" and config()["model"]["initializers"] == "keras"
+    for layer in (model.conv1, model.primary_caps.conv, *model.decoder.dense_layers):
+        np.testing.assert_array_equal(layer.bias.numpy(), 0.0)
+        fan_in, fan_out = np.prod(layer.kernel.shape[:-1]), layer.kernel.shape[-1]
+        if len(layer.kernel.shape) == 4:  # a conv: Glorot counts the receptive field on both sides
+            fan_out *= np.prod(layer.kernel.shape[:2])
+        assert np.abs(layer.kernel.numpy()).max() <= np.sqrt(6 / (fan_in + fan_out))  # Glorot-uniform's bound
+    W = model.digit_caps.W.numpy()
+    assert np.abs(W).max() > 2 * 0.1  # a full normal: 4.6% of its 92,160 entries beyond 2σ
+    assert W.std() == pytest.approx(0.1, rel=0.02)
+
+
+def test_initializers_round_trip_and_a_bad_value_is_a_one_line_error():
+    model = build_model(initializers="authors", primary_caps_scale=0.03125, **SMALL)
+    config_ = model.get_config()
+    assert config_["initializers"] == "authors"
+    assert CapsNet.from_config(config_).get_config() == config_
+    with pytest.raises(ValueError, match=r"^CapsNet: initializers must be one of keras, authors, got 'glorot'$"):
+        CapsNet(initializers="glorot")
+    with pytest.raises(ConfigError, match=r"model\.initializers must be one of keras, authors, got 'glorot'"):
+        config("model.initializers=glorot")
+
 
 def test_config_round_trip():
     model = build_model(routing_iterations=2, stop_gradient_routing=False, num_classes=7, w_init_stddev=0.02,

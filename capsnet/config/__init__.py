@@ -52,7 +52,8 @@ from capsnet.config.checks import (PER_EXAMPLE_AUGMENTATION, check, check_all_re
 from capsnet.config.hydra import check_overrides, compose, dataset_classes, dataset_shape, explain, register
 from capsnet.config.migrate import migrate
 from capsnet.config.routing import routing_from_flags, routing_mode
-from capsnet.config.schemas import (ALL_REDUCE, APP_SCHEMAS, AUGMENTATION_OFF, CONV_FORMS, GROUP_SCHEMAS, ROUTING, ROUTING_MODES,
+from capsnet.config.schemas import (ALL_REDUCE, APP_SCHEMAS, AUGMENTATION_OFF, CONV_FORMS, GROUP_SCHEMAS, INITIALIZERS,
+                                    ROUTING, ROUTING_MODES,
                                     SCALE_LR, SHIFT_FILLS, STRATEGIES, WEIGHTS, WHICH, XLA_MODES, PRECISIONS, AugmentationConfig,
                                     DataConfig, DataSourceConfig, DistributeConfig, EvalAppConfig, EvalDataConfig,
                                     ModelConfig, TrainAppConfig, TrainConfig, augmentation_on,
@@ -64,7 +65,7 @@ __all__ = [
     "routing_mode", "routing_from_flags", "compose", "explain", "check_overrides", "check_augmentation", "check_xla",
     "check_all_reduce_in_step", "check_data_on_device", "PER_EXAMPLE_AUGMENTATION",
     "dataset_shape", "dataset_classes", "GROUP_SCHEMAS", "APP_SCHEMAS",
-    "ROUTING", "ROUTING_MODES", "CONV_FORMS", "XLA_MODES", "PRECISIONS", "STRATEGIES", "ALL_REDUCE", "SCALE_LR", "AUGMENTATION_OFF",
+    "ROUTING", "ROUTING_MODES", "CONV_FORMS", "INITIALIZERS", "XLA_MODES", "PRECISIONS", "STRATEGIES", "ALL_REDUCE", "SCALE_LR", "AUGMENTATION_OFF",
     "augmentation_options", "augmentation_on", "SHIFT_FILLS", "WHICH", "WEIGHTS",
 ]
 

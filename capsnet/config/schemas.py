@@ -25,6 +25,7 @@ ROUTING_MODES = ("matmul", "matmul_xla", "op", "op_xla", "fused_op")  # what Dig
 XLA_MODES = ("none", "autocluster", "jit")                              # train.xla
 EVAL_XLA = ("none", "jit")                                              # evaluate.py xla (autocluster is process-wide)
 CONV_FORMS = ("auto", "strided", "space_to_depth")                      # model.primary_caps_conv
+INITIALIZERS = ("keras", "authors")                                     # model.initializers
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")            # train.precision (Keras policy names)
 STRATEGIES = ("none", "mirrored", "multi_worker")                       # distribute.strategy
 ALL_REDUCE = {                                                          # distribute.all_reduce, per strategy
@@ -227,6 +228,7 @@ class ModelConfig:
     decoder: bool = _checked(True, _boolean)
     decoder_units: List[int] = _checked(check=_int_list, factory=lambda: [512, 1024])
     w_init_stddev: float = _checked(0.1, _positive_float)
+    initializers: str = _checked("keras", _one_of(INITIALIZERS))
     primary_caps_conv: str = _checked("auto", _one_of(CONV_FORMS))
     digit_caps_bias: Optional[float] = _checked(None, _optional_finite_float)
     primary_caps_scale: float = _checked(1.0, _positive_float)
