@@ -38,6 +38,7 @@ def main(cfg: DictConfig):
 
     report = evaluate(cfg["checkpoint"], which=cfg["which"], data_name=cfg["data"]["name"],
                       data_dir=cfg["data"]["dir"], limit_test=cfg["data"]["limit_test"],
+                      shift_pixels=cfg["data"]["shift_pixels"], pad_pixels=cfg["data"]["pad_pixels"],
                       custom_op=cfg["custom_op"], batch_size=cfg["batch_size"], weights=cfg["weights"],
                       precision=cfg["precision"], tf32=cfg["tf32"], xla=cfg["xla"], output=cfg["output"],
                       tta=cfg["tta"])

@@ -62,12 +62,13 @@ def format_report(report):
         lines += [f"  {m['checkpoint']}{' ' + m['view'] if 'view' in m else ''} (epoch {m['epoch']}, "
                   f"{WEIGHT_NAMES[m['weights']]}, custom_op={m['custom_op']}): "
                   f"{scored} {m['accuracy']:.4%}, loss {m['loss']:.5f}" for m in report["members"]]
-        lines += [f"dataset: {report['dataset']} test, {report['num_examples']} {kind}",
+        lines += [f"dataset: {report['dataset']} test, {report['num_examples']} {kind}{pairs_shown(report)}",
                   f"ensemble {scored} {report['accuracy']:.4%}  {report['images_per_sec']:.1f} images/s"]
     else:
         lines = [
             f"checkpoint: {report['checkpoint']} (epoch {report['epoch']}, {WEIGHT_NAMES[report['weights']]})",
-            f"dataset: {report['dataset']} test, {report['num_examples']} {kind}, custom_op={report['custom_op']}, "
+            f"dataset: {report['dataset']} test, {report['num_examples']} {kind}{pairs_shown(report)}, "
+            f"custom_op={report['custom_op']}, "
             f"precision={report['precision']}, tf32={report['tf32']}, xla={report['xla']}",
             f"{scored} {report['accuracy']:.4%}  loss {report['loss']:.5f}  "
             f"(margin {report['margin_loss']:.5f}, reconstruction {report['reconstruction_loss']:.3f})  "
@@ -90,8 +91,14 @@ def format_report(report):
     return "\n".join(lines)
 
 
-def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_test=None,
-             custom_op=None, batch_size=None, weights=None, precision=None, tf32=None, xla=None, output=None,
+def pairs_shown(report):
+    """', pairs shifted ±s px, canvas border p' for a report of two-digit test pairs."""
+    pairs = report.get("test_pairs")
+    return "" if not pairs else f" (shifted ±{pairs['shift_pixels']} px, canvas border {pairs['pad_pixels']} px)"
+
+
+def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_test=None, shift_pixels=None,
+             pad_pixels=None, custom_op=None, batch_size=None, weights=None, precision=None, tf32=None, xla=None, output=None,
              tta="none"):
     """Evaluate `checkpoint` on the test split; returns the report and writes it as JSON.
 
@@ -103,6 +110,11 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
         data_name, data_dir, limit_test: None = as in the (first) run's config. A different
             data_name without data_dir reads tensorflow-datasets (the run's data.dir
             holds the other dataset's files).
+        shift_pixels, pad_pixels: None = the run's; MultiMNIST only: the test pairs' shifts
+            and canvas border (a run scored on other pairs, e.g. the authors' generator's
+            shift_pixels=6 with pad_pixels=4). A shift given alone keeps the run's canvas.
+            The report names its pairs (`test_pairs`); pairs other than the run's are written
+            to `<checkpoint>.eval-pairs-shift<s>-pad<p>.json` by default, not over the run's own.
         custom_op: None = as trained; True/False picks the capsule-prediction path.
         batch_size: None = the (first) run's test pass batch: its train.test_batch_size, or
             train.batch_size where that is null.
@@ -148,7 +160,8 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     args = config.check_section(config.EvalAppConfig, {
         "checkpoint": checkpoints, "which": which, "custom_op": custom_op, "batch_size": batch_size,
         "weights": weights, "precision": precision, "tf32": tf32, "xla": xla, "output": output, "tta": tta,
-        "data": {"name": data_name, "dir": data_dir, "limit_test": limit_test}})
+        "data": {"name": data_name, "dir": data_dir, "limit_test": limit_test, "shift_pixels": shift_pixels,
+                 "pad_pixels": pad_pixels}})
     members = [resolve_member(c, which=which, custom_op=custom_op, weights=weights, precision=precision, tf32=tf32,
                               xla=xla) for c in checkpoints]
     first = members[0]
@@ -160,7 +173,17 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     data_cfg, data_args = dict(first["cfg"]["data"]), args["data"]
     if data_args["name"] is not None and data_args["name"] != data_cfg["name"] and data_args["dir"] is None:
         data_cfg["dir"] = None
+    other_pairs = {key: data_args[key] for key in ("shift_pixels", "pad_pixels") if data_args[key] is not None}
+    run_border = data_cfg["shift_pixels"] if data_cfg.get("pad_pixels") is None else data_cfg["pad_pixels"]
     data_cfg.update({key: value for key, value in data_args.items() if value is not None})
+    test_pairs = None
+    if is_overlay(data_cfg["name"]):
+        # A shift given alone keeps the run's canvas (a border of null was the run's shift).
+        data_cfg["pad_pixels"] = other_pairs.get("pad_pixels", run_border)
+        test_pairs = {"shift_pixels": data_cfg["shift_pixels"], "pad_pixels": data_cfg["pad_pixels"]}
+    elif other_pairs:
+        raise ConfigError(f"data.shift_pixels / data.pad_pixels make MultiMNIST's test pairs: the {data_cfg['name']} "
+                          "test images are scored as they are (set them to null)")
     run_train = first["cfg"]["train"]
     batch_size = args["batch_size"] or eval_batch_size(run_train)
     # One test split for all (data.name may pick another): members trained for different
@@ -239,15 +262,24 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
                 "precision": member["precision"],
                 "tf32": member["tf32"],
                 "xla": member["xla"],
+                **({"test_pairs": test_pairs} if test_pairs else {}),
                 **({"view": view} if len(views) > 1 else {}),
             })
     if ensemble:
         report = ensemble_report(reports, results, model.num_classes)
         if args["tta"] != "none":
             report["tta"] = args["tta"]
+        if test_pairs:
+            report["test_pairs"] = test_pairs
         passes = [[m["checkpoint"], m["weights"], m["custom_op"], *([m["view"]] if "view" in m else [])] for m in reports]
+        if other_pairs:
+            passes.append(test_pairs)
         digest = hashlib.sha1(json.dumps(passes).encode()).hexdigest()[:8]
         default_output = f"{first['prefix']}.ensemble-{digest}.eval.json"
+    elif other_pairs:
+        # Not over the run's own report (compare_runs reads that one as the run's final).
+        report = reports[0]
+        default_output = f"{first['prefix']}.eval-pairs-shift{test_pairs['shift_pixels']}-pad{test_pairs['pad_pixels']}.json"
     else:
         report, default_output = reports[0], first["prefix"] + ".eval.json"
     output = Path(args["output"] if args["output"] is not None else default_output)

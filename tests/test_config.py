@@ -54,7 +54,8 @@ def test_every_config_group_composes_and_checks(overrides):
 def test_eval_config_composes_and_checks():
     cfg = compose_config("eval", ["checkpoint=/some/run"])
     assert config.check_eval(cfg) == cfg
-    assert cfg["data"] == {"name": None, "dir": None, "limit_test": None} and cfg["custom_op"] is None
+    assert cfg["data"] == {"name": None, "dir": None, "limit_test": None, "shift_pixels": None, "pad_pixels": None}
+    assert cfg["custom_op"] is None and cfg["tf32"] is None
     with pytest.raises(ConfigError, match=r"checkpoint=\.\.\. is required"):
         config.check_eval({"which": "best"})
 

@@ -326,3 +326,45 @@ def test_batched_pairs_are_the_per_example_draws(sources, training, shift, pad):
     assert len(got[1]) == n and [len(b[1]) for b in batches][-1] == n - 16 * (len(batches) - 1)
     for got_part, want_part in zip(got, want):
         np.testing.assert_array_equal(got_part, np.stack(want_part))
+
+
+def test_evaluate_scores_a_run_on_other_test_pairs_and_keeps_its_own_report(tiny_idx_dir, tmp_path):
+    """evaluate(shift_pixels=..., pad_pixels=...) (evaluate.py data.shift_pixels / data.pad_pixels):
+    a ±4 px run scored on other pairs of its canvas, against the checkpoint's capsule lengths on
+    the pairs the pipeline makes with those arguments; the run's own report is left where
+    compare_runs reads it."""
+    from capsnet.data import load_split
+    from capsnet.training import train
+
+    run_dir = tmp_path / "run"
+    train(compose_config("train", multimnist_overrides(tiny_idx_dir, run_dir)))
+    own = evaluate(run_dir, which="latest")
+    assert own["test_pairs"] == {"shift_pixels": 4, "pad_pixels": 4} and own["output"].endswith("ckpt-2.eval.json")
+    explicit = evaluate(run_dir, which="latest", shift_pixels=4, pad_pixels=4)  # the run's own pairs, named
+    assert (explicit["accuracy"], explicit["loss"]) == (own["accuracy"], own["loss"])
+
+    other = evaluate(run_dir, which="latest", shift_pixels=1)  # alone: the run's canvas (border 4) stays
+    assert other["test_pairs"] == {"shift_pixels": 1, "pad_pixels": 4}
+    assert other["output"].endswith("ckpt-2.eval-pairs-shift1-pad4.json")
+    assert other["loss"] != own["loss"]  # other images
+    assert json.loads((run_dir / "checkpoints" / "latest" / "ckpt-2.eval.json").read_text())["loss"] == own["loss"]
+    assert "(shifted ±1 px, canvas border 4 px)" in format_report(other)
+    images, labels = load_split("multimnist", "test", data_dir=tiny_idx_dir, limit=40)
+    pairs = make_split_dataset("multimnist", images, labels, batch_size=16, training=False, shift_pixels=1,
+                               pad_pixels=4)
+    lengths = checkpoint_lengths(run_dir / "checkpoints" / "latest" / "ckpt-2", run_dir, pairs)
+    pair_labels = np.concatenate([y.numpy() for _, y, *_ in pairs])
+    top_two = np.sort(np.argsort(-lengths, axis=1)[:, :2], axis=1)
+    assert other["accuracy"] == pytest.approx((top_two == np.sort(pair_labels, axis=1)).all(axis=1).mean())
+
+    # Another border is another image size: the model's input says no, in one line.
+    with pytest.raises(ConfigError, match=r"^multimnist test images have shape \(32, 32, 1\) but model\.input_shape "
+                                          r"is \[36, 36, 1\]$"):
+        evaluate(run_dir, pad_pixels=2, output=tmp_path / "never.json")
+
+
+def test_other_test_pairs_are_for_multimnist_only(trained_run, tmp_path):
+    with pytest.raises(ConfigError, match=r"^data\.shift_pixels / data\.pad_pixels make MultiMNIST's test pairs: "
+                                          r"the mnist test images are scored as they are \(set them to null\)$"):
+        evaluate(trained_run[0], shift_pixels=3, output=tmp_path / "never.json")
+    assert not (tmp_path / "never.json").exists()

@@ -160,6 +160,12 @@ def _canvas_border(name, value):
     return integer(name, value, minimum=0, hint=" (null: data.shift_pixels)", error=ConfigError)
 
 
+def _eval_pixels(name, value):
+    if value is None:
+        return None
+    return integer(name, value, minimum=0, hint=" (null: the run's)", error=ConfigError)
+
+
 def _checkpoint(name, value):
     items = list(value) if isinstance(value, (list, tuple)) else [value]
     if not all(isinstance(item, str) or hasattr(item, "__fspath__") for item in items):
@@ -338,6 +344,8 @@ class EvalDataConfig:
     name: Optional[str] = _checked(None, lambda n, v: None if v is None else _dataset_name(n, v))
     dir: Optional[str] = _checked(None, _optional_string)
     limit_test: Optional[int] = _checked(None, _limit)
+    shift_pixels: Optional[int] = _checked(None, _eval_pixels)  # MultiMNIST's test pairs: their shifts
+    pad_pixels: Optional[int] = _checked(None, _eval_pixels)    # and canvas border
 
 
 @dataclass
