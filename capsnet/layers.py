@@ -505,34 +505,42 @@ class Decoder(keras.layers.Layer):
         units: hidden FC sizes, ReLU (paper: 512, 1024).
         output_shape: reconstructed image shape (H, W, C); the last FC has H·W·C
             sigmoid units (pixels in [0, 1]).
-        kernel_initializer, bias_initializer: every FC layer's (Keras' defaults: Glorot
-            uniform, zeros).
+        kernel_initializer, bias_initializer: what every FC layer starts from, as a Keras
+            identifier or serialized initializer (None: Dense's own defaults, Glorot uniform
+            and zeros); each layer makes its own instance from it, since one unseeded
+            instance shared by all would draw the same values in each.
 
     Input shape: `v_j (batch, num_caps, dim)` and `mask_labels (batch,)` int class ids
     in [0, num_caps) (an id outside that range masks every capsule out).
     Output shape: `(batch, H, W, C)`, float32 under a mixed-precision policy too.
     """
 
-    def __init__(self, units=(512, 1024), output_shape=(28, 28, 1), kernel_initializer="glorot_uniform",
-                 bias_initializer="zeros", **kwargs):
+    def __init__(self, units=(512, 1024), output_shape=(28, 28, 1), kernel_initializer=None,
+                 bias_initializer=None, **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
         self.units = positive_int_tuple(f"{owner}: units", units)
         self.image_shape = positive_int_tuple(f"{owner}: output_shape", output_shape)
-        self.kernel_initializer = keras.initializers.get(kernel_initializer)
-        self.bias_initializer = keras.initializers.get(bias_initializer)
-        init = {"kernel_initializer": self.kernel_initializer, "bias_initializer": self.bias_initializer}
+        # Serialized once (an instance given is copied by its config), made anew per layer.
+        self.kernel_initializer, self.bias_initializer = (
+            None if i is None else keras.initializers.serialize(keras.initializers.get(i))
+            for i in (kernel_initializer, bias_initializer))
+
+        def init():
+            return {name: keras.initializers.get(spec) for name, spec in
+                    (("kernel_initializer", self.kernel_initializer), ("bias_initializer", self.bias_initializer))
+                    if spec is not None}
         # One attribute per Dense layer (fc1, fc2, …), never a Python list: Keras 3 wraps
         # lists in its own container, which tf.train.Checkpoint's object graph cannot see,
         # so `tf.train.Checkpoint(model=...)` would silently skip every layer in it.
         for k, n in enumerate(self.units):
             setattr(self, f"fc{k + 1}", Dense(n, activation="relu", name=f"fc{k + 1}",
-                                                           dtype=self.dtype_policy, **init))
+                                                           dtype=self.dtype_policy, **init()))
         # The output layer's sigmoid is applied in call(), in float32: under mixed precision a
         # 16-bit sigmoid would round pixels near 0 and 1 (bfloat16: steps of 1/256 below 1).
         last = f"fc{len(self.units) + 1}"
         setattr(self, last, Dense(math.prod(self.image_shape), activation=None, name=last,
-                                               dtype=self.dtype_policy, **init))
+                                               dtype=self.dtype_policy, **init()))
 
     @property
     def dense_layers(self):
@@ -577,6 +585,6 @@ class Decoder(keras.layers.Layer):
             **super().get_config(),
             "units": list(self.units),
             "output_shape": list(self.image_shape),
-            "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
-            "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+            "kernel_initializer": self.kernel_initializer,
+            "bias_initializer": self.bias_initializer,
         }

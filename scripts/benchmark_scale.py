@@ -200,6 +200,7 @@ def worker(spec):
     from capsnet.errors import AllReduceError, CapsnetError, ConfigError
     from capsnet.training.model_setup import check_op_library
     from capsnet import config
+    from capsnet.precision import set_tensor_float_32
     from capsnet.training.steps import set_autoclustering
 
     result = {"variant": spec["variant"], "results": [], "error": None, "failures": [],
@@ -212,6 +213,7 @@ def worker(spec):
         routing = bt.variant_model_cfg(spec["variant"], spec["model"])["routing"]
         config.check_xla(spec["xla"], routing)
         set_autoclustering(spec["xla"] == "autocluster")  # before TensorFlow sets up its devices
+        set_tensor_float_32(spec["train"]["tf32"])  # train.tf32 (default on), as train.py sets it
         most = max(spec["replicas"] or [1])
         if spec["device"] == "cpu":
             _setup_cpu_devices(most)

@@ -21,8 +21,8 @@ What a run contributes, read from its own files (no TensorFlow is imported):
   with the default output; a report of another epoch is not this run's final);
 - best epoch, first epoch at or above --threshold, the last epoch's training accuracy;
 - its recipe: config.yaml's values (in today's shape: a key added since takes the default the
-  run had, capsnet.config.migrate) but for where and how it ran (seed, run dir, data dir, XLA
-  cache, progress bar, debug). Each group is shown with the keys its recipe changes from the
+  run had, capsnet.config.migrate) but for where and how it ran, logged and saved (NOT_RECIPE:
+  the seed, run and data dirs, XLA cache, test and save schedules, logging, steps per call). Each group is shown with the keys its recipe changes from the
   reference group's, and any key its own runs disagree on: a glob that caught another recipe's
   runs shows there.
 
@@ -54,8 +54,11 @@ from capsnet.cli import fail  # noqa: E402  (`error: ...` on one line, exit 2, a
 from capsnet.config import migrate  # noqa: E402  (no TensorFlow either)
 from capsnet.errors import ConfigError  # noqa: E402
 
-# config.yaml keys that say where or how a run was made, not what it trained.
-NOT_RECIPE = {"seed", "run_dir", "debug", "data.dir", "train.xla_cache_dir", "train.progress_bar"}
+# config.yaml keys that say where or how a run was made, logged and saved, not what it trained.
+NOT_RECIPE = {"seed", "run_dir", "debug", "data.dir", "train.xla_cache_dir", "train.progress_bar",
+              "train.log_every_steps", "train.save_every_epochs", "train.keep_checkpoints", "train.test_batch_size",
+              "train.test_every_epochs", "train.num_images", "train.histogram_examples", "train.steps_per_execution",
+              "train.collapse_patience"}
 
 
 class CompareError(Exception):

@@ -142,10 +142,12 @@ def profile(args, cfg):
     from capsnet.losses import loss_params
     from capsnet.training.model_setup import build_capsnet
     from capsnet.training.optimizer import build_optimizer
+    from capsnet.precision import set_tensor_float_32
     from capsnet.training.steps import make_train_loop, make_train_step, set_autoclustering
 
     custom_op, xla = bt.VARIANTS[args.variant]
     set_autoclustering(xla == "autocluster")
+    set_tensor_float_32(cfg["train"]["tf32"])  # train.tf32 (default on), as train.py sets it
     gpus = len(tf.config.list_physical_devices("GPU"))
     if gpus < args.replicas:
         raise SystemExit(f"error: {args.replicas} GPU(s) needed, TensorFlow sees {gpus} (profile_train.py profiles "

@@ -160,6 +160,16 @@ def test_keras_initializers_stay_the_default():
     assert W.std() == pytest.approx(0.1, rel=0.02)
 
 
+@pytest.mark.parametrize("initializers", ["keras", "authors"])
+def test_each_decoder_layer_draws_its_own_start(initializers):
+    """One unseeded Keras initializer draws the same values at every call: the decoder's
+    layers must each make their own (a shared one gave fc2 fc1's values, correlation 1)."""
+    model = build_model(initializers=initializers, primary_caps_scale=0.03125, **{**SMALL, "decoder_units": (64, 64)})
+    fc1, fc2, fc3 = (layer.kernel.numpy() for layer in model.decoder.dense_layers)
+    for a, b in ((fc1[:64, :64], fc2), (fc2, fc3[:, :64])):
+        assert abs(np.corrcoef(a.ravel(), b.ravel())[0, 1]) < 0.05
+
+
 def test_initializers_round_trip_and_a_bad_value_is_a_one_line_error():
     model = build_model(initializers="authors", primary_caps_scale=0.03125, **SMALL)
     config_ = model.get_config()

@@ -174,7 +174,7 @@ def check_data_on_device(cfg):
     a time (flip, shift, elastic, erase; MultiMNIST's pairs)."""
     if cfg["train"]["xla"] != "jit":
         raise ConfigError(f"train.data_on_device=true runs each call's steps as one XLA program: set train.xla=jit "
-                          f"(got {cfg['train']['xla']})")
+                          f"(got {cfg['train']['xla']}) or train.data_on_device=false")
     if cfg["distribute"]["strategy"] != "none":
         raise ConfigError(f"train.data_on_device=true trains on one device: set distribute=none "
                           f"(got {cfg['distribute']['strategy']}) or train.data_on_device=false")
