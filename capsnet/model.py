@@ -93,12 +93,11 @@ class CapsNet(keras.Model):
         if initializers not in INITIALIZERS:
             raise ValueError(f"{owner}: initializers must be one of {', '.join(INITIALIZERS)}, got {initializers!r}")
         self.initializers = initializers
-        # Each layer makes its initializers where it is made, in the order of old: an unseeded
+        authors = initializers == "authors"
+        truncated, bias = keras.initializers.TruncatedNormal, keras.initializers.Constant
+        # Each initializer is made where its layer is made, in the order of old: an unseeded
         # Keras initializer takes its seed from the global generator when it is created, so
         # keras mode starts every seed's weights as before model.initializers existed.
-        init = AuthorsInitializers(self.w_init_stddev, positive_float(f"{owner}: primary_caps_scale",
-                                                                      primary_caps_scale)) \
-            if initializers == "authors" else KerasInitializers(self.w_init_stddev)
         if primary_caps_conv not in CONV_FORMS:
             raise ValueError(f"{owner}: primary_caps_conv must be one of {', '.join(CONV_FORMS)}, "
                              f"got {primary_caps_conv!r}")
@@ -116,21 +115,31 @@ class CapsNet(keras.Model):
 
         self.conv1 = Conv2D(
             self.conv1_filters, self.conv1_kernel_size, strides=1, padding="valid",
-            activation="relu", name="conv1", dtype=self.dtype_policy, **init.conv1())
+            activation="relu", name="conv1", dtype=self.dtype_policy,
+            **({"kernel_initializer": truncated(stddev=0.05), "bias_initializer": bias(0.1)} if authors else {}))
         self.primary_caps = PrimaryCaps(
             num_types=self.primary_caps_types, dim=self.primary_caps_dim,
             kernel_size=self.primary_caps_kernel_size, strides=self.primary_caps_strides,
             padding="valid", conv_form=primary_caps_conv, kernel_scale=primary_caps_scale,
-            bias_init=primary_caps_bias, name="primary_caps", dtype=self.dtype_policy, **init.primary_caps())
+            bias_init=primary_caps_bias, name="primary_caps", dtype=self.dtype_policy,
+            # The draw is divided by the scale at build (the unscaled layer's start): scaled
+            # here, the stored kernel starts as the authors' does.
+            **({"kernel_initializer": truncated(stddev=0.1 * positive_float(f"{owner}: primary_caps_scale",
+                                                                            primary_caps_scale))}
+               if authors else {}))
         self.digit_caps = DigitCaps(
             num_caps=self.num_classes, dim=self.digit_caps_dim,
             routing_iterations=self.routing_iterations,
             stop_gradient_routing=self.stop_gradient_routing, routing=self.routing,
-            kernel_initializer=init.W(),
+            kernel_initializer=(truncated if authors else keras.initializers.RandomNormal)(stddev=self.w_init_stddev),
             bias_init=self.digit_caps_bias, name="digit_caps", dtype=self.dtype_policy)
         self.decoder = (
             Decoder(units=self.decoder_units, output_shape=self.image_shape, name="decoder",
-                    dtype=self.dtype_policy, **init.decoder())
+                    dtype=self.dtype_policy,
+                    # Specifications: each decoder layer makes its own (one object, one draw).
+                    **({"kernel_initializer": {"class_name": "TruncatedNormal", "config": {"stddev": 0.1}},
+                        "bias_initializer": {"class_name": "Constant", "config": {"value": 0.1}}}
+                       if authors else {}))
             if self.use_decoder else None)
 
     @property
@@ -246,53 +255,6 @@ class CapsNet(keras.Model):
     custom_op = property(lambda self: self.digit_caps.custom_op)
     jit_routing = property(lambda self: self.digit_caps.jit_routing)
     fused_routing = property(lambda self: self.digit_caps.fused_routing)
-
-
-class KerasInitializers:
-    """model.initializers=keras: each layer's own defaults (Glorot-uniform kernels, zero
-    biases), W from N(0, w_init_stddev²). Methods: the initializer arguments of a layer, made
-    when called (the model calls each as it makes that layer)."""
-
-    def __init__(self, w_init_stddev):
-        self.w_init_stddev = w_init_stddev
-
-    def conv1(self):
-        return {}
-
-    def primary_caps(self):
-        return {}
-
-    def W(self):
-        return keras.initializers.RandomNormal(stddev=self.w_init_stddev)
-
-    def decoder(self):
-        return {}
-
-
-class AuthorsInitializers(KerasInitializers):
-    """model.initializers=authors (variables.py of the authors' code: truncated normals, biases
-    at 0.1). PrimaryCaps divides its kernel's draw by its scale at build (the unscaled layer's
-    start), so its draw is scaled here: the kernel it stores starts as the authors' does. The
-    decoder gets a specification, from which each of its layers makes its own initializer
-    (one object for all would give them one draw)."""
-
-    def __init__(self, w_init_stddev, primary_caps_scale):
-        super().__init__(w_init_stddev)
-        self.primary_caps_scale = primary_caps_scale
-
-    def conv1(self):
-        return {"kernel_initializer": keras.initializers.TruncatedNormal(stddev=0.05),
-                "bias_initializer": keras.initializers.Constant(0.1)}
-
-    def primary_caps(self):
-        return {"kernel_initializer": keras.initializers.TruncatedNormal(stddev=0.1 * self.primary_caps_scale)}
-
-    def W(self):
-        return keras.initializers.TruncatedNormal(stddev=self.w_init_stddev)
-
-    def decoder(self):
-        return {"kernel_initializer": {"class_name": "TruncatedNormal", "config": {"stddev": 0.1}},
-                "bias_initializer": {"class_name": "Constant", "config": {"value": 0.1}}}
 
 
 def build_model(**kwargs):
