@@ -22,9 +22,9 @@ What a run contributes, read from its own files (no TensorFlow is imported):
 - best epoch, first epoch at or above --threshold, the last epoch's training accuracy;
 - its recipe: config.yaml's values (in today's shape: a key added since takes the default the
   run had, capsnet.config.migrate) but for where and how it ran, logged and saved (NOT_RECIPE:
-  the seed, run and data dirs, XLA cache, test and save schedules, logging, steps per call). Each group is shown with the keys its recipe changes from the
-  reference group's, and any key its own runs disagree on: a glob that caught another recipe's
-  runs shows there.
+  the seed, run and data dirs, XLA cache, test and save schedules, logging, steps per call).
+  Each group is shown with the keys its recipe changes from the reference group's, and any
+  key its own runs disagree on: a glob that caught another recipe's runs shows there.
 
 A group's spread is the sample standard deviation of its finals, and its standard error is
 that over the square root of the number of runs. The comparison is paired: on the seeds both
