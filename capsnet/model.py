@@ -44,8 +44,8 @@ class CapsNet(keras.Model):
     `initializers` (capsnet.config.INITIALIZERS): how the other weights start. "keras" (the
     default): Keras' defaults, Glorot-uniform kernels and zero biases. "authors": the
     authors' code's (research/capsules in github.com/Sarasra/models, variables.py: truncated
-    normals, every bias at 0.1): Conv1 σ 0.05, PrimaryCaps σ 0.1 as that code stores it
-    (before its scale: meant with primary_caps_scale 1/32), the decoder σ 0.1, and W a
+    normals, every bias at 0.1): Conv1 σ 0.05, PrimaryCaps σ 0.1 under their 1/32 (an
+    effective σ 0.1/32 at any primary_caps_scale; at 1/32 stored as theirs), the decoder σ 0.1, and W a
     truncated normal of σ w_init_stddev (TF1's truncated_normal and Keras' TruncatedNormal
     both redraw beyond 2σ: the spread is ~0.88σ). PrimaryCaps' and DigitCaps' biases keep
     their own keys.
@@ -122,11 +122,11 @@ class CapsNet(keras.Model):
             kernel_size=self.primary_caps_kernel_size, strides=self.primary_caps_strides,
             padding="valid", conv_form=primary_caps_conv, kernel_scale=primary_caps_scale,
             bias_init=primary_caps_bias, name="primary_caps", dtype=self.dtype_policy,
-            # The draw is divided by the scale at build (the unscaled layer's start): scaled
-            # here, the stored kernel starts as the authors' does.
-            **({"kernel_initializer": truncated(stddev=0.1 * positive_float(f"{owner}: primary_caps_scale",
-                                                                            primary_caps_scale))}
-               if authors else {}))
+            # The authors' start as a function: their σ 0.1 kernel under their 1/32, an
+            # effective σ 0.1/32 whatever primary_caps_scale is (build divides the draw by the
+            # scale: at 1/32 the stored kernel is theirs, σ 0.1). Drawn at σ 0.1 under scale 1,
+            # every primary capsule would start saturated (|u| ≈ 0.99 on MNIST).
+            **({"kernel_initializer": truncated(stddev=0.1 / 32)} if authors else {}))
         self.digit_caps = DigitCaps(
             num_caps=self.num_classes, dim=self.digit_caps_dim,
             routing_iterations=self.routing_iterations,

@@ -1,11 +1,23 @@
-"""The paper model at initialisation on a batch of uniform noise with random labels: its
-capsule lengths and the size of each variable's gradient against Adam's epsilon (1e-7),
-per batch size. Run on the CPU (a minute): `.venv/bin/python scripts/probe_init_gradients.py`.
+"""A model at initialisation, on one batch: how active Conv1's ReLUs are, how long the
+primary capsules u and the digit capsules v_j are, how far routing moves c_ij from uniform,
+the loss, and each variable's gradient against Adam's epsilon (1e-7). Run on the CPU:
 
-Why it exists: [reliability] item 3 (docs/verification.md): the paper model at batch 2048
-on a repeated synthetic batch sat at loss 0.8426 on an H100; this shows what that loss is.
+    # the paper model on uniform noise with random labels, batch 512 and 2048 (a minute)
+    .venv/bin/python scripts/probe_init_gradients.py
+    # a config's model on a training batch of its data, e.g. both starts of the MultiMNIST preset
+    .venv/bin/python scripts/probe_init_gradients.py --data ../shared/data/mnist --batch 100 \
+        experiment=paper_multimnist model.initializers=keras
+    .venv/bin/python scripts/probe_init_gradients.py --data ../shared/data/mnist --batch 100 \
+        experiment=paper_multimnist model.initializers=authors
+
+Trailing arguments are train.py's config overrides (float32, the matmul path: custom_op=false).
+Why it exists: [reliability] item 3 (docs/verification.md): the paper model at batch 2048 on
+a repeated noise batch sat at loss 0.8426 on an H100; this shows what that loss is. Later,
+why the authors' initializers fit MultiMNIST faster (docs/results.md, thirty-ninth session).
 """
+import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 import keras
@@ -13,23 +25,93 @@ import numpy as np
 import tensorflow as tf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from capsnet.model import build_model
-from capsnet.losses import capsnet_losses
+from capsnet import config  # noqa: E402
+from capsnet.data import augmentation_options, is_overlay, load_split, make_split_dataset  # noqa: E402
+from capsnet.losses import capsnet_losses, loss_params  # noqa: E402
+from capsnet.training.model_setup import build_capsnet  # noqa: E402
 
-keras.utils.set_random_seed(0)
-model = build_model()
-rng = np.random.default_rng(0)
-for batch in (512, 2048):
-    x = tf.constant(rng.uniform(0, 1, (batch, 28, 28, 1)).astype(np.float32))
-    y = tf.constant(rng.integers(0, 10, batch).astype(np.int32))
+
+def probe(model, images, labels, losses, targets=None):
+    """The statistics of `model` on one batch (float32 images, labels (B,) or (B, 2)):
+    a dict of scalars, and per trainable variable (path, weight rms, gradient rms, median
+    |gradient|, fraction of gradient entries below Adam's epsilon)."""
     with tf.GradientTape() as tape:
-        out = model(x, labels=y, training=True)
-        total, margin, rec = capsnet_losses(x, y, out, m_plus=0.9, m_minus=0.1, lambda_=0.5, reconstruction_weight=0.0005)
+        conv1 = model.conv1(images)
+        u = model.primary_caps(conv1)
+        outputs = model(images, labels=labels, training=True)
+        total, margin, reconstruction = capsnet_losses(images, labels, outputs, **losses, targets=targets)
         loss = tf.reduce_mean(total)
     grads = tape.gradient(loss, model.trainable_variables)
-    lengths = out["lengths"].numpy()
-    print(f"batch {batch}: loss {float(loss):.4f} margin {float(tf.reduce_mean(margin)):.4f} lengths mean {lengths.mean():.2e} max {lengths.max():.2e}", flush=True)
-    for v, g in zip(model.trainable_variables, grads):
-        g = g.numpy()
-        rms = float(np.sqrt(np.mean(g ** 2)))
-        print(f"  {v.path:60s} rms {rms:.2e}  median|g| {np.median(np.abs(g)):.2e}  frac|g|<1e-7 {np.mean(np.abs(g) < 1e-7):.2f}", flush=True)
+    lengths = outputs["lengths"].numpy()
+    present = np.zeros(lengths.shape, bool)
+    label_columns = labels.numpy().reshape(len(lengths), -1)
+    for column in label_columns.T:
+        present[np.arange(len(lengths)), column] = True
+    u_lengths = np.linalg.norm(u.numpy(), axis=-1)
+    stats = {
+        "loss": float(loss), "margin": float(tf.reduce_mean(margin)),
+        "reconstruction": float(tf.reduce_mean(reconstruction)),
+        "conv1_active": float(np.mean(conv1.numpy() > 0)),
+        "u_length_mean": float(u_lengths.mean()), "u_length_p10": float(np.percentile(u_lengths, 10)),
+        "u_length_p90": float(np.percentile(u_lengths, 90)),
+        "v_length_present": float(lengths[present].mean()), "v_length_absent": float(lengths[~present].mean()),
+        "v_length_max": float(lengths.max()),
+        # 1 / classes where routing has not moved the couplings from uniform.
+        "c_ij_max_mean": float(outputs["c_ij"].numpy().max(axis=-1).mean()),
+    }
+    variables = []
+    for variable, grad in zip(model.trainable_variables, grads):
+        g = grad.numpy()
+        variables.append((variable.path, float(np.sqrt(np.mean(variable.numpy() ** 2))), float(np.sqrt(np.mean(g ** 2))),
+                          float(np.median(np.abs(g))), float(np.mean(np.abs(g) < 1e-7))))
+    return stats, variables
+
+
+def batches(cfg, data_dir, batch_sizes, rng):
+    """(batch size, images, labels, targets) for each size: the config's first training batch
+    (epoch 0, as the run draws it) with data_dir, else uniform noise with random labels."""
+    data_cfg = cfg["data"]
+    if data_dir is None and is_overlay(data_cfg["name"]):
+        raise SystemExit(f"probe_init_gradients: {data_cfg['name']} has two labels an image: pass --data <its IDX dir>")
+    if data_dir is not None:
+        train_images, train_labels = load_split(data_cfg["name"], "train", data_dir=data_dir)
+    for batch in batch_sizes:
+        if data_dir is None:
+            images = tf.constant(rng.uniform(0, 1, (batch, *cfg["model"]["input_shape"])).astype(np.float32))
+            labels = tf.constant(rng.integers(0, cfg["model"]["num_classes"], batch).astype(np.int32))
+            yield batch, images, labels, None
+            continue
+        dataset = make_split_dataset(data_cfg["name"], train_images, train_labels, batch_size=batch, training=True,
+                                     seed=cfg["seed"], shift_pixels=data_cfg["shift_pixels"],
+                                     pad_pixels=data_cfg["pad_pixels"], **augmentation_options(data_cfg))
+        first = next(iter(dataset))
+        yield batch, first[0], first[1], (first[2] if len(first) > 2 else None)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", help="the config's dataset IDX dir: a real training batch (default: uniform noise)")
+    parser.add_argument("--batch", type=lambda text: [int(size) for size in text.split(",")], default=[512, 2048],
+                        help="batch sizes, comma-separated (default 512,2048)")
+    parser.add_argument("overrides", nargs="*", help="train.py config overrides, e.g. experiment=paper_multimnist")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as run_dir:  # compose needs a run_dir; nothing is written
+        cfg = config.compose("train", ["custom_op=false", *args.overrides, f"run_dir={run_dir}"])
+    keras.utils.set_random_seed(cfg["seed"])
+    model = build_capsnet(cfg["model"], custom_op=False)
+    losses = loss_params(cfg["train"])
+    rng = np.random.default_rng(cfg["seed"])
+    for batch, images, labels, targets in batches(cfg, args.data, args.batch, rng):
+        stats, variables = probe(model, images, labels, losses, targets)
+        print(f"batch {batch}: loss {stats['loss']:.4f} margin {stats['margin']:.4f} reconstruction "
+              f"{stats['reconstruction']:.1f} | conv1 ReLUs active {stats['conv1_active']:.3f} | |u| mean "
+              f"{stats['u_length_mean']:.3f} (p10 {stats['u_length_p10']:.3f}, p90 {stats['u_length_p90']:.3f}) | "
+              f"lengths: labelled {stats['v_length_present']:.2e}, others {stats['v_length_absent']:.2e}, max "
+              f"{stats['v_length_max']:.2e} | max_j c_ij mean {stats['c_ij_max_mean']:.3f}", flush=True)
+        for path, w_rms, g_rms, g_median, small in variables:
+            print(f"  {path:45s} |w| rms {w_rms:.2e}  grad rms {g_rms:.2e}  median|g| {g_median:.2e}  "
+                  f"frac|g|<1e-7 {small:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -126,18 +126,20 @@ def _truncated(values, stddev):
     assert values.std() == pytest.approx(0.8796 * stddev, rel=0.05)
 
 
-def test_the_authors_initializers_start_every_layer_as_their_code_does():
+@pytest.mark.parametrize("scale", [0.03125, 1.0])
+def test_the_authors_initializers_start_every_layer_as_their_code_does(scale):
     """model.initializers=authors against the authors' variables.py (truncated normals, biases
-    at 0.1): Conv1 σ 0.05; PrimaryCaps' stored kernel σ 0.1, its effective one 1/32 of it;
-    the decoder σ 0.1; W σ w_init_stddev. The biases with keys of their own keep them."""
-    model = build_model(initializers="authors", w_init_stddev=0.05, primary_caps_scale=0.03125,
+    at 0.1): Conv1 σ 0.05; PrimaryCaps σ 0.1 under the authors' 1/32, so the kernel the conv
+    applies has σ 0.1/32 at any primary_caps_scale (stored σ 0.1 at their 1/32); the decoder
+    σ 0.1; W σ w_init_stddev. The biases with keys of their own keep them."""
+    model = build_model(initializers="authors", w_init_stddev=0.05, primary_caps_scale=scale,
                         primary_caps_bias=0.2, digit_caps_bias=0.3, conv1_filters=64, primary_caps_types=8,
                         digit_caps_dim=8, decoder_units=(64, 128))
     _truncated(model.conv1.kernel.numpy(), 0.05)
     np.testing.assert_array_equal(model.conv1.bias.numpy(), np.float32(0.1))
     stored = model.primary_caps.conv.kernel.numpy()
-    _truncated(stored, 0.1)
-    _truncated(model.primary_caps.kernel_scale * stored, 0.1 * 0.03125)  # what the conv applies
+    _truncated(stored, 0.1 / 32 / scale)
+    _truncated(model.primary_caps.kernel_scale * stored, 0.1 / 32)  # what the conv applies
     np.testing.assert_array_equal(model.primary_caps.conv.bias.numpy(), np.float32(0.2))
     _truncated(model.digit_caps.W.numpy(), 0.05)
     np.testing.assert_array_equal(model.digit_caps.b_j.numpy(), np.float32(0.3))
