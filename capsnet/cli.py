@@ -53,7 +53,7 @@ def fail(message):
     sys.exit(EXIT_USER_ERROR)
 
 
-def _one_line(exc):
+def one_line(exc):
     """Hydra's config errors are several lines (message, hint, cause); keep what names the problem.
     A value of the wrong type (OmegaConf's ValidationError) is said in its key's own words:
     `train.m_plus must be a finite number, got 'abc'` (capsnet.config.explain)."""
@@ -92,7 +92,7 @@ def reports_user_errors(task):
             # `is True`: debug=no is the string 'no' (a ConfigError of its own), not a request.
             if _full_errors_requested() or cfg.get("debug", False) is True:
                 raise
-            fail(_one_line(exc) if isinstance(exc, OmegaConfBaseException) else exc)
+            fail(one_line(exc) if isinstance(exc, OmegaConfBaseException) else exc)
 
     return wrapper
 
@@ -143,7 +143,7 @@ def run(hydra_main):
     except (HydraException, OmegaConfBaseException) as exc:
         if _full_errors_requested():
             raise
-        fail(_one_line(exc))
+        fail(one_line(exc))
     except CapsnetError as exc:
         # Raised outside the task function, by a sweep's launcher (hydra/launcher=gpus: its
         # config, or jobs that failed in their own processes).

@@ -4,13 +4,13 @@ the loss, and each variable's gradient against Adam's epsilon (1e-7). Run on the
 
     # the paper model on uniform noise with random labels, batch 512 and 2048 (a minute)
     .venv/bin/python scripts/probe_init_gradients.py
-    # a config's model on a training batch of its data, e.g. both starts of the MultiMNIST preset
-    .venv/bin/python scripts/probe_init_gradients.py --data ../shared/data/mnist --batch 100 \
-        experiment=paper_multimnist model.initializers=keras
-    .venv/bin/python scripts/probe_init_gradients.py --data ../shared/data/mnist --batch 100 \
-        experiment=paper_multimnist model.initializers=authors
+    # a config's model on its first training batch (data.dir set), e.g. both starts of the MultiMNIST preset
+    .venv/bin/python scripts/probe_init_gradients.py --batch 100 experiment=paper_multimnist \
+        data.dir=../shared/data/mnist model.initializers=<keras | authors>
 
-Trailing arguments are train.py's config overrides (float32, the matmul path: custom_op=false).
+Trailing arguments are train.py's config overrides (float32, the matmul path: custom_op=false);
+without data.dir the batch is uniform noise with random labels (single-label datasets only).
+A bad override, value, batch size or data dir: one line, `error: ...`, exit 2.
 Why it exists: [reliability] item 3 (docs/verification.md): the paper model at batch 2048 on
 a repeated noise batch sat at loss 0.8426 on an H100; this shows what that loss is. Later,
 why the authors' initializers fit MultiMNIST faster (docs/results.md, thirty-ninth session).
@@ -20,21 +20,27 @@ import sys
 import tempfile
 from pathlib import Path
 
-import keras
 import numpy as np
-import tensorflow as tf
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from capsnet import config  # noqa: E402
-from capsnet.data import augmentation_options, is_overlay, load_split, make_split_dataset  # noqa: E402
-from capsnet.losses import capsnet_losses, loss_params  # noqa: E402
-from capsnet.training.model_setup import build_capsnet  # noqa: E402
+from capsnet import cli, config  # noqa: E402  (no TensorFlow: config errors come before its import)
+from capsnet.datasets import is_overlay  # noqa: E402
+from capsnet.errors import CapsnetError, ConfigError  # noqa: E402
+
+ADAM_EPSILON = 1e-7
 
 
 def probe(model, images, labels, losses, targets=None):
-    """The statistics of `model` on one batch (float32 images, labels (B,) or (B, 2)):
-    a dict of scalars, and per trainable variable (path, weight rms, gradient rms, median
-    |gradient|, fraction of gradient entries below Adam's epsilon)."""
+    """The statistics of `model` on one batch (float32 images, labels (B,) or (B, 2), and for
+    two-digit labels the targets (B, 2, H, W, C)): a dict of scalars, and per trainable
+    variable (path, weight rms, gradient rms, median |gradient|, fraction of gradient
+    entries below Adam's epsilon)."""
+    import tensorflow as tf
+
+    from capsnet.losses import capsnet_losses
+
     with tf.GradientTape() as tape:
         conv1 = model.conv1(images)
         u = model.primary_caps(conv1)
@@ -42,10 +48,9 @@ def probe(model, images, labels, losses, targets=None):
         total, margin, reconstruction = capsnet_losses(images, labels, outputs, **losses, targets=targets)
         loss = tf.reduce_mean(total)
     grads = tape.gradient(loss, model.trainable_variables)
-    lengths = outputs["lengths"].numpy()
-    present = np.zeros(lengths.shape, bool)
-    label_columns = labels.numpy().reshape(len(lengths), -1)
-    for column in label_columns.T:
+    lengths = outputs["lengths"].numpy()                                   # (B, classes)
+    present = np.zeros(lengths.shape, bool)                                # the labelled classes
+    for column in labels.numpy().reshape(len(lengths), -1).T:
         present[np.arange(len(lengths)), column] = True
     u_lengths = np.linalg.norm(u.numpy(), axis=-1)
     stats = {
@@ -54,29 +59,33 @@ def probe(model, images, labels, losses, targets=None):
         "conv1_active": float(np.mean(conv1.numpy() > 0)),
         "u_length_mean": float(u_lengths.mean()), "u_length_p10": float(np.percentile(u_lengths, 10)),
         "u_length_p90": float(np.percentile(u_lengths, 90)),
+        "v_length_mean": float(lengths.mean()), "v_length_max": float(lengths.max()),
         "v_length_present": float(lengths[present].mean()), "v_length_absent": float(lengths[~present].mean()),
-        "v_length_max": float(lengths.max()),
-        # 1 / classes where routing has not moved the couplings from uniform.
+        # Each primary capsule's largest coupling over the classes: 1 / classes where routing
+        # has not moved the couplings from uniform.
         "c_ij_max_mean": float(outputs["c_ij"].numpy().max(axis=-1).mean()),
     }
     variables = []
     for variable, grad in zip(model.trainable_variables, grads):
         g = grad.numpy()
         variables.append((variable.path, float(np.sqrt(np.mean(variable.numpy() ** 2))), float(np.sqrt(np.mean(g ** 2))),
-                          float(np.median(np.abs(g))), float(np.mean(np.abs(g) < 1e-7))))
+                          float(np.median(np.abs(g))), float(np.mean(np.abs(g) < ADAM_EPSILON))))
     return stats, variables
 
 
-def batches(cfg, data_dir, batch_sizes, rng):
+def batches(cfg, batch_sizes, rng):
     """(batch size, images, labels, targets) for each size: the config's first training batch
-    (epoch 0, as the run draws it) with data_dir, else uniform noise with random labels."""
+    (epoch 0, as the run draws it) where data.dir is set, else uniform noise with random labels."""
+    import tensorflow as tf
+
+    from capsnet.data import augmentation_options, load_split, make_split_dataset
+
     data_cfg = cfg["data"]
-    if data_dir is None and is_overlay(data_cfg["name"]):
-        raise SystemExit(f"probe_init_gradients: {data_cfg['name']} has two labels an image: pass --data <its IDX dir>")
-    if data_dir is not None:
-        train_images, train_labels = load_split(data_cfg["name"], "train", data_dir=data_dir)
+    if data_cfg.get("dir"):
+        train_images, train_labels = load_split(data_cfg["name"], "train", data_dir=data_cfg["dir"],
+                                                limit=data_cfg.get("limit_train"))
     for batch in batch_sizes:
-        if data_dir is None:
+        if not data_cfg.get("dir"):
             images = tf.constant(rng.uniform(0, 1, (batch, *cfg["model"]["input_shape"])).astype(np.float32))
             labels = tf.constant(rng.integers(0, cfg["model"]["num_classes"], batch).astype(np.int32))
             yield batch, images, labels, None
@@ -88,26 +97,52 @@ def batches(cfg, data_dir, batch_sizes, rng):
         yield batch, first[0], first[1], (first[2] if len(first) > 2 else None)
 
 
+def batch_sizes(text):
+    """--batch: comma-separated positive integers."""
+    try:
+        sizes = [int(size) for size in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive integers, comma-separated, got {text!r}")
+    return sizes
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", help="the config's dataset IDX dir: a real training batch (default: uniform noise)")
-    parser.add_argument("--batch", type=lambda text: [int(size) for size in text.split(",")], default=[512, 2048],
-                        help="batch sizes, comma-separated (default 512,2048)")
+    parser.add_argument("--batch", type=batch_sizes, default=[512, 2048], help="batch sizes (default 512,2048)")
     parser.add_argument("overrides", nargs="*", help="train.py config overrides, e.g. experiment=paper_multimnist")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as run_dir:  # compose needs a run_dir; nothing is written
-        cfg = config.compose("train", ["custom_op=false", *args.overrides, f"run_dir={run_dir}"])
-    keras.utils.set_random_seed(cfg["seed"])
-    model = build_capsnet(cfg["model"], custom_op=False)
-    losses = loss_params(cfg["train"])
-    rng = np.random.default_rng(cfg["seed"])
-    for batch, images, labels, targets in batches(cfg, args.data, args.batch, rng):
+    try:
+        with tempfile.TemporaryDirectory() as run_dir:  # the checks need a run_dir; nothing is written
+            cfg = config.check(config.compose("train", ["custom_op=false", *args.overrides, f"run_dir={run_dir}"]))
+        if not cfg["data"].get("dir") and is_overlay(cfg["data"]["name"]):
+            raise ConfigError(f"{cfg['data']['name']} has two labels an image, not a noise batch: set data.dir")
+        if cfg["data"].get("dir") and not Path(cfg["data"]["dir"]).is_dir():
+            raise ConfigError(f"data.dir={cfg['data']['dir']} is not a directory")
+        cli.import_tensorflow_quietly()
+        import keras
+
+        from capsnet.losses import loss_params
+        from capsnet.training.model_setup import build_capsnet
+
+        keras.utils.set_random_seed(cfg["seed"])
+        rng = np.random.default_rng(cfg["seed"])
+        data = list(batches(cfg, args.batch, rng))  # the data's errors before the model is built
+        model = build_capsnet(cfg["model"], custom_op=False)
+        losses = loss_params(cfg["train"])
+    except CapsnetError as exc:
+        cli.fail(exc)
+    except (HydraException, OmegaConfBaseException) as exc:  # e.g. an unknown key
+        cli.fail(cli.one_line(exc))
+    for batch, images, labels, targets in data:
         stats, variables = probe(model, images, labels, losses, targets)
-        print(f"batch {batch}: loss {stats['loss']:.4f} margin {stats['margin']:.4f} reconstruction "
-              f"{stats['reconstruction']:.1f} | conv1 ReLUs active {stats['conv1_active']:.3f} | |u| mean "
-              f"{stats['u_length_mean']:.3f} (p10 {stats['u_length_p10']:.3f}, p90 {stats['u_length_p90']:.3f}) | "
-              f"lengths: labelled {stats['v_length_present']:.2e}, others {stats['v_length_absent']:.2e}, max "
-              f"{stats['v_length_max']:.2e} | max_j c_ij mean {stats['c_ij_max_mean']:.3f}", flush=True)
+        print(f"batch {batch}: loss {stats['loss']:.4f} margin {stats['margin']:.4f} lengths mean "
+              f"{stats['v_length_mean']:.2e} max {stats['v_length_max']:.2e} (labelled {stats['v_length_present']:.2e}, "
+              f"others {stats['v_length_absent']:.2e}) | reconstruction {stats['reconstruction']:.1f} | conv1 ReLUs "
+              f"active {stats['conv1_active']:.3f} | |u| mean {stats['u_length_mean']:.3f} (p10 "
+              f"{stats['u_length_p10']:.3f}, p90 {stats['u_length_p90']:.3f}) | max_j c_ij mean "
+              f"{stats['c_ij_max_mean']:.3f}", flush=True)
         for path, w_rms, g_rms, g_median, small in variables:
             print(f"  {path:45s} |w| rms {w_rms:.2e}  grad rms {g_rms:.2e}  median|g| {g_median:.2e}  "
                   f"frac|g|<1e-7 {small:.2f}", flush=True)
