@@ -67,8 +67,8 @@ def probe(model, images, labels, losses, targets=None):
     }
     variables = []
     for variable, grad in zip(model.trainable_variables, grads):
-        g = grad.numpy()
-        variables.append((variable.path, float(np.sqrt(np.mean(variable.numpy() ** 2))), float(np.sqrt(np.mean(g ** 2))),
+        w, g = variable.numpy(), grad.numpy()
+        variables.append((variable.path, float(np.sqrt(np.mean(w ** 2))), float(np.sqrt(np.mean(g ** 2))),
                           float(np.median(np.abs(g))), float(np.mean(np.abs(g) < ADAM_EPSILON))))
     return stats, variables
 
@@ -137,12 +137,14 @@ def main(argv=None):
         cli.fail(cli.one_line(exc))
     for batch, images, labels, targets in data:
         stats, variables = probe(model, images, labels, losses, targets)
-        print(f"batch {batch}: loss {stats['loss']:.4f} margin {stats['margin']:.4f} lengths mean "
-              f"{stats['v_length_mean']:.2e} max {stats['v_length_max']:.2e} (labelled {stats['v_length_present']:.2e}, "
-              f"others {stats['v_length_absent']:.2e}) | reconstruction {stats['reconstruction']:.1f} | conv1 ReLUs "
-              f"active {stats['conv1_active']:.3f} | |u| mean {stats['u_length_mean']:.3f} (p10 "
-              f"{stats['u_length_p10']:.3f}, p90 {stats['u_length_p90']:.3f}) | max_j c_ij mean "
-              f"{stats['c_ij_max_mean']:.3f}", flush=True)
+        s = stats
+        print(" | ".join([
+            f"batch {batch}: loss {s['loss']:.4f} margin {s['margin']:.4f} lengths mean {s['v_length_mean']:.2e} "
+            f"max {s['v_length_max']:.2e} (labelled {s['v_length_present']:.2e}, others {s['v_length_absent']:.2e})",
+            f"reconstruction {s['reconstruction']:.1f}",
+            f"conv1 ReLUs active {s['conv1_active']:.3f}",
+            f"|u| mean {s['u_length_mean']:.3f} (p10 {s['u_length_p10']:.3f}, p90 {s['u_length_p90']:.3f})",
+            f"max_j c_ij mean {s['c_ij_max_mean']:.3f}"]), flush=True)
         for path, w_rms, g_rms, g_median, small in variables:
             print(f"  {path:45s} |w| rms {w_rms:.2e}  grad rms {g_rms:.2e}  median|g| {g_median:.2e}  "
                   f"frac|g|<1e-7 {small:.2f}", flush=True)
