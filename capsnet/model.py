@@ -47,8 +47,8 @@ class CapsNet(keras.Model):
     normals, every bias at 0.1): Conv1 σ 0.05, PrimaryCaps σ 0.1 under their 1/32 (an
     effective σ 0.1/32 at any primary_caps_scale; at 1/32 stored as theirs), the decoder
     σ 0.1, and W a truncated normal of σ w_init_stddev (TF1's truncated_normal and Keras'
-    TruncatedNormal both redraw beyond 2σ: the spread is ~0.88σ). PrimaryCaps' and DigitCaps' biases keep
-    their own keys.
+    TruncatedNormal both redraw beyond 2σ: the spread is ~0.88σ). PrimaryCaps' and
+    DigitCaps' biases keep their own keys.
     `digit_caps_bias`: None (the paper), or the start value of a bias on each digit
     capsule, added to s_j in every routing iteration (the authors' code: 0.1; DigitCaps'
     bias_init); not with routing="fused_op".

@@ -137,7 +137,7 @@ def main(argv=None):
         cli.fail(cli.one_line(exc))
     for batch, images, labels, targets in data:
         stats, variables = probe(model, images, labels, losses, targets)
-        s = stats
+        s = stats  # short, for the report line below
         print(" | ".join([
             f"batch {batch}: loss {s['loss']:.4f} margin {s['margin']:.4f} lengths mean {s['v_length_mean']:.2e} "
             f"max {s['v_length_max']:.2e} (labelled {s['v_length_present']:.2e}, others {s['v_length_absent']:.2e})",

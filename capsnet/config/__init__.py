@@ -53,11 +53,10 @@ from capsnet.config.hydra import check_overrides, compose, dataset_classes, data
 from capsnet.config.migrate import migrate
 from capsnet.config.routing import routing_from_flags, routing_mode
 from capsnet.config.schemas import (ALL_REDUCE, APP_SCHEMAS, AUGMENTATION_OFF, CONV_FORMS, GROUP_SCHEMAS, INITIALIZERS,
-                                    ROUTING, ROUTING_MODES,
-                                    SCALE_LR, SHIFT_FILLS, STRATEGIES, WEIGHTS, WHICH, XLA_MODES, PRECISIONS, AugmentationConfig,
-                                    DataConfig, DataSourceConfig, DistributeConfig, EvalAppConfig, EvalDataConfig,
-                                    ModelConfig, TrainAppConfig, TrainConfig, augmentation_on,
-                                    augmentation_options)
+                                    PRECISIONS, ROUTING, ROUTING_MODES, SCALE_LR, SHIFT_FILLS, STRATEGIES, WEIGHTS,
+                                    WHICH, XLA_MODES, AugmentationConfig, DataConfig, DataSourceConfig,
+                                    DistributeConfig, EvalAppConfig, EvalDataConfig, ModelConfig, TrainAppConfig,
+                                    TrainConfig, augmentation_on, augmentation_options)
 
 __all__ = [
     "ModelConfig", "DataSourceConfig", "AugmentationConfig", "DataConfig", "TrainConfig", "DistributeConfig", "TrainAppConfig",

@@ -154,16 +154,13 @@ def _limit(name, value):
     return integer(name, value, minimum=1, hint=" (null: all examples)", error=ConfigError)
 
 
-def _canvas_border(name, value):
-    if value is None:
-        return None
-    return integer(name, value, minimum=0, hint=" (null: data.shift_pixels)", error=ConfigError)
-
-
-def _eval_pixels(name, value):
-    if value is None:
-        return None
-    return integer(name, value, minimum=0, hint=" (null: the run's)", error=ConfigError)
+def _optional_pixels(null_means):
+    """A check for a pixel count >= 0 or null, whose error says what null means."""
+    def check(name, value):
+        if value is None:
+            return None
+        return integer(name, value, minimum=0, hint=f" (null: {null_means})", error=ConfigError)
+    return check
 
 
 def _checkpoint(name, value):
@@ -249,7 +246,7 @@ class DataSourceConfig:
     limit_train: Optional[int] = _checked(None, _limit)
     limit_test: Optional[int] = _checked(None, _limit)
     shift_pixels: int = _checked(2, _integer)  # its range is the image's: checked by the data pipeline
-    pad_pixels: Optional[int] = _checked(None, _canvas_border)  # MultiMNIST's canvas border (null: shift_pixels)
+    pad_pixels: Optional[int] = _checked(None, _optional_pixels("data.shift_pixels"))  # MultiMNIST's canvas border (null: shift_pixels)
 
 
 @dataclass
@@ -344,8 +341,8 @@ class EvalDataConfig:
     name: Optional[str] = _checked(None, lambda n, v: None if v is None else _dataset_name(n, v))
     dir: Optional[str] = _checked(None, _optional_string)
     limit_test: Optional[int] = _checked(None, _limit)
-    shift_pixels: Optional[int] = _checked(None, _eval_pixels)  # MultiMNIST's test pairs: their shifts
-    pad_pixels: Optional[int] = _checked(None, _eval_pixels)    # and canvas border
+    shift_pixels: Optional[int] = _checked(None, _optional_pixels("the run's"))  # MultiMNIST's test pairs: their shifts
+    pad_pixels: Optional[int] = _checked(None, _optional_pixels("the run's"))    # and canvas border
 
 
 @dataclass
