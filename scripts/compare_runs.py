@@ -122,6 +122,9 @@ def flatten(section, prefix=""):
     return flat
 
 
+ABSENT = "(absent)"  # a recipe key some runs' config.yaml lacks
+
+
 def group_recipe(runs):
     """(the values every run of the group shares, {key: the values its runs disagree on})."""
     keys = set().union(*(r.recipe for r in runs))
@@ -130,8 +133,6 @@ def group_recipe(runs):
     varies = {k: sorted({repr(x) for x in v}) for k, v in values.items() if k not in shared}
     return shared, varies
 
-
-ABSENT = "(absent)"
 
 
 def recipe_changes(ours, theirs):
