@@ -134,7 +134,6 @@ def group_recipe(runs):
     return shared, varies
 
 
-
 def recipe_changes(ours, theirs):
     """{key: (theirs, ours)} where two groups' recipes (group_recipe's pairs) differ: the keys
     each shares across its runs (one group's runs may lack a key: ABSENT); a key the runs of

@@ -246,7 +246,8 @@ class DataSourceConfig:
     limit_train: Optional[int] = _checked(None, _limit)
     limit_test: Optional[int] = _checked(None, _limit)
     shift_pixels: int = _checked(2, _integer)  # its range is the image's: checked by the data pipeline
-    pad_pixels: Optional[int] = _checked(None, _optional_pixels("data.shift_pixels"))  # MultiMNIST's canvas border (null: shift_pixels)
+    # MultiMNIST's canvas border (null: shift_pixels)
+    pad_pixels: Optional[int] = _checked(None, _optional_pixels("data.shift_pixels"))
 
 
 @dataclass
