@@ -13,12 +13,16 @@ export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2 PYTHONPATH="$PWD:$PYTHONPATH"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader | tee "$out/device.txt"
 
 # Runs side by side on the one GPU: each line of $RUNS is "name overrides...". Rerunning the same
-# call resumes them (same run dirs, while the machine is held); finished runs are evaluated (final
-# checkpoint, op and matmul path; with EVAL_TTA="flip shift" also with those test-time views,
-# flip only for runs trained with data.flip=true). Their logs, histories and evaluations come
-# back packed in $out/runs.tgz (a call brings back a few files only: nine runs' 45 files did
-# not come back), written after each run's lines, so a call cut short still returns what was
-# packed.
+# call resumes them (same run dirs, while the machine is held); finished runs are evaluated once
+# (final checkpoint, op and matmul path; with EVAL_TTA="flip shift" also with those test-time
+# views, flip only for runs trained with data.flip=true), all evaluations at once: one after
+# another, twenty runs' forty took minutes of a 10-minute call. Their logs, histories and
+# evaluations come back packed in $out/runs.tgz (a call brings back a few files only: nine
+# runs' 45 files did not come back), written once training ends and again after the
+# evaluations, so a call cut short still returns what was packed.
+# One group a GPU (CUDA_VISIBLE_DEVICES; each group's logs in /tmp/runs-out-gpu<N>):
+#   CUDA_VISIBLE_DEVICES=0 OUT=$OUT/g0 RUNS="$g0" bash scripts/gpu_session.sh runs &
+#   CUDA_VISIBLE_DEVICES=1 OUT=$OUT/g1 RUNS="$g1" bash scripts/gpu_session.sh runs & wait
 # The code tree of an ab / memory_ab turn: old = $AB_OLD (an earlier commit's capsnet/, scripts/,
 # configs/, train.py, unpacked there; default ab_old), new = this one.
 tree_dir() { if [[ $1 == old ]]; then echo "${AB_OLD:-ab_old}"; else echo .; fi; }
@@ -27,7 +31,7 @@ side_by_side() {
   # Each process takes GPU memory as it needs it (TensorFlow's default, all of it, leaves the
   # others "cudaSetDevice() ... out of memory").
   export TF_FORCE_GPU_ALLOW_GROWTH=true
-  local name args logs=/tmp/runs-out
+  local name args logs=/tmp/runs-out${CUDA_VISIBLE_DEVICES:+-gpu$CUDA_VISIBLE_DEVICES}
   mkdir -p "$logs"
   while read -r name args; do
     [[ -z $name ]] && continue
@@ -42,22 +46,33 @@ side_by_side() {
     # The last tested epoch's line (train.test_every_epochs > 1 leaves the others without test results).
     echo "$name: $(cat "$run/history.jsonl" 2>/dev/null | wc -l) epochs; $(grep '^epoch [0-9]*:.*| test loss' "$logs/$name.log" | tail -1 | cut -c1-160)"
     cp "$run/history.jsonl" "$logs/$name.history.jsonl" 2>/dev/null
-    tar czf "$out/runs.tgz" -C "$logs" .
-    if [[ -f "$run/metrics.json" && ${EVALUATE:-1} == 1 ]]; then
-      cp "$run/metrics.json" "$logs/$name.metrics.json"
-      for op in true false; do
-        python3 evaluate.py checkpoint="$run" which=latest custom_op=$op output="$logs/${name}_eval_op_$op.json" \
-          2>&1 | tail -1 | cut -c1-200
-      done
-      local tta ttas
-      read -ra ttas <<< "${EVAL_TTA:-}"
-      for tta in "${ttas[@]}"; do  # test-time views: flip (runs trained with data.flip=true), shift
-        python3 evaluate.py checkpoint="$run" which=latest custom_op=true "tta=$tta" \
-          output="$logs/${name}_eval_tta_$tta.json" 2>&1 | tail -1 | cut -c1-200
-      done
-      tar czf "$out/runs.tgz" -C "$logs" .
-    fi
   done <<< "$RUNS"
+  tar czf "$out/runs.tgz" -C "$logs" .
+  [[ ${EVALUATE:-1} == 1 ]] || return 0
+  while read -r name args; do
+    [[ -z $name ]] && continue
+    local run="/tmp/runs/$name"
+    # Evaluated once: a call that resumes unfinished runs leaves the finished ones' reports.
+    [[ -f "$run/metrics.json" && ! -f "$logs/${name}_eval_op_false.json" ]] || continue
+    cp "$run/metrics.json" "$logs/$name.metrics.json"
+    for op in true false; do
+      python3 evaluate.py checkpoint="$run" which=latest custom_op=$op output="$logs/${name}_eval_op_$op.json" \
+        > "$logs/${name}_eval_op_$op.log" 2>&1 &
+    done
+    local tta ttas
+    read -ra ttas <<< "${EVAL_TTA:-}"
+    for tta in "${ttas[@]}"; do  # test-time views: flip (runs trained with data.flip=true), shift
+      python3 evaluate.py checkpoint="$run" which=latest custom_op=true "tta=$tta" \
+        output="$logs/${name}_eval_tta_$tta.json" > "$logs/${name}_eval_tta_$tta.log" 2>&1 &
+    done
+  done <<< "$RUNS"
+  wait
+  while read -r name args; do  # each evaluation's last line: its JSON report, or the error
+    [[ -n $name ]] && for report in "$logs/${name}"_eval_*.log; do
+      [[ -f $report ]] && echo "$(basename "$report" .log): $(tail -1 "$report" | cut -c1-200)"
+    done
+  done <<< "$RUNS"
+  tar czf "$out/runs.tgz" -C "$logs" .
 }
 
 if [[ $what == verify || $what == all ]]; then
