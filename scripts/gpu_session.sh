@@ -37,7 +37,7 @@ side_by_side() {
     [[ -z $name ]] && continue
     # timeout's SIGTERM: train.py finishes and saves the epoch it is in (a few seconds), then exits.
     timeout "${TRAIN_TIMEOUT:-540}" python3 train.py $args train.progress_bar=false hydra.run.dir="/tmp/runs/$name" \
-      > "$logs/$name.log" 2>&1 &
+      >> "$logs/$name.log" 2>&1 &  # appended: a resuming call keeps the earlier calls' lines
   done <<< "$RUNS"
   wait
   while read -r name args; do
