@@ -15,8 +15,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 # Runs side by side on the one GPU: each line of $RUNS is "name overrides...". Rerunning the same
 # call resumes them (same run dirs, while the machine is held); finished runs are evaluated once
 # (final checkpoint, op and matmul path; with EVAL_TTA="flip shift" also with those test-time
-# views, flip only for runs trained with data.flip=true), all evaluations at once: one after
-# another, twenty runs' forty took minutes of a 10-minute call. Their logs, histories and
+# views, flip only for runs trained with data.flip=true), all evaluations at once, so their
+# start-ups (TensorFlow, compiling) overlap instead of adding up. Their logs, histories and
 # evaluations come back packed in $out/runs.tgz (a call brings back a few files only: nine
 # runs' 45 files did not come back), written once training ends and again after the
 # evaluations, so a call cut short still returns what was packed.

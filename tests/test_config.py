@@ -38,7 +38,8 @@ def test_importing_config_does_not_import_tensorflow():
     [], ["data=fashion_mnist"], ["data=multimnist"], ["augmentation=fashion"], ["augmentation=none"],
     ["distribute=none"], ["distribute=mirrored"], ["distribute=multi_worker"],
     ["experiment=paper_mnist"], ["experiment=paper_fashion_mnist"], ["experiment=paper_multimnist"],
-    ["experiment=fast_mnist"], ["experiment=tuned_mnist"], ["model=capsnet", "train=default"], ["custom_op=true"], ["model.routing=xla"], ["model.routing=tf"],
+    ["experiment=fast_mnist"], ["experiment=tuned_mnist"], ["model=capsnet", "train=default"], ["custom_op=true"],
+    ["model.routing=xla"], ["model.routing=tf"],
 ])
 def test_every_config_group_composes_and_checks(overrides):
     cfg = train_cfg(*overrides)
