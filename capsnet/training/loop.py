@@ -71,7 +71,9 @@ def train(cfg):
     The run dir is locked for the run's life (capsnet.training.run_lock: one training per
     run dir), released however train() ends. SIGTERM (a job's time limit, a preemption)
     stops the run at the end of the epoch it is in, saved (errors.Terminated); a second
-    SIGTERM stops it at once, as Ctrl-C does."""
+    SIGTERM stops it at once, as Ctrl-C does. Python runs the handler between bytecodes, so
+    a signal that lands inside a TensorFlow call (a step, or a call of steps) acts when that
+    call returns."""
     progress = {"locks": [], "epoch": None, "done": None, "trained": None, "terminate": False}
     try:
         return _train(cfg, progress)
