@@ -80,8 +80,9 @@ def test_group_choices_set_what_they_say():
     measured = ["model.conv1_filters=512", "model.primary_caps_types=16", "data.elastic_alpha=16",
                 "train.ema_decay=0.999", "train.weight_decay=0.15", "train.xla=jit", "train.precision=mixed_bfloat16",
                 "train.data_on_device=true", "train.test_batch_size=1000", "train.save_every_epochs=5"]
-    assert train_cfg("experiment=tuned_mnist") == train_cfg("experiment=paper_mnist", *measured)
-    assert train_cfg("experiment=tuned_mnist") != paper
+    tuned = train_cfg("experiment=tuned_mnist")
+    assert tuned == train_cfg("experiment=paper_mnist", *measured)
+    assert tuned != paper
     assert train_cfg("distribute=mirrored")["distribute"]["strategy"] == "mirrored"
     assert train_cfg("distribute=multi_worker")["distribute"]["devices"] is None
 
