@@ -39,6 +39,7 @@ def test_importing_config_does_not_import_tensorflow():
     ["distribute=none"], ["distribute=mirrored"], ["distribute=multi_worker"],
     ["experiment=paper_mnist"], ["experiment=paper_fashion_mnist"], ["experiment=paper_multimnist"],
     ["experiment=fast_mnist"], ["experiment=tuned_mnist"], ["model=capsnet", "train=default"], ["custom_op=true"],
+    ["speed=none"], ["speed=gpu"], ["experiment=paper_multimnist", "speed=none"],
     ["model.routing=xla"], ["model.routing=tf"],
 ])
 def test_every_config_group_composes_and_checks(overrides):
@@ -83,6 +84,18 @@ def test_group_choices_set_what_they_say():
     tuned = train_cfg("experiment=tuned_mnist")
     assert tuned == train_cfg("experiment=paper_mnist", *measured)
     assert tuned != paper
+    # speed=gpu: exactly the four speed switches, on any dataset; speed=none undoes them in a preset.
+    switches = {"xla": "jit", "precision": "mixed_bfloat16", "data_on_device": True, "test_batch_size": 1000}
+    default = train_cfg()
+    for base in ([], ["data=multimnist"]):
+        fast_cfg, plain = train_cfg(*base, "speed=gpu"), train_cfg(*base)
+        assert {k: v for k, v in fast_cfg["train"].items() if plain["train"][k] != v} == switches
+        assert {k: v for k, v in fast_cfg.items() if k != "train"} == {k: v for k, v in plain.items() if k != "train"}
+    for preset in ("tuned_mnist", "fast_mnist", "paper_multimnist"):
+        assert {k: train_cfg(f"experiment={preset}")["train"][k] for k in switches} == switches
+        assert {k: train_cfg(f"experiment={preset}", "speed=none")["train"][k] for k in switches} == {
+            k: default["train"][k] for k in switches}
+    assert train_cfg("speed=gpu", "train.precision=float32")["train"]["precision"] == "float32"  # a key still wins
     assert train_cfg("distribute=mirrored")["distribute"]["strategy"] == "mirrored"
     assert train_cfg("distribute=multi_worker")["distribute"]["devices"] is None
 
