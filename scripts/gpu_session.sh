@@ -52,8 +52,10 @@ side_by_side() {
   while read -r name args; do
     [[ -z $name ]] && continue
     local run="/tmp/runs/$name"
-    # Evaluated once: a call that resumes unfinished runs leaves the finished ones' reports.
-    [[ -f "$run/metrics.json" && ! -f "$logs/${name}_eval_op_false.json" ]] || continue
+    # Evaluated once: a call that resumes unfinished runs leaves the runs with both reports
+    # (an evaluation that failed, its JSON missing, runs again).
+    [[ -f "$run/metrics.json" ]] || continue
+    [[ -f "$logs/${name}_eval_op_true.json" && -f "$logs/${name}_eval_op_false.json" ]] && continue
     cp "$run/metrics.json" "$logs/$name.metrics.json"
     for op in true false; do
       python3 evaluate.py checkpoint="$run" which=latest custom_op=$op output="$logs/${name}_eval_op_$op.json" \
