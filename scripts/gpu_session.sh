@@ -19,7 +19,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 # start-ups (TensorFlow, compiling) overlap instead of adding up. Their logs, histories and
 # evaluations come back packed in $out/runs.tgz (a call brings back a few files only: nine
 # runs' 45 files did not come back), written once training ends and again after the
-# evaluations, so a call cut short still returns what was packed.
+# evaluations, so a call cut short still returns what was packed. With them, each evaluated
+# run's shell, <name>.run, which scripts/compare_runs.py reads as it reads a run dir (its
+# seeds' table, means, paired differences).
 # One group a GPU (CUDA_VISIBLE_DEVICES; each group's logs in /tmp/runs-out-gpu<N>):
 #   CUDA_VISIBLE_DEVICES=0 OUT=$OUT/g0 RUNS="$g0" bash scripts/gpu_session.sh runs &
 #   CUDA_VISIBLE_DEVICES=1 OUT=$OUT/g1 RUNS="$g1" bash scripts/gpu_session.sh runs & wait
@@ -73,6 +75,18 @@ side_by_side() {
     [[ -n $name ]] && for report in "$logs/${name}"_eval_*.log; do
       [[ -f $report ]] && echo "$(basename "$report" .log): $(tail -1 "$report" | cut -c1-200)"
     done
+  done <<< "$RUNS"
+  # Each finished run's shell, <name>.run: its config.yaml and history.jsonl, and its op-path
+  # report where evaluate.py's default output would be. The run dirs stay on this machine;
+  # unpacked, the shells are what scripts/compare_runs.py reads:
+  #   scripts/compare_runs.py 'W15=<unpacked>/w15_*.run' 'W30=<unpacked>/w30_*.run'
+  while read -r name args; do
+    local run="/tmp/runs/$name" shell="$logs/$name.run" last
+    [[ -n $name && -f $run/metrics.json && -f $logs/${name}_eval_op_true.json ]] || continue
+    last=$(tail -1 "$run/history.jsonl" | python3 -c "import json, sys; print(json.load(sys.stdin)['epoch'])")
+    mkdir -p "$shell/checkpoints/latest"
+    cp "$run/config.yaml" "$run/history.jsonl" "$shell/"
+    cp "$logs/${name}_eval_op_true.json" "$shell/checkpoints/latest/ckpt-$last.eval.json"
   done <<< "$RUNS"
   tar czf "$out/runs.tgz" -C "$logs" .
 }
