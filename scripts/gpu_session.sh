@@ -87,6 +87,7 @@ side_by_side() {
     mkdir -p "$shell/checkpoints/latest"
     cp "$run/config.yaml" "$run/history.jsonl" "$shell/"
     cp "$logs/${name}_eval_op_true.json" "$shell/checkpoints/latest/ckpt-$last.eval.json"
+    rm -f "$logs/$name.history.jsonl"  # the shell has it; the loose copy is for runs not evaluated yet
   done <<< "$RUNS"
   tar czf "$out/runs.tgz" -C "$logs" .
 }

@@ -152,12 +152,7 @@ def _train(cfg, progress):
         return strategy.scope() if strategy is not None else contextlib.nullcontext()
 
     chief = is_chief(strategy)
-    if tcfg["xla"] == "jit" and not trains_on_gpu(strategy):
-        # Measured (docs/benchmarks.md, eleventh session, paper model, batch 100, 2 cores):
-        # 1,274-1,433 ms a step against 1,203 with train.xla=none (with PrimaryCaps on
-        # blocks under jit; with its strided convolution XLA's CPU input gradient made it ~20x).
-        say("notice: train.xla=jit on a CPU: each step is slower than with train.xla=none "
-            "(1.06-1.19x measured, docs/benchmarks.md); jit is for GPUs")
+    # One notice at most: the device loop (which runs under jit) is the far slower of the two.
     if tcfg["data_on_device"] and not trains_on_gpu(strategy):
         # Measured (docs/benchmarks.md, forty-second session, paper model, batch 100, 2 cores):
         # two steps unfinished after 5 minutes, against ~10 s with the tf.data pipeline. In
@@ -165,6 +160,12 @@ def _train(cfg, progress):
         # in the dimension orders it does not hand to Eigen; the single jit step has none.
         say("notice: train.data_on_device=true on a CPU: the paper model's steps take minutes each "
             "(docs/benchmarks.md); it is for GPUs (on a CPU: speed=none, or train.data_on_device=false)")
+    elif tcfg["xla"] == "jit" and not trains_on_gpu(strategy):
+        # Measured (docs/benchmarks.md, eleventh session, paper model, batch 100, 2 cores):
+        # 1,274-1,433 ms a step against 1,203 with train.xla=none (with PrimaryCaps on
+        # blocks under jit; with its strided convolution XLA's CPU input gradient made it ~20x).
+        say("notice: train.xla=jit on a CPU: each step is slower than with train.xla=none "
+            "(1.06-1.19x measured, docs/benchmarks.md); jit is for GPUs")
     if chief and run_dir.is_dir():
         # A run dir that exists (Hydra's, a resumed run's) is locked at once: a second training
         # fails before it reads the data. A new one is made and locked before its first write.
