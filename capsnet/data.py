@@ -29,7 +29,8 @@ import tensorflow as tf
 from capsnet.augment import (corners_from_words, elastic_distort, elastic_noise, erase_batch, erase_boxes,
                              example_words, flip_mask, fold_in_seed, random_rotate_zoom, seed_words, shift_batch,
                              shift_corners, words_to_int64)
-from capsnet.config import (AUGMENTATION_OFF, PER_EXAMPLE_AUGMENTATION, SHIFT_FILLS,  # noqa: F401  (re-exported)
+from capsnet.config import (AUGMENTATION_OFF, OVERLAY_AUGMENTATION, PER_EXAMPLE_AUGMENTATION,  # noqa: F401
+                            SHIFT_FILLS,  # noqa: F401  (re-exported)
                             augmentation_on, augmentation_options, check_augmentation)
 from capsnet.datasets import (DATASETS, DatasetSpec, check_canvas_border, example_shape,  # noqa: F401  (re-exported)
                               is_overlay)
@@ -239,6 +240,7 @@ def _check_split(name, spec, images, labels, images_src, labels_src):
 # The erased boxes' stream likewise, after it.
 _ELASTIC_STREAM = 3
 _ERASE_STREAM = 4
+_ELASTIC_PARTNER_STREAM = 5  # MultiMNIST: the partner digits' elastic noise (the bases': _ELASTIC_STREAM)
 AUGMENTATION_KEYS = ("shift_pixels", *AUGMENTATION_OFF)
 
 
@@ -475,9 +477,10 @@ MULTIMNIST_TEST_KEY = (2017, 6)
 def make_split_dataset(name, images, labels, *, batch_size, training, seed=0, epoch=0, shift_pixels=2,
                        pad_pixels=None, drop_remainder=False, **augmentation):
     """make_dataset (with the `augmentation` keywords of AUGMENTATION_OFF), or
-    make_multimnist_dataset for an overlay dataset (`name`), which takes none of them but
-    their defaults (ConfigError naming the ones set). pad_pixels: the overlay's canvas
-    border (make_multimnist_dataset); other datasets shift on their own canvas (None)."""
+    make_multimnist_dataset for an overlay dataset (`name`), which takes of them only
+    OVERLAY_AUGMENTATION's (each digit's elastic distortion; ConfigError naming any other
+    set). pad_pixels: the overlay's canvas border (make_multimnist_dataset); other datasets
+    shift on their own canvas (None)."""
     unknown = sorted(set(augmentation) - set(AUGMENTATION_OFF))
     if unknown:
         raise TypeError(f"make_split_dataset: unknown augmentation argument(s) {', '.join(unknown)}")
@@ -485,17 +488,19 @@ def make_split_dataset(name, images, labels, *, batch_size, training, seed=0, ep
     if not is_overlay(name):
         return make_dataset(images, labels, batch_size=batch_size, training=training, seed=seed, epoch=epoch,
                             shift_pixels=shift_pixels, drop_remainder=drop_remainder, **augmentation)
+    elastic = {key: augmentation.pop(key) for key in OVERLAY_AUGMENTATION if key in augmentation}
     on = augmentation_on(augmentation)
     if on:
-        raise ConfigError(f"{name} takes no flip/rotate/zoom/elastic/erase/shift_fill augmentation (its digits are "
-                          f"shifted by data.shift_pixels on a zero canvas): set {', '.join(on)} to the default")
+        raise ConfigError(f"{name} takes no flip/rotate/zoom/erase/shift_fill augmentation (its digits are shifted by "
+                          f"data.shift_pixels on a zero canvas; data.elastic_alpha distorts each): set "
+                          f"{', '.join(on)} to the default")
     return make_multimnist_dataset(images, labels, batch_size=batch_size, training=training, seed=seed,
                                    epoch=epoch, shift_pixels=shift_pixels, pad_pixels=pad_pixels,
-                                   drop_remainder=drop_remainder)
+                                   drop_remainder=drop_remainder, **elastic)
 
 
 def make_multimnist_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift_pixels=4,
-                            pad_pixels=None, drop_remainder=False):
+                            pad_pixels=None, drop_remainder=False, elastic_alpha=0.0, elastic_sigma=4.0):
     """One epoch of MultiMNIST batches (Sabour et al. 2017, Sec. 6), generated on the fly.
 
     Each example of `images` (the base) is paired with a partner of a different class,
@@ -517,6 +522,11 @@ def make_multimnist_dataset(images, labels, *, batch_size, training, seed=0, epo
       batch_size, drop_remainder: as in make_dataset.
       shift_pixels: the largest shift (paper: 4), ≥ 0.
       pad_pixels: the canvas border (≥ 0); None: shift_pixels.
+      elastic_alpha, elastic_sigma: in training, each digit elastically distorted on its
+        own frame (make_dataset's distortion, the base's and the partner's noise drawn
+        apart) before it is padded and shifted; the pair is then the float sum of the two,
+        clipped to 1. elastic_alpha 0 (default), or not training: none, and the pair is
+        the integer clipped sum above.
 
     Returns:
       A `tf.data.Dataset` of (images float32 (B, H', W', C) in [0, 1], labels int32 (B, 2)
@@ -527,13 +537,15 @@ def make_multimnist_dataset(images, labels, *, batch_size, training, seed=0, epo
         images, labels, batch_size=batch_size, training=training, seed=seed, epoch=epoch,
         drop_remainder=drop_remainder)
     shift_pixels, pad_pixels = check_pair_shifts(shift_pixels, pad_pixels)
+    elastic = check_pair_elastic(elastic_alpha, elastic_sigma)
     with tf.device("/CPU:0"):  # as in make_dataset
         images_t = tf.constant(images)                                    # (N, H, W, C) uint8
         labels_t = tf.constant(labels.astype(np.int32))                   # (N,)
-        draws = multimnist_draws(labels, training=training, seed=seed, epoch=epoch, shift_pixels=shift_pixels)
+        draws = multimnist_draws(labels, training=training, seed=seed, epoch=epoch, shift_pixels=shift_pixels,
+                                 elastic=elastic["elastic_alpha"] > 0)
         dataset = tf.data.Dataset.from_tensor_slices(draws).batch(batch_size, drop_remainder=drop_remainder)
         dataset = dataset.map(lambda d: pairs_from_draws(images_t, labels_t, d, shift_pixels=shift_pixels,
-                                                         pad_pixels=pad_pixels),
+                                                         pad_pixels=pad_pixels, **elastic),
                               num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         return dataset.prefetch(tf.data.AUTOTUNE)
 
@@ -547,11 +559,22 @@ def check_pair_shifts(shift_pixels, pad_pixels):
     return shift_pixels, pad_pixels
 
 
-def multimnist_draws(labels, *, training, seed=0, epoch=0, shift_pixels=4):
+def check_pair_elastic(elastic_alpha, elastic_sigma):
+    """MultiMNIST's elastic options checked as make_dataset checks them (ConfigError naming
+    the key): {"elastic_alpha": float, "elastic_sigma": float}."""
+    checked = check_augmentation(**{**AUGMENTATION_OFF, "elastic_alpha": elastic_alpha, "elastic_sigma": elastic_sigma},
+                                 prefix="data.")
+    return {key: checked[key] for key in OVERLAY_AUGMENTATION}
+
+
+def multimnist_draws(labels, *, training, seed=0, epoch=0, shift_pixels=4, elastic=False):
     """An epoch's MultiMNIST pairs as make_multimnist_dataset draws them, for `labels` (N,):
     {"index": int64 (N,) the base examples in the epoch's order, "partner": int64 (N,)
-    each one's partner, and if shift_pixels "corner_a", "corner_b": int32 (N, 2) the two
-    digits' crop corners}, entry i for the epoch's i-th pair. pairs_from_draws makes a
+    each one's partner, if shift_pixels "corner_a", "corner_b": int32 (N, 2) the two
+    digits' crop corners, and if elastic (and training) "elastic_seed_a", "elastic_seed_b":
+    int64 (N,) the seeds the base's and the partner's elastic noise are drawn from with
+    their indices (capsnet.augment.elastic_noise; as epoch_draws' "elastic_seed")}, entry i
+    for the epoch's i-th pair. pairs_from_draws makes a
     batch of any slice of it: what make_multimnist_dataset's batches are, and what
     train.data_on_device gathers on the device (capsnet.training.device_input)."""
     n = len(labels)
@@ -570,7 +593,7 @@ def multimnist_draws(labels, *, training, seed=0, epoch=0, shift_pixels=4):
         labels_t = tf.constant(np.asarray(labels).astype(np.int32))       # (N,)
         by_class_t = tf.constant(by_class.astype(np.int64))
         count_t, start_t = tf.constant(count.astype(np.int64)), tf.constant(start.astype(np.int64))
-        order, _, pair_key = _epoch_order(n, training, seed, epoch)
+        order, key, pair_key = _epoch_order(n, training, seed, epoch)
         if not training:
             pair_key = tf.constant(MULTIMNIST_TEST_KEY, tf.int64)
 
@@ -596,26 +619,45 @@ def multimnist_draws(labels, *, training, seed=0, epoch=0, shift_pixels=4):
         if shift_pixels:
             draws["corner_a"] = corners_from_words(seed_words(*keys[1])[0], shift_pixels)  # (N, 2) int32
             draws["corner_b"] = corners_from_words(seed_words(*keys[2])[0], shift_pixels)
+        if elastic and training:
+            # Two streams folded into the epoch's key, as make_dataset's elastic noise is: a
+            # digit drawn as a base and as a partner in one epoch is distorted two ways.
+            for name, stream in (("elastic_seed_a", _ELASTIC_STREAM), ("elastic_seed_b", _ELASTIC_PARTNER_STREAM)):
+                stream_key = tf.random.experimental.stateless_fold_in(key, stream, alg="philox")
+                draws[name] = tf.fill([n], fold_in_seed(stream_key))  # (N,) int64
         return draws
 
 
-def pairs_from_draws(images, labels, draws, *, shift_pixels, pad_pixels, levels=None):
+def pairs_from_draws(images, labels, draws, *, shift_pixels, pad_pixels, levels=None, elastic_alpha=0.0,
+                     elastic_sigma=4.0):
     """A MultiMNIST batch (make_multimnist_dataset's three tensors) from B entries of
     multimnist_draws (each of its tensors sliced alike), of `images` uint8 (N, H, W, C)
     and `labels` (N,): both digits padded by pad_pixels, shifted as drawn, and summed,
-    clipped to 255. A pixel p becomes p / 255, or levels[p] (batch_from_draws: why)."""
-    scale = ((lambda x: tf.cast(x, tf.float32) / 255.0) if levels is None else (lambda x: tf.gather(levels, x)))
+    clipped to 255. A pixel p becomes p / 255, or levels[p] (batch_from_draws: why).
+    With draws' elastic seeds, each digit is first distorted on its own frame by
+    elastic_alpha and elastic_sigma, and the pair is the float sum clipped to 1."""
+    scale = ((lambda x: tf.cast(x, tf.float32) / 255.0) if levels is None
+             else (lambda x: tf.gather(levels, tf.cast(x, tf.int32))))
+    elastic = "elastic_seed_a" in draws
     p = pad_pixels
     digits = []
-    for source, corner in (("index", "corner_a"), ("partner", "corner_b")):
-        canvas = tf.pad(tf.gather(images, draws[source]), [[0, 0], [p, p], [p, p], [0, 0]])  # (b, H', W', C)
+    for source, corner, seed in (("index", "corner_a", "elastic_seed_a"), ("partner", "corner_b", "elastic_seed_b")):
+        digit = tf.gather(images, draws[source])                                        # (b, H, W, C) uint8
+        if elastic:
+            noise = elastic_noise(draws[seed], draws[source], digit.shape[1], digit.shape[2])
+            digit = elastic_distort(scale(digit), noise, elastic_alpha, elastic_sigma)  # float from here
+        canvas = tf.pad(digit, [[0, 0], [p, p], [p, p], [0, 0]])                        # (b, H', W', C)
         if shift_pixels:
             # int32 as drawn; int64 as the device keeps them (device_input).
             canvas = shift_batch(canvas, tf.cast(draws[corner], tf.int32), shift_pixels)
-        digits.append(tf.cast(canvas, tf.int32))
-    overlay = tf.minimum(digits[0] + digits[1], 255)                                    # clipped sum
+        # Without the distortion the digits stay integers until the end: the sum's clip at 255
+        # is exact, and the pairs are the first releases' bit for bit.
+        digits.append(canvas if elastic else tf.cast(canvas, tf.int32))
     pair_labels = tf.stack([tf.gather(labels, draws["index"]), tf.gather(labels, draws["partner"])],
                            axis=1)                                                      # (b, 2)
+    if elastic:
+        return tf.minimum(digits[0] + digits[1], 1.0), pair_labels, tf.stack(digits, axis=1)
+    overlay = tf.minimum(digits[0] + digits[1], 255)                                    # clipped sum
     return scale(overlay), pair_labels, scale(tf.stack(digits, axis=1))                 # (b, 2, H', W', C)
 
 

@@ -54,44 +54,54 @@ def test_device_batches_are_make_datasets_batches(compiled, elastic):
             assert got_labels.dtype == tf.int32
 
 
-@pytest.mark.parametrize("shift, pad", [(2, 3), (0, None)], ids=["shift2_pad3", "unshifted"])
+@pytest.mark.parametrize("shift, pad, elastic", [(2, 3, 0), (0, None, 0), (2, 3, 8)],
+                         ids=["shift2_pad3", "unshifted", "shift2_pad3_elastic"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "xla"])
-def test_device_pairs_are_make_multimnist_datasets_pairs(compiled, shift, pad):
+def test_device_pairs_are_make_multimnist_datasets_pairs(compiled, shift, pad, elastic):
     """MultiMNIST on the device: every batch of an epoch (the last one short), paired,
     shifted and overlaid as the device loop does it (eagerly and inside an XLA
     computation), equals make_multimnist_dataset's batch of the same (seed, epoch): the
     overlaid images, both labels and each digit's target, bit for bit (integer sums, then
-    the host's p / 255)."""
+    the host's p / 255); with each digit elastically distorted, to float tolerance inside
+    XLA (its convolutions and bilinear sums round as XLA's do)."""
     images, labels = some_split()
-    pairs = DevicePairSet(images, labels, batch_size=7, seed=11, shift_pixels=shift, pad_pixels=pad)
+    pairs = DevicePairSet(images, labels, batch_size=7, seed=11, shift_pixels=shift, pad_pixels=pad,
+                          elastic_alpha=elastic)
     batch = tf.function(pairs.batch, jit_compile=True, autograph=False) if compiled else pairs.batch
     for epoch in (0, 3):
         draws = pairs.epoch(epoch).draws
         assert {k: tf.TensorSpec.from_tensor(v) for k, v in draws.items()} == pairs.draws_signature()
         expected = list(make_multimnist_dataset(images, labels, batch_size=7, training=True, seed=11, epoch=epoch,
-                                                shift_pixels=shift, pad_pixels=pad))
+                                                shift_pixels=shift, pad_pixels=pad, elastic_alpha=elastic))
         assert [len(y) for _, y, _ in expected] == [7, 7, 7, 7, 2]
         for step, want in enumerate(expected):
             got = batch(draws, tf.constant(step, tf.int64), len(want[1]))
             assert got[1].dtype == tf.int32 and got[0].shape[1] == 12 + 2 * (shift if pad is None else pad)
             for got_part, want_part in zip(got, want, strict=True):
-                np.testing.assert_array_equal(got_part.numpy(), want_part.numpy())
+                if compiled and elastic:
+                    np.testing.assert_allclose(got_part.numpy(), want_part.numpy(), rtol=0, atol=1e-5)
+                else:
+                    np.testing.assert_array_equal(got_part.numpy(), want_part.numpy())
+            if elastic:
+                assert np.abs(got[2].numpy() - np.round(got[2].numpy() * 255) / 255).max() > 1e-3  # distorted
     # A new pairing every epoch (the partners' classes differ from the base's).
     first, later = pairs.epoch(0).draws, pairs.epoch(1).draws
     assert not np.array_equal(first["partner"].numpy(), later["partner"].numpy())
     assert (labels[first["partner"].numpy()] != labels[first["index"].numpy()]).all()
 
 
-def test_multimnist_on_device_trains_the_same_steps_as_the_pipeline(tiny_idx_dir, tmp_path):
+@pytest.mark.parametrize("augmentation", [[], ["data.elastic_alpha=8"]], ids=["shifts", "elastic"])
+def test_multimnist_on_device_trains_the_same_steps_as_the_pipeline(tiny_idx_dir, tmp_path, augmentation):
     """data=multimnist with train.data_on_device=true against false (custom_op=true
-    train.xla=jit; 60 pairs an epoch in batches of 16, the last one 12): the same pairs, so
-    the same per-step losses, test accuracy and final weights (float tolerance: a loop of
-    steps in one program is compiled apart from the single step)."""
+    train.xla=jit; 60 pairs an epoch in batches of 16, the last one 12), with each digit
+    elastically distorted too: the same pairs, so the same per-step losses, test accuracy
+    and final weights (float tolerance: a loop of steps in one program is compiled apart
+    from the single step)."""
     from capsnet.training import train
 
     common = ["data=multimnist", "model.input_shape=[36,36,1]", "train.epochs=2", "data.limit_train=60",
               "data.limit_test=40", "custom_op=true", "train.xla=jit", "train.log_every_steps=2",
-              "train.steps_per_execution=2"]
+              "train.steps_per_execution=2", *augmentation]
     runs = {}
     for on_device in (False, True):
         run_dir = tmp_path / f"on_device_{on_device}"

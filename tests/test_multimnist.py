@@ -109,8 +109,63 @@ def test_partners_cover_the_other_classes_and_data_errors(sources):
         make_multimnist_dataset(images[:3], np.zeros(3, int), batch_size=2, training=True)
     with pytest.raises(ConfigError, match="data.flip=True"):
         make_split_dataset("multimnist", images, labels, batch_size=2, training=True, flip=True)
-    with pytest.raises(ConfigError, match="no flip/rotate/zoom/elastic/erase/shift_fill.*data.erase_probability=0.5"):
-        make_split_dataset("multimnist", images, labels, batch_size=2, training=True, erase_probability=0.5)
+    with pytest.raises(ConfigError, match="no flip/rotate/zoom/erase/shift_fill.*: set data.erase_probability=0.5 "):
+        make_split_dataset("multimnist", images, labels, batch_size=2, training=True, erase_probability=0.5,
+                           elastic_alpha=8)  # (each digit's distortion is taken: only the erasing is named)
+    with pytest.raises(ConfigError, match=r"^data\.elastic_alpha must be a number in \[0, 100\], got -1$"):
+        make_split_dataset("multimnist", images, labels, batch_size=2, training=True, elastic_alpha=-1)
+
+
+@pytest.mark.parametrize("shift, pad", [(3, None), (0, 2)])
+def test_elastic_pairs_distort_each_digit_before_the_overlay(sources, shift, pad):
+    """data.elastic_alpha on MultiMNIST: each digit of a training pair is the source digit
+    elastically distorted on its own frame (elastic_distort, tested against NumPy in
+    test_data, with the noise each per-example stateless_uniform op draws, keyed by the
+    example's index in the base stream or the partner stream of the epoch), then padded and
+    shifted as the undistorted pair's; the pair is their sum clipped to 1. Test pairs are
+    never distorted, and alpha 0 is the integer pipeline bit for bit."""
+    from capsnet.augment import elastic_distort
+    from capsnet.data import _ELASTIC_PARTNER_STREAM, _ELASTIC_STREAM, multimnist_draws
+
+    images, labels = sources
+    n, s = len(labels), shift
+    p = s if pad is None else pad
+    common = dict(batch_size=16, seed=3, epoch=2, shift_pixels=shift, pad_pixels=pad)
+    plain = collect(make_multimnist_dataset(images, labels, training=True, **common))
+    got = collect(make_multimnist_dataset(images, labels, training=True, elastic_alpha=20, elastic_sigma=2, **common))
+    np.testing.assert_array_equal(got[1], plain[1])  # the same pairs: the distortion draws from streams of its own
+    draws = {k: v.numpy() for k, v in multimnist_draws(labels, training=True, seed=3, epoch=2, shift_pixels=shift,
+                                                       elastic=True).items()}
+    key = tf.constant([3, 2], tf.int64)
+    fold_in = tf.random.experimental.stateless_fold_in
+    want_digits = []
+    for source, stream, corner in (("index", _ELASTIC_STREAM, "corner_a"), ("partner", _ELASTIC_PARTNER_STREAM,
+                                                                             "corner_b")):
+        stream_key = fold_in(key, stream, alg="philox")
+        noise = np.stack([tf.random.stateless_uniform([SIZE, SIZE, 2], minval=-1.0, maxval=1.0, alg="philox",
+                                                      seed=fold_in(stream_key, i, alg="philox"))
+                          for i in draws[source]])
+        distorted = elastic_distort(tf.constant(images[draws[source]].astype(np.float32) / np.float32(255)),
+                                    tf.constant(noise), 20, 2).numpy()
+        canvases = np.pad(distorted, [(0, 0), (p, p), (p, p), (0, 0)])
+        if s:  # each canvas cropped at its drawn corner of the canvas padded by s: shifted by s - corner
+            canvases = np.stack([np.pad(c, [(s, s), (s, s), (0, 0)])[y:y + c.shape[0], x:x + c.shape[1]]
+                                 for c, (y, x) in zip(canvases, draws[corner])])
+        want_digits.append(canvases)
+    np.testing.assert_allclose(got[2], np.stack(want_digits, axis=1), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got[0], np.minimum(want_digits[0] + want_digits[1], 1.0), rtol=0, atol=2e-6)
+    np.testing.assert_array_equal(got[0], np.minimum(got[2][:, 0] + got[2][:, 1], 1.0))
+    assert np.abs(got[2] - plain[2]).max() > 0.1  # distorted
+    # A digit is distorted one way as a base and another as a partner (two streams).
+    assert draws["elastic_seed_a"][0] != draws["elastic_seed_b"][0]
+    # The test pairs are the same with or without it (training=False draws no noise).
+    for a, b in zip(collect(make_multimnist_dataset(images, labels, training=False, elastic_alpha=20, **common)),
+                    collect(make_multimnist_dataset(images, labels, training=False, **common)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # alpha 0 passed explicitly: the integer pipeline (no seeds drawn, the same bits).
+    for a, b in zip(collect(make_multimnist_dataset(images, labels, training=True, elastic_alpha=0, **common)), plain,
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 # --------------------------------------------------------------------------- losses and scoring

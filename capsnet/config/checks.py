@@ -46,16 +46,18 @@ def _distribute_rule(dcfg, prefix):
 
 
 def _data_rule(dcfg, prefix):
-    """An overlay dataset (MultiMNIST) draws its digits shifted on a zero canvas: no other
-    augmentation, and only it has a canvas border (the words of
-    capsnet.data.make_split_dataset, which checks both again)."""
+    """An overlay dataset (MultiMNIST) draws its digits shifted on a zero canvas: of the
+    other augmentation only each digit's elastic distortion (OVERLAY_AUGMENTATION), and
+    only it has a canvas border (the words of capsnet.data.make_split_dataset, which
+    checks both again)."""
     check_canvas_border(dcfg["name"], dcfg["pad_pixels"], prefix)
     if is_overlay(dcfg["name"]):
-        on = [f"{prefix}{k}={v}" for k, v in AUGMENTATION_OFF.items() if dcfg[k] != v]
+        on = [f"{prefix}{k}={v}" for k, v in AUGMENTATION_OFF.items()
+              if dcfg[k] != v and k not in OVERLAY_AUGMENTATION]
         if on:
-            raise ConfigError(f"{dcfg['name']} takes no flip/rotate/zoom/elastic/erase/shift_fill augmentation (its digits "
-                              f"are shifted by data.shift_pixels on a zero canvas): set {', '.join(on)} to the "
-                              "default (augmentation=none)")
+            raise ConfigError(f"{dcfg['name']} takes no flip/rotate/zoom/erase/shift_fill augmentation (its digits are "
+                              f"shifted by data.shift_pixels on a zero canvas; data.elastic_alpha distorts each): set "
+                              f"{', '.join(on)} (the default)")
 
 
 def _train_rule(tcfg, prefix):
@@ -166,6 +168,10 @@ def check(cfg):
 # The augmentations that run per example in tf.data (capsnet.data.make_dataset), which
 # train.data_on_device's batches do not have.
 PER_EXAMPLE_AUGMENTATION = ("rotate_degrees", "zoom")
+# What an overlay dataset (MultiMNIST) takes beyond its shifts: each digit distorted on its own
+# before the two are overlaid (capsnet.data.pairs_from_draws). The others act on a whole image
+# (a flip or an erased box would change both digits together), which the pairs do not have.
+OVERLAY_AUGMENTATION = ("elastic_alpha", "elastic_sigma")
 
 
 def check_data_on_device(cfg):

@@ -30,8 +30,8 @@ import itertools
 import numpy as np
 import tensorflow as tf
 
-from capsnet.data import (batch_from_draws, check_pair_shifts, epoch_draws, multimnist_draws, pairs_from_draws,
-                          uint8_levels)
+from capsnet.data import (batch_from_draws, check_pair_elastic, check_pair_shifts, epoch_draws, multimnist_draws,
+                          pairs_from_draws, uint8_levels)
 from capsnet.config import AUGMENTATION_OFF, PER_EXAMPLE_AUGMENTATION
 from capsnet.errors import ConfigError
 from capsnet.training.steps import STEP_VALUES, steps_until_non_finite
@@ -109,11 +109,14 @@ class DevicePairSet:
     (N, H, W, C), labels (N,)); each epoch's pairs drawn on the host (multimnist_draws;
     48 bytes a pair there) and the batch paired, shifted and overlaid inside the step
     (pairs_from_draws): `batch` → make_multimnist_dataset's batch, (images float32
-    (size, H', W', C), labels int32 (size, 2), digits float32 (size, 2, H', W', C))."""
+    (size, H', W', C), labels int32 (size, 2), digits float32 (size, 2, H', W', C)), each
+    digit elastically distorted first if elastic_alpha > 0 (its noise drawn in the step)."""
 
-    def __init__(self, images, labels, *, batch_size, seed, shift_pixels, pad_pixels=None, device=None):
+    def __init__(self, images, labels, *, batch_size, seed, shift_pixels, pad_pixels=None, elastic_alpha=0.0,
+                 elastic_sigma=4.0, device=None):
         self.batch_size, self.seed, self.shape = int(batch_size), int(seed), images.shape
         self.shift_pixels, self.pad_pixels = check_pair_shifts(shift_pixels, pad_pixels)
+        self.elastic = check_pair_elastic(elastic_alpha, elastic_sigma)
         self.host_labels = np.asarray(labels)
         self.device = device or training_device()
         with tf.device(self.device):
@@ -136,13 +139,13 @@ class DevicePairSet:
     def _draws(self, index):
         with tf.device("/CPU:0"):
             return multimnist_draws(self.host_labels, training=True, seed=self.seed, epoch=index,
-                                    shift_pixels=self.shift_pixels)
+                                    shift_pixels=self.shift_pixels, elastic=self.elastic["elastic_alpha"] > 0)
 
     def batch(self, draws, step, size):
         positions = tf.cast(step, tf.int64) * self.batch_size + tf.range(size, dtype=tf.int64)
         picked = {key: tf.gather(value, positions) for key, value in draws.items()}
         images, labels, digits = pairs_from_draws(self.images, self.labels, picked, shift_pixels=self.shift_pixels,
-                                                  pad_pixels=self.pad_pixels, levels=self.levels)
+                                                  pad_pixels=self.pad_pixels, levels=self.levels, **self.elastic)
         return images, tf.cast(labels, tf.int32), digits
 
 

@@ -303,7 +303,8 @@ def _train(cfg, progress):
         # The training split copied to the device once; each epoch only its draws (config.check_data_on_device).
         if two_digits:
             training_set = DevicePairSet(train_images, train_labels, batch_size=batch_size, seed=seed,
-                                         shift_pixels=data_cfg["shift_pixels"], pad_pixels=data_cfg["pad_pixels"])
+                                         shift_pixels=data_cfg["shift_pixels"], pad_pixels=data_cfg["pad_pixels"],
+                                         **{key: augmentation[key] for key in config.OVERLAY_AUGMENTATION})
         else:
             training_set = DeviceTrainingSet(train_images, train_labels, batch_size=batch_size, seed=seed,
                                              **augmentation)
