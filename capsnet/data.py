@@ -29,9 +29,8 @@ import tensorflow as tf
 from capsnet.augment import (corners_from_words, elastic_distort, elastic_noise, erase_batch, erase_boxes,
                              example_words, flip_mask, fold_in_seed, random_rotate_zoom, seed_words, shift_batch,
                              shift_corners, words_to_int64)
-from capsnet.config import (AUGMENTATION_OFF, OVERLAY_AUGMENTATION, PER_EXAMPLE_AUGMENTATION,  # noqa: F401
-                            SHIFT_FILLS,  # noqa: F401  (re-exported)
-                            augmentation_on, augmentation_options, check_augmentation)
+from capsnet.config import (AUGMENTATION_OFF, PER_EXAMPLE_AUGMENTATION, SHIFT_FILLS,  # noqa: F401  (re-exported)
+                            OVERLAY_AUGMENTATION, augmentation_on, augmentation_options, check_augmentation)
 from capsnet.datasets import (DATASETS, DatasetSpec, check_canvas_border, example_shape,  # noqa: F401  (re-exported)
                               is_overlay)
 from capsnet.errors import ConfigError, DataError
@@ -574,9 +573,9 @@ def multimnist_draws(labels, *, training, seed=0, epoch=0, shift_pixels=4, elast
     digits' crop corners, and if elastic (and training) "elastic_seed_a", "elastic_seed_b":
     int64 (N,) the seeds the base's and the partner's elastic noise are drawn from with
     their indices (capsnet.augment.elastic_noise; as epoch_draws' "elastic_seed")}, entry i
-    for the epoch's i-th pair. pairs_from_draws makes a
-    batch of any slice of it: what make_multimnist_dataset's batches are, and what
-    train.data_on_device gathers on the device (capsnet.training.device_input)."""
+    for the epoch's i-th pair. pairs_from_draws makes a batch of any slice of it: what
+    make_multimnist_dataset's batches are, and what train.data_on_device gathers on the
+    device (capsnet.training.device_input)."""
     n = len(labels)
     if len(np.unique(labels)) < 2:
         raise DataError(f"MultiMNIST pairs digits of different classes: the {n} examples have only class "
