@@ -128,7 +128,7 @@ def test_elastic_pairs_distort_each_digit_before_the_overlay(sources, shift, pad
     from capsnet.data import _ELASTIC_PARTNER_STREAM, _ELASTIC_STREAM, multimnist_draws
 
     images, labels = sources
-    n, s = len(labels), shift
+    s = shift
     p = s if pad is None else pad
     common = dict(batch_size=16, seed=3, epoch=2, shift_pixels=shift, pad_pixels=pad)
     plain = collect(make_multimnist_dataset(images, labels, training=True, **common))
