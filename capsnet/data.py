@@ -30,7 +30,7 @@ from capsnet.augment import (corners_from_words, elastic_distort, elastic_noise,
                              example_words, flip_mask, fold_in_seed, random_rotate_zoom, seed_words, shift_batch,
                              shift_corners, words_to_int64)
 from capsnet.config import (AUGMENTATION_OFF, PER_EXAMPLE_AUGMENTATION, SHIFT_FILLS,  # noqa: F401  (re-exported)
-                            OVERLAY_AUGMENTATION, augmentation_on, augmentation_options, check_augmentation)
+                            OVERLAY_AUGMENTATION, augmentation_options, check_augmentation, check_overlay_augmentation)
 from capsnet.datasets import (DATASETS, DatasetSpec, check_canvas_border, example_shape,  # noqa: F401  (re-exported)
                               is_overlay)
 from capsnet.errors import ConfigError, DataError
@@ -487,12 +487,8 @@ def make_split_dataset(name, images, labels, *, batch_size, training, seed=0, ep
     if not is_overlay(name):
         return make_dataset(images, labels, batch_size=batch_size, training=training, seed=seed, epoch=epoch,
                             shift_pixels=shift_pixels, drop_remainder=drop_remainder, **augmentation)
-    elastic = {key: augmentation.pop(key) for key in OVERLAY_AUGMENTATION if key in augmentation}
-    on = augmentation_on(augmentation)
-    if on:
-        raise ConfigError(f"{name} takes no flip/rotate/zoom/erase/shift_fill augmentation (its digits are shifted by "
-                          f"data.shift_pixels on a zero canvas; data.elastic_alpha distorts each): set "
-                          f"{', '.join(on)} to the default")
+    check_overlay_augmentation(name, augmentation)
+    elastic = {key: augmentation[key] for key in OVERLAY_AUGMENTATION if key in augmentation}
     return make_multimnist_dataset(images, labels, batch_size=batch_size, training=training, seed=seed,
                                    epoch=epoch, shift_pixels=shift_pixels, pad_pixels=pad_pixels,
                                    drop_remainder=drop_remainder, **elastic)
@@ -561,9 +557,7 @@ def check_pair_shifts(shift_pixels, pad_pixels):
 def check_pair_elastic(elastic_alpha, elastic_sigma):
     """MultiMNIST's elastic options checked as make_dataset checks them (ConfigError naming
     the key): {"elastic_alpha": float, "elastic_sigma": float}."""
-    checked = check_augmentation(**{**AUGMENTATION_OFF, "elastic_alpha": elastic_alpha, "elastic_sigma": elastic_sigma},
-                                 prefix="data.")
-    return {key: checked[key] for key in OVERLAY_AUGMENTATION}
+    return check_augmentation(elastic_alpha=elastic_alpha, elastic_sigma=elastic_sigma, prefix="data.")
 
 
 def multimnist_draws(labels, *, training, seed=0, epoch=0, shift_pixels=4, elastic=False):

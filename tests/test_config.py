@@ -201,8 +201,8 @@ def test_the_cli_prints_a_type_error_as_one_line(tmp_path):
     (["data.erase_max_area=2"], "data.erase_max_area must be a number in [0.02, 1], got 2"),
     (["data=multimnist", "data.erase_probability=0.5", "data.elastic_alpha=16"],
      "multimnist takes no flip/rotate/zoom/erase/shift_fill augmentation (its digits are shifted by "
-     "data.shift_pixels on a zero canvas; data.elastic_alpha distorts each): set data.erase_probability=0.0 (the "
-     "default)"),
+     "data.shift_pixels on a zero canvas; data.elastic_alpha distorts each): got data.erase_probability=0.5; set "
+     "data.erase_probability=0.0 (the default)"),
     (["data=multimnist", "augmentation=fashion"], "multimnist takes no flip/rotate/zoom/erase/shift_fill"),
     (["distribute.strategy=horovod"], "distribute.strategy must be one of none, mirrored, multi_worker"),
     (["distribute=mirrored", "distribute.all_reduce=ring"],

@@ -109,7 +109,8 @@ def test_partners_cover_the_other_classes_and_data_errors(sources):
         make_multimnist_dataset(images[:3], np.zeros(3, int), batch_size=2, training=True)
     with pytest.raises(ConfigError, match="data.flip=True"):
         make_split_dataset("multimnist", images, labels, batch_size=2, training=True, flip=True)
-    with pytest.raises(ConfigError, match="no flip/rotate/zoom/erase/shift_fill.*: set data.erase_probability=0.5 "):
+    with pytest.raises(ConfigError, match="no flip/rotate/zoom/erase/shift_fill.*: got data.erase_probability=0.5; "
+                       r"set data.erase_probability=0.0 \(the default\)$"):
         make_split_dataset("multimnist", images, labels, batch_size=2, training=True, erase_probability=0.5,
                            elastic_alpha=8)  # (each digit's distortion is taken: only the erasing is named)
     with pytest.raises(ConfigError, match=r"^data\.elastic_alpha must be a number in \[0, 100\], got -1$"):

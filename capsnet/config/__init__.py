@@ -48,7 +48,8 @@ routing_from_flags), migrate (old run configs), hydra (register, compose, explai
 check_overrides, the dataset resolvers). Import from here: `from capsnet import config`.
 """
 from capsnet.config.checks import (OVERLAY_AUGMENTATION, PER_EXAMPLE_AUGMENTATION, check, check_all_reduce_in_step,
-                                   check_augmentation, check_data_on_device, check_eval, check_section, check_xla)
+                                   check_augmentation, check_data_on_device, check_eval, check_overlay_augmentation,
+                                   check_section, check_xla)
 from capsnet.config.hydra import check_overrides, compose, dataset_classes, dataset_shape, explain, register
 from capsnet.config.migrate import migrate
 from capsnet.config.routing import routing_from_flags, routing_mode
@@ -62,7 +63,7 @@ __all__ = [
     "ModelConfig", "DataSourceConfig", "AugmentationConfig", "DataConfig", "TrainConfig", "DistributeConfig", "TrainAppConfig",
     "EvalDataConfig", "EvalAppConfig", "register", "check", "check_eval", "check_section", "migrate",
     "routing_mode", "routing_from_flags", "compose", "explain", "check_overrides", "check_augmentation", "check_xla",
-    "check_all_reduce_in_step", "check_data_on_device", "PER_EXAMPLE_AUGMENTATION", "OVERLAY_AUGMENTATION",
+    "check_all_reduce_in_step", "check_data_on_device", "check_overlay_augmentation", "PER_EXAMPLE_AUGMENTATION", "OVERLAY_AUGMENTATION",
     "dataset_shape", "dataset_classes", "GROUP_SCHEMAS", "APP_SCHEMAS",
     "ROUTING", "ROUTING_MODES", "CONV_FORMS", "INITIALIZERS", "XLA_MODES", "PRECISIONS", "STRATEGIES", "ALL_REDUCE", "SCALE_LR", "AUGMENTATION_OFF",
     "augmentation_options", "augmentation_on", "SHIFT_FILLS", "WHICH", "WEIGHTS",

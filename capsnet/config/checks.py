@@ -13,13 +13,15 @@ from capsnet.errors import ConfigError
 
 
 def check_augmentation(prefix="", **options):
-    """The augmentation `options` (the keys of AUGMENTATION_OFF, all of them) checked and in
-    their plain types, in AUGMENTATION_OFF's order; a bad one → ConfigError naming
-    `prefix` + its key. (shift_pixels is checked by make_dataset: its range is the image's.)"""
-    if set(options) != set(AUGMENTATION_OFF):
-        raise TypeError(f"check_augmentation needs exactly {', '.join(AUGMENTATION_OFF)}, got {', '.join(options)}")
+    """The augmentation `options` (keys of AUGMENTATION_OFF: make_dataset passes all of them,
+    MultiMNIST's pairs OVERLAY_AUGMENTATION's) checked and in their plain types, in
+    AUGMENTATION_OFF's order; a bad one → ConfigError naming `prefix` + its key.
+    (shift_pixels is checked by make_dataset: its range is the image's.)"""
+    unknown = [key for key in options if key not in AUGMENTATION_OFF]
+    if unknown:
+        raise TypeError(f"check_augmentation takes {', '.join(AUGMENTATION_OFF)}, got {', '.join(unknown)}")
     checks = {f.name: f.metadata["check"] for f in dataclasses.fields(AugmentationConfig)}
-    checked = {key: checks[key](prefix + key, options[key]) for key in AUGMENTATION_OFF}
+    checked = {key: checks[key](prefix + key, options[key]) for key in AUGMENTATION_OFF if key in options}
     return {key: float(value) if isinstance(AUGMENTATION_OFF[key], float) else value for key, value in checked.items()}
 
 
@@ -46,18 +48,23 @@ def _distribute_rule(dcfg, prefix):
 
 
 def _data_rule(dcfg, prefix):
-    """An overlay dataset (MultiMNIST) draws its digits shifted on a zero canvas: of the
-    other augmentation only each digit's elastic distortion (OVERLAY_AUGMENTATION), and
-    only it has a canvas border (the words of capsnet.data.make_split_dataset, which
-    checks both again)."""
+    """An overlay dataset's augmentation (check_overlay_augmentation) and canvas border."""
     check_canvas_border(dcfg["name"], dcfg["pad_pixels"], prefix)
-    if is_overlay(dcfg["name"]):
-        on = [f"{prefix}{k}={v}" for k, v in AUGMENTATION_OFF.items()
-              if dcfg[k] != v and k not in OVERLAY_AUGMENTATION]
-        if on:
-            raise ConfigError(f"{dcfg['name']} takes no flip/rotate/zoom/erase/shift_fill augmentation (its digits are "
-                              f"shifted by data.shift_pixels on a zero canvas; data.elastic_alpha distorts each): set "
-                              f"{', '.join(on)} (the default)")
+    check_overlay_augmentation(dcfg["name"], {key: dcfg[key] for key in AUGMENTATION_OFF}, prefix)
+
+
+def check_overlay_augmentation(name, options, prefix="data."):
+    """An overlay dataset (MultiMNIST) draws its digits shifted on a zero canvas: of the
+    augmentation `options` (any of AUGMENTATION_OFF's keys) it takes only each digit's
+    elastic distortion (OVERLAY_AUGMENTATION). ConfigError naming the others that are on;
+    the config rule and capsnet.data.make_split_dataset (callers without a config) both
+    check through here. Other datasets: nothing to check."""
+    on = [key for key, value in options.items() if key not in OVERLAY_AUGMENTATION and value != AUGMENTATION_OFF[key]]
+    if is_overlay(name) and on:
+        raise ConfigError(f"{name} takes no flip/rotate/zoom/erase/shift_fill augmentation (its digits are shifted by "
+                          f"{prefix}shift_pixels on a zero canvas; {prefix}elastic_alpha distorts each): got "
+                          f"{', '.join(f'{prefix}{key}={options[key]}' for key in on)}; set "
+                          f"{', '.join(f'{prefix}{key}={AUGMENTATION_OFF[key]}' for key in on)} (the default)")
 
 
 def _train_rule(tcfg, prefix):
