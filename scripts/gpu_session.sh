@@ -22,7 +22,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 # evaluations, so a call cut short still returns what was packed. With them, each evaluated
 # run's shell, <name>.run, which scripts/compare_runs.py reads as it reads a run dir (its
 # seeds' table, means, paired differences).
-# One group a GPU (CUDA_VISIBLE_DEVICES; each group's logs in /tmp/runs-out-gpu<N>):
+# One group a GPU (CUDA_VISIBLE_DEVICES; each group's logs in /tmp/runs-out-gpu<N>), after one
+# `source .gpukit/gpukit.sh env` (groups started together race to unpack the kit: with four,
+# one failed on tar's "File exists", forty-fourth session):
+#   source .gpukit/gpukit.sh env >/dev/null
 #   CUDA_VISIBLE_DEVICES=0 OUT=$OUT/g0 RUNS="$g0" bash scripts/gpu_session.sh runs &
 #   CUDA_VISIBLE_DEVICES=1 OUT=$OUT/g1 RUNS="$g1" bash scripts/gpu_session.sh runs & wait
 # The code tree of an ab / memory_ab turn: old = $AB_OLD (an earlier commit's capsnet/, scripts/,
