@@ -157,6 +157,12 @@ def test_elastic_pairs_distort_each_digit_before_the_overlay(sources, shift, pad
     np.testing.assert_allclose(got[0], np.minimum(want_digits[0] + want_digits[1], 1.0), rtol=0, atol=2e-6)
     np.testing.assert_array_equal(got[0], np.minimum(got[2][:, 0] + got[2][:, 1], 1.0))
     assert np.abs(got[2] - plain[2]).max() > 0.1  # distorted
+    # As alpha -> 0 the float path meets the integer one (its pads, shifts and clip, against the pairs
+    # the integer path makes; a digit moves by less than ~alpha pixels, so a pixel changes by < ~alpha).
+    tiny = collect(make_multimnist_dataset(images, labels, training=True, elastic_alpha=1e-3, elastic_sigma=2, **common))
+    np.testing.assert_array_equal(tiny[1], plain[1])
+    for a, b in ((tiny[0], plain[0]), (tiny[2], plain[2])):
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-3)
     # A digit is distorted one way as a base and another as a partner (two streams).
     assert draws["elastic_seed_a"][0] != draws["elastic_seed_b"][0]
     # The test pairs are the same with or without it (training=False draws no noise).
