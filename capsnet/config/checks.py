@@ -59,8 +59,10 @@ def check_overlay_augmentation(name, options, prefix="data."):
     elastic distortion (OVERLAY_AUGMENTATION). ConfigError naming the others that are on;
     the config rule and capsnet.data.make_split_dataset (callers without a config) both
     check through here. Other datasets: nothing to check."""
+    if not is_overlay(name):
+        return
     on = [key for key, value in options.items() if key not in OVERLAY_AUGMENTATION and value != AUGMENTATION_OFF[key]]
-    if is_overlay(name) and on:
+    if on:
         raise ConfigError(f"{name} takes no flip/rotate/zoom/erase/shift_fill augmentation (its digits are shifted by "
                           f"{prefix}shift_pixels on a zero canvas; {prefix}elastic_alpha distorts each): got "
                           f"{', '.join(f'{prefix}{key}={options[key]}' for key in on)}; set "
