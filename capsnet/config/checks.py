@@ -7,7 +7,7 @@ import math
 from omegaconf import MISSING
 
 from capsnet.config.schemas import (AUGMENTATION_OFF, ALL_REDUCE, AugmentationConfig, DataConfig, DistributeConfig,
-                                    EvalAppConfig, ModelConfig, TrainAppConfig, TrainConfig)
+                                    EvalAppConfig, ModelConfig, TrainAppConfig, TrainConfig, augmentation_options)
 from capsnet.datasets import check_canvas_border, is_overlay
 from capsnet.errors import ConfigError
 
@@ -50,7 +50,7 @@ def _distribute_rule(dcfg, prefix):
 def _data_rule(dcfg, prefix):
     """An overlay dataset's augmentation (check_overlay_augmentation) and canvas border."""
     check_canvas_border(dcfg["name"], dcfg["pad_pixels"], prefix)
-    check_overlay_augmentation(dcfg["name"], {key: dcfg[key] for key in AUGMENTATION_OFF}, prefix)
+    check_overlay_augmentation(dcfg["name"], augmentation_options(dcfg), prefix)
 
 
 def check_overlay_augmentation(name, options, prefix="data."):
