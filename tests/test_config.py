@@ -204,6 +204,8 @@ def test_the_cli_prints_a_type_error_as_one_line(tmp_path):
      "data.shift_pixels on a zero canvas; data.elastic_alpha distorts each): got data.erase_probability=0.5; set "
      "data.erase_probability=0.0 (the default)"),
     (["data=multimnist", "augmentation=fashion"], "multimnist takes no flip/rotate/zoom/erase/shift_fill"),
+    (["data=multimnist", "data.erase_probability=0.5", "data.zoom=0.1"],
+     "got data.zoom=0.1, data.erase_probability=0.5; set data.zoom=0.0, data.erase_probability=0.0 (the defaults)"),
     (["distribute.strategy=horovod"], "distribute.strategy must be one of none, mirrored, multi_worker"),
     (["distribute=mirrored", "distribute.all_reduce=ring"],
      "distribute.all_reduce must be one of auto, collective, xla, nccl, one_device with distribute=mirrored, got 'ring'"),

@@ -66,7 +66,8 @@ def check_overlay_augmentation(name, options, prefix="data."):
         raise ConfigError(f"{name} takes no flip/rotate/zoom/erase/shift_fill augmentation (its digits are shifted by "
                           f"{prefix}shift_pixels on a zero canvas; {prefix}elastic_alpha distorts each): got "
                           f"{', '.join(f'{prefix}{key}={options[key]}' for key in on)}; set "
-                          f"{', '.join(f'{prefix}{key}={AUGMENTATION_OFF[key]}' for key in on)} (the default)")
+                          f"{', '.join(f'{prefix}{key}={AUGMENTATION_OFF[key]}' for key in on)} "
+                          f"({'the defaults' if len(on) > 1 else 'the default'})")
 
 
 def _train_rule(tcfg, prefix):
