@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO))  # run from a clone without `pip install -e .` too
 from capsnet.cli import fail, import_tensorflow_quietly  # noqa: E402  (as train.py does)
 
 ACCURACY_TAG = "test/accuracy"
+EPOCH_TAG = "time/train_seconds"  # written at the end of every epoch, tested or not
 RAW_ACCURACY_TAG = "test/raw_accuracy"  # the trained weights' of a run with train.ema_decay > 0
 LOSS_TAGS = {"train": "train/loss", "test": "test/loss"}
 IMAGE_TAG = "reconstructions/inputs_over_reconstructions"
@@ -143,23 +144,25 @@ def last_image(events, tag=IMAGE_TAG):
 def load_run(run_dir):
     """What the plots need from one run: epochs and accuracy, losses on an epoch axis, the image.
 
-    The x axis is epochs: test metrics are written once per epoch at step
-    epoch * steps_per_epoch, so the i-th test point is epoch i + 1 and the train losses,
-    logged by global step, are placed at step / steps_per_epoch.
+    The x axis is epochs: an epoch's scalars are written at step epoch * steps_per_epoch, the
+    time/ ones every epoch and the test/ ones every train.test_every_epochs-th, so a test point
+    at step s is epoch s / steps_per_epoch, and so are the train losses, logged by global step.
     """
     events = read_run(run_dir)
     acc_steps, accuracy = scalar_series(events, ACCURACY_TAG)
     if not acc_steps:
         raise ValueError(f"the event files in {run_dir} hold no '{ACCURACY_TAG}' scalars "
                          f"(tags found: {', '.join(sorted(events)) or 'none'})")
-    steps_per_epoch = acc_steps[-1] / len(acc_steps)
+    # Runs written before the time/ scalars existed tested every epoch: their test steps are the epochs'.
+    epoch_steps = scalar_series(events, EPOCH_TAG)[0] or acc_steps
+    steps_per_epoch = epoch_steps[-1] / len(epoch_steps)
     losses = {}
     for split, tag in LOSS_TAGS.items():
         steps, values = scalar_series(events, tag)
         losses[split] = ([s / steps_per_epoch for s in steps], values)
     image = last_image(events)
     return {
-        "epochs": list(range(1, len(accuracy) + 1)),
+        "epochs": [round(step / steps_per_epoch) for step in acc_steps],
         "accuracy": accuracy,
         "raw_accuracy": scalar_series(events, RAW_ACCURACY_TAG)[1],  # [] without a weight average
         "losses": losses,

@@ -81,6 +81,21 @@ def test_reads_the_trained_weights_accuracy_of_a_weight_average_run(plot_runs, t
     assert_png(plot_runs.main([str(run_dir), "--out", str(tmp_path / "img")])[0])
 
 
+def test_a_run_tested_every_other_epoch_is_plotted_at_its_tested_epochs(plot_runs, tiny_config, tmp_path):
+    """train.test_every_epochs=2: test points at epochs 2 and 4 (history.jsonl's tested epochs), not 1 and 2."""
+    from capsnet.training import train
+
+    run_dir = tmp_path / "every2"
+    train(tiny_config("train.test_every_epochs=2", "train.epochs=4", run_dir=run_dir))
+    tested = [h for h in history(run_dir) if "test_accuracy" in h]
+    run = plot_runs.load_run(run_dir)
+    assert run["epochs"] == [h["epoch"] for h in tested] == [2, 4]
+    np.testing.assert_allclose(run["accuracy"], [h["test_accuracy"] for h in tested], rtol=1e-6)
+    assert run["losses"]["test"][0] == [2.0, 4.0]
+    assert run["losses"]["train"][0][-1] == pytest.approx(4.0)
+    assert run["image_epoch"] == 4
+
+
 def test_a_run_without_a_weight_average_has_no_raw_curve(plot_runs, trained_run):
     assert plot_runs.load_run(trained_run[0])["raw_accuracy"] == []
 
