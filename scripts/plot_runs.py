@@ -5,11 +5,11 @@
         --names paper_mnist,paper_fashion_mnist --out docs/img
 
 Writes into --out (created if missing), and prints each path written:
-- `curves.png`: test accuracy per epoch (left) and train (solid) / test (dashed) total
+- `curves.png`: test accuracy per tested epoch (left) and train (solid) / test (dashed) total
   loss (right, log scale), every run overlaid, one colour per run, legend = run name.
   A run that kept a moving average of its weights (train.ema_decay) tests the average;
   its trained weights' test accuracy (test/raw_accuracy) is the dotted line of its colour.
-- `<name>_reconstructions.png` per run: the last epoch's
+- `<name>_reconstructions.png` per run: the last tested epoch's
   `reconstructions/inputs_over_reconstructions` image (test inputs over their
   reconstructions), as TensorBoard shows it. Skipped, with a note on stderr, for a run
   trained without the decoder (it has no such image).
@@ -145,8 +145,9 @@ def load_run(run_dir):
     """What the plots need from one run: epochs and accuracy, losses on an epoch axis, the image.
 
     The x axis is epochs: an epoch's scalars are written at step epoch * steps_per_epoch, the
-    time/ ones every epoch and the test/ ones every train.test_every_epochs-th, so a test point
-    at step s is epoch s / steps_per_epoch, and so are the train losses, logged by global step.
+    time/ ones every epoch and the test/ ones every train.test_every_epochs-th and the last, so
+    a test point at step s is epoch s / steps_per_epoch, and so are the train losses, logged by
+    global step.
     """
     events = read_run(run_dir)
     acc_steps, accuracy = scalar_series(events, ACCURACY_TAG)
@@ -155,7 +156,9 @@ def load_run(run_dir):
                          f"(tags found: {', '.join(sorted(events)) or 'none'})")
     # Runs written before the time/ scalars existed tested every epoch: their test steps are the epochs'.
     epoch_steps = scalar_series(events, EPOCH_TAG)[0] or acc_steps
-    steps_per_epoch = epoch_steps[-1] / len(epoch_steps)
+    # The spacing, not the count: a run begun before those scalars and resumed after has them late.
+    gaps = [b - a for a, b in zip(epoch_steps, epoch_steps[1:])]
+    steps_per_epoch = min(gaps) if gaps else epoch_steps[0]
     losses = {}
     for split, tag in LOSS_TAGS.items():
         steps, values = scalar_series(events, tag)

@@ -96,6 +96,21 @@ def test_a_run_tested_every_other_epoch_is_plotted_at_its_tested_epochs(plot_run
     assert run["image_epoch"] == 4
 
 
+def test_epochs_of_a_run_whose_time_scalars_start_late(plot_runs, tmp_path):
+    """A run begun before train() wrote time/ scalars and resumed after: epochs from their spacing, not count."""
+    import tensorflow as tf
+
+    with tf.summary.create_file_writer(str(tmp_path)).as_default():
+        for epoch in (1, 2, 3, 4):
+            tf.summary.scalar("test/accuracy", 0.9 + epoch / 100, step=20 * epoch)
+            if epoch >= 3:
+                tf.summary.scalar("time/train_seconds", 1.0, step=20 * epoch)
+        tf.summary.flush()
+    run = plot_runs.load_run(tmp_path)
+    assert run["epochs"] == [1, 2, 3, 4]
+    np.testing.assert_allclose(run["accuracy"], [0.91, 0.92, 0.93, 0.94], rtol=1e-6)
+
+
 def test_a_run_without_a_weight_average_has_no_raw_curve(plot_runs, trained_run):
     assert plot_runs.load_run(trained_run[0])["raw_accuracy"] == []
 
