@@ -3,6 +3,7 @@ model, a tiny trained run, helpers to run the entry points as a user would, and 
 shared pieces of the op and model tests (NumPy reference of the capsule prediction,
 seeding, TF32 off, a spy on the compiled op, an op loader with no library)."""
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -202,6 +203,13 @@ def entry_point_env(*paths):
     env.pop("HYDRA_FULL_ERROR", None)
     env.pop("TF_CPP_MIN_LOG_LEVEL", None)
     return env
+
+
+def sigint_as_in_a_terminal():
+    """Popen preexec_fn: SIGINT at its default, as a terminal's foreground job has it. A suite started in
+    the background by a shell without job control inherits SIGINT ignored, and Python then installs no
+    KeyboardInterrupt handler: a Ctrl-C test would send a signal that train.py never sees."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def load_script(name):

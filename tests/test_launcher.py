@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import REPO, TINY_MODEL, TINY_TRAIN, entry_point_env, run_entry_point
+from conftest import REPO, TINY_MODEL, TINY_TRAIN, entry_point_env, run_entry_point, sigint_as_in_a_terminal
 from hydra_plugins.capsnet_launcher.gpus import check_devices, config_flags, quoted, visible_gpus
 
 from capsnet.errors import ConfigError
@@ -143,6 +143,7 @@ def test_ctrl_c_stops_the_jobs_and_says_so_in_one_line(tiny_idx_dir, tmp_path):
     process = subprocess.Popen([sys.executable, str(REPO / "train.py"), "-m", "seed=0,1,2", *PARALLEL, *fixed,
                                 f"hydra.sweep.dir={tmp_path / 'sweep'}", "hydra.sweep.subdir=${hydra.job.num}"],
                                cwd=tmp_path, env=entry_point_env(), start_new_session=True,
+                               preexec_fn=sigint_as_in_a_terminal,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     logs = [tmp_path / "sweep" / str(i) / "train.log" for i in (0, 1)]
     deadline = time.monotonic() + 120

@@ -20,7 +20,8 @@ from capsnet.errors import CheckpointError, ConfigError, DataError, TrainingDive
 from capsnet.training import train
 from capsnet.training import steps as steps_module
 from capsnet.training.steps import STEP_VALUES, make_train_loop
-from conftest import REPO, assert_trained_as, entry_point_env, run_entry_point, tiny_overrides
+from conftest import (REPO, assert_trained_as, entry_point_env, run_entry_point, sigint_as_in_a_terminal,
+                      tiny_overrides)
 
 STEPS_PER_EPOCH = 20  # 320 tiny training images / batch 16
 
@@ -478,7 +479,8 @@ def signal_train_py_in_epoch_3(signum, tiny_idx_dir, tmp_path, *extra):
     log = tmp_path / "out.log"
     with log.open("w") as out:
         process = subprocess.Popen([sys.executable, str(REPO / "train.py"), *overrides], cwd=tmp_path,
-                                   env=entry_point_env(), stdout=out, stderr=subprocess.PIPE, text=True)
+                                   env=entry_point_env(), preexec_fn=sigint_as_in_a_terminal,
+                                   stdout=out, stderr=subprocess.PIPE, text=True)
         try:
             deadline = time.monotonic() + 120
             while "epoch 3/" not in log.read_text() and process.poll() is None and time.monotonic() < deadline:
