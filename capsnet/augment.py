@@ -122,7 +122,7 @@ def example_words(stream_key, indices, blocks=1):
     Why: the input pipeline drew each example's augmentation with a few ops per example,
     most of its work (the map over single examples ran at ~24,000 MNIST images/s on this
     project's 2-core machine; with the epoch's draws made at once and whole batches
-    cropped, ~150,000: docs/benchmarks.md, sixteenth session). TensorFlow has
+    cropped, ~150,000: scripts/benchmark_input.py). TensorFlow has
     no batched form of a per-example stateless draw (tf.vectorized_map has no rule for its
     ops), so this computes what those ops compute: fold_in(key, index) is the seed
     (c, index) with c a full-range int64 draw from key; a seed becomes Philox's key and

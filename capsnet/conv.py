@@ -12,7 +12,7 @@ Why: a strided convolution's input gradient is a convolution over a dilated inpu
 XLA lowers badly (its CPU backend: 86× TensorFlow's kernel), and under XLA on an H100 all
 three parts of PrimaryCaps' convolution ran faster as stride-1 ones on blocks (2.0 against
 3.1 ms at batch 512 in bfloat16); outside XLA TensorFlow's own strided kernels are the
-faster ones (docs/benchmarks.md, eleventh session; scripts/benchmark_conv.py `--form`).
+faster ones (scripts/benchmark_conv.py `--form`; docs/benchmarks.md).
 PrimaryCaps picks by that (its conv_form). The kernel variable keeps its (kh, kw, C, O)
 shape, so checkpoints do not depend on the form; its gradient flows back through the
 regrouping (a pad, reshape and transpose).

@@ -136,7 +136,7 @@ class PrimaryCaps(keras.layers.Layer):
     strided convolution; "space_to_depth", a stride-1 one on 2×2 blocks (capsnet.conv;
     padding "valid" and equal strides only); "auto", the blocks where the layer's ops go
     into an XLA computation (train.xla=jit) and the strided one elsewhere, the faster of
-    the two in each place (docs/benchmarks.md, eleventh session).
+    the two in each place (capsnet/conv.py says why; scripts/benchmark_conv.py `--form`).
 
     `kernel_scale` and `bias_init` (model.primary_caps_scale, primary_caps_bias): the
     capsules' pre-activation is kernel_scale · (inputs ∗ kernel) + bias, the bias starting
@@ -235,7 +235,7 @@ class PrimaryCaps(keras.layers.Layer):
             # 2.0 of the strided one's 3.1 ms (bfloat16, batch 512) and the whole step
             # 1.3-1.7× less time; on a CPU XLA's strided input gradient is 86× TensorFlow's
             # kernel and the blocks' is not. Outside XLA TensorFlow's strided kernels are
-            # the faster ones (docs/benchmarks.md, eleventh session).
+            # the faster ones (scripts/benchmark_conv.py `--form`).
             x = self.conv(inputs, space_to_depth=True, map_size=map_size)
         else:
             if self.padding == "valid" and in_xla:
@@ -282,10 +282,10 @@ def relu_one_buffer(x):
     Why: with tf.nn.relu, XLA fuses a copy of the cheap max(x, 0) into the gradient's
     mask (x > 0 read from x) and so keeps both x and relu(x) alive from the forward pass
     to the backward one: for conv1 at batch 512 in float32 two 200 MiB buffers, the
-    largest values at the step's memory peak (scripts/xla_memory_report.py on an H100).
+    largest values at the step's memory peak (XLA's buffer assignment on an H100).
     Behind XLA's optimization barrier the mask can only read what the barrier returns, x
     dies at the max (which cuDNN then fuses into the convolution), and the values are the
-    same. Measured on an H100 (docs/benchmarks.md, thirteenth session): float32 batch 512,
+    same. Measured on an H100 (XLA's buffer assignment and peak memory): float32 batch 512,
     the plan 790 -> 748 MiB and the step's peak 1,093 -> 1,054 MiB (the matmul path 1,289
     -> 1,127), in one instance.
     The mask: when the gradient read y > 0 from y, y stayed alive until the gradient's
@@ -293,8 +293,8 @@ def relu_one_buffer(x):
     map-sized buffers side by side in XLA's plan; XLA does not write the masked
     gradient over dy). With the mask computed in the forward pass (1 byte an element,
     a quarter of float32's map) y dies once PrimaryCaps' weight gradient has read it,
-    so at most two maps and the mask are live at once (sixteenth session, measured in
-    docs/benchmarks.md). (The barrier works on GPUs only: XLA's CPU compiler drops
+    so at most two maps and the mask are live at once (read from XLA's buffer
+    assignment). (The barrier works on GPUs only: XLA's CPU compiler drops
     barriers before it fuses, and there it recomputes the mask from y.)
     """
     y = tf.nn.relu(x)

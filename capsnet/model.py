@@ -174,7 +174,7 @@ class CapsNet(keras.Model):
             # PrimaryCaps computes on stride×stride blocks of its input: conv1 delivers its
             # maps as those blocks, so no transpose of the (B, H1, W1, conv1_filters) maps
             # runs between the two, nor back in the gradient (1.07-1.11× the bfloat16 and
-            # float32 jit steps at batch 512 on an H100, docs/benchmarks.md, twelfth session).
+            # float32 jit steps at batch 512 on an H100, scripts/benchmark_train.py).
             h1, w1 = (d - self.conv1_kernel_size + 1 for d in self.image_shape[:2])
             x = self.conv1(images, output_blocks=self.primary_caps_strides)  # (B, ⌈H1/s⌉, ⌈W1/s⌉, s²·filters)
             u = self.primary_caps(x, map_size=(h1, w1))

@@ -41,7 +41,7 @@ def routing_softmax(b_ij):
     step for the MultiMNIST preset's 320,000 rows of 10 on an H100, far more than its bytes
     take to move), and the routing's fusions split around it. The second form XLA fuses with
     the routing's other math: that step went from 4.30 to 3.16 ms of GPU time, its epoch
-    from 3.27 to 2.54 s (docs/benchmarks.md, thirty-sixth and thirty-seventh sessions). On
+    from 3.27 to 2.54 s (profiled with scripts/profile_train.py). On
     the paper MNIST model's stop-gradient routing it gained nothing (bfloat16 1-8% slower at
     batch 512; not profiled); what that model trains with by default, the fused op, has no
     softmax of XLA's. The two agree to within rounding, gradients
@@ -114,8 +114,7 @@ def dynamic_routing(u_hat, iterations=3, stop_gradient=True, bias=None):
     # b_ij starts at zero for every sample (routing is per example, never learned), so the
     # first round's c_ij = softmax_j(0) = 1/out_caps: written as that constant, not as the
     # softmax of a zero tensor, which XLA constant-folds element by element at compile time
-    # (a step's compile grew with the batch: 1.7 s at 128, 13.6 s at 1,024 on a CPU;
-    # docs/benchmarks.md, seventeenth session).
+    # (a step's compile grew with the batch: 1.7 s at 128, 13.6 s at 1,024 on a CPU).
     uniform = tf.constant(1.0, u_hat.dtype) / tf.cast(tf.shape(u_hat)[2], u_hat.dtype)  # as softmax rounds it
     c_ij = tf.fill(tf.shape(u_hat)[:3], uniform)                     # (B, in_caps, out_caps)
     for r in range(iterations):

@@ -62,8 +62,8 @@ constexpr int kRouteMaxThreads = 256;
 // at 2 (126 registers, 25% occupancy) Nsight Compute found the warps waiting on
 // each other's latency (0.45 issued per scheduler cycle); at 3, with 112 bytes
 // spilled, the forward at batch 512 took 740 instead of 838 us in float32 and
-// 715 instead of 774 us in bfloat16 on an H100 (docs/benchmarks.md, thirteenth
-// session). 2 above in_dim 8, where 85 registers spill 600 bytes (not measured).
+// 715 instead of 774 us in bfloat16 on an H100 (scripts/benchmark_ops.py).
+// 2 above in_dim 8, where 85 registers spill 600 bytes (not measured).
 constexpr int RouteBlocksPerSm(int kmax) { return kmax <= 8 ? 3 : 2; }
 // Capsules staged in shared memory per sub-chunk at most, and the budget (no
 // opt-in above 48 KiB needed).

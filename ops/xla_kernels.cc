@@ -14,8 +14,8 @@
 // and the typed-FFI handler sees only dimensions, so the kernels would read and
 // write the wrong elements. That is why the unfused op path (op prediction + TF
 // routing) under train.xla=jit trained into a collapsed model on a GPU while the
-// fused op's runs trained well; with the layouts pinned it trains (H100,
-// docs/verification.md, twenty-ninth session).
+// fused op's runs trained well; with the layouts pinned it trains (H100;
+// docs/verification.md).
 #include <string>
 #include <vector>
 

@@ -1,5 +1,8 @@
-"""Time an epoch's checkpoint writes for the paper model: latest/ alone, and with best/ on a
-new best epoch as a second write (before 2026-11-24) or as links to latest's files (now).
+"""Time an epoch's checkpoint writes for the paper model (latest/ alone, with best/ copied, with best/ linked).
+
+On a new best epoch train() adds best/ as links to latest/'s files
+(capsnet.training.checkpoints.BestCheckpoint); this times that against latest/ alone and
+against best/ written as a second copy.
 
     python scripts/benchmark_checkpoint.py [--dir DIR] [--repeats 5]
 

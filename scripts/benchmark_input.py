@@ -1,5 +1,7 @@
-"""Time the training input pipeline alone: images/s of capsnet.data's epochs, as train()
-builds them (make_split_dataset per epoch, shuffled and augmented by (seed, epoch)).
+"""Time the training input pipeline alone: images/s of capsnet.data's epochs, as train() builds them.
+
+train() builds each epoch with make_split_dataset, shuffled and augmented by (seed, epoch);
+this does the same, with no model.
 
     python scripts/benchmark_input.py --data-dir ../shared/data/mnist [--dataset mnist]
         [--batch-size 100] [--epochs 3] [--shift-pixels 2] [--flip] [--erase-probability 0.5] [--elastic-alpha 16]

@@ -23,9 +23,9 @@ the same b; ideal = N. mirrored ×1 shows what the strategy itself costs.
 How (as benchmark_train, from which the timing protocol and helpers come):
 - One subprocess per variant, all its configurations in it, one after the other: XLA
   flags are process-wide, and the logical CPU devices of --device cpu must be set up
-  before TensorFlow starts. The NVLink-multicast switches of the lent multi-GPU machines
-  (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1) are
-  set in its environment unless already set.
+  before TensorFlow starts. Its environment switches NVLink multicast off
+  (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1)
+  unless already set.
 - The data and the timing are benchmark_train's (synthetic_batches, time_steps): one
   synthetic batch of b, repeated by tf.data; under mirrored ×N the global batch is that
   batch N times over, split over the replicas as train() splits its batches
@@ -63,8 +63,8 @@ import benchmark_train as bt  # noqa: E402  (also puts the repository on sys.pat
 
 # What custom_op=true (the fused routing op, its default) and custom_op=false train with.
 DEFAULT_VARIANTS = ["op+fused", "matmul"]
-# The multicast switches of the lent multi-GPU machines' KINDS.md: a program using NVLink
-# multicast can take the host's shared GPUs out of service. Set unless the caller set them.
+# NVLink multicast off: on hosts whose GPUs are shared between virtual machines a program
+# using it can take the GPUs out of service. Set unless the caller set them.
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # Set by the benchmark per configuration, so an override would be silently ignored.
 RESERVED_KEYS = (*bt.RESERVED_KEYS, "distribute")

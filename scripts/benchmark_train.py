@@ -299,7 +299,7 @@ def synthetic_batches(spec, batch_size, input_shape, num_classes, copies=1):
     batch_size examples), so a strategy of `copies` replicas gives every replica the very
     batch of the one-device run: the same gradient, so the same losses. (A fresh draw of
     copies × batch_size instead is another task: on one H100, 1,024 uniformly random labels
-    left the loss flat over 260 steps where 512 fell 0.84 → 0.25; twenty-first session.)"""
+    left the loss flat over 260 steps where 512 fell 0.84 → 0.25.)"""
     import tensorflow as tf
 
     with tf.device("/CPU:0"):

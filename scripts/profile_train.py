@@ -70,8 +70,8 @@ def gpu_kernel_times(trace_dir):
     kernels only)."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-    # The profiler writes <dir>/plugins/profile/<timestamp>/*.xplane.pb: the newest session is
-    # this one's (a kept --trace-dir may hold earlier ones).
+    # The profiler writes <dir>/plugins/profile/<timestamp>/*.xplane.pb: the newest trace is
+    # this run's (a kept --trace-dir may hold earlier ones).
     files = sorted(Path(trace_dir, "plugins", "profile").glob("*/*.xplane.pb"))
     if not files:
         raise SystemExit(f"error: the profiler wrote no .xplane.pb under {trace_dir}")

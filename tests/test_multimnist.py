@@ -239,7 +239,7 @@ def test_paper_multimnist_preset_has_3200_primary_capsules():
     assert cfg["data"]["name"] == "multimnist" and cfg["data"]["shift_pixels"] == 4
     assert cfg["model"]["input_shape"] == [36, 36, 1]
     assert build_capsnet(cfg["model"], custom_op=False).in_caps == 3200
-    # The schedule docs/results.md measured (forty-sixth and forty-seventh sessions: 95.00%, seed 0, against 93.90%
+    # The schedule docs/results.md measured (95.00%, seed 0, against 93.90%
     # for 560 x 0.9914 at batch 100): batch 200 at 0.001 x sqrt 2, decaying to 0.0079 of that over 1,200 epochs.
     assert (cfg["train"]["epochs"], cfg["train"]["lr_decay_rate"], cfg["train"]["ema_decay"]) == (1200, 0.995977, 0.999)
     assert (cfg["train"]["batch_size"], cfg["train"]["learning_rate"]) == (200, 0.001)
@@ -249,10 +249,10 @@ def test_paper_multimnist_preset_has_3200_primary_capsules():
     authors = {"w_init_stddev": 0.1, "digit_caps_bias": 0.1, "primary_caps_scale": 0.03125, "primary_caps_bias": 0.1,
                "stop_gradient_routing": False, "initializers": "authors"}
     assert {k: cfg["model"][k] for k in authors} == authors and cfg["train"]["reconstruction_weight"] == 0.01
-    # Conv1 twice the paper's width (thirty-fifth session: 93.40% final against 92.72% at 256).
+    # Conv1 twice the paper's width (93.40% final against 92.72% at 256; docs/results.md).
     assert cfg["model"]["conv1_filters"] == 512
-    # The switches every number above ran with; data on the device: 2.61 -> 2.18 s of training an epoch (H100,
-    # thirty-eighth session). The composed preset passes config.check (test_config), which holds their rules.
+    # The switches every number above ran with; data on the device: 2.61 -> 2.18 s of training an epoch
+    # (H100). The composed preset passes config.check (test_config), which holds their rules.
     assert (cfg["train"]["xla"], cfg["train"]["precision"], cfg["train"]["data_on_device"]) == \
         ("jit", "mixed_bfloat16", True)
 

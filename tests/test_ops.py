@@ -359,10 +359,10 @@ def test_matmul_path_checks_only_what_it_must():
 # per-thread scratch (allocate_temp) does not. The error must name the scratch: a 1-D
 # tensor of at least `min_values` values of the accumulation type.
 #
-# Why not an address-space limit (RLIMIT_AS, what this test used until 2026-11-24): it
-# refuses every mmap of the process, so threads of TensorFlow's own and abseil's
-# low_level_alloc died beside the refused scratch (SIGSEGV, "mmap error: 12"), in 3 of 3
-# attempts of one CI run; the allocator's limit refuses only tensors, deterministically.
+# Why not an address-space limit (RLIMIT_AS): it refuses every mmap of the process, so
+# threads of TensorFlow's own and abseil's low_level_alloc die beside the refused scratch
+# (SIGSEGV, "mmap error: 12", 3 of 3 attempts in CI); the allocator's limit refuses only
+# tensors, deterministically.
 def scratch_limit_env(limit_bytes):
     return {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(-(-limit_bytes // 2**20))}
 
@@ -681,8 +681,8 @@ def test_build_up_to_date_check_does_not_import_tensorflow(tmp_path):
     env = {**os.environ, "PYTHONPATH": ""}
     env.pop("TF_CPP_MIN_LOG_LEVEL", None)
     variant = [] if stamp.get("cuda") else ["--cpu-only"]  # as it was built (CI tests a CPU-only one too)
-    # A library carried from the machine that built it (the GPU machine runs TensorFlow from
-    # a kit, not an installed distribution) is not up to date here by design.
+    # A library copied from the machine that built it (built against another TensorFlow, e.g.
+    # an unpacked one rather than an installed distribution) is not up to date here by design.
     probe = subprocess.run([sys.executable, "-c", "import build_ops as b; "
                             f"print(b.quick_key({'None' if variant else 'b.find_nvcc()'}))"],
                            env={**env, "PYTHONPATH": str(REPO / "scripts")}, capture_output=True, text=True,

@@ -267,8 +267,8 @@ def test_routing_compiled_by_xla_has_the_routing_gradients():
 
 def test_routing_first_round_is_no_softmax_of_a_constant():
     # A softmax over the zero b_ij is constant-folded, element by element, when XLA
-    # compiles the step, so a step's compile time grew with the batch (docs/benchmarks.md,
-    # seventeenth session): the first round's c_ij must be the constant 1/out_caps and
+    # compiles the step, so a step's compile time grew with the batch (1.7 s at 128,
+    # 13.6 s at 1,024 on a CPU): the first round's c_ij must be the constant 1/out_caps and
     # only the later rounds a softmax (of the agreement).
     graph = tf.function(lambda x: dynamic_routing(x, 3)).get_concrete_function(
         tf.TensorSpec((None, 7, 4, 5), tf.float32)).graph
