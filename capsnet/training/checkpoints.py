@@ -268,8 +268,10 @@ def read_state(directory):
         return None, f"unreadable ({_reason(exc)})"
     if named is None or not named.model_checkpoint_path:
         return None, "unreadable (it names no checkpoint)"
-    path = Path(named.model_checkpoint_path)
-    return str(path if path.is_absolute() else Path(directory) / path), None
+    # get_checkpoint_state has already put `directory` in front of a relative name (as
+    # tf.train.latest_checkpoint and CheckpointManager read it): used as it comes, it is
+    # relative where `directory` is (evaluate.py outputs/<date>/<time>).
+    return named.model_checkpoint_path, None
 
 
 def write_state(directory, number, numbers):
