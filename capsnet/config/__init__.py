@@ -52,6 +52,8 @@ from capsnet.config.checks import (OVERLAY_AUGMENTATION, PER_EXAMPLE_AUGMENTATIO
                                    check_section, check_xla)
 from capsnet.config.hydra import check_overrides, compose, dataset_classes, dataset_shape, explain, register
 from capsnet.config.migrate import migrate
+from capsnet.config.checks import check_predict
+from capsnet.config.schemas import PredictAppConfig
 from capsnet.config.routing import routing_from_flags, routing_mode
 from capsnet.config.schemas import (ALL_REDUCE, APP_SCHEMAS, AUGMENTATION_OFF, CONV_FORMS, GROUP_SCHEMAS, INITIALIZERS,
                                     PRECISIONS, ROUTING, ROUTING_MODES, SCALE_LR, SHIFT_FILLS, STRATEGIES, WEIGHTS,
@@ -69,5 +71,6 @@ __all__ = [
     "ROUTING", "ROUTING_MODES", "CONV_FORMS", "INITIALIZERS", "XLA_MODES", "PRECISIONS", "STRATEGIES", "ALL_REDUCE", "SCALE_LR", "AUGMENTATION_OFF",
     "augmentation_options", "augmentation_on", "SHIFT_FILLS", "WHICH", "WEIGHTS",
 ]
+__all__ += ["PredictAppConfig", "check_predict"]  # predict.py (configs/predict.yaml)
 
 register()

@@ -8,6 +8,7 @@ from omegaconf import MISSING
 
 from capsnet.config.schemas import (AUGMENTATION_OFF, ALL_REDUCE, AugmentationConfig, DataConfig, DistributeConfig,
                                     EvalAppConfig, ModelConfig, TrainAppConfig, TrainConfig, augmentation_options)
+from capsnet.config.schemas import PredictAppConfig
 from capsnet.datasets import check_canvas_border, is_overlay
 from capsnet.errors import ConfigError
 
@@ -207,6 +208,16 @@ def check_eval(cfg):
         raise ConfigError("checkpoint=... is required: a run dir (outputs/<date>/<time>) or a checkpoint path "
                           "(or a list of them: an ensemble)")
     return check_section(EvalAppConfig, cfg)
+
+
+def check_predict(cfg):
+    """A predict config (shaped like configs/predict.yaml) checked, as `check` does."""
+    for key, what in (("checkpoint", "a run dir (outputs/<date>/<time>), a checkpoint path or an exported "
+                                     "SavedModel directory"),
+                      ("images", "an image file, a directory of images or a glob like 'digits/*.png'")):
+        if cfg.get(key, MISSING) in (MISSING, "???"):
+            raise ConfigError(f"{key}=... is required: {what}")
+    return check_section(PredictAppConfig, cfg)
 
 
 def _default(f):

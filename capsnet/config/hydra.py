@@ -11,6 +11,7 @@ from omegaconf.errors import ConfigAttributeError, OmegaConfBaseException, Valid
 
 from capsnet.config.schemas import (APP_SCHEMAS, GROUP_SCHEMAS, EvalAppConfig, EvalDataConfig, TrainAppConfig,
                                     _dataset_name)
+from capsnet.config.schemas import PredictAppConfig
 from capsnet.datasets import DATASETS, example_shape
 from capsnet.errors import ConfigError
 from capsnet.validation import integer
@@ -105,6 +106,8 @@ def explain(exc, app=None):
             pass
     apps = [app] if app else ([EvalAppConfig] if cause.object_type in (EvalAppConfig, EvalDataConfig)
                               else [TrainAppConfig, EvalAppConfig])
+    if app is None and cause.object_type is PredictAppConfig:
+        apps = [PredictAppConfig]
     for schema in apps:
         f = _schema_field(schema, key)
         if f is None or dataclasses.is_dataclass(f.type):
@@ -155,6 +158,8 @@ def compose(config_name="train", overrides=()):
 
     register()
     app = EvalAppConfig if config_name == "eval" else TrainAppConfig
+    if config_name == "predict":
+        app = PredictAppConfig
     check_overrides(overrides, app)
     config_dir = Path(__file__).resolve().parents[2] / "configs"
     try:

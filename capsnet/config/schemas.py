@@ -380,3 +380,40 @@ def augmentation_on(data_cfg):
     set them (["data.elastic_alpha=16", ...]; [] when all are off), for one-line errors."""
     return [f"data.{key}={value}" for key, value in augmentation_options(data_cfg).items()
             if value != AUGMENTATION_OFF[key]]
+
+
+# --------------------------------------------------------------------------- predict.py
+
+def _predict_checkpoint(name, value):
+    if isinstance(value, (list, tuple)):
+        raise ConfigError(f"{name} must be one run dir, checkpoint path or exported SavedModel directory "
+                          f"(predict.py takes no ensemble), got {list(value)!r}")
+    if not (isinstance(value, str) or hasattr(value, "__fspath__")) or str(value).strip() == "":
+        raise ConfigError(f"{name} must be a run dir, checkpoint path or exported SavedModel directory, got {value!r}")
+    return str(value)
+
+
+def _image_paths(name, value):
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not items or not all((isinstance(item, str) or hasattr(item, "__fspath__")) and str(item).strip()
+                            for item in items):
+        raise ConfigError(f"{name} must be an image file, a directory of images or a glob (or a list of them), "
+                          f"got {value!r}")
+    return [str(item) for item in items] if isinstance(value, (list, tuple)) else str(value)
+
+
+@dataclass
+class PredictAppConfig:
+    """configs/predict.yaml: what predict.py composes (capsnet.prediction.predict's arguments)."""
+    checkpoint: Any = _checked(MISSING, _predict_checkpoint)
+    images: Any = _checked(MISSING, _image_paths)
+    top_k: int = _checked(3, _positive_int)
+    reconstruct: Optional[str] = _checked(None, _optional_string)
+    which: Optional[str] = _checked(None, _one_of(WHICH, allow_none=True))
+    weights: Optional[str] = _checked(None, _eval_weights)
+    custom_op: Optional[bool] = _checked(None, _eval_boolean)
+    batch_size: int = _checked(64, _positive_int)
+    debug: bool = _checked(False, _boolean)
+
+
+APP_SCHEMAS["predict_schema"] = PredictAppConfig
