@@ -41,15 +41,21 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from capsnet import ops  # noqa: E402
-from capsnet.errors import CapsnetError  # noqa: E402
-from capsnet.layers import _dynamic_routing_xla  # noqa: E402  (what DigitCaps(jit_routing=True) runs)
-from capsnet.routing import dynamic_routing, squash  # noqa: E402
+
+
+def _import_tensorflow():
+    """TensorFlow and the capsnet modules as this module's globals, imported once the
+    arguments are parsed: `--help` and argument errors answer without the seconds-long import."""
+    global np, tf, ops, CapsnetError, _dynamic_routing_xla, dynamic_routing, squash
+    import numpy as np
+    import tensorflow as tf
+
+    from capsnet import ops
+    from capsnet.errors import CapsnetError
+    from capsnet.layers import _dynamic_routing_xla  # what DigitCaps(jit_routing=True) runs
+    from capsnet.routing import dynamic_routing, squash
+
 
 SHAPES = {  # name: (batch, in_caps, out_caps, out_dim, in_dim)
     "paper": (128, 1152, 10, 16, 8),
@@ -218,6 +224,7 @@ def main(argv=None):
     parser.add_argument("--tf32", choices=("on", "off"), default="on",
                         help="TensorFloat-32 in the matmul/einsum paths on GPU (TensorFlow's default: on)")
     args = parser.parse_args(argv)
+    _import_tensorflow()
 
     if args.device == "gpu" and not tf.config.list_physical_devices("GPU"):
         print("benchmark_ops: error: --device gpu but TensorFlow sees no GPU", file=sys.stderr)
