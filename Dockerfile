@@ -1,6 +1,6 @@
-# capsnet for NVIDIA GPUs. A CUDA 12 *devel* base, so nvcc is there and `make install`
-# builds the op with its CUDA kernels inside the image (TensorFlow 2.21 is built with
-# CUDA 12.5; its cuDNN 9 comes with this base).
+# capsnet for NVIDIA GPUs. A CUDA 12 *devel* base, so nvcc is there to build the op with
+# its CUDA kernels inside the image (TensorFlow 2.21 is built with CUDA 12.5; its cuDNN 9
+# comes with this base).
 #   docker build -t capsnet .
 #   docker run --gpus all -v $PWD/outputs:/capsnet/outputs capsnet custom_op=true
 FROM nvidia/cuda:12.5.1-cudnn-devel-ubuntu22.04
@@ -12,9 +12,10 @@ RUN apt-get update \
 
 WORKDIR /capsnet
 COPY . .
-# The same steps as on a workstation: .venv, dependencies, the op library; plus
-# TensorFlow's pinned CUDA runtime wheels (cuDNN, NCCL, ...) so it does not depend on
-# the versions in the base image.
-RUN make install EXTRAS=test,cuda
+# `make install`'s steps (.venv, dependencies, the op library), plus TensorFlow's pinned
+# CUDA runtime wheels (cuDNN, NCCL, ...) so it does not depend on the versions in the base
+# image. `make ops-cuda`, not `make ops`: `docker build` sees no GPU driver, and `make ops`
+# would leave the CUDA kernels out.
+RUN make ops-cuda EXTRAS=test,cuda
 
 ENTRYPOINT [".venv/bin/python", "train.py"]

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Builds the capsnet op library capsnet/lib/_capsnet_ops.so (capsule prediction and fused routing).
 
-    python scripts/build_ops.py                  CPU + CUDA kernels if nvcc is found, else CPU only
+    python scripts/build_ops.py                  CPU + CUDA kernels where nvcc and a GPU driver are found, else CPU only
     python scripts/build_ops.py --cpu-only       CPU kernels only
-    python scripts/build_ops.py --require-cuda   fail unless nvcc is found
+    python scripts/build_ops.py --require-cuda   CPU + CUDA kernels, GPU or not; fail unless nvcc is found
     python scripts/build_ops.py --driver         also build build/sanitize_driver (needs nvcc)
     python scripts/build_ops.py --driver-only    only the standalone driver
 
@@ -11,6 +11,12 @@ Sources are found, not named: every ops/*.cc except *.cu.cc goes to the C++ comp
 every ops/*.cu.cc to nvcc (those are TensorFlow-free), and the headers (ops/*.h,
 ops/*.cuh) go into the build key. The standalone driver is ops/sanitize_driver.cu
 with all of ops/*.cu.cc.
+
+The CUDA kernels take minutes of nvcc, so by default they are built only where they can
+run: a GPU driver that sees a GPU (gpu_driver). A machine with the CUDA toolkit but no GPU
+(a CI runner, a laptop) gets the CPU-only library; --require-cuda (`make ops-cuda`) builds
+them anyway, e.g. in `docker build`, which sees no GPU. A current CPU+CUDA library is kept
+either way: it runs on the CPU too.
 
 Compiler flags for TensorFlow come only from tf.sysconfig (headers and ABI of the
 installed pip TensorFlow). nvcc is looked up in $CUDA_HOME/bin, /usr/local/cuda/bin,
@@ -117,6 +123,39 @@ def find_nvcc():
                 continue
             return path
     return None
+
+
+def gpu_driver():
+    """(True, what was found) where an NVIDIA driver sees at least one GPU, else (False, why not).
+
+    The test is the one TensorFlow's own GPU support passes: load the driver library
+    libcuda.so.1 and call cuInit(0), then cuDeviceGetCount. Neither half alone would do:
+    - nvidia-smi is missing from containers given only the compute libraries
+      (NVIDIA_DRIVER_CAPABILITIES=compute) and can hang on a wedged driver;
+    - libcuda.so.1 loads without a usable GPU: a driver package without its kernel module
+      (a container started without --gpus, a host whose module is not loaded), or the
+      CUDA toolkit's stub put on LD_LIBRARY_PATH. cuInit fails in all of these
+      (CUDA_ERROR_NO_DEVICE, CUDA_ERROR_STUB_LIBRARY, ...).
+    Nothing here needs the CUDA toolkit; cuInit runs in this process, which loads the same
+    library again if it imports TensorFlow later.
+    """
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False, "no NVIDIA driver library (libcuda.so.1)"
+    try:
+        status = cuda.cuInit(0)
+        if status != 0:
+            return False, f"the NVIDIA driver finds no usable GPU (cuInit: CUresult {status})"
+        count = ctypes.c_int(0)
+        status = cuda.cuDeviceGetCount(ctypes.byref(count))
+    except AttributeError:  # a library of that name without the driver API
+        return False, "libcuda.so.1 has no cuInit/cuDeviceGetCount"
+    if status != 0 or count.value < 1:
+        return False, "the NVIDIA driver sees no GPU"
+    return True, f"an NVIDIA driver with {count.value} GPU{'s' if count.value > 1 else ''}"
 
 
 def tool_version(cmd):
@@ -347,11 +386,30 @@ def build_driver(nvcc, force):
     log(f"built {os.path.relpath(DRIVER_OUT, ROOT)}")
 
 
+def library_nvcc(nvcc, out, *, require_cuda, force):
+    """The nvcc that builds the library at `out`, or None for the CPU-only library.
+
+    With nvcc found and no --require-cuda: the CUDA kernels only where gpu_driver() finds a
+    GPU, but a CPU+CUDA library at `out` that is up to date is kept (it runs on the CPU too,
+    so `make ops-cuda` then `make test` does not rebuild it without them)."""
+    if nvcc is None or require_cuda:
+        return nvcc
+    if not force and stamp_is_current(out, quick_key(nvcc)):
+        return nvcc
+    found, what = gpu_driver()
+    if found:
+        log(f"{what}: building the CUDA kernels too")
+        return nvcc
+    log(f"{what}: building the CPU-only library (`make ops-cuda` adds the CUDA kernels anyway)")
+    return None
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--cpu-only", action="store_true", help="build without CUDA kernels")
-    mode.add_argument("--require-cuda", action="store_true", help="fail if no nvcc is found")
+    mode.add_argument("--require-cuda", action="store_true",
+                      help="build the CUDA kernels even without a GPU driver; fail if no nvcc is found")
     parser.add_argument("--out", default=DEFAULT_OUT, help="library path (default: capsnet/lib/_capsnet_ops.so)")
     parser.add_argument("--driver", action="store_true", help="also build build/sanitize_driver (needs nvcc)")
     parser.add_argument("--driver-only", action="store_true", help="only build build/sanitize_driver")
@@ -370,13 +428,14 @@ def main(argv=None):
                 log("no CUDA compiler found ($CUDA_HOME/bin, /usr/local/cuda/bin, site-packages/nvidia/*/bin, "
                     "PATH): building the CPU-only library")
             out = os.path.abspath(args.out)
-            if not args.force and stamp_is_current(out, quick_key(nvcc)):
-                log(f"{os.path.relpath(out, ROOT)} is up to date ({'CPU+CUDA' if nvcc else 'CPU only'}); "
+            lib_nvcc = library_nvcc(nvcc, out, require_cuda=args.require_cuda, force=args.force)
+            if not args.force and stamp_is_current(out, quick_key(lib_nvcc)):
+                log(f"{os.path.relpath(out, ROOT)} is up to date ({'CPU+CUDA' if lib_nvcc else 'CPU only'}); "
                     "--force rebuilds")
             else:
                 import tensorflow as tf  # late: --driver-only and an up-to-date library need none
 
-                build_library(args, tf, nvcc)
+                build_library(args, tf, lib_nvcc)
         if args.driver or args.driver_only:
             build_driver(nvcc, args.force)
     except BuildError as err:
