@@ -136,6 +136,7 @@ def gpu_driver():
       (a container started without --gpus, a host whose module is not loaded), or the
       CUDA toolkit's stub put on LD_LIBRARY_PATH. cuInit fails in all of these
       (CUDA_ERROR_NO_DEVICE, CUDA_ERROR_STUB_LIBRARY, ...).
+    cuInit honours CUDA_VISIBLE_DEVICES as TensorFlow does (set empty, it sees no GPU).
     Nothing here needs the CUDA toolkit; cuInit runs in this process, which loads the same
     library again if it imports TensorFlow later.
     """
