@@ -1,0 +1,58 @@
+"""Classify image files: `python predict.py checkpoint=<run dir or export> images=<file, dir or glob>`.
+
+Prints one JSON line per image on stdout, in input order: {"image", "class" (its name:
+digits for MNIST, Fashion-MNIST's ten names, else the index), "top_k": [[class, capsule
+length], ...], "lengths": [every class's capsule length]} (two-digit models also "classes",
+the two predicted digits; with reconstruct=DIR also "reconstruction", the PNG written).
+Any PNG, JPEG, BMP or GIF, grey or RGB, of any size, is made the model's input: grey (or
+RGB), resized to its height and width, in [0, 1]; colours are not inverted (MNIST-family
+models expect light digits on a dark background). An unreadable image is named in one line
+on stderr and skipped; the others are predicted and the exit status is then 2
+(capsnet.prediction). Keys: configs/predict.yaml.
+
+Examples:
+    python predict.py checkpoint=outputs/2025-01-01/12-00-00 images=my_digit.png        # the run's best checkpoint
+    python predict.py checkpoint=outputs/2025-01-01/12-00-00 'images=digits/*.png' top_k=5 which=latest
+    python predict.py checkpoint=exported/mnist images=digits/ reconstruct=reconstructions   # a SavedModel, a folder
+"""
+import json
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from capsnet import cli, config
+from capsnet.console import say
+from capsnet.errors import DataError
+
+config.register()  # the schemas configs/ extends (capsnet/config/schemas.py), before Hydra composes
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="predict")
+@cli.reports_user_errors
+def main(cfg: DictConfig):
+    config.check_overrides(HydraConfig.get().overrides.task, config.PredictAppConfig)
+    cfg = config.check_predict(OmegaConf.to_container(cfg, resolve=True))
+    from capsnet.prediction import check_inputs, iter_predictions
+
+    check_inputs(cfg["checkpoint"], cfg["images"], cfg["reconstruct"])  # the paths, before TensorFlow
+    cli.import_tensorflow_quietly()
+    total = failed = 0
+    for record in iter_predictions(cfg["checkpoint"], cfg["images"], top_k=cfg["top_k"],
+                                   reconstruct=cfg["reconstruct"], which=cfg["which"], weights=cfg["weights"],
+                                   custom_op=cfg["custom_op"], batch_size=cfg["batch_size"],
+                                   notice=lambda line: say(line, stream=sys.stderr)):
+        total += 1
+        if "error" in record:
+            failed += 1
+            say(f"error: {record['error']} (skipped)", stream=sys.stderr)
+        else:
+            print(json.dumps(record), flush=True)
+    if failed:
+        raise DataError(f"{failed} of {total} images could not be read (named above); "
+                        f"the other {total - failed} were predicted")
+
+
+if __name__ == "__main__":
+    cli.run(main)
