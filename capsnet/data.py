@@ -19,6 +19,7 @@
   runs the latter, and so does train.data_on_device inside the compiled step.
 """
 import contextlib
+import hashlib
 import logging
 import os
 import socket
@@ -31,6 +32,7 @@ from capsnet.augment import (corners_from_words, elastic_distort, elastic_noise,
                              shift_corners, words_to_int64)
 from capsnet.config import (AUGMENTATION_OFF, PER_EXAMPLE_AUGMENTATION, SHIFT_FILLS,  # noqa: F401  (re-exported)
                             OVERLAY_AUGMENTATION, augmentation_options, check_augmentation, check_overlay_augmentation)
+from capsnet.console import say
 from capsnet.datasets import (DATASETS, DatasetSpec, check_canvas_border, example_shape,  # noqa: F401  (re-exported)
                               is_overlay)
 from capsnet.errors import ConfigError, DataError
@@ -70,11 +72,14 @@ def load_split(name, split, data_dir=None, limit=None, *, tfds_data_dir=None):
         limit = integer("limit", limit, minimum=1, hint=" (null: all examples)", error=ConfigError)
     spec = DATASETS[name]
     if data_dir is None:
-        images, labels, source = _load_tfds(name, spec, split, tfds_data_dir)
+        images, labels, source = _load_tfds_or_sample(name, spec, split, tfds_data_dir)
         images_src = labels_src = source
     else:
         images, labels, images_src, labels_src = _load_idx_dir(split, data_dir)
     images, labels = _check_split(name, spec, images, labels, images_src, labels_src)
+    if data_dir is not None:
+        _check_not_other_dataset(name, spec, split, images, os.path.abspath(os.path.expanduser(os.fspath(data_dir))),
+                                 images_src)
     if limit is not None and limit < len(labels):
         # Copies, so the full arrays can be freed.
         images, labels = images[:limit].copy(), labels[:limit].copy()
@@ -102,6 +107,46 @@ def _load_idx_dir(split, data_dir):
     return read_idx(images_path), read_idx(labels_path), images_path, labels_path
 
 
+# The known datasets stored as IDX files, told apart by their first images: the SHA-256 of
+# the first _FINGERPRINT_IMAGES images (uint8, row-major) of each split of the official
+# files, so that a data dir of one read under the other's name is refused, and a prefix
+# of them (data.limit_*, a copy of the first N) is still recognised. A user's own data,
+# which starts with neither's images, passes.
+_FINGERPRINT_IMAGES = 8
+_FINGERPRINTS = {
+    ("mnist", "train"): "64c9d187751d1b31177d60eb4124a8f090f66a9340340d1c53fdfe580c4d2698",
+    ("mnist", "test"): "66c532a3e0b7eda723be653dd98d511b10a78d7d3e5b29271469af530d53b641",
+    ("fashion_mnist", "train"): "8a6fbd6eff9f489549edbf60bd50c26e12f0c5551542f37a433fa879a7b283d5",
+    ("fashion_mnist", "test"): "8ffd77e71248ff36ca6971e3e84fd894053f181e437e47bec5fcc5e4ca758830",
+}
+_TITLES = {"mnist": "MNIST", "fashion_mnist": "Fashion-MNIST"}
+
+
+def known_dataset(images):
+    """Which known dataset's split `images` (uint8 (N, H, W[, C])) starts with, as
+    (name, split), or None: by the fingerprint of its first images (_FINGERPRINTS)."""
+    if len(images) < _FINGERPRINT_IMAGES or images.dtype != np.uint8:
+        return None
+    digest = hashlib.sha256(np.ascontiguousarray(images[:_FINGERPRINT_IMAGES]).tobytes()).hexdigest()
+    return next((known for known, fingerprint in _FINGERPRINTS.items() if fingerprint == digest), None)
+
+
+def _check_not_other_dataset(name, spec, split, images, data_dir, images_src):
+    """DataError (one line) if the IDX files read for dataset `name` are another known
+    dataset's (Fashion-MNIST's under data.name=mnist, or the reverse): it would train and
+    score without a word on the wrong images."""
+    known = known_dataset(images)
+    expected = spec.tfds_name or name  # whose files `name` reads: multimnist is made of mnist's
+    if known is None or known[0] == expected:
+        return
+    other = known[0]
+    made_of = "" if expected == name else f" (data.name={name} is made of {_TITLES.get(expected, expected)}'s)"
+    fix = f"data.name={other} for them, or " if other in DATASETS and expected == name else ""
+    raise DataError(f"data dir {data_dir} holds {_TITLES.get(other, other)}'s files, not "
+                    f"{_TITLES.get(expected, expected)}'s{made_of}: {images_src} starts with {_TITLES.get(other, other)}'s "
+                    f"{known[1]} images; use {fix}a data.dir of the {_TITLES.get(expected, expected)} files")
+
+
 def _check_same_idx(plain, gz):
     """Both `X` and `X.gz`: the plain file is read (no decompression), which is right only
     if it is the .gz's content (a gunzipped copy beside its archive, as MNIST downloads
@@ -114,6 +159,65 @@ def _check_same_idx(plain, gz):
     if os.path.getsize(plain) % 2**32 != content_size:
         raise DataError(f"{plain} and {gz} are both there but hold different data ({os.path.getsize(plain)} bytes "
                         f"vs {content_size} bytes unpacked): remove the one that is not the dataset")
+
+
+# --------------------------------------------------------------------------- the bundled sample
+# MNIST without tensorflow-datasets or a data dir (offline, nothing downloaded yet): the first
+# 6,000 training and 1,000 test images of the official files, in the package
+# (capsnet/sample_data/), so that a first `make train` trains on real digits anywhere.
+# name -> (file in capsnet/sample_data, the full dataset's {split: examples}, what to say).
+SAMPLES = {"mnist": ("mnist_sample.npz", {"train": 60_000, "test": 10_000}, "MNIST")}
+# (tfds name, tfds data dir) -> why tensorflow-datasets could not provide it: asked once a
+# process (offline the attempt costs seconds), and the notice is said once.
+_TFDS_UNAVAILABLE = {}
+
+
+def _load_tfds_or_sample(name, spec, split, tfds_data_dir):
+    """tensorflow-datasets' split; where it cannot provide it and the dataset has a bundled
+    sample (SAMPLES), the sample's split, with one notice line (the first time) saying so
+    and how to train on the full dataset."""
+    key = (spec.tfds_name, tfds_data_dir)
+    if key not in _TFDS_UNAVAILABLE:
+        try:
+            return _load_tfds(name, spec, split, tfds_data_dir)
+        except DataError as err:
+            if name not in SAMPLES:
+                raise
+            _TFDS_UNAVAILABLE[key] = err
+            images, labels, source = load_sample(name, split)
+            say(sample_notice(name, err))
+            return images, labels, source
+    if name not in SAMPLES:
+        raise _TFDS_UNAVAILABLE[key]
+    return load_sample(name, split)
+
+
+def load_sample(name, split):
+    """The bundled sample's `split` of dataset `name` (SAMPLES): uint8 images (N, 28, 28),
+    int labels (N,), and where they came from."""
+    import importlib.resources
+
+    filename = SAMPLES[name][0]
+    resource = importlib.resources.files("capsnet") / "sample_data" / filename
+    try:
+        with importlib.resources.as_file(resource) as path, np.load(path) as sample:
+            return sample[f"{split}_images"], sample[f"{split}_labels"], f"the {name} sample {path}"
+    except (OSError, KeyError, ValueError) as err:
+        raise DataError(f"the {name} sample capsnet/sample_data/{filename} cannot be read ({err}): "
+                        "reinstall capsnet, or point data.dir at a directory of the IDX files") from err
+
+
+def sample_notice(name, err):
+    """The one line said when `name` falls back to its bundled sample because
+    tensorflow-datasets could not provide it (`err`, its DataError)."""
+    filename, full, title = SAMPLES[name]
+    sizes = {split: len(load_sample(name, split)[1]) for split in SPLITS}
+    cause = err.__cause__
+    why = "no network" if cause is not None and _is_network_error(cause) else _shorten(str(err), 120)
+    return (f"notice: tensorflow-datasets cannot provide {name} ({why}): using the {title} sample in the capsnet "
+            f"package ({sizes['train']:,} of the {full['train']:,} training images, {sizes['test']:,} of the "
+            f"{full['test']:,} test images); for the full dataset, data.dir=<folder with the {title} IDX files> "
+            "offline, or online tensorflow-datasets downloads it")
 
 
 def _load_tfds(name, spec, split, tfds_data_dir):
