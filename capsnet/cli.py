@@ -8,8 +8,11 @@ shows the traceback for user errors too.
 This module must not import TensorFlow: config errors are reported before the
 seconds-long TensorFlow import.
 """
+import contextlib
 import functools
+import io
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -56,8 +59,10 @@ def fail(message):
 def one_line(exc):
     """Hydra's config errors are several lines (message, hint, cause); keep what names the problem.
     A value of the wrong type (OmegaConf's ValidationError) is said in its key's own words:
-    `train.m_plus must be a finite number, got 'abc'` (capsnet.config.explain)."""
-    explained = config.explain(exc)
+    `train.m_plus must be a finite number, got 'abc'` (capsnet.config.explain); an unknown key
+    with the known ones closest to it (capsnet.config.unknown_key), not Hydra's `+key=value`
+    hint (the schemas are closed: a key added that way fails in turn)."""
+    explained = config.explain(exc) or config.unknown_key(exc)
     if explained is not None:
         return explained
     # Hydra appends the whole config search path to "Could not find ..." errors.
@@ -139,7 +144,11 @@ def run(hydra_main):
     # exception, and honour the user's own setting by re-raising in turn.
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
-        hydra_main()
+        if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
+            with _without_schema_options():
+                hydra_main()
+        else:
+            hydra_main()
     except (HydraException, OmegaConfBaseException) as exc:
         if _full_errors_requested():
             raise
@@ -155,6 +164,74 @@ def run(hydra_main):
             raise
         say(" ".join(str(exc).split()), stream=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
+
+
+@contextlib.contextmanager
+def _without_schema_options():
+    """`--help`: Hydra lists every option of a config group, and the schemas each group's
+    files extend (capsnet.config.register: the option `schema` of model, data, train and
+    distribute) are options to it, not choices for a user. Hydra has no hidden options, so
+    the help it prints is taken and written out without them."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured):
+            yield
+    finally:
+        sys.stdout.write(_drop_schema_options(captured.getvalue()))
+        sys.stdout.flush()
+
+
+def _drop_schema_options(text):
+    """The `group: a, b, schema` lines of Hydra's help (its config groups, before its
+    `== Config ==` section) without the `schema` option."""
+    groups, config_mark, rest = text.partition("== Config ==")
+
+    def drop(match):
+        options = match.group(2).split(", ")
+        return f"{match.group(1)}: {', '.join(o for o in options if o != 'schema')}" if "schema" in options \
+            else match.group(0)
+
+    return re.sub(r"^([\w/]+): (.*)$", drop, groups, flags=re.MULTILINE) + config_mark + rest
+
+
+def check_checkpoints_exist(checkpoint):
+    """evaluate.py, export.py: a checkpoint path that does not exist → CheckpointError (the
+    wording of capsnet.training.checkpoints.resolve_checkpoint), before the seconds-long
+    TensorFlow import that resolving it needs. `checkpoint`: a path or a list of them."""
+    from capsnet.errors import CheckpointError
+
+    for item in checkpoint if isinstance(checkpoint, (list, tuple)) else [checkpoint]:
+        path = os.path.expanduser(str(item))
+        # A checkpoint prefix (.../ckpt-3) is no file itself: its .index is.
+        if not (os.path.exists(path) or os.path.isfile(path + ".index")):
+            raise CheckpointError(f"checkpoint not found: {item} (expected a run dir or a checkpoint path like "
+                                  ".../checkpoints/latest/ckpt-3)")
+
+
+def complete_run_notice(run_dir, epochs):
+    """The line for a finished run started again (its train.epochs all done): nothing to
+    train, and how to train it further."""
+    return (f"notice: the run {run_dir} is complete ({epochs} of {epochs} epochs done): nothing to train; to "
+            f"train it further, rerun with a larger train.epochs=N and the same hydra.run.dir={run_dir}")
+
+
+def _check_not_shadowed():
+    """Exit with one line if `capsnet` is not this package: a folder named capsnet in the
+    current directory (a clone's top level, without __init__.py) is imported as a namespace
+    package in its place when the installed capsnet is found later on the import path (an
+    editable install's finder comes after the current directory), and its modules then
+    come from here while `capsnet` itself is that folder: errors deep in Keras, far from
+    the cause."""
+    import capsnet
+
+    here = Path(__file__).resolve().parent
+    found = getattr(capsnet, "__file__", None)
+    if found is not None and Path(found).resolve().parent == here:
+        return
+    where = ", ".join(map(str, getattr(capsnet, "__path__", []))) or "?"
+    what = "a folder without __init__.py" if found is None else f"another copy ({found})"
+    fail(f"the package capsnet was imported from {where}, {what} that shadows capsnet at {here}: run from "
+         "another directory, or rename that folder")
 
 
 def import_tensorflow_quietly():
@@ -188,3 +265,6 @@ def import_tensorflow_quietly():
             if failed or user_log_level is not None:
                 captured.seek(0)
                 sys.stderr.write(captured.read().decode(errors="replace"))
+
+
+_check_not_shadowed()

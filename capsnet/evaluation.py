@@ -28,7 +28,7 @@ import tensorflow as tf
 from capsnet import config
 from capsnet.augment import shift_batch
 from capsnet.data import example_shape, is_overlay, load_split, make_split_dataset
-from capsnet.errors import CheckpointError, ConfigError
+from capsnet.errors import CheckpointError, ConfigError, DataError
 from capsnet.losses import loss_params
 from capsnet.precision import set_tensor_float_32
 from capsnet.scoring import json_safe, predict, score
@@ -221,8 +221,7 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
             raise ConfigError(
                 f"ensemble members differ in (image shape, classes): {shapes[0]} ({first['run_dir']}) and "
                 f"{shapes[1]} ({member['run_dir']}): their capsule lengths cannot be averaged")
-    images, labels = load_split(data_cfg["name"], "test", data_dir=data_cfg.get("dir"),
-                                limit=data_cfg.get("limit_test"))
+    images, labels = load_run_test_split(data_cfg, from_run=data_args["dir"] is None, run_dir=first["run_dir"])
     # MultiMNIST: the test pairs of the run's shift and canvas (the paper's 4 px).
     shift_pixels, pad_pixels = data_cfg["shift_pixels"], data_cfg["pad_pixels"]
     check_labels(labels, images, model=model, split=f"{data_cfg['name']} test",
@@ -290,6 +289,23 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
         raise CheckpointError(f"cannot write the evaluation report {output}: {exc.strerror}") from exc
     report["output"] = str(output)
     return report
+
+
+def load_run_test_split(data_cfg, *, from_run, run_dir):
+    """The test split of `data_cfg` (load_split). `from_run`: its data.dir is the one the run
+    saved in its config.yaml (an absolute path at training time): if the data is no longer
+    there, the one-line error says where the path came from and that data.dir= overrides it."""
+    data_dir = data_cfg.get("dir")
+    origin = f"the run's data.dir, from {Path(run_dir) / 'config.yaml'}"
+    if from_run and data_dir is not None and not Path(data_dir).is_dir():
+        raise DataError(f"data dir {data_dir} does not exist ({origin}): if the data moved, give its place with "
+                        "data.dir=<folder with the IDX files>")
+    try:
+        return load_split(data_cfg["name"], "test", data_dir=data_dir, limit=data_cfg.get("limit_test"))
+    except DataError as exc:
+        if not from_run or data_dir is None:
+            raise
+        raise DataError(f"{exc} ({origin}; data.dir=<folder with the IDX files> overrides it)") from exc
 
 
 def resolve_member(checkpoint, *, which, custom_op, weights, precision=None, tf32=None, xla=None):

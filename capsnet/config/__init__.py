@@ -50,7 +50,8 @@ check_overrides, the dataset resolvers). Import from here: `from capsnet import 
 from capsnet.config.checks import (OVERLAY_AUGMENTATION, PER_EXAMPLE_AUGMENTATION, check, check_all_reduce_in_step,
                                    check_augmentation, check_data_on_device, check_eval, check_overlay_augmentation,
                                    check_section, check_xla)
-from capsnet.config.hydra import check_overrides, compose, dataset_classes, dataset_shape, explain, register
+from capsnet.config.hydra import (check_overrides, compose, dataset_classes, dataset_shape, explain, register,
+                                  unknown_key)
 from capsnet.config.migrate import migrate
 from capsnet.config.checks import check_predict
 from capsnet.config.schemas import PredictAppConfig
@@ -64,7 +65,7 @@ from capsnet.config.schemas import (ALL_REDUCE, APP_SCHEMAS, AUGMENTATION_OFF, C
 __all__ = [
     "ModelConfig", "DataSourceConfig", "AugmentationConfig", "DataConfig", "TrainConfig", "DistributeConfig", "TrainAppConfig",
     "EvalDataConfig", "EvalAppConfig", "register", "check", "check_eval", "check_section", "migrate",
-    "routing_mode", "routing_from_flags", "compose", "explain", "check_overrides", "check_augmentation", "check_xla",
+    "routing_mode", "routing_from_flags", "compose", "explain", "unknown_key", "check_overrides", "check_augmentation", "check_xla",
     "check_all_reduce_in_step", "check_data_on_device", "check_overlay_augmentation", "PER_EXAMPLE_AUGMENTATION",
     "OVERLAY_AUGMENTATION",
     "dataset_shape", "dataset_classes", "GROUP_SCHEMAS", "APP_SCHEMAS",

@@ -7,7 +7,7 @@ import typing
 from typing import List
 
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigAttributeError, OmegaConfBaseException, ValidationError
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from capsnet.config.schemas import (APP_SCHEMAS, GROUP_SCHEMAS, EvalAppConfig, EvalDataConfig, TrainAppConfig,
                                     _dataset_name)
@@ -118,6 +118,31 @@ def explain(exc, app=None):
             return str(err)
         return f"{key} must be {_type_words(f.type)}, got {value!r}"
     return None
+
+
+def unknown_key(exc):
+    """The one line for an override of a key the config does not have (Hydra's "Could not
+    override 'train.epoch'. To append to your config use +train.epoch=1", whose `+` form
+    fails in turn: the schemas are closed): the known keys closest to it
+    (difflib.get_close_matches), or where to see them. None for any other error."""
+    import difflib
+
+    from omegaconf import DictConfig
+
+    match = re.match(r"Could not override '([^']+)'", str(exc).strip())
+    cause = exc.__cause__
+    if not match or not isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
+        return None
+    wanted = match.group(1)
+    missing = str(getattr(cause, "full_key", "") or wanted)   # the first part of it that is not there
+    parent = getattr(cause, "parent_node", None)
+    known = [str(k) for k in parent.keys()] if isinstance(parent, DictConfig) else []
+    prefix, _, last = missing.rpartition(".")
+    rest = wanted[len(missing):] if wanted.startswith(missing) else ""
+    close = [f"{prefix + '.' if prefix else ''}{k}{rest}" for k in difflib.get_close_matches(last, known, n=3)]
+    if close:
+        return f"unknown key {wanted}: did you mean {' or '.join(close)}?"
+    return f"unknown key {wanted} (--cfg job prints the config with every key)"
 
 
 def check_overrides(overrides, app=TrainAppConfig):
