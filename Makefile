@@ -1,8 +1,13 @@
 # capsnet: every target sets up what it needs on a fresh Debian/Ubuntu machine.
-#   make install   .venv with capsnet and its dependencies, then the op library
-#   make ops       build the compiled op (CPU+CUDA when nvcc is found, else CPU only)
+#   make install   .venv with capsnet and its dependencies, then the op library (`make ops`)
+#   make ops       build the compiled op: CPU kernels, plus the CUDA ones where nvcc and a GPU
+#                  driver are found (minutes of nvcc for nothing on a machine without a GPU)
+#   make ops-cuda  build it with the CUDA kernels, GPU driver or not (needs nvcc; `docker build`)
+#   make ops-cpu   build it without them
 #   make test      install, then run the test suite (in parallel, one worker per core)
-#   make train     install, then train (pass Hydra overrides: make train ARGS="train.epochs=5")
+#   make train     install, then a first training in minutes on a CPU (experiment=quickstart, offline
+#                  on the MNIST sample in the package); ARGS="..." trains with those Hydra overrides
+#                  instead, e.g. ARGS="data.dir=../shared/data/mnist" for the full 50-epoch recipe
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -28,7 +33,8 @@ $(VENV)/.installed: pyproject.toml
 	@touch $@
 
 # The op library goes into the package (capsnet/lib) so the wrapper, SavedModels
-# and installed copies find it without paths.
+# and installed copies find it without paths. Which kernels: scripts/build_ops.py's docstring
+# (a GPU driver is what `ops` looks for: build_ops.gpu_driver).
 ops: $(VENV)/.installed
 	$(PY) scripts/build_ops.py
 
@@ -44,7 +50,7 @@ test: install
 	$(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 train: install
-	$(PY) train.py $(ARGS)
+	$(PY) train.py $(if $(strip $(ARGS)),$(ARGS),experiment=quickstart)
 
 clean:
 	rm -rf build capsnet/lib/*.so
