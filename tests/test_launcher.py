@@ -21,8 +21,8 @@ PARALLEL = ["hydra/launcher=gpus", "hydra.launcher.devices=[0,1]"]
 
 def sweep(tmp_path, name, data_dir, swept, *args):
     """`train.py -m <swept> <args>` on the tiny model into tmp_path/name; the CompletedProcess.
-    Job dirs are named as by default (<num>_<override_dirname>) but by the swept key alone:
-    the tiny overrides would make a name longer than a file name may be."""
+    Job dirs are named as by default (<num>_<overrides as key-value>, hydra.sweep.subdir) but by
+    the swept key alone, which the test reads more easily than the tiny overrides' long name."""
     swept_key = swept.split("=")[0]
     fixed = [o for o in [*TINY_MODEL, *ONE_EPOCH, f"data.dir={data_dir}"] if o.split("=")[0] != swept_key]
     short_names = f"hydra.job.config.override_dirname.exclude_keys=[{','.join(o.split('=')[0] for o in fixed)}]"
@@ -91,7 +91,7 @@ def test_parallel_sweep_matches_the_sequential_one(tiny_idx_dir, tmp_path):
     sequential = sweep(tmp_path, "sequential", tiny_idx_dir, "seed=0,1")
     assert sequential.returncode == 0, sequential.stderr
 
-    names = ["0_seed=0", "1_seed=1"]  # the sequential sweep's layout, hydra.sweep.subdir's default
+    names = ["0_seed-0", "1_seed-1"]  # the sequential sweep's layout, hydra.sweep.subdir's default
     assert sorted(p.name for p in (tmp_path / "sequential").iterdir() if p.is_dir()) == names
     spans, pids = [], set()
     for device, name in enumerate(names):
@@ -132,8 +132,8 @@ def test_a_failed_job_is_reported_and_the_others_finish(tiny_idx_dir, tmp_path):
     assert failed[0].startswith("sweep job #1 (train.epochs=0) on device 1 failed with exit status 2: ")
     assert "error: train.epochs" in failed[0]  # the job's own one-line error
     assert lines[-1].startswith("error: 1 of 2 sweep jobs failed: #1 (train.epochs=0) exit status 2"), result.stderr
-    assert (tmp_path / "sweep" / "0_train.epochs=1" / "metrics.json").is_file()
-    assert (tmp_path / "sweep" / "1_train.epochs=0" / "output.log").is_file()
+    assert (tmp_path / "sweep" / "0_train.epochs-1" / "metrics.json").is_file()
+    assert (tmp_path / "sweep" / "1_train.epochs-0" / "output.log").is_file()
 
 
 @pytest.mark.slow

@@ -111,7 +111,9 @@ def config_flags(argv):
 
 
 def quoted(value):
-    """`value` as a quoted Hydra override value: a job dir holds `=` and `,` (0_seed=0,lr=0.1)."""
+    """`value` as a quoted Hydra override value: a job dir may hold `=`, `,` or quotes (a
+    hydra.sweep.dir or hydra.sweep.subdir given on the command line, e.g. ${hydra.job.override_dirname}
+    with Hydra's own separators: 0_seed=0,lr=0.1)."""
     return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 

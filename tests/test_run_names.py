@@ -1,0 +1,96 @@
+"""Run dir names (configs/hydra/default.yaml, hydra_plugins/capsnet_run_name): the overrides
+that differ from the defaults, paths left out, or the name given; names that `evaluate.py
+checkpoint=<run dir>` accepts; and a run rerun with its hydra.run.dir resumes."""
+import dataclasses
+import json
+import re
+
+import pytest
+
+from conftest import CONFIG_DIR, TINY_MODEL, TINY_TRAIN, run_entry_point
+from hydra_plugins.capsnet_run_name import MAX_LENGTH, run_name
+
+from capsnet.config import TrainAppConfig
+
+TIME = r"outputs/\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d"
+# `name=` once the schema has the key; until then Hydra's append, which the resolver reads the same way.
+NAME = "name" if "name" in {f.name for f in dataclasses.fields(TrainAppConfig)} else "+name"
+
+
+def hydra_config(*overrides):
+    """The `hydra` node of train.py's config composed with `overrides`, resolved as for a run."""
+    from hydra import compose, initialize_config_dir
+
+    from capsnet import config
+
+    config.register()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose("train", overrides=list(overrides), return_hydra_config=True).hydra
+
+
+@pytest.mark.parametrize("overrides, name, expected", [
+    ("", None, ""),                                               # a plain run: outputs/<date>/<time>
+    ("custom_op-true+seed-1", None, "_custom_op-true+seed-1"),
+    ("custom_op-true+seed-1", "op-vs-matmul", "_op-vs-matmul"),   # a name replaces the overrides
+    ("custom_op-true", "", "_custom_op-true"),                    # name= (empty): as if not given
+    ("model.decoder_units-[32,64]", None, "_model.decoder_units-_32_64"),
+    ("distribute.devices-[/gpu:0,/gpu:1]", None, "_distribute.devices-_gpu_0_gpu_1"),
+    ("", "my run/v2 'final'", "_my_run_v2_final"),
+])
+def test_run_name(overrides, name, expected):
+    assert run_name(overrides, name) == expected
+
+
+def test_a_long_run_name_keeps_what_fits_and_counts_the_rest():
+    items = [f"model.key_number_{k}-{k}" for k in range(12)]
+    name = run_name("+".join(items))
+    assert len(name) <= 1 + MAX_LENGTH
+    kept = name[1:].split("+")
+    left = int(re.fullmatch(r"(\d+)-more", kept.pop()).group(1))
+    assert kept == items[:len(kept)] and len(kept) + left == len(items) and left > 0
+    one = run_name("x-" + "y" * 300)  # one override longer than a name: its start
+    assert len(one) == 1 + MAX_LENGTH - len("+1-more") and one.startswith("_x-yyy")
+    assert run_name("", "n" * 300) == "_" + "n" * MAX_LENGTH
+
+
+def test_run_dirs_are_named_after_the_overrides_that_differ():
+    assert re.fullmatch(TIME, hydra_config().run.dir)
+    named = hydra_config("seed=1", "custom_op=true", "data.dir=/data/mnist", "train.xla_cache_dir=/tmp/xla",
+                         "debug=true").run.dir
+    assert re.fullmatch(TIME + r"_custom_op-true\+seed-1", named), named  # sorted; paths and debug left out
+    assert re.fullmatch(TIME + "_op", hydra_config("custom_op=true", f"{NAME}=op").run.dir)
+    assert re.fullmatch(TIME + r"_experiment-paper_mnist", hydra_config("experiment=paper_mnist").run.dir)
+
+
+@pytest.mark.parametrize("overrides", [
+    ("custom_op=true", "seed=1"),
+    ("model.decoder_units=[32,64]", "train.learning_rate=1e-3", "train.lr_schedule=cosine"),
+    ("distribute.devices=[/gpu:0,/gpu:1]", "seed=-1"),
+])
+def test_a_run_dir_is_a_checkpoint_value_hydra_parses_as_written(overrides):
+    """`python evaluate.py checkpoint=<run dir>`, unquoted, as the README writes it: Hydra's parser
+    rejects a value with `=` and reads one with `,` as a sweep (the names of key=value,key=value)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    run_dir = hydra_config(*overrides).run.dir
+    parsed = OverridesParser.create().parse_override(f"checkpoint={run_dir}")
+    assert not parsed.is_sweep_override() and parsed.value() == run_dir
+
+
+@pytest.mark.slow
+def test_train_py_names_its_run_dir_and_resumes_it(tiny_idx_dir, tmp_path):
+    # The tiny settings left out of the name, as paths are, so that it is the one override left.
+    tiny = [*TINY_MODEL, *(o for o in TINY_TRAIN if not o.startswith("train.epochs=")), f"data.dir={tiny_idx_dir}"]
+    short = f"hydra.job.config.override_dirname.exclude_keys=[{','.join(o.split('=')[0] for o in tiny)},train.epochs]"
+    first = run_entry_point("train.py", *tiny, short, "seed=1", "train.epochs=1", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    (run_dir,) = (tmp_path / "outputs").glob("*/*")
+    assert re.fullmatch(TIME + "_seed-1", str(run_dir.relative_to(tmp_path))), run_dir
+
+    again = run_entry_point("train.py", *tiny, short, "seed=1", "train.epochs=2", f"hydra.run.dir={run_dir}",
+                            cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert list((tmp_path / "outputs").glob("*/*")) == [run_dir]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["resumed_from"] and metrics["epochs"] == 2
+    assert [h["epoch"] for h in metrics["history"]] == [1, 2]
