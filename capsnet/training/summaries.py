@@ -5,6 +5,10 @@
 - `write_epoch_summaries`: test/ scalars, the routing and capsule-length histograms and
   the inputs-over-reconstructions `image_grid`, once an epoch.
 - `write_hparams`: the run's values in the HParams dashboard, once a run.
+- `write_run_scalars`: after every epoch, the run's mean images/s so far
+  (`train/mean_images_per_sec`, metrics.json's images_per_sec), the HParams dashboard's
+  images/s column: it shows a metric's last value, and the last train/images_per_sec window
+  is one window's speed, not the run's.
 TensorBoard's step is the global step (optimizer.iterations).
 """
 import numpy as np
@@ -13,9 +17,14 @@ import tensorflow as tf
 from capsnet import config
 
 # Values shown side by side in TensorBoard's HParams dashboard, and the metrics they explain.
-HPARAMS = ("custom_op", "routing", "xla", "precision", "tf32", "dataset", "batch_size", "routing_iterations", "seed",
-           "learning_rate", "lr_schedule", "weight_decay", "decoder")
-HPARAM_METRICS = ("test/accuracy", "train/images_per_sec")
+HPARAMS = ("custom_op", "routing", "xla", "precision", "tf32", "dataset", "limit_train", "limit_test", "epochs",
+           "batch_size", "routing_iterations", "seed", "learning_rate", "lr_schedule", "weight_decay", "decoder")
+HPARAM_DESCRIPTIONS = {"limit_train": "data.limit_train: training examples used (0: all)",
+                       "limit_test": "data.limit_test: test examples used (0: all)",
+                       "epochs": "train.epochs: the epochs the run was started for"}
+RUN_SPEED_TAG = "train/mean_images_per_sec"
+HPARAM_METRICS = {"test/accuracy": "test accuracy (last tested epoch)",
+                  RUN_SPEED_TAG: "images/s (the run's mean)"}
 
 
 def image_grid(images, reconstructions):
@@ -66,6 +75,10 @@ def write_hparams(writer, run_dir, cfg, data_cfg):
         "precision": str(cfg["train"]["precision"]),
         "tf32": bool(cfg["train"]["tf32"]),
         "dataset": str(data_cfg["name"]),
+        # HParams values cannot be null: 0 stands for "no limit" (see HPARAM_DESCRIPTIONS).
+        "limit_train": int(data_cfg.get("limit_train") or 0),
+        "limit_test": int(data_cfg.get("limit_test") or 0),
+        "epochs": int(cfg["train"]["epochs"]),
         "batch_size": int(cfg["train"]["batch_size"]),
         "routing_iterations": int(cfg["model"]["routing_iterations"]),
         "seed": int(cfg["seed"]),
@@ -77,9 +90,24 @@ def write_hparams(writer, run_dir, cfg, data_cfg):
     with writer.as_default():
         # Every run writes the same experiment config (no per-run domains), so a sweep's
         # runs merge into one HParams table.
-        hp.hparams_config(hparams=[hp.HParam(name) for name in HPARAMS],
-                          metrics=[hp.Metric(tag) for tag in HPARAM_METRICS])
+        hp.hparams_config(hparams=[hp.HParam(name, description=HPARAM_DESCRIPTIONS.get(name)) for name in HPARAMS],
+                          metrics=[hp.Metric(tag, display_name=shown) for tag, shown in HPARAM_METRICS.items()])
         hp.hparams(values, trial_id=str(run_dir))
+
+
+def mean_images_per_sec(history):
+    """The run's training speed: the mean of its epochs' images/s (history.jsonl's
+    train_images_per_sec, the epochs before a resume included); None before any."""
+    speeds = [h["train_images_per_sec"] for h in history if h.get("train_images_per_sec") is not None]
+    return float(np.mean(speeds)) if speeds else None
+
+
+def write_run_scalars(writer, history, step):
+    """After an epoch: the run's mean images/s so far under RUN_SPEED_TAG (HParams' images/s)."""
+    speed = mean_images_per_sec(history)
+    if speed is not None:
+        with writer.as_default(step=step):
+            tf.summary.scalar(RUN_SPEED_TAG, speed)
 
 
 def write_train_scalars(writer, window, learning_rate, step, loss_scale=None):
