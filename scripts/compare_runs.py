@@ -1,9 +1,13 @@
-"""Seeds of training recipes side by side: each run's final test accuracy, each group's mean
-and spread, its in-run mean at chosen epochs, and its difference from a reference group on
-the seeds both ran. Markdown on stdout, as docs/results.md's tables are.
+"""Seeds of training recipes side by side: each run's final test accuracy and training speed
+(images/s), each group's mean and spread, its in-run mean at chosen epochs, and its difference
+from a reference group on the seeds both ran (accuracy) and its speed against the reference's.
+Markdown on stdout, as docs/results.md's tables are.
 
     .venv/bin/python scripts/compare_runs.py 'A=/tmp/runs/w512e16_*' 'T64=/tmp/runs/t64_*' \\
         [--reference A] [--at 25,50,75,100] [--threshold 0.996] [--json PATH]
+    # the op against TensorFlow's matmul: `python train.py -m custom_op=false,true seed=0,1,2`, then
+    .venv/bin/python scripts/compare_runs.py 'matmul=outputs/multirun/*/*/*_custom_op-false*' \\
+        'op=outputs/multirun/*/*/*_custom_op-true*'
 
 Each positional argument is NAME=PATTERN: the run dirs (train.py's hydra.run.dir) that the glob
 PATTERN matches form group NAME (quote the pattern so that the shell leaves it alone). A bare
@@ -20,9 +24,13 @@ What a run contributes, read from its own files (no TensorFlow is imported):
   `checkpoints/latest/ckpt-<last epoch>.eval.json`, if there is one (the last path evaluated
   with the default output; a report of another epoch is not this run's final);
 - best epoch, first epoch at or above --threshold, the last epoch's training accuracy;
+- images/s: the mean of its epochs' training speeds in history.jsonl (train_images_per_sec),
+  as metrics.json's images_per_sec and TensorBoard's HParams images/s have it; a group's is the
+  mean of its runs', and against the reference group it is their ratio (×1.20: 20% faster);
 - its recipe: config.yaml's values (in today's shape: a key added since takes the default the
   run had, capsnet.config.migrate) but for where and how it ran, logged and saved (NOT_RECIPE:
-  the seed, run and data dirs, XLA cache, test and save schedules, logging, steps per call).
+  the seed, run name, run and data dirs, XLA cache, test and save schedules, logging, steps per
+  call).
   Each group is shown with the keys its recipe changes from the reference group's, and any
   key its own runs disagree on: a glob that caught another recipe's runs shows there.
 
@@ -55,7 +63,7 @@ from capsnet.config import migrate  # noqa: E402  (no TensorFlow either)
 from capsnet.errors import ConfigError  # noqa: E402
 
 # config.yaml keys that say where or how a run was made, logged and saved, not what it trained.
-NOT_RECIPE = {"seed", "run_dir", "debug", "data.dir", "train.xla_cache_dir", "train.progress_bar",
+NOT_RECIPE = {"seed", "name", "run_dir", "debug", "data.dir", "train.xla_cache_dir", "train.progress_bar",
               "train.log_every_steps", "train.save_every_epochs", "train.keep_checkpoints", "train.test_batch_size",
               "train.test_every_epochs", "train.num_images", "train.histogram_examples", "train.steps_per_execution",
               "train.collapse_patience"}
@@ -75,6 +83,7 @@ class Run(NamedTuple):
     best: tuple[float, int]     # (test accuracy, epoch) of the best tested epoch
     first_at: int | None        # first epoch whose test accuracy is >= the threshold
     train_accuracy: float       # the last epoch's
+    images_per_sec: float | None  # the mean of its epochs' training speeds; None if none was measured
     tested: dict[int, float]    # epoch -> test accuracy
     recipe: dict                # dotted config key -> value, NOT_RECIPE left out
 
@@ -97,6 +106,8 @@ def read_run(path, threshold):
     except ConfigError as exc:
         raise CompareError(f"{config_file}: {exc}") from None
     records = [json.loads(line) for line in history_file.read_text().splitlines() if line.strip()]
+    # One record an epoch: a redone epoch's line (a resumed run) supersedes the earlier one.
+    speeds = {r["epoch"]: r["train_images_per_sec"] for r in records if r.get("train_images_per_sec") is not None}
     tested = {r["epoch"]: r["test_accuracy"] for r in records if r.get("test_accuracy") is not None}
     if not tested:
         raise CompareError(f"{path}: no epoch of history.jsonl has a test accuracy")
@@ -108,7 +119,8 @@ def read_run(path, threshold):
                last_epoch=records[-1]["epoch"], final=tested[last_tested], evaluated=evaluated,
                best=(tested[best_epoch], best_epoch),
                first_at=min((e for e, a in tested.items() if a >= threshold), default=None),
-               train_accuracy=records[-1]["train_accuracy"], tested=tested, recipe=recipe)
+               train_accuracy=records[-1]["train_accuracy"], tested=tested, recipe=recipe,
+               images_per_sec=statistics.fmean(speeds.values()) if speeds else None)
 
 
 def flatten(section, prefix=""):
@@ -183,6 +195,12 @@ def paired(ours, theirs):
     return common, mean, se
 
 
+def group_speed(runs):
+    """The mean images/s of the runs that measured one, or None."""
+    speeds = [r.images_per_sec for r in runs if r.images_per_sec is not None]
+    return statistics.fmean(speeds) if speeds else None
+
+
 def summarize(groups, reference, at, threshold):
     """Every group's numbers as one JSON-able dict (what --json writes and the tables show)."""
     seeds = {name: by_seed(name, runs) for name, runs in groups.items()}  # every group checked first
@@ -198,13 +216,16 @@ def summarize(groups, reference, at, threshold):
         group = {"runs": [{"path": str(r.path), "seed": r.seed, "final": r.final, "evaluated": r.evaluated,
                            "last_epoch": r.last_epoch, "epochs": r.epochs, "finished": r.finished,
                            "best": r.best[0], "best_epoch": r.best[1], "first_at_threshold": r.first_at,
-                           "train_accuracy": r.train_accuracy} for r in sorted(runs, key=lambda r: r.seed)],
+                           "train_accuracy": r.train_accuracy, "images_per_sec": r.images_per_sec}
+                          for r in sorted(runs, key=lambda r: r.seed)],
                  "mean": mean, "sd": sd, "se": se, "min": min(finals), "max": max(finals),
-                 "in_run_mean": in_run, "varies": recipes[name][1]}
+                 "images_per_sec": group_speed(runs), "in_run_mean": in_run, "varies": recipes[name][1]}
         if name != reference:
             common, diff, diff_se = paired(seeds[name], seeds[reference])
             changes = recipe_changes(recipes[name], recipes[reference])
+            ours, theirs = group["images_per_sec"], group_speed(groups[reference])
             group["vs_reference"] = {"seeds": common, "mean_difference": diff, "se": diff_se,
+                                     "speed_ratio": ours / theirs if ours and theirs else None,
                                      "recipe": {k: list(v) for k, v in changes.items()}}
         out["groups"][name] = group
     return out
@@ -219,6 +240,15 @@ def value(x):
     return str(list(x)) if isinstance(x, tuple) else str(x)
 
 
+def speed(x):
+    """images/s as read at a glance: 51.3, 20,346."""
+    return "–" if x is None else f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def ratio(x):
+    return "–" if x is None else f"×{x:.2f}"
+
+
 def points(x, digits=3):
     return "–" if x is None else f"{100 * x:+.{digits}f}"
 
@@ -228,17 +258,19 @@ def markdown(summary, at):
     lines = []
     for name, g in summary["groups"].items():
         lines += [f"### {name} ({len(g['runs'])} runs)", "",
-                  f"| seed | final | evaluate.py | best epoch | first ≥ {pct(threshold)} | train acc, last epoch | run |",
-                  "|---:|---:|---:|---:|---:|---:|---|"]
+                  f"| seed | final | evaluate.py | best epoch | first ≥ {pct(threshold)} | train acc, last epoch | "
+                  "images/s | run |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in g["runs"]:
             mark = "" if r["finished"] else f" * (epoch {r['last_epoch']} of {r['epochs']})"
             first = r["first_at_threshold"] if r["first_at_threshold"] is not None else "–"
             lines.append(f"| {r['seed']} | {pct(r['final'])}{mark} | {pct(r['evaluated'])} | "
-                         f"{pct(r['best'])} ({r['best_epoch']}) | {first} | {pct(r['train_accuracy'])} | {r['path']} |")
+                         f"{pct(r['best'])} ({r['best_epoch']}) | {first} | {pct(r['train_accuracy'])} | "
+                         f"{speed(r['images_per_sec'])} | {r['path']} |")
         sd = "–" if g["sd"] is None else f"{100 * g['sd']:.3f}"
         se = "–" if g["se"] is None else f"{100 * g['se']:.3f}"
         lines += ["", f"Mean {pct(g['mean'], 3)} (min {pct(g['min'])}, max {pct(g['max'])}; sd {sd}, "
-                      f"standard error {se} points)."]
+                      f"standard error {se} points); {speed(g['images_per_sec'])} images/s."]
         shown = [e for e in at if g["in_run_mean"][e] is not None]
         if shown:
             lines.append(f"In-run mean at epoch {' / '.join(map(str, shown))}: "
@@ -254,8 +286,9 @@ def markdown(summary, at):
         if unfinished:
             lines.append(f"* {len(unfinished)} run(s) stopped before train.epochs: their last tested epoch counts.")
         lines.append("")
-    lines += [f"| group | runs | mean | min | max | sd | vs {summary['reference']} (paired seeds) |",
-              "|---|---:|---:|---:|---:|---:|---|"]
+    lines += [f"| group | runs | mean | min | max | sd | vs {summary['reference']} (paired seeds) | images/s | "
+              f"speed vs {summary['reference']} |",
+              "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
     for name, g in summary["groups"].items():
         sd = "–" if g["sd"] is None else f"{100 * g['sd']:.3f}"
         vs = g.get("vs_reference")
@@ -266,8 +299,9 @@ def markdown(summary, at):
         else:
             err = "" if vs["se"] is None else f" ± {100 * vs['se']:.3f}"
             cell = f"{points(vs['mean_difference'])}{err} points ({len(vs['seeds'])} seeds)"
+        speed_cell = "reference" if vs is None else ratio(vs["speed_ratio"])
         lines.append(f"| {name} | {len(g['runs'])} | {pct(g['mean'], 3)} | {pct(g['min'])} | {pct(g['max'])} | "
-                     f"{sd} | {cell} |")
+                     f"{sd} | {cell} | {speed(g['images_per_sec'])} | {speed_cell} |")
     return "\n".join(lines)
 
 

@@ -5,8 +5,12 @@
         --names paper_mnist,paper_fashion_mnist --out docs/img
 
 Writes into --out (created if missing), and prints each path written:
-- `curves.png`: test accuracy per tested epoch (left) and train (solid) / test (dashed) total
-  loss (right, log scale), every run overlaid, one colour per run, legend = run name.
+- `curves.png`: test accuracy per tested epoch, every epoch on the axis (left), train (solid) /
+  test (dashed) total loss (middle, log scale) and training speed in images/s (right: the
+  logged windows, train/images_per_sec, and the run's mean in the legend), every run overlaid,
+  one colour per run, legend = run name. The run's mean is train/mean_images_per_sec's last
+  value (metrics.json's images_per_sec: the mean of its epochs' speeds), or for a run that
+  did not write it, the mean of its windows.
   A run that kept a moving average of its weights (train.ema_decay) tests the average;
   its trained weights' test accuracy (test/raw_accuracy) is the dotted line of its colour.
 - `<name>_reconstructions.png` per run: the last tested epoch's
@@ -38,6 +42,8 @@ ACCURACY_TAG = "test/accuracy"
 EPOCH_TAG = "time/train_seconds"  # written at the end of every epoch, tested or not
 RAW_ACCURACY_TAG = "test/raw_accuracy"  # the trained weights' of a run with train.ema_decay > 0
 LOSS_TAGS = {"train": "train/loss", "test": "test/loss"}
+SPEED_TAG = "train/images_per_sec"           # one log window's training speed
+RUN_SPEED_TAG = "train/mean_images_per_sec"  # the run's mean so far, after every epoch
 IMAGE_TAG = "reconstructions/inputs_over_reconstructions"
 EVENT_GLOB = "events.out.tfevents.*"
 DPI = 100
@@ -163,12 +169,17 @@ def load_run(run_dir):
     for split, tag in LOSS_TAGS.items():
         steps, values = scalar_series(events, tag)
         losses[split] = ([s / steps_per_epoch for s in steps], values)
+    speed_steps, speeds = scalar_series(events, SPEED_TAG)
+    run_speed = scalar_series(events, RUN_SPEED_TAG)[1]
     image = last_image(events)
     return {
         "epochs": [round(step / steps_per_epoch) for step in acc_steps],
         "accuracy": accuracy,
         "raw_accuracy": scalar_series(events, RAW_ACCURACY_TAG)[1],  # [] without a weight average
         "losses": losses,
+        "images_per_sec": ([s / steps_per_epoch for s in speed_steps], speeds),
+        # The run's mean: as written by train(), else (older runs) the windows' mean; None without either.
+        "mean_images_per_sec": run_speed[-1] if run_speed else (sum(speeds) / len(speeds) if speeds else None),
         "image": image,  # (step, array) or None
         "image_epoch": None if image is None else round(image[0] / steps_per_epoch),
     }
@@ -185,10 +196,20 @@ def _pyplot():
     return plt
 
 
+def accuracy_limits(runs):
+    """The accuracy axis's (low, high) in %: every tested epoch of every run inside it, the
+    first ones too (a low first epoch stretches the axis, but a dropped point would hide
+    a run that starts slowly or collapses)."""
+    all_acc = [100 * a for run in runs.values() for a in run["accuracy"] + run["raw_accuracy"]]
+    low, high = min(all_acc), max(all_acc)
+    pad = max(0.1, 0.05 * (high - low))
+    return low - pad, min(100.0, high + pad) + pad / 2
+
+
 def plot_curves(runs, path):
-    """runs: {name: load_run(...)} → curves.png at path."""
+    """runs: {name: load_run(...)} → curves.png at path; returns the accuracy axis's limits."""
     plt = _pyplot()
-    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(8, 4), dpi=DPI)
+    fig, (ax_acc, ax_loss, ax_speed) = plt.subplots(1, 3, figsize=(12, 4), dpi=DPI)
     for k, (name, run) in enumerate(runs.items()):
         color = f"C{k % 10}"
         accuracy = [100 * a for a in run["accuracy"]]
@@ -202,19 +223,23 @@ def plot_curves(runs, path):
             x, y = run["losses"][split]
             if x:
                 ax_loss.plot(x, y, style, color=color, lw=1.0, label=f"{name} {split}")
+        x, y = run["images_per_sec"]
+        if x:
+            ax_speed.plot(x, y, color=color, lw=1.0, label=f"{name} (mean {run['mean_images_per_sec']:,.1f})")
     ax_acc.set(title="test accuracy", xlabel="epoch", ylabel="accuracy (%)")
-    # Accuracy climbs fast and then creeps: zoom on the range after the first epochs.
-    all_acc = [100 * a for run in runs.values() for a in run["accuracy"][min(2, len(run["accuracy"]) - 1):]]
-    low, high = min(all_acc), max(all_acc)
-    pad = max(0.1, 0.05 * (high - low))
-    ax_acc.set_ylim(low - pad, min(100.0, high + pad) + pad / 2)
+    limits = accuracy_limits(runs)
+    ax_acc.set_ylim(*limits)
     ax_loss.set(title="total loss (train solid, test dashed)", xlabel="epoch", ylabel="loss", yscale="log")
-    for ax in (ax_acc, ax_loss):
+    ax_speed.set(title="training speed", xlabel="epoch", ylabel="images/s")
+    ax_speed.set_ylim(bottom=0)  # speeds compared as ratios: from zero
+    for ax in (ax_acc, ax_loss, ax_speed):
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
+    return limits
 
 
 def plot_reconstructions(name, run, path):

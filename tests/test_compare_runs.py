@@ -1,5 +1,6 @@
 """scripts/compare_runs.py: a real tiny run and evaluate.py's report of it, the group numbers
-against NumPy on made-up histories, the seed pairing, and one-line errors."""
+against NumPy on made-up histories, the seed pairing, images/s (each run's mean, each group's,
+the ratio to the reference), and one-line errors."""
 import json
 import shutil
 
@@ -12,10 +13,10 @@ from conftest import load_script
 compare_runs = load_script("compare_runs")
 
 
-def fake_run(root, name, seed, test_accs, *, epochs=None, train_acc=0.99, untested=(), config=None):
+def fake_run(root, name, seed, test_accs, *, epochs=None, train_acc=0.99, untested=(), config=None, speeds=None):
     """A run dir as train.py leaves one: config.yaml (`config`'s sections besides train.epochs
     and the seed) and history.jsonl, one line an epoch (epochs in `untested` without a test
-    pass, as train.test_every_epochs > 1 leaves them)."""
+    pass, as train.test_every_epochs > 1 leaves them; `speeds`: the epochs' train images/s)."""
     run = root / name
     run.mkdir(parents=True)
     config = {**(config or {}), "seed": seed}
@@ -24,6 +25,8 @@ def fake_run(root, name, seed, test_accs, *, epochs=None, train_acc=0.99, untest
     lines = []
     for epoch, acc in enumerate(test_accs, start=1):
         record = {"epoch": epoch, "train_accuracy": train_acc, "train_loss": 0.1}
+        if speeds is not None:
+            record["train_images_per_sec"] = speeds[epoch - 1]
         if epoch not in untested:
             record["test_accuracy"] = acc
         lines.append(json.dumps(record))
@@ -48,11 +51,13 @@ def test_a_real_run_and_evaluate_py_report_of_its_final_checkpoint(trained_run, 
     assert run.final == history[-1]["test_accuracy"] == metrics["test_accuracy"]
     assert run.seed == 0 and run.epochs == run.last_epoch == len(history) and run.finished
     assert run.train_accuracy == history[-1]["train_accuracy"]
+    assert run.images_per_sec == pytest.approx(metrics["images_per_sec"], rel=1e-9)  # the run's mean
 
     summary = compare_runs.main([f"tiny={run_dir}", "--threshold", "0.5"])
     printed = capsys.readouterr().out
     assert summary["groups"]["tiny"]["mean"] == run.final
     assert f"| 0 | {100 * run.final:.2f}% | {100 * report['accuracy']:.2f}% |" in printed
+    assert f"| {compare_runs.speed(run.images_per_sec)} | {run_dir} |" in printed
 
 
 def test_group_numbers_against_numpy(tmp_path):
@@ -97,6 +102,35 @@ def test_paired_difference_uses_common_seeds_only(tmp_path):
     assert vs["seeds"] == [1, 2, 3]
     assert vs["mean_difference"] == pytest.approx(diffs.mean())
     assert vs["se"] == pytest.approx(diffs.std(ddof=1) / np.sqrt(3))
+
+
+def test_images_per_sec_of_runs_groups_and_against_the_reference(tmp_path, capsys):
+    """A run's speed is the mean of its epochs' (metrics.json's images_per_sec, not its last
+    epoch's); a group's the mean of its runs'; the others' against the reference's a ratio."""
+    fake_run(tmp_path, "matmul_0", 0, [0.98, 0.99], speeds=[55.0, 47.0])
+    fake_run(tmp_path, "matmul_1", 1, [0.98, 0.99], speeds=[50.0, 52.0])
+    fake_run(tmp_path, "op_0", 0, [0.98, 0.99], speeds=[20000.0, 24000.0], config={"custom_op": True})
+    # A redone epoch (a resumed run): its later line counts, not both.
+    fake_run(tmp_path, "op_1", 1, [0.98, 0.99], speeds=[26000.0, 24000.0], config={"custom_op": True})
+    history = tmp_path / "op_1" / "history.jsonl"
+    lines = history.read_text().splitlines()
+    redone = json.loads(lines[1]) | {"train_images_per_sec": 22000.0}
+    history.write_text("\n".join([lines[0], lines[1], json.dumps(redone)]) + "\n")
+    # A run from before the speed was recorded: no number, and no part of its group's.
+    fake_run(tmp_path, "op_old", 2, [0.98, 0.99], config={"custom_op": True})
+
+    summary = compare_runs.main([f"matmul={tmp_path}/matmul_*", f"op={tmp_path}/op_*"])
+    out = capsys.readouterr().out
+    matmul, op = summary["groups"]["matmul"], summary["groups"]["op"]
+    assert [r["images_per_sec"] for r in matmul["runs"]] == [51.0, 51.0]
+    assert [r["images_per_sec"] for r in op["runs"]] == [22000.0, 24000.0, None]
+    assert matmul["images_per_sec"] == 51.0 and op["images_per_sec"] == 23000.0
+    assert op["vs_reference"]["speed_ratio"] == pytest.approx(23000.0 / 51.0)
+    assert op["vs_reference"]["recipe"] == {"custom_op": [False, True]}
+    assert f"| 51.0 | {tmp_path}/matmul_0 |" in out and f"| 22,000 | {tmp_path}/op_0 |" in out
+    assert f"| – | {tmp_path}/op_old |" in out
+    assert "; 23,000 images/s." in out
+    assert "| 51.0 | reference |" in out and f"| 23,000 | ×{23000 / 51:.2f} |" in out
 
 
 def test_untested_epochs_and_unfinished_runs(tmp_path, capsys):

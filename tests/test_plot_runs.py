@@ -1,5 +1,6 @@
 """scripts/plot_runs.py: PNGs from a real tiny run's event files, the values it reads against
-the run's history.jsonl, resumed and cut-short event files, and one-line errors."""
+the run's history.jsonl, images/s, an accuracy axis holding every epoch, resumed and cut-short
+event files, and one-line errors."""
 import json
 import shutil
 
@@ -64,6 +65,11 @@ def test_reads_what_training_wrote(plot_runs, trained_run):
     train_x, train_loss = run["losses"]["train"]
     assert train_x == pytest.approx([s / 20 for s in range(4, 81, 4)])
     assert all(np.isfinite(train_loss))
+    # images/s: each log window's, where the train losses are (its first window has no timed step).
+    speed_x, speeds = run["images_per_sec"]
+    assert speed_x == train_x[-len(speed_x):] and len(speed_x) >= len(train_x) - 1
+    assert all(s > 0 for s in speeds)
+    assert run["mean_images_per_sec"] > 0
     assert run["image_epoch"] == 4
 
 
@@ -109,6 +115,45 @@ def test_epochs_of_a_run_whose_time_scalars_start_late(plot_runs, tmp_path):
     run = plot_runs.load_run(tmp_path)
     assert run["epochs"] == [1, 2, 3, 4]
     np.testing.assert_allclose(run["accuracy"], [0.91, 0.92, 0.93, 0.94], rtol=1e-6)
+
+
+def write_events(run_dir, accuracies, speeds, run_speeds=()):
+    """A run's event files with a test accuracy an epoch of 20 steps, a train images/s window
+    every 10 steps and, if given, the run's mean images/s after each epoch."""
+    import tensorflow as tf
+
+    with tf.summary.create_file_writer(str(run_dir)).as_default():
+        for epoch, accuracy in enumerate(accuracies, start=1):
+            tf.summary.scalar("test/accuracy", accuracy, step=20 * epoch)
+            tf.summary.scalar("time/train_seconds", 1.0, step=20 * epoch)
+        for k, speed in enumerate(speeds, start=1):
+            tf.summary.scalar("train/images_per_sec", speed, step=10 * k)
+        for epoch, speed in enumerate(run_speeds, start=1):
+            tf.summary.scalar("train/mean_images_per_sec", speed, step=20 * epoch)
+        tf.summary.flush()
+
+
+def test_the_accuracy_axis_holds_every_epoch(plot_runs, tmp_path):
+    """A slow start (10% then 60%) is drawn, not cut off below the axis."""
+    write_events(tmp_path / "slow", [0.10, 0.60, 0.97, 0.98, 0.985], [50.0] * 10)
+    write_events(tmp_path / "fast", [0.95, 0.97, 0.98], [60.0] * 6)
+    runs = {name: plot_runs.load_run(tmp_path / name) for name in ("slow", "fast")}
+    low, high = plot_runs.plot_curves(runs, tmp_path / "curves.png")
+    assert low < 10.0 < 98.5 < high
+    assert_png(tmp_path / "curves.png")
+
+
+def test_images_per_sec_and_the_runs_mean(plot_runs, tmp_path):
+    """The windows on an epoch axis; the mean is the run's as train() writes it (47 and 51 in
+    the last window and epoch, 53 over the run), else for an older run the windows' mean."""
+    write_events(tmp_path / "new", [0.9, 0.95], [57.0, 55.0, 59.0, 47.0], run_speeds=[56.0, 53.0])
+    write_events(tmp_path / "old", [0.9, 0.95], [40.0, 44.0, 42.0, 46.0])
+    new, old = plot_runs.load_run(tmp_path / "new"), plot_runs.load_run(tmp_path / "old")
+    assert new["images_per_sec"] == ([0.5, 1.0, 1.5, 2.0], [57.0, 55.0, 59.0, 47.0])
+    assert new["mean_images_per_sec"] == 53.0
+    assert old["mean_images_per_sec"] == 43.0
+    plot_runs.plot_curves({"new": new, "old": old}, tmp_path / "curves.png")
+    assert_png(tmp_path / "curves.png")
 
 
 def test_a_run_without_a_weight_average_has_no_raw_curve(plot_runs, trained_run):
