@@ -49,8 +49,10 @@ def main(cfg: DictConfig):
             say(f"error: {record['error']} (skipped)", stream=sys.stderr)
         else:
             print(json.dumps(record), flush=True)
+    if failed == total:
+        raise DataError(f"no image could be read ({total}, each named above)")
     if failed:
-        raise DataError(f"{failed} of {total} images could not be read (named above); "
+        raise DataError(f"{failed} of {total} images could not be read (each named above); "
                         f"the other {total - failed} were predicted")
 
 

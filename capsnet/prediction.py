@@ -45,6 +45,7 @@ import contextlib
 import glob
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -277,7 +278,9 @@ def load_image(path, image_shape):
     try:
         image = tf.io.decode_image(data, channels=0, dtype=tf.uint8, expand_animations=False)
     except (tf.errors.OpError, ValueError) as exc:
-        reason = " ".join(str(getattr(exc, "message", exc)).split()) or type(exc).__name__
+        # Without TensorFlow's wrapping: "{{function_node ...}} <reason> [Op:DecodeImage]".
+        reason = re.sub(r"\{\{function_node [^}]*\}\}|\[Op:\w+\]", "", str(getattr(exc, "message", exc)))
+        reason = " ".join(reason.split()) or type(exc).__name__
         raise UnreadableImage(f"cannot decode image {path}: {reason}") from exc
     if image.shape[-1] in (2, 4):  # grey + alpha, RGBA: the alpha channel is dropped
         image = image[..., :-1]
