@@ -249,8 +249,8 @@ def test_tfds_offline_fails_fast_naming_data_dir(tmp_path, monkeypatch):
     for var in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
         monkeypatch.setenv(var, "http://127.0.0.1:9")
     start = time.monotonic()
-    with pytest.raises(DataError) as err:
-        load_split("mnist", "train", tfds_data_dir=str(tmp_path))
+    with pytest.raises(DataError) as err:  # fashion_mnist: offline mnist is the bundled sample (test_first_run.py)
+        load_split("fashion_mnist", "train", tfds_data_dir=str(tmp_path))
     elapsed = time.monotonic() - start
     message = str(err.value)
     assert "data.dir=" in message and "tensorflow-datasets" in message
@@ -272,12 +272,12 @@ def test_tfds_offline_error_is_short_and_says_no_network(tmp_path, monkeypatch, 
     urllib3_log = logging.getLogger("urllib3")
     level = urllib3_log.level
     try:
-        with pytest.raises(DataError) as err:
-            load_split("mnist", "test", tfds_data_dir=str(tmp_path))
+        with pytest.raises(DataError) as err:  # fashion_mnist: offline mnist is the bundled sample
+            load_split("fashion_mnist", "test", tfds_data_dir=str(tmp_path))
     finally:
         urllib3_log.setLevel(level)  # a failed download leaves it at ERROR
     message = str(err.value)
-    assert message.startswith("could not download mnist with tensorflow-datasets (no network); offline, use "
+    assert message.startswith("could not download fashion_mnist with tensorflow-datasets (no network); offline, use "
                               "data.dir=/path/to/idx")
     assert len(message) < 200 and "Error" not in message
     printed = capfd.readouterr()
