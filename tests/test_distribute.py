@@ -34,7 +34,7 @@ DATA = ["data.limit_train=53", "data.limit_test=48", "train.log_every_steps=1"]
 STEPS_PER_EPOCH = 4
 # float32 (eps 1.2e-7): a replicated step adds the same per-example terms in another order
 # (two partial sums, then the all-reduce; under xla=jit also XLA's fusions), so the weights
-# drift from the reference by about eps per step, carried on by Adam. Seen on CPU: per-step
+# drift from the reference by about eps per step, compounded by Adam. Seen on CPU: per-step
 # losses within 2e-7 relative (6e-7 with jit) and every checkpoint tensor within 1.2e-5 of
 # its largest value after 12 steps; the bounds leave 90× room or more. A loss averaged per
 # replica instead of over the global batch, or a gradient twice too large, broke the loss

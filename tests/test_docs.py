@@ -27,8 +27,8 @@ LINKED_DOCS = ["README.md", "CHANGELOG.md", "configs/experiment/README.md", *sor
     str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))]
 # Words that narrate how the work was organised, not what the code does. Spelled in parts
 # so that this file passes its own check.
-NARRATION = re.compile(r"\b(" + "|".join(["se" + "ssions?", "le" + "ases?", "gpu" + "kit", "gpu-" + "kit",
-                                          "gpu" + "calls", "gpu" + "carry"]) + r")\b", re.IGNORECASE)
+NARRATION = re.compile(r"\b(" + "|".join(["se" + "ssions?", "le" + "ases?", "gpuk" + "it", "gpu-k" + "it",
+                                          "gpu" + "calls", "gpuca" + "rry"]) + r")\b", re.IGNORECASE)
 # pytest's fixture scope of that name is its API, not narration.
 ALLOWED = re.compile(r"""scope=(["'])se""" + r"""ssion\1""")
 NARRATION_EXEMPT = {"CHANGELOG.md"}  # history belongs there
@@ -380,7 +380,7 @@ def test_narration_words_are_found_as_whole_words_in_any_case():
         "the Twelfth " + "Se" + "ssion's fix",
         "two le" + "ases were held",
         "pytest.fixture(scope=\"se" + "ssion\") is pytest's",
-        "copied by GPU" + "KIT; GPU-" + "Kit; gpu" + "calls/; .gpu" + "carry/",
+        "copied by GPUK" + "IT; GPU-K" + "it; gpu" + "calls/; .gpuca" + "rry/",
     ])
     assert [n for n, _ in narration_words(text)] == [2, 3, 5, 5, 5, 5]
     assert narration_words("a tf.compat.v1.Se" + "ssion() call")[0][0] == 1  # only the fixture scope is allowed
