@@ -28,7 +28,8 @@ from capsnet.errors import OpLibraryError
 from capsnet.validation import positive_int
 
 # Where the op library and its stamp live: the package's own build, unless
-# CAPSNET_OP_LIBRARY names another (CI runs the op tests against the CPU-only build).
+# CAPSNET_OP_LIBRARY names another (CI runs the op tests against the build variant
+# `make test` did not build: CPU+CUDA on a runner without a GPU).
 # Made absolute now: the library loads lazily, perhaps after a chdir.
 _LIBRARY_PATH = os.path.abspath(os.environ.get("CAPSNET_OP_LIBRARY") or os.path.join(
     os.path.dirname(__file__), "lib", "_capsnet_ops.so"))

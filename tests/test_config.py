@@ -77,7 +77,7 @@ def test_group_choices_set_what_they_say():
     assert {k: v for k, v in fast["train"].items() if k not in changed} == {
         k: v for k, v in paper["train"].items() if k not in changed}
     # tuned_mnist: paper_mnist with exactly the overrides its results were measured with
-    # (docs/results.md, forty-first session), nothing else.
+    # (docs/results.md, MNIST), nothing else.
     measured = ["model.conv1_filters=512", "model.primary_caps_types=16", "data.elastic_alpha=16",
                 "train.ema_decay=0.999", "train.weight_decay=0.15", "train.xla=jit", "train.precision=mixed_bfloat16",
                 "train.data_on_device=true", "train.test_batch_size=1000", "train.save_every_epochs=5"]
