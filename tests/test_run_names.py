@@ -1,7 +1,6 @@
 """Run dir names (configs/hydra/default.yaml, hydra_plugins/capsnet_run_name): the overrides
 that differ from the defaults, paths left out, or the name given; names that `evaluate.py
 checkpoint=<run dir>` accepts; and a run rerun with its hydra.run.dir resumes."""
-import dataclasses
 import json
 import re
 
@@ -10,11 +9,9 @@ import pytest
 from conftest import CONFIG_DIR, TINY_MODEL, TINY_TRAIN, run_entry_point
 from hydra_plugins.capsnet_run_name import MAX_LENGTH, run_name
 
-from capsnet.config import TrainAppConfig
 
 TIME = r"outputs/\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d"
-# `name=` once the schema has the key; until then Hydra's append, which the resolver reads the same way.
-NAME = "name" if "name" in {f.name for f in dataclasses.fields(TrainAppConfig)} else "+name"
+NAME = "name"
 
 
 def hydra_config(*overrides):

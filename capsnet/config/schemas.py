@@ -334,6 +334,7 @@ class TrainAppConfig:
     deterministic: bool = _checked(False, _boolean)
     debug: bool = _checked(False, _boolean)
     run_dir: Optional[str] = _checked(None, _optional_string)
+    name: Optional[str] = _checked(None, _optional_string)  # the run dir's suffix (hydra_plugins/capsnet_run_name)
 
 
 @dataclass
