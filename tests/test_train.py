@@ -699,10 +699,10 @@ def test_progress_bar_moves_at_any_steps_per_execution(monkeypatch, capsys, tty)
                 "reconstruction_loss": tf.fill([ran], 0.1), "accuracy": tf.fill([ran], 1.0),
                 "grad_norm": tf.ones([ran])}
 
-    means, step = train_epoch(train_steps, None, global_step=0, num_examples=100, batch_size=1,
-                              steps_per_execution=50, log_every_steps=1000,
-                              writer=tf.summary.create_noop_writer(), learning_rate=lambda: 0.001)
-    assert step == 100 and sum(calls) == 100 and means["loss"] == pytest.approx(0.5)
+    means, step, stopped_at = train_epoch(train_steps, None, global_step=0, num_examples=100, batch_size=1,
+                                          steps_per_execution=50, log_every_steps=1000,
+                                          writer=tf.summary.create_noop_writer(), learning_rate=lambda: 0.001)
+    assert step == 100 and sum(calls) == 100 and means["loss"] == pytest.approx(0.5) and stopped_at is None
     assert calls == ([1] + [5] * 19 + [4] if tty else [1, 50, 49])
     assert "nan" not in capsys.readouterr().out
 

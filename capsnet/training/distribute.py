@@ -308,6 +308,7 @@ def input_iterator(dataset, strategy=None, device=None):
     the first GPU, if there is one); otherwise each step's first op waits for its batch's
     host-to-device copy (measured on an H200: docs/benchmarks.md).
     """
+    dataset = without_autotune_thread(dataset)
     if strategy is not None:
         return iter(distribute_dataset(strategy, dataset))
     if device is None:
@@ -316,6 +317,20 @@ def input_iterator(dataset, strategy=None, device=None):
         return iter(dataset)  # the CPU trains where tf.data runs: nothing to copy
     with tf.device(device):  # the iterator of a copy_to_device dataset lives on the target device
         return iter(dataset.apply(tf.data.experimental.prefetch_to_device(device, buffer_size=2)))
+
+
+def without_autotune_thread(dataset):
+    """`dataset` without tf.data's autotuning model thread (options.autotune.enabled=False).
+
+    Why: deleting an iterator joins that thread, and on a busy CPU the join waited until
+    the thread's next optimization round: 10-55 s between an epoch's last line and the next
+    epoch (the epoch's iterator deleted when the next one replaces it) and before exit,
+    with the main thread in ~RootDataset::Iterator (py-spy --native). Without it the
+    AUTOTUNE map runs on every core and prefetch keeps its own buffer tuning; the batches
+    are the same (the map is deterministic)."""
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return dataset.with_options(options)
 
 
 def check_workers_agree(strategy, epochs_done, step):

@@ -27,6 +27,7 @@ import functools
 import json
 import logging
 import math
+import shutil
 import signal
 import sys
 import tempfile
@@ -45,19 +46,20 @@ from capsnet.errors import ConfigError, Interrupted, Terminated, TrainingCollaps
 from capsnet.losses import loss_params
 from capsnet.precision import set_tensor_float_32
 from capsnet.scoring import json_safe
-from capsnet.training.checkpoints import (BestCheckpoint, check_nothing_committed, check_resumable, checkpoint_numbers,
+from capsnet.training.checkpoints import (BestCheckpoint, check_nothing_committed, check_resumable, checkpoint_damage,
+                                         checkpoint_numbers,
                                          checkpoint_weights, read_history, recover_latest, resume_from, save_or_fail,
                                          write_run_config)
 from capsnet.training.device_input import DevicePairSet, DeviceTrainingSet, make_device_train_loop
 from capsnet.training.distribute import (check_all_reduce, check_global_batch, check_tf_config, check_workers_agree,
                                          input_iterator, is_chief, make_strategy, resolve_all_reduce,
-                                         trains_on_gpu)
+                                         trains_on_gpu, without_autotune_thread)
 from capsnet.training.model_setup import build_capsnet, check_labels, check_op_library
 from capsnet.training.optimizer import build_optimizer, checkpoint_nodes, loss_scale, scaled_learning_rate, steps_done
 from capsnet.training.run_lock import RunLock
 from capsnet.training.steps import (align_trace_names, eval_batch_size, evaluate_model, execution_lengths,
-                                    make_eval_step, make_train_loop, make_train_step, set_autoclustering,
-                                    set_determinism, set_xla_cache)
+                                    make_eval_step, make_train_loop, make_train_step, next_execution_length,
+                                    set_autoclustering, set_determinism, set_xla_cache)
 from capsnet.training.summaries import (MetricWindow, write_epoch_summaries, write_hparams,
                                         write_train_scalars)
 from capsnet.training.weight_average import WeightAverage
@@ -74,7 +76,7 @@ def train(cfg):
     SIGTERM stops it at once, as Ctrl-C does. Python runs the handler between bytecodes, so
     a signal that lands inside a TensorFlow call (a step, or a call of steps) acts when that
     call returns."""
-    progress = {"locks": [], "epoch": None, "done": None, "trained": None, "terminate": False}
+    progress = {"locks": [], "epoch": None, "done": None, "trained": None, "terminate": False, "interrupt": False}
     try:
         return _train(cfg, progress)
     except KeyboardInterrupt as interrupt:
@@ -84,6 +86,8 @@ def train(cfg):
     finally:
         if "sigterm" in progress:  # the handler _train set, and the one it replaced
             signal.signal(signal.SIGTERM, progress.pop("sigterm"))
+        if "sigint" in progress:
+            signal.signal(signal.SIGINT, progress.pop("sigint"))
         for lock in progress["locks"]:
             lock.release()
 
@@ -94,6 +98,18 @@ def _on_sigterm(progress, signum, frame):
     progress["terminate"] = True
     say("SIGTERM: the run stops, saved, at the end of the epoch it is in (a second SIGTERM stops it at once)",
         stream=sys.stderr)
+
+
+def _on_sigint(progress, signum, frame):
+    if progress["interrupt"]:
+        raise KeyboardInterrupt  # the second Ctrl-C: stop now (train() names what is lost)
+    progress["interrupt"] = True
+    where = f"in epoch {progress['epoch']}" if progress["epoch"] is not None else "between epochs"
+    say(f"Ctrl-C {where}: stopping after the steps running, saving them (Ctrl-C again stops at once, unsaved)")
+
+
+# train.progress_every_seconds' default: a progress line inside an epoch when stdout is not a terminal.
+PROGRESS_EVERY_SECONDS = 30.0
 
 
 def interrupted(progress):
@@ -131,8 +147,9 @@ def _train(cfg, progress):
         # Absolute, so evaluate.py finds the data from any working directory.
         data_cfg["dir"] = str(Path(data_cfg["dir"]).expanduser().resolve())
     latest_dir = run_dir / "checkpoints" / "latest"
+    interrupted_dir = run_dir / "checkpoints" / "interrupted"  # a Ctrl-C's mid-epoch checkpoint
     # By the files, not the state file (which may be lost): recover_latest deals with both below.
-    if checkpoint_numbers(latest_dir):
+    if checkpoint_numbers(latest_dir) or checkpoint_numbers(interrupted_dir):
         for change in check_resumable(run_dir, {**cfg, "data": data_cfg}):  # before the data is read
             say(f"notice: resuming {run_dir} with {change} (from the next step on)")
     # Before anything touches a device: on a CPU-only machine autoclustering needs a
@@ -221,9 +238,11 @@ def _train(cfg, progress):
         examples_per_epoch = len(train_labels)
     augmentation = {"shift_pixels": data_cfg["shift_pixels"], **augmentation_options(data_cfg)}
     # The test split: no augmentation (MultiMNIST: shift_pixels and pad_pixels set its fixed pairs' shifts).
-    test_ds = make_split_dataset(data_cfg["name"], test_images, test_labels,
-                                 batch_size=eval_batch_size(tcfg), training=False,
-                                 shift_pixels=data_cfg["shift_pixels"], pad_pixels=data_cfg["pad_pixels"])
+    # Without the autotune thread, whose join made deleting each test pass's iterator wait (as the epochs').
+    test_ds = without_autotune_thread(make_split_dataset(data_cfg["name"], test_images, test_labels,
+                                                         batch_size=eval_batch_size(tcfg), training=False,
+                                                         shift_pixels=data_cfg["shift_pixels"],
+                                                         pad_pixels=data_cfg["pad_pixels"]))
     # A fixed set of test images for the reconstruction grid and the histograms, every epoch
     # (MultiMNIST: the first test pairs, made from the whole test split as in test_ds).
     n_show = min(len(test_labels), max(tcfg["num_images"], tcfg["histogram_examples"]))
@@ -248,7 +267,10 @@ def _train(cfg, progress):
     required_nodes = {"model": checkpoint_weights(model), "optimizer": optimizer_nodes.pop("optimizer"),
                       "epoch": epoch, "best_accuracy": best_accuracy,
                       **({"ema": average.weights()} if average is not None else {})}
-    checkpoint = tf.train.Checkpoint(**required_nodes, **optimizer_nodes)
+    # The steps of the epoch after `epoch` that a Ctrl-C's checkpoint (interrupted/) holds; 0 in
+    # the epochs' checkpoints (optional: those saved before it existed have none).
+    step_in_epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="step_in_epoch")
+    checkpoint = tf.train.Checkpoint(**required_nodes, **optimizer_nodes, step_in_epoch=step_in_epoch)
     # Only the chief writes into the run dir. The other workers save too, into a scratch
     # dir of their own (deleted at the end), as tf.distribute's multi-worker guide asks:
     # saving may read variables through collectives that every worker must join.
@@ -269,6 +291,18 @@ def _train(cfg, progress):
         resume_from(checkpoint, resumed_from, required=required_nodes)
         log.info("resumed from %s: %d of %d epochs done, step %d", resumed_from, int(epoch),
                  tcfg["epochs"], steps_done(optimizer))
+    # A Ctrl-C's checkpoint in the epoch after the last one saved goes on from its step; an
+    # older one (its epoch saved since) is stale.
+    interrupted_at = tf.train.latest_checkpoint(str(checkpoints_dir / "interrupted"))
+    if interrupted_at is not None and checkpoint_damage(interrupted_at) is None and \
+            tf.train.load_checkpoint(interrupted_at).get_tensor("epoch/.ATTRIBUTES/VARIABLE_VALUE") == int(epoch):
+        resume_from(checkpoint, interrupted_at, required=required_nodes)
+        resumed_from = interrupted_at
+        say(f"resuming epoch {int(epoch) + 1} at step {int(step_in_epoch)} of {steps_per_epoch} "
+            f"(interrupted there: {interrupted_at})")
+    elif chief:
+        shutil.rmtree(checkpoints_dir / "interrupted", ignore_errors=True)
+    first_step = int(step_in_epoch)
     if dcfg["strategy"] == "multi_worker":
         check_workers_agree(strategy, int(epoch), steps_done(optimizer))
     history = read_history(history_path, int(epoch), rewrite=chief)
@@ -345,8 +379,9 @@ def _train(cfg, progress):
     # The steps run, counted on the host (reading Adam's counter would wait for the device, and
     # with mixed_float16 it leaves out the steps skipped for overflow): epochs end at checkpoints,
     # and a resume keeps what sets the steps of an epoch.
-    global_step = int(epoch) * steps_per_epoch
+    global_step = int(epoch) * steps_per_epoch + first_step
     progress["done"] = progress["trained"] = int(epoch)
+    resumed_epoch = int(epoch)  # its input starts at first_step
 
     def epoch_input(epoch_index):
         # The epoch's batches on the training devices ahead of the steps (under a strategy:
@@ -356,6 +391,9 @@ def _train(cfg, progress):
         train_ds = make_split_dataset(data_cfg["name"], train_images, train_labels, batch_size=batch_size,
                                       training=True, seed=seed, epoch=epoch_index, pad_pixels=data_cfg["pad_pixels"],
                                       drop_remainder=tcfg["drop_remainder"], **augmentation)
+        if epoch_index == resumed_epoch and first_step:
+            # The epoch's order is a function of (seed, epoch): its batches from the step it stopped at.
+            train_ds = train_ds.skip(first_step)
         return input_iterator(train_ds, strategy)
 
     def next_learning_rate():
@@ -367,19 +405,41 @@ def _train(cfg, progress):
     # From here SIGTERM ends the run at an epoch's end, saved (train()). Only the main thread may
     # set a handler; a multi-worker run keeps the default (its workers save together, and a
     # signal reaches one of them). Before here a SIGTERM loses nothing trained.
+    # Ctrl-C likewise, at the step running (train_epoch), saved there; a second one stops at once.
     if threading.current_thread() is threading.main_thread() and dcfg["strategy"] != "multi_worker":
         replaced = signal.signal(signal.SIGTERM, functools.partial(_on_sigterm, progress))
         progress["sigterm"] = signal.SIG_DFL if replaced is None else replaced
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where SIGINT is ignored
+            progress["sigint"] = signal.signal(signal.SIGINT, functools.partial(_on_sigint, progress))
+    report = Progress(epochs=tcfg["epochs"], steps_per_epoch=steps_per_epoch, batch_size=batch_size,
+                      test_examples=len(test_labels), test_every_epochs=tcfg["test_every_epochs"],
+                      every=tcfg.get("progress_every_seconds", PROGRESS_EVERY_SECONDS),
+                      live=live_progress_bar(tcfg["progress_bar"]))
     for epoch_index, iterator in built_ahead(epoch_input, range(int(epoch), tcfg["epochs"])):
         progress["epoch"] = epoch_index + 1
-        say(f"epoch {epoch_index + 1}/{tcfg['epochs']}")
+        start_step = first_step if epoch_index == resumed_epoch else 0
+        say(f"epoch {epoch_index + 1}/{tcfg['epochs']}" + (f" (from step {start_step})" if start_step else ""))
         clock = [time.perf_counter()]  # the epoch's phases end: train, test (with its summaries), save
+        report.start_epoch(epoch_index + 1)
         try:
-            train_means, global_step = train_epoch(
+            train_means, global_step, stopped_at = train_epoch(
                 train_steps, iterator, global_step=global_step, num_examples=examples_per_epoch,
                 batch_size=batch_size, steps_per_execution=tcfg["steps_per_execution"],
                 log_every_steps=tcfg["log_every_steps"], writer=writer, learning_rate=next_learning_rate,
-                progress_bar=tcfg["progress_bar"], loss_scale=loss_scale(optimizer))
+                progress_bar=tcfg["progress_bar"], loss_scale=loss_scale(optimizer), first_step=start_step,
+                # train.data_on_device's epochs cannot start mid-way: a Ctrl-C there stops at the epoch's end.
+                stop=(lambda: progress["interrupt"]) if training_set is None else None, report=report)
+            if stopped_at is not None:
+                # Ctrl-C: the steps run so far saved (interrupted/), this epoch unfinished.
+                step_in_epoch.assign(stopped_at)
+                interrupted_manager = tf.train.CheckpointManager(checkpoint, str(checkpoints_dir / "interrupted"),
+                                                                 max_to_keep=1)
+                save_or_fail(lambda: interrupted_manager.save(checkpoint_number=global_step),
+                             checkpoints_dir / "interrupted", global_step)
+                writer.close()
+                raise Interrupted(f"interrupted at step {stopped_at} of {steps_per_epoch} in epoch {epoch_index + 1}: "
+                                  "saved; rerun the same command to resume from there")
+            step_in_epoch.assign(0)  # the epochs' checkpoints start their next epoch at its first step
         except NonFiniteStep as stop:
             # Nothing of this epoch is saved (the weights in memory are diverged): the
             # checkpoints, best/ and history.jsonl keep what the last good epoch left.
@@ -393,6 +453,7 @@ def _train(cfg, progress):
         clock.append(time.perf_counter())
         if on_schedule(epoch_index + 1, tcfg["test_every_epochs"], tcfg["epochs"]):
             test, raw_test = test_pass(summaries_step=global_step)
+            report.tested(time.perf_counter() - clock[-1])
             collapse = collapse_reason(test, epoch_index + 1, model.num_classes, 2 if two_digits else 1)
             if chief:
                 with writer.as_default(step=global_step):
@@ -417,14 +478,17 @@ def _train(cfg, progress):
         patience = tcfg["collapse_patience"]
         stopping = collapse is not None and collapsed_for(history, patience)
         terminating = progress["terminate"]  # read once: a SIGTERM from here on stops at the next epoch's end
+        interrupting = progress["interrupt"]  # a Ctrl-C during the test pass: saved, then stopped
         # The commit point: until a checkpoint of this epoch exists, a restart redoes it (and the
         # epochs since the last one saved: train.save_every_epochs > 1 saves only every Nth and the
         # last; a new best is always saved, best/ being links to its files, and so is a stop).
         on_save_schedule = on_schedule(epoch_index + 1, tcfg["save_every_epochs"], tcfg["epochs"])
-        if is_best or stopping or terminating or on_save_schedule:
+        if is_best or stopping or terminating or interrupting or on_save_schedule:
             saved = save_or_fail(lambda: latest.save(checkpoint_number=epoch_index + 1), checkpoints_dir / "latest",
                                  epoch_index + 1)
             progress["done"] = epoch_index + 1
+            if chief and epoch_index == resumed_epoch and first_step:
+                shutil.rmtree(checkpoints_dir / "interrupted", ignore_errors=True)  # superseded (after the commit)
             if is_best:
                 best.adopt(epoch_index + 1, saved)  # the same files: no second write
                 best.commit(epoch_index + 1)
@@ -444,6 +508,10 @@ def _train(cfg, progress):
         progress["epoch"] = None
         say(f"epoch {epoch_index + 1}: train loss {train_means['loss']:.4f} acc {train_means['accuracy']:.4f}"
             f"{test_line} | {clock[-1] - clock[0]:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+        if interrupting and epoch_index + 1 < tcfg["epochs"]:
+            writer.close()
+            raise Interrupted(f"interrupted after epoch {epoch_index + 1}: saved; rerun the same command to resume "
+                              f"from epoch {epoch_index + 2}")
         if terminating and epoch_index + 1 < tcfg["epochs"]:
             writer.close()
             raise Terminated(f"stopped by SIGTERM after epoch {epoch_index + 1} (saved); rerun the same command to "
@@ -531,17 +599,97 @@ def steps_per_call(steps_per_epoch, steps_per_execution, progress_bar):
     return steps_per_execution
 
 
-def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size, steps_per_execution,
-                log_every_steps, writer, learning_rate, progress_bar=True, loss_scale=None):
-    """One epoch of `train_steps` calls (make_train_loop, or make_device_train_loop with a
-    DeviceEpoch as `iterator`) over `iterator`'s batches.
+def format_duration(seconds):
+    """'42 s', '7 min 05 s', '2 h 13 min'."""
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
-    Returns (means, global_step): the epoch's example-weighted step values (loss,
+
+class Progress:
+    """The progress of a run inside its epochs: train_epoch's `report`.
+
+    Estimates the run's time left from the step time measured (the steps left of this and
+    the later epochs) and the test passes left (the last one's time; before the first, the
+    test split at the training's images/s), prints once, after the first timed steps of
+    this process, the estimated time of the whole run, and, when stdout is not a terminal
+    (a log file, a job scheduler: no live bar), a line every `every` seconds inside an
+    epoch: steps done, images/s, the ETA of the epoch and of the run. `run_eta`: the
+    latest estimate of the run's seconds left (the live bar shows it)."""
+
+    def __init__(self, *, epochs, steps_per_epoch, batch_size, test_examples, test_every_epochs, every, live):
+        self.epochs, self.steps_per_epoch, self.batch_size = epochs, steps_per_epoch, batch_size
+        self.test_examples, self.test_every_epochs = test_examples, test_every_epochs
+        self.every, self.live = every, live
+        self.epoch = None  # 1-based, the epoch training
+        self.test_seconds = None  # the last test pass's
+        self.run_eta = None
+        self.announced = False
+        self.last_line = None
+
+    def start_epoch(self, epoch_number):
+        self.epoch = epoch_number
+        self.last_line = time.perf_counter()
+
+    def tested(self, seconds):
+        self.test_seconds = seconds
+
+    def __call__(self, step_in_epoch, seconds_per_step, images_per_sec=None):
+        epoch_left = (self.steps_per_epoch - step_in_epoch) * seconds_per_step
+        later_epochs = self.epochs - self.epoch
+        tests_left = sum(1 for e in range(self.epoch, self.epochs + 1) if on_schedule(e, self.test_every_epochs,
+                                                                                        self.epochs))
+        test_seconds = (self.test_seconds if self.test_seconds is not None else
+                        self.test_examples * seconds_per_step / self.batch_size)
+        self.run_eta = epoch_left + later_epochs * self.steps_per_epoch * seconds_per_step + tests_left * test_seconds
+        if not self.announced:
+            self.announced = True
+            total = self.epochs * self.steps_per_epoch * seconds_per_step + self.test_passes() * test_seconds
+            say(f"estimated time of the run: {format_duration(total)} for {self.epochs} epochs "
+                f"({format_duration(self.run_eta)} left; {seconds_per_step:.3g} s a step, "
+                f"{self.steps_per_epoch} steps an epoch)")
+        now = time.perf_counter()
+        if not self.live and self.every and now - self.last_line >= self.every and step_in_epoch < self.steps_per_epoch:
+            self.last_line = now
+            speed = f", {images_per_sec:.1f} images/s" if images_per_sec else ""
+            say(f"epoch {self.epoch}: step {step_in_epoch}/{self.steps_per_epoch}{speed}, epoch ETA "
+                f"{format_duration(epoch_left)}, run ETA {format_duration(self.run_eta)}")
+
+    def test_passes(self):
+        return sum(1 for e in range(1, self.epochs + 1) if on_schedule(e, self.test_every_epochs, self.epochs))
+
+
+# The longest a train_steps call may take, as far as the step time allows (at least one
+# step a call): Ctrl-C acts between calls, so on a CPU, where a paper-model step takes
+# ~1.2 s, a call of steps_per_execution=50 steps kept it waiting ~60 s. On a GPU a call of
+# 50 steps takes well under this: steps_per_execution decides there.
+CALL_SECONDS = 0.5
+
+
+def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size, steps_per_execution,
+                log_every_steps, writer, learning_rate, progress_bar=True, loss_scale=None, first_step=0,
+                stop=None, report=None):
+    """One epoch of `train_steps` calls (make_train_loop, or make_device_train_loop with a
+    DeviceEpoch as `iterator`) over `iterator`'s batches, from step `first_step` of the
+    epoch on (a resumed epoch: `iterator` then starts at that step's batch).
+
+    Returns (means, global_step, stopped_at): the epoch's example-weighted step values (loss,
     margin_loss, reconstruction_loss, accuracy; images_per_sec and step_time_ms of the
-    timed steps) and the global step after the epoch (`global_step`: before it).
+    timed steps) of the steps run here, the global step after them (`global_step`: before
+    them), and None, or, if `stop()` turned true (Ctrl-C), the step of the epoch that the
+    steps ran up to (the epoch unfinished; every step run is fetched and checked).
     The train/ scalars go to `writer` every log_every_steps steps and at the epoch's end,
     with the LR of the next update (`learning_rate()`, read after the steps are fetched) and
     the dynamic loss scale (a variable, mixed_float16) if `loss_scale` is one.
+    `report(step_in_epoch, seconds_per_step)`, if given, is called after each fetch of timed
+    steps (the progress lines and the run's ETA: capsnet.training.loop.Progress).
+
+    The calls run on a worker thread while this (the main) thread waits for them: Python
+    runs a signal handler only between bytecodes of the main thread, so Ctrl-C's handler
+    runs at once, not when a call of several seconds returns.
     """
     steps_per_epoch = math.ceil(num_examples / batch_size)
     live = live_progress_bar(progress_bar)
@@ -551,46 +699,63 @@ def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size,
     epoch_window, log_window = MetricWindow(), MetricWindow()
     pending = []  # (per-step outputs still on the device, their batch sizes)
     tick = time.perf_counter()
-    step_in_epoch = 0
-    for length in execution_lengths(steps_per_epoch, global_step, per_call, log_every_steps):
-        # The global batch of each step: full but for an epoch's last (counted here: under
-        # a strategy, a replica's batch holds only its slice of it).
-        sizes = [min(batch_size, num_examples - (step_in_epoch + i) * batch_size) for i in range(length)]
-        batch_sizes = tf.constant(sizes + [0] * (steps_per_execution - length), tf.int32)  # (steps_per_execution,)
-        pending.append((train_steps(iterator, batch_sizes), sizes, global_step))
-        first = step_in_epoch == 0
-        step_in_epoch += length
-        global_step += length
-        log_now = global_step % log_every_steps == 0
-        last = step_in_epoch == steps_per_epoch
-        if not (first or log_now or last or time.perf_counter() - tick > 1.0):
-            continue  # no fetch: the host queues the next call while the device runs this one
-        # Fetching the values waits for the device, so the clock now measures finished
-        # steps. That happens after the epoch's first step (it traces/compiles the steps or
-        # refills the shuffle buffer: left out of images/s and step time), at log steps,
-        # at the epoch's end and about once a second; not every call, which would make
-        # the device idle while the host dispatches the next one.
-        fetched = _fetch(pending)  # NonFiniteStep at the first non-finite step (the guard)
-        now = time.perf_counter()
-        for window in (epoch_window, log_window):
-            for values, size in fetched:
-                window.add(values, size)
+    step_in_epoch = first_step
+    seconds_per_step = None  # of the timed steps so far: bounds a call's length (CALL_SECONDS)
+    stopped_at = None
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="capsnet-steps") as worker:
+        while step_in_epoch < steps_per_epoch:
+            first = step_in_epoch == first_step
+            length = 1 if first else next_execution_length(steps_per_epoch - step_in_epoch, global_step, per_call,
+                                                           log_every_steps)
+            if seconds_per_step:
+                length = max(1, min(length, int(CALL_SECONDS / seconds_per_step)))
+            # The global batch of each step: full but for an epoch's last (counted here: under
+            # a strategy, a replica's batch holds only its slice of it).
+            sizes = [min(batch_size, num_examples - (step_in_epoch + i) * batch_size) for i in range(length)]
+            batch_sizes = tf.constant(sizes + [0] * (steps_per_execution - length), tf.int32)  # (steps_per_execution,)
+            pending.append((worker.submit(train_steps, iterator, batch_sizes).result(), sizes, global_step))
+            step_in_epoch += length
+            global_step += length
+            log_now = global_step % log_every_steps == 0
+            last = step_in_epoch == steps_per_epoch
+            stopping = stop is not None and stop()
+            if not (first or log_now or last or stopping or time.perf_counter() - tick > 1.0):
+                continue  # no fetch: the host queues the next call while the device runs this one
+            # Fetching the values waits for the device, so the clock now measures finished
+            # steps. That happens after the epoch's first step (it traces/compiles the steps or
+            # refills the shuffle buffer: left out of images/s and step time), at log steps,
+            # at the epoch's end and about once a second; not every call, which would make
+            # the device idle while the host dispatches the next one.
+            fetched = worker.submit(_fetch, pending).result()  # NonFiniteStep at the first non-finite step
+            now = time.perf_counter()
+            for window in (epoch_window, log_window):
+                for values, size in fetched:
+                    window.add(values, size)
+                if not first:
+                    window.add_time(len(fetched), sum(size for _, size in fetched), now - tick)
             if not first:
-                window.add_time(len(fetched), sum(size for _, size in fetched), now - tick)
-        pending, tick = [], now
-        if log_now:
-            write_train_scalars(writer, log_window, learning_rate(), global_step, loss_scale)
-            log_window = MetricWindow()
-        if bar is not None:
-            means = epoch_window.means()
-            shown = [("loss", means["loss"]), ("accuracy", means["accuracy"])]
-            if "images_per_sec" in means:  # none yet after the epoch's first (untimed) step
-                shown.append(("images/s", means["images_per_sec"]))
-            bar.update(step_in_epoch, shown)
-    assert not pending, "the last step of an epoch is always fetched"
+                seconds_per_step = (now - tick) / len(fetched)
+            pending, tick = [], now
+            if log_now or (stopping and log_window.examples):
+                write_train_scalars(writer, log_window, learning_rate(), global_step, loss_scale)
+                log_window = MetricWindow()
+            if bar is not None:
+                means = epoch_window.means()
+                shown = [("loss", means["loss"]), ("accuracy", means["accuracy"])]
+                if "images_per_sec" in means:  # none yet after the epoch's first (untimed) step
+                    shown.append(("images/s", means["images_per_sec"]))
+                if live and report is not None and report.run_eta is not None:
+                    shown.append(("run ETA", format_duration(report.run_eta)))
+                bar.update(step_in_epoch, shown)
+            if report is not None and seconds_per_step is not None:
+                report(step_in_epoch, seconds_per_step, epoch_window.means().get("images_per_sec"))
+            if stopping and not last:
+                stopped_at = step_in_epoch
+                break
+    assert not pending, "the last step run is always fetched"
     if log_window.examples:
         write_train_scalars(writer, log_window, learning_rate(), global_step, loss_scale)
-    return epoch_window.means(), global_step
+    return epoch_window.means(), global_step, stopped_at
 
 
 class NonFiniteStep(Exception):

@@ -463,11 +463,18 @@ def execution_lengths(steps_per_epoch, start_step, steps_per_execution, log_ever
     """
     lengths, done = [], 0
     while done < steps_per_epoch:
-        to_log = log_every_steps - (start_step + done) % log_every_steps
-        length = 1 if done == 0 else min(steps_per_execution, steps_per_epoch - done, to_log)
+        length = 1 if done == 0 else next_execution_length(steps_per_epoch - done, start_step + done,
+                                                           steps_per_execution, log_every_steps)
         lengths.append(length)
         done += length
     return lengths
+
+
+def next_execution_length(remaining, start_step, steps_per_execution, log_every_steps):
+    """The steps of a train_steps call after an epoch's first (execution_lengths' rule):
+    steps_per_execution at most, ending at the epoch's end (`remaining` steps left) or at
+    the next log step (`start_step`: the global step before the call)."""
+    return min(steps_per_execution, remaining, log_every_steps - start_step % log_every_steps)
 
 
 # --------------------------------------------------------------------------- test pass

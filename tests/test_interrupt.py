@@ -1,0 +1,98 @@
+"""Ctrl-C in the middle of an epoch: the steps run are saved (checkpoints/interrupted/), and
+the rerun goes on from that step with the same batches, ending as the uninterrupted run."""
+import os
+import signal
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from capsnet.errors import Interrupted
+from capsnet.training import train
+
+# 320 examples at batch 16: 20 steps an epoch, fetched (and reported) every 4 (log_every_steps).
+OVERRIDES = ("data.limit_train=320", "data.limit_test=64", "train.epochs=3", "deterministic=true")
+
+
+def ctrl_c_in(monkeypatch, epoch, after_step):
+    """A SIGINT to this process once epoch `epoch` has run `after_step` steps (at the report
+    after them), as Ctrl-C in a terminal sends it."""
+    from capsnet.training import loop
+
+    real = loop.Progress.__call__
+    sent = []
+
+    def report(self, step_in_epoch, *args):
+        if self.epoch == epoch and step_in_epoch >= after_step and not sent:
+            sent.append(step_in_epoch)
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, step_in_epoch, *args)
+
+    monkeypatch.setattr(loop.Progress, "__call__", report)
+    return sent
+
+
+def final_weights(run_dir):
+    reader = tf.train.load_checkpoint(str(run_dir / "checkpoints" / "latest" / "ckpt-3"))
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
+            if name.startswith("model/") or name.startswith("optimizer/")}
+
+
+@pytest.fixture
+def default_sigint():
+    """SIGINT raising KeyboardInterrupt (Python's default), as train.py has it in a terminal."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_ctrl_c_mid_epoch_saves_the_steps_run_and_the_rerun_ends_as_the_uninterrupted_run(
+        tiny_config, tmp_path, monkeypatch, capsys, default_sigint):
+    reference = train(tiny_config(*OVERRIDES, run_dir=tmp_path / "whole"))
+    capsys.readouterr()
+
+    run_dir = tmp_path / "run"
+    sent = ctrl_c_in(monkeypatch, epoch=2, after_step=8)
+    with pytest.raises(Interrupted) as stop:
+        train(tiny_config(*OVERRIDES, run_dir=run_dir))
+    out = capsys.readouterr().out
+    assert sent == [8]
+    assert "Ctrl-C in epoch 2: stopping after the steps running, saving them" in out
+    # The flag is read after the next call: the step it ended at is saved and named.
+    message = str(stop.value)
+    assert message.startswith("interrupted at step ") and message.endswith(
+        " of 20 in epoch 2: saved; rerun the same command to resume from there")
+    step = int(message.removeprefix("interrupted at step ").split(" ", 1)[0])
+    assert 8 < step < 20
+    saved = tf.train.latest_checkpoint(str(run_dir / "checkpoints" / "interrupted"))
+    reader = tf.train.load_checkpoint(saved)
+    assert reader.get_tensor("step_in_epoch/.ATTRIBUTES/VARIABLE_VALUE") == step
+    assert reader.get_tensor("epoch/.ATTRIBUTES/VARIABLE_VALUE") == 1
+    assert reader.get_tensor("optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE") == 20 + step
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+
+    monkeypatch.undo()
+    metrics = train(tiny_config(*OVERRIDES, run_dir=run_dir))
+    out = capsys.readouterr().out
+    assert f"resuming epoch 2 at step {step} of 20" in out and f"epoch 2/3 (from step {step})" in out
+    assert metrics["global_step"] == reference["global_step"] == 60
+    # Bitwise the uninterrupted run's: the weights, Adam's state and the results after it.
+    ours, theirs = final_weights(run_dir), final_weights(tmp_path / "whole")
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+    assert metrics["test_loss"] == reference["test_loss"]
+    assert metrics["history"][2]["train_loss"] == reference["history"][2]["train_loss"]
+    assert not (run_dir / "checkpoints" / "interrupted").exists()  # superseded by epoch 2's checkpoint
+
+
+def test_ctrl_c_in_the_first_epoch_resumes_without_an_epoch_checkpoint(tiny_config, tmp_path, monkeypatch,
+                                                                       capsys, default_sigint):
+    run_dir = tmp_path / "run"
+    ctrl_c_in(monkeypatch, epoch=1, after_step=4)
+    with pytest.raises(Interrupted, match=r"^interrupted at step \d+ of 20 in epoch 1: saved"):
+        train(tiny_config(*OVERRIDES, "train.epochs=1", run_dir=run_dir))
+    monkeypatch.undo()
+    metrics = train(tiny_config(*OVERRIDES, "train.epochs=1", run_dir=run_dir))
+    assert metrics["global_step"] == 20 and metrics["epochs"] == 1
+    assert "resuming epoch 1 at step" in capsys.readouterr().out
