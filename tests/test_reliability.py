@@ -498,9 +498,17 @@ def test_ctrl_c_prints_one_line_and_exits_130(tiny_idx_dir, tmp_path):
     returncode, stderr = signal_train_py_in_epoch_3(signal.SIGINT, tiny_idx_dir, tmp_path)
     assert returncode == 130
     assert stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
-    assert stderr.startswith("interrupted ") and "rerun the same command to resume" in stderr
-    done = int(tf.train.latest_checkpoint(str(run_dir / "checkpoints" / "latest")).rsplit("-", 1)[1])
-    assert f"from epoch {done + 1}" in stderr
+    assert stderr.startswith("interrupted ") and ": saved; rerun the same command to resume" in stderr
+    # In an epoch: its steps run are saved (interrupted/); between two: the epoch before (latest/).
+    mid_epoch = tf.train.latest_checkpoint(str(run_dir / "checkpoints" / "interrupted"))
+    if mid_epoch is not None:
+        reader = tf.train.load_checkpoint(mid_epoch)
+        step, done = (int(reader.get_tensor(f"{name}/.ATTRIBUTES/VARIABLE_VALUE")) for name in ("step_in_epoch", "epoch"))
+        assert stderr == f"interrupted at step {step} of 2 in epoch {done + 1}: saved; rerun the same command to " \
+                         "resume from there\n"
+    else:
+        done = int(tf.train.latest_checkpoint(str(run_dir / "checkpoints" / "latest")).rsplit("-", 1)[1])
+        assert stderr == f"interrupted after epoch {done}: saved; rerun the same command to resume from epoch {done + 1}\n"
     assert (run_dir / "train.lock").read_text() == ""  # released on the way out
 
 

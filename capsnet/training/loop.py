@@ -694,7 +694,7 @@ def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size,
     steps_per_epoch = math.ceil(num_examples / batch_size)
     live = live_progress_bar(progress_bar)
     bar = keras.utils.Progbar(steps_per_epoch, verbose=1 if live else 2,
-                              stateful_metrics=["loss", "accuracy", "images/s"]) if progress_bar else None
+                              stateful_metrics=["loss", "accuracy", "images/s", "run ETA min"]) if progress_bar else None
     per_call = steps_per_call(steps_per_epoch, steps_per_execution, progress_bar)
     epoch_window, log_window = MetricWindow(), MetricWindow()
     pending = []  # (per-step outputs still on the device, their batch sizes)
@@ -745,7 +745,8 @@ def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size,
                 if "images_per_sec" in means:  # none yet after the epoch's first (untimed) step
                     shown.append(("images/s", means["images_per_sec"]))
                 if live and report is not None and report.run_eta is not None:
-                    shown.append(("run ETA", format_duration(report.run_eta)))
+                    # Minutes: the bar shows numbers only (a value of its own: the bar's ETA is the epoch's).
+                    shown.append(("run ETA min", report.run_eta / 60.0))
                 bar.update(step_in_epoch, shown)
             if report is not None and seconds_per_step is not None:
                 report(step_in_epoch, seconds_per_step, epoch_window.means().get("images_per_sec"))
