@@ -3,16 +3,15 @@ and augmented there, and a call's steps one XLA program (`make_device_train_loop
 
 Why: fed by tf.data (make_train_loop), each step's batch is copied to the GPU, and the copy
 queues behind the compute already there; at batch 512 the GPU waited ~0.7 ms of a 6 ms step
-between kernels, most of it before such copies (docs/benchmarks.md, twenty-third session;
-what the input's share is was not settled there). Here no step copies anything: the batch
-is gathered from device memory inside the step. Measured: +7 to +16% (twenty-fourth
-session). The host still launches every step's ~90 kernels (XLA's own loop), which is why
-the sixteenth session's XLA loop over batches stacked by TensorFlow ops (2d1cd98,
-reverted) gained nothing at batch 128. A loop whose length is a value of the call also
+between kernels, most of it before such copies (docs/benchmarks.md; what the input's
+share is was not settled there). Here no step copies anything: the batch is gathered from
+device memory inside the step. Measured: +7 to +16% (docs/benchmarks.md). The host still
+launches every step's ~90 kernels (XLA's own loop), which is why an XLA loop over batches
+stacked by TensorFlow ops (2d1cd98, reverted) gained nothing at batch 128. A loop whose length is a value of the call also
 reads each iteration's condition on the host (a copy and a wait); the longest call an
 epoch makes (steps_per_execution steps, or fewer: make_device_train_loop's static_steps)
 runs a program of that constant length instead, which need not: +5 to +8% at batch 128,
-nothing measurable at 512 (twenty-fifth session).
+nothing measurable at 512 (docs/benchmarks.md).
 
 The batches are make_dataset's, bit for bit: the same per-epoch draws
 (capsnet.data.epoch_draws: the order, flips, shifts, erased boxes, the elastic noise's

@@ -130,7 +130,7 @@ def resolve_all_reduce(all_reduce, strategy_name, xla, precision, devices, weigh
     GPU, no loss scaling, no weight decay — else "collective" (TensorFlow's own all-reduce between the
     compiled steps). On 2 H200s "xla" was 9-11% faster in mixed_bfloat16 (three runs) and
     between -2% and +6% in float32 (the op path's five runs and the matmul path's two;
-    docs/benchmarks.md, twenty-second session).
+    docs/benchmarks.md).
     Other values, and every value under multi_worker, are returned as they are. `devices`:
     the strategy's worker devices."""
     if all_reduce != "auto" or strategy_name != "mirrored":

@@ -171,14 +171,14 @@ def _train(cfg, progress):
     chief = is_chief(strategy)
     # One notice at most: the device loop (which runs under jit) is the far slower of the two.
     if tcfg["data_on_device"] and not trains_on_gpu(strategy):
-        # Measured (docs/benchmarks.md, forty-second session, paper model, batch 100, 2 cores):
+        # Measured (docs/benchmarks.md, paper model, batch 100, 2 cores):
         # two steps unfinished after 5 minutes, against ~10 s with the tf.data pipeline. In
         # the device loop's optimized HLO XLA's CPU compiler leaves the convolution gradients
         # in the dimension orders it does not hand to Eigen; the single jit step has none.
         say("notice: train.data_on_device=true on a CPU: the paper model's steps take minutes each "
             "(docs/benchmarks.md); it is for GPUs (on a CPU: speed=none, or train.data_on_device=false)")
     elif tcfg["xla"] == "jit" and not trains_on_gpu(strategy):
-        # Measured (docs/benchmarks.md, eleventh session, paper model, batch 100, 2 cores):
+        # Measured (docs/benchmarks.md, paper model, batch 100, 2 cores):
         # 1,274-1,433 ms a step against 1,203 with train.xla=none (with PrimaryCaps on
         # blocks under jit; with its strided convolution XLA's CPU input gradient made it ~20x).
         say("notice: train.xla=jit on a CPU: each step is slower than with train.xla=none "

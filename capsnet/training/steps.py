@@ -75,8 +75,8 @@ def align_trace_names():
     run restores its checkpoint first and traced the same steps ~160 uids later than the
     fresh run that filled the cache (9350), so it never found them and compiled again: ~50 s
     of every resumed call of a MultiMNIST run on an H100. Aligned, a resumed call's first
-    epoch took 6.6-6.9 s against a fresh call's 31.1 s on an H200 (docs/benchmarks.md,
-    thirty-fourth session). From an aligned counter the same program gets the same names
+    epoch took 6.6-6.9 s against a fresh call's 31.1 s on an H200 (docs/benchmarks.md).
+    From an aligned counter the same program gets the same names
     whatever ran before it, unless a multiple falls between the two starts (for 160 uids,
     1 time in 400: then it compiles, as before).
     Costs at most UID_ALIGNMENT counter steps (~10 ms)."""
@@ -218,7 +218,7 @@ def gradient_norm(grads, optimizer):
     One reduction over the gradients laid end to end, not tf.linalg.global_norm's one per
     variable and a sum, so that inside an XLA step the concatenation can fuse into one
     reduction kernel instead of ~20 (a prediction, not timed apart; the guard's measured
-    cost: docs/benchmarks.md, eleventh session).
+    cost: docs/benchmarks.md).
     """
     flat = [tf.reshape(tf.cast(g.values if isinstance(g, tf.IndexedSlices) else g, tf.float32), [-1])
             for g in grads if g is not None]
