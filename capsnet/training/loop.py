@@ -13,6 +13,9 @@ A run dir holds:
     checkpoints/latest/ckpt-N  the last `train.keep_checkpoints` epochs saved (N = epochs done; every
                                `train.save_every_epochs`th, the last, each new best)
     checkpoints/best/ckpt-N    the epoch with the highest test accuracy (of the epochs done)
+    checkpoints/interrupted/ckpt-S  Ctrl-C's save of the steps run in an unfinished epoch (S = the
+                               global step): a rerun goes on from there, and drops it once that
+                               epoch is saved
     history.jsonl              one line of metrics per finished epoch
     metrics.json               the final metrics, written at the end
 
@@ -73,9 +76,11 @@ def train(cfg):
     The run dir is locked for the run's life (capsnet.training.run_lock: one training per
     run dir), released however train() ends. SIGTERM (a job's time limit, a preemption)
     stops the run at the end of the epoch it is in, saved (errors.Terminated); a second
-    SIGTERM stops it at once, as Ctrl-C does. Python runs the handler between bytecodes, so
-    a signal that lands inside a TensorFlow call (a step, or a call of steps) acts when that
-    call returns."""
+    SIGTERM stops it at once. Ctrl-C (SIGINT) stops it after the steps running, saved
+    (checkpoints/interrupted/, errors.Interrupted naming the step); a second Ctrl-C at once.
+    Python runs a handler between bytecodes of the main thread: the training steps run on a
+    worker thread while it waits (train_epoch), so the handlers run at once there; a signal
+    that lands inside another TensorFlow call (a test pass's step) acts when that call returns."""
     progress = {"locks": [], "epoch": None, "done": None, "trained": None, "terminate": False, "interrupt": False}
     try:
         return _train(cfg, progress)
@@ -105,7 +110,10 @@ def _on_sigint(progress, signum, frame):
         raise KeyboardInterrupt  # the second Ctrl-C: stop now (train() names what is lost)
     progress["interrupt"] = True
     where = f"in epoch {progress['epoch']}" if progress["epoch"] is not None else "between epochs"
-    say(f"Ctrl-C {where}: stopping after the steps running, saving them (Ctrl-C again stops at once, unsaved)")
+    try:
+        say(f"Ctrl-C {where}: stopping after the steps running, saving them (Ctrl-C again stops at once, unsaved)")
+    except RuntimeError:  # the handler ran inside a write to stdout (a reentrant call): the stop goes on unsaid
+        pass
 
 
 # train.progress_every_seconds' default: a progress line inside an epoch when stdout is not a terminal.
