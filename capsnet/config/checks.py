@@ -9,7 +9,7 @@ from omegaconf import MISSING
 from capsnet.config.schemas import (AUGMENTATION_OFF, ALL_REDUCE, AugmentationConfig, DataConfig, DistributeConfig,
                                     EvalAppConfig, ModelConfig, TrainAppConfig, TrainConfig, augmentation_options)
 from capsnet.config.schemas import PredictAppConfig
-from capsnet.datasets import check_canvas_border, is_overlay
+from capsnet.datasets import is_overlay
 from capsnet.errors import ConfigError
 
 
@@ -49,9 +49,11 @@ def _distribute_rule(dcfg, prefix):
 
 
 def _data_rule(dcfg, prefix):
-    """An overlay dataset's augmentation (check_overlay_augmentation) and canvas border."""
-    check_canvas_border(dcfg["name"], dcfg["pad_pixels"], prefix)
-    check_overlay_augmentation(dcfg["name"], augmentation_options(dcfg), prefix)
+    """The dataset kind's own rule (capsnet.tasks: Task.check_config): MultiMNIST's
+    augmentation and canvas border, the natural-image keys' (data.crop, ...)."""
+    from capsnet.tasks import task_class
+
+    task_class(dcfg["name"]).check_config(dcfg, prefix)
 
 
 def check_overlay_augmentation(name, options, prefix="data."):
@@ -100,7 +102,7 @@ def check_section(schema, values, prefix=""):
     known = [f.name for f in dataclasses.fields(schema)]
     unknown = sorted(set(values) - set(known))
     if unknown:
-        renamed = " (model.jit_routing and model.fused_routing are now model.routing: auto | tf | xla)" \
+        renamed = " (model.jit_routing and model.fused_routing are now model.routing.backend: auto | tf | xla)" \
             if schema is ModelConfig and {"jit_routing", "fused_routing"} & set(unknown) else ""
         raise ConfigError(f"{name} has unknown key(s) {', '.join(unknown)} (known: {', '.join(known)}){renamed}")
     checked = {}
@@ -121,16 +123,17 @@ def check_section(schema, values, prefix=""):
     return checked
 
 
-def check_xla(xla, routing):
-    """train.xla against what it would compile: model.routing=xla (an XLA computation of
-    its own) must not be nested inside jit. `check`'s rule, and make_train_step's guard
-    (a model built outside a config). The compiled ops have XLA kernels (ops/xla_kernels.cc),
-    so jit compiles custom_op=true too."""
-    if xla == "jit" and routing == "xla":
+def check_xla(xla, backend):
+    """train.xla against what it would compile: model.routing.backend=xla (an XLA
+    computation of its own; a Router's backend matmul_xla or op_xla) must not be nested
+    inside jit. `check`'s rule, and make_train_step's guard (a model built outside a
+    config). The compiled ops have XLA kernels (ops/xla_kernels.cc), so jit compiles
+    custom_op=true too."""
+    if xla == "jit" and (backend == "xla" or backend.endswith("_xla")):
         # The whole step is one XLA computation already; the nested jit_compile function
         # aborted the process on an H200 (benchmark_train, 2026-11-21).
-        raise ConfigError("model.routing=xla is redundant under train.xla=jit (the whole step is compiled, "
-                          "the routing with it): set model.routing=auto")
+        raise ConfigError("model.routing.backend=xla is redundant under train.xla=jit (the whole step is compiled, "
+                          "the routing with it): set model.routing.backend=auto")
 
 
 def check_all_reduce_in_step(all_reduce, xla, loss_scaling, weight_decay=0.0):
@@ -161,11 +164,17 @@ def check(cfg):
     against train (check_all_reduce_in_step); train.data_on_device's needs
     (check_data_on_device); run_dir set."""
     checked = check_section(TrainAppConfig, cfg)
-    check_xla(checked["train"]["xla"], checked["model"]["routing"])
+    check_xla(checked["train"]["xla"], checked["model"]["routing"]["backend"])
     data_name, strategy = checked["data"]["name"], checked["distribute"]["strategy"]
-    if is_overlay(data_name) and strategy != "none":
+    from capsnet.tasks import task_class
+
+    kind = task_class(data_name)
+    if kind.labels_per_example == 2 and strategy != "none":
         # Its (B, 2) labels and two reconstructions are not in the distributed step.
         raise ConfigError(f"data.name={data_name} trains on one device only: set distribute=none")
+    if kind.kind == "images" and checked["train"]["data_on_device"]:
+        # Its crops and colour changes run per example in tf.data; a folder may stream from a file cache.
+        raise ConfigError(f"train.data_on_device=true: not for natural images (data.name={data_name}): set it to false")
     # capsnet.precision.needs_loss_scaling's rule (that module imports TensorFlow).
     check_all_reduce_in_step(checked["distribute"]["all_reduce"], checked["train"]["xla"],
                              checked["train"]["precision"] == "mixed_float16", checked["train"]["weight_decay"])

@@ -18,25 +18,66 @@ from capsnet.validation import integer
 
 # --------------------------------------------------------------------------- derived values
 
-def dataset_shape(name, shift_pixels, pad_pixels=None):
-    """model.input_shape of dataset `name`: its images' (H, W, C), or MultiMNIST's canvas
-    (28 + 2·pad_pixels, pad_pixels null: shift_pixels). Registered as the `dataset_shape`
-    resolver."""
+def dataset_shape(name, shift_pixels, pad_pixels=None, *, _root_=None):
+    """model.input_shape of dataset `name`: its images' (H, W, C), MultiMNIST's canvas
+    (28 + 2·pad_pixels, pad_pixels null: shift_pixels), or for natural images (a folder,
+    cifar10, ...) data.image_size and data.channels, data.crop where set. Registered as
+    the `dataset_shape` resolver (OmegaConf passes the config's root as _root_)."""
     spec = DATASETS.get(name)
     if spec is None:
         _dataset_name("data.name", name)  # raises, naming the known ones
     shift = integer("data.shift_pixels", shift_pixels, minimum=0, error=ConfigError)
     if pad_pixels is not None:
         pad_pixels = integer("data.pad_pixels", pad_pixels, minimum=0, error=ConfigError)
+    if spec.kind == "images":
+        from capsnet.tasks.images import source_shape
+
+        data = _data_section(_root_)
+        return list(example_shape(name, source_shape(data), 0, crop=data.get("crop")))
     return list(example_shape(name, spec.image_shape, shift, pad_pixels))
 
 
-def dataset_classes(name):
-    """model.num_classes of dataset `name`. Registered as the `dataset_classes` resolver."""
+def dataset_classes(name, *, _root_=None):
+    """model.num_classes of dataset `name` (a folder: its class folders). Registered as the
+    `dataset_classes` resolver."""
     if name not in DATASETS:
         _dataset_name("data.name", name)
+    if DATASETS[name].num_classes is None:
+        names = dataset_class_names(name, _root_=_root_)
+        if names is None:
+            from capsnet.tasks import folder
+
+            folder._root(None)  # ConfigError: data=folder needs data.dir
+        return len(names)
     return DATASETS[name].num_classes
 
+
+def dataset_class_names(name, *, _root_=None):
+    """data.class_names of dataset `name`: a folder's class folder names (sorted), else the
+    dataset's names (capsnet.datasets), or null. Registered as the `dataset_class_names`
+    resolver: the run's config.yaml keeps them."""
+    if name not in DATASETS:
+        _dataset_name("data.name", name)
+    if DATASETS[name].num_classes is None:
+        from capsnet.tasks import folder
+
+        data = _data_section(_root_)
+        if data.get("dir") is None:
+            # Hydra resolves it while merging configs/data/folder.yaml, before data.dir= is applied;
+            # a run without data.dir is refused by the data rule (capsnet.tasks.images).
+            return None
+        return folder.class_names(data.get("dir"), data.get("validation_fraction") or 0.0)
+    names = DATASETS[name].class_names
+    return None if names is None else list(names)
+
+
+def _data_section(root):
+    """The `data` section of the config root a resolver was given, as a plain dict."""
+    if root is None or "data" not in root:
+        return {}
+    data = root["data"]
+    keys = ("dir", "image_size", "channels", "crop", "validation_fraction", "name")
+    return {key: data.get(key) for key in keys}
 
 
 def register():
@@ -52,6 +93,7 @@ def register():
         store.store(name=name, node=schema)
     OmegaConf.register_new_resolver("dataset_shape", dataset_shape, replace=True)
     OmegaConf.register_new_resolver("dataset_classes", dataset_classes, replace=True)
+    OmegaConf.register_new_resolver("dataset_class_names", dataset_class_names, replace=True)
 
 
 def _schema_field(app, dotted):

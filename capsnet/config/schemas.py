@@ -20,8 +20,9 @@ from capsnet.validation import (boolean, finite_float, float_in_range, integer, 
 
 # --------------------------------------------------------------------------- choices
 
-ROUTING = ("auto", "tf", "xla")                                        # model.routing
-ROUTING_MODES = ("matmul", "matmul_xla", "op", "op_xla", "fused_op")  # what DigitCaps takes
+ROUTING = ("auto", "tf", "xla")                                        # model.routing.backend
+ROUTING_MODES = ("matmul", "matmul_xla", "op", "op_xla", "fused_op")  # a Router's backend (capsnet.routing.BACKENDS)
+ROUTING_DEFAULT = {"algorithm": "dynamic", "backend": "auto", "leaky": False}  # configs/model/routing/dynamic.yaml
 XLA_MODES = ("none", "autocluster", "jit")                              # train.xla
 EVAL_XLA = ("none", "jit")                                              # evaluate.py xla (autocluster is process-wide)
 CONV_FORMS = ("auto", "strided", "space_to_depth")                      # model.primary_caps_conv
@@ -39,6 +40,7 @@ SHIFT_FILLS = ("zero", "edge")                                          # data.s
 WHICH = ("best", "latest")                                              # eval: which
 WEIGHTS = ("raw", "ema")                                                # eval: weights
 TTA = ("none", "flip", "shift")                                         # eval: tta
+DATA_CACHES = ("auto", "memory", "disk", "none")                        # data.cache
 
 
 # --------------------------------------------------------------------------- field checks
@@ -148,6 +150,20 @@ def _dataset_name(name, value):
     return _one_of(tuple(sorted(DATASETS)))(name, value)
 
 
+def _optional_channels(name, value):
+    if value is None:
+        return None
+    return integer(name, value, minimum=1, maximum=3, hint=" (1 grey, 3 RGB; null: the dataset's)", error=ConfigError)
+
+
+def _optional_names(name, value):
+    if value is None:
+        return None
+    if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{name} must be a list of class names (non-empty strings) or null, got {value!r}")
+    return [str(v) for v in value]
+
+
 def _limit(name, value):
     if value is None:
         return None
@@ -207,6 +223,23 @@ def _checked(default=MISSING, check=None, factory=None):
     return field(default=default, metadata={"check": check})
 
 
+def _routing(name, value):
+    """model.routing: a section {algorithm, backend, the algorithm's keys}; a string
+    auto | tf | xla (what model.routing was before routers) is dynamic routing's backend."""
+    if isinstance(value, str) and value in ROUTING:
+        return {**ROUTING_DEFAULT, "backend": value}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name} must be a section (algorithm, backend, ...) or one of {', '.join(ROUTING)}, "
+                          f"got {value!r}")
+    algorithm = value.get("algorithm", "dynamic")
+    if not isinstance(algorithm, str):
+        raise ConfigError(f"{name}.algorithm must be a name (configs/model/routing/), got {algorithm!r}")
+    checked = {**value, "algorithm": algorithm, "backend": _one_of(ROUTING)(f"{name}.backend", value.get("backend", "auto"))}
+    if "leaky" in value:
+        checked["leaky"] = _boolean(f"{name}.leaky", value["leaky"])
+    return checked
+
+
 # --------------------------------------------------------------------------- schemas
 # configs/<group>/*.yaml extend these (defaults: [schema, _self_]); the comments on each
 # key are in the YAML files.
@@ -227,7 +260,10 @@ class ModelConfig:
     digit_caps_dim: int = _checked(16, _positive_int)
     routing_iterations: int = _checked(3, _positive_int)
     stop_gradient_routing: bool = _checked(True, _boolean)
-    routing: str = _checked("auto", _one_of(ROUTING))
+    # configs/model/routing/<algorithm>.yaml; its keys past algorithm and backend are the
+    # router's arguments (checked when it is built). Any: an old `model.routing=tf` string
+    # override still works (_routing).
+    routing: Any = _checked(check=_routing, factory=lambda: dict(ROUTING_DEFAULT))
     decoder: bool = _checked(True, _boolean)
     decoder_units: List[int] = _checked(check=_int_list, factory=lambda: [512, 1024])
     w_init_stddev: float = _checked(0.1, _positive_float)
@@ -248,6 +284,19 @@ class DataSourceConfig:
     shift_pixels: int = _checked(2, _integer)  # its range is the image's: checked by the data pipeline
     # MultiMNIST's canvas border (null: shift_pixels)
     pad_pixels: Optional[int] = _checked(None, _optional_pixels("data.shift_pixels"))
+    # Natural images (data=folder, cifar10, svhn_cropped, smallnorb: capsnet/tasks/images.py);
+    # the MNIST family refuses them set (_data_rule).
+    image_size: Optional[int] = _checked(None, _optional_positive_int)  # a folder's images resized/cropped to it
+    channels: Optional[int] = _checked(None, _optional_channels)  # a folder's: 1 grey | 3 RGB
+    crop: Optional[int] = _checked(None, _optional_positive_int)  # random crop x crop in training, the centre at test
+    validation_fraction: Any = _checked(0.0, _in_range(0, 0.9))  # a folder without train/ and test/: the test share
+    cache: str = _checked("auto", _one_of(DATA_CACHES))
+    cache_memory_mb: int = _checked(2048, _positive_int)  # cache=auto: decoded images above it go to a file cache
+    cache_dir: Optional[str] = _checked(None, _optional_string)  # the file cache's folder (null: the system's temp)
+    class_names: Optional[List[str]] = _checked(None, _optional_names)  # a folder's classes (its folder names)
+    standardize: bool = _checked(False, _boolean)  # per-image standardisation (tf.image.per_image_standardization)
+    brightness: Any = _checked(0.0, _in_range(0, 1))  # training: random brightness delta in +-brightness
+    contrast: Any = _checked(0.0, _in_range(0, 0.9))  # training: random contrast factor in [1 - c, 1 + c]
 
 
 @dataclass

@@ -1,0 +1,331 @@
+"""Natural images, one label each: an image folder (data=folder: capsnet.tasks.folder's
+layout) or tensorflow-datasets' cifar10, svhn_cropped and smallnorb.
+
+Loading. A folder's files are decoded by tf.data in parallel (JPEG/PNG/BMP/GIF; grey or RGB
+to data.channels; the shorter side resized to data.image_size, then the centre cropped to
+a square) once, at load. Where the decoded split fits data.cache_memory_mb
+(data.cache=auto) or with data.cache=memory it is kept in memory as a uint8 array; else
+(data.cache=disk) tf.data writes it to a file cache (data.cache_dir, or a temporary folder
+removed at exit) that every epoch reads, so a folder larger than memory trains;
+data.cache=none decodes the files every epoch. A file that does not decode is skipped: the
+load says how many in one notice line (corrupt files in a folder of thousands should not
+stop a run, and the count says that some were left out).
+
+Pipeline (`dataset`): training shuffles (an in-memory split by a stateless permutation of
+(seed, epoch), as capsnet.data.make_dataset; a streamed one through a shuffle buffer seeded
+by (seed, epoch)), then per example, keyed by (seed, epoch, position): a random
+data.crop x data.crop crop (the centre at test), a left-right flip (data.flip), a random
+brightness delta in ±data.brightness and contrast factor in [1 - c, 1 + c]
+(data.contrast), then data.standardize's per-image standardisation (else pixels clipped
+to [0, 1]): the authors' CIFAR-10 input (Sarasra/models, research/capsules,
+input_data/cifar10/cifar10_input.py)."""
+import atexit
+import hashlib
+import shutil
+import tempfile
+
+import numpy as np
+
+from capsnet.console import say
+from capsnet.datasets import spec_class_names
+from capsnet.errors import ConfigError, DataError
+from capsnet.tasks import folder
+from capsnet.tasks.base import Split, Task
+
+# What natural images refuse of the augmentation group (the MNIST family's options).
+_REFUSED = {"rotate_degrees": 0.0, "zoom": 0.0, "elastic_alpha": 0.0, "erase_probability": 0.0}
+DEFAULT_IMAGE_SIZE = 32
+DEFAULT_CHANNELS = 3
+_MB = 2 ** 20
+
+
+class NaturalImages(Task):
+    kind = "images"
+
+    @classmethod
+    def check_config(cls, dcfg, prefix="data."):
+        refused = [key for key, off in _REFUSED.items() if dcfg.get(key, off) != off]
+        if dcfg.get("shift_pixels"):
+            refused.insert(0, "shift_pixels")
+        if refused:
+            raise ConfigError(f"{', '.join(prefix + k for k in refused)}: not for natural images ({dcfg['name']}): "
+                              f"use {prefix}crop (random crops), {prefix}flip, {prefix}brightness and "
+                              f"{prefix}contrast; set {', '.join(f'{prefix}{k}=0' for k in refused)}")
+        if dcfg.get("pad_pixels") is not None:
+            raise ConfigError(f"{prefix}pad_pixels applies to multimnist only, got {dcfg['pad_pixels']!r}: "
+                              "set it to null")
+        if dcfg["name"] == "folder":
+            folder._root(dcfg.get("dir"))  # data.dir is required
+        elif dcfg.get("validation_fraction") and dcfg.get("dir") is None:
+            raise ConfigError(f"{prefix}validation_fraction applies to data=folder only ({dcfg['name']} has its "
+                              "own test split)")
+        h, w, c = source_shape(dcfg)
+        crop = dcfg.get("crop")
+        if crop and crop > min(h, w):
+            raise ConfigError(f"{prefix}crop={crop} is larger than the images ({h}x{w}): at most {min(h, w)}")
+        if dcfg["name"] != "folder" and dcfg.get("channels") not in (None, c):
+            raise ConfigError(f"{prefix}channels={dcfg['channels']}: {dcfg['name']} has {c} (set it to null)")
+
+    @property
+    def num_classes(self):
+        return len(self.class_names()) if self.name == "folder" else self.spec.num_classes
+
+    def class_names(self, num_classes=None):
+        if self.name != "folder":
+            return spec_class_names(self.name, num_classes or self.spec.num_classes)
+        names = self.cfg.get("class_names")
+        if names is None:
+            names = folder.class_names(self.cfg.get("dir"), self.cfg.get("validation_fraction") or 0.0)
+        return tuple(names)
+
+    def example_shape(self, source_shape):
+        h, w, c = source_shape
+        crop = self.cfg.get("crop")
+        return (crop, crop, c) if crop else (h, w, c)
+
+    # ----------------------------------------------------------------- loading
+    def load(self, split, *, limit=None):
+        if self.name == "folder" or self.cfg.get("dir") is not None:  # cifar10 etc. from a folder of their images
+            return self._load_folder(split, limit)
+        images, labels, origin = load_tfds(self.name, split)
+        size = self.cfg.get("image_size")
+        if size and images.shape[1:3] != (size, size):
+            images = _resize_array(images, size)
+        if limit is not None and limit < len(labels):
+            images, labels = images[:limit].copy(), labels[:limit].copy()
+        return Split(labels=labels, images=images, shape=tuple(images.shape[1:]), origin=origin)
+
+    def _load_folder(self, split, limit):
+        import tensorflow as tf
+
+        cfg = self.cfg
+        paths, labels = folder.split_files(cfg.get("dir"), split, cfg.get("validation_fraction") or 0.0,
+                                           classes=cfg.get("class_names") or self.spec.class_names)
+        if limit is not None and limit < len(labels):
+            # The first N of a shuffled (fixed) order, so that every class is in a small limit.
+            keep = np.sort(np.random.default_rng(folder.SPLIT_SEED).permutation(len(labels))[:limit])
+            paths, labels = [paths[i] for i in keep], labels[keep]
+        shape = source_shape(cfg)
+        size, channels = shape[0], shape[2]
+        decoded = (tf.data.Dataset.from_tensor_slices((tf.range(len(paths), dtype=tf.int64), tf.constant(paths)))
+                   .map(lambda i, p: (i, decode_image(p, size, channels)), num_parallel_calls=tf.data.AUTOTUNE,
+                        deterministic=True)
+                   .ignore_errors())
+        mode = cache_mode(cfg, len(paths), shape)
+        root = folder._root(cfg.get("dir"))
+        if mode == "memory":
+            indices, images = [], []
+            for i, image in decoded.batch(256):
+                indices.append(i.numpy())
+                images.append(image.numpy())
+            kept = np.concatenate(indices) if indices else np.zeros((0,), np.int64)
+            array = np.concatenate(images) if images else np.zeros((0, *shape), np.uint8)
+            _skipped_notice(root, split, len(paths), len(kept))
+            return Split(labels=labels[kept], images=array, shape=shape, origin=f"{root} ({split})")
+        if mode == "disk":
+            stream = decoded.cache(_cache_file(cfg, split, paths))
+        else:  # none: decode every epoch
+            stream = decoded
+        kept = np.concatenate([i.numpy() for i, _ in stream.batch(256)] or [np.zeros((0,), np.int64)])
+        _skipped_notice(root, split, len(paths), len(kept))
+        if mode == "none" and len(kept) < len(paths):
+            kept_paths = [paths[i] for i in kept]
+            stream = (tf.data.Dataset.from_tensor_slices((tf.constant(kept, tf.int64), tf.constant(kept_paths)))
+                      .map(lambda i, p: (i, decode_image(p, size, channels)), num_parallel_calls=tf.data.AUTOTUNE,
+                           deterministic=True))
+        return Split(labels=labels[kept], images=None, shape=shape, origin=f"{root} ({split}, {mode} cache)",
+                     source={"stream": stream, "labels": labels})
+
+    # ----------------------------------------------------------------- pipeline
+    def dataset(self, data, *, batch_size, training, seed=0, epoch=0, drop_remainder=False):
+        import tensorflow as tf
+
+        n = len(data)
+        if n == 0:
+            raise DataError(f"{self.name}: no image in the split ({data.origin})")
+        key = tf.constant([seed, epoch], tf.int64)
+        with tf.device("/CPU:0"):
+            if data.images is not None:
+                images_t = tf.constant(data.images)
+                labels_t = tf.constant(data.labels.astype(np.int32))
+                if training:
+                    shuffle_key = tf.random.experimental.stateless_fold_in(key, 0, alg="philox")
+                    order = tf.random.experimental.stateless_shuffle(tf.range(n, dtype=tf.int64), seed=shuffle_key,
+                                                                     alg="philox")
+                else:
+                    order = tf.range(n, dtype=tf.int64)
+                examples = tf.data.Dataset.from_tensor_slices(order).map(
+                    lambda i: (tf.gather(images_t, i), tf.gather(labels_t, i)))
+            else:
+                all_labels = tf.constant(data.source["labels"].astype(np.int32))
+                examples = data.source["stream"].map(lambda i, image: (image, tf.gather(all_labels, i)))
+                if training:
+                    h, w, c = data.shape
+                    buffer = int(min(n, max(1024, int(self.cfg.get("cache_memory_mb", 2048)) * _MB // 4 // (h * w * c))))
+                    shuffle_seed = int(hashlib.sha256(f"{seed}/{epoch}".encode()).hexdigest()[:15], 16)
+                    examples = examples.shuffle(buffer, seed=shuffle_seed, reshuffle_each_iteration=False)
+            options = self._augmentation(training)
+            examples = examples.enumerate().map(
+                lambda position, example: (prepare(example[0], key, position, **options), example[1]),
+                num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            return examples.batch(batch_size, drop_remainder=drop_remainder).prefetch(tf.data.AUTOTUNE)
+
+    def _augmentation(self, training):
+        cfg = self.cfg
+        return {"training": training, "crop": cfg.get("crop"), "flip": bool(cfg.get("flip")) and training,
+                "brightness": float(cfg.get("brightness") or 0) if training else 0.0,
+                "contrast": float(cfg.get("contrast") or 0) if training else 0.0,
+                "standardize": bool(cfg.get("standardize"))}
+
+    def serving_images(self, images):
+        """The export's and predict's images (float32 [0, 1], resized to the model's input):
+        per-image standardised where the run's pipeline did."""
+        import tensorflow as tf
+
+        return tf.image.per_image_standardization(images) if self.cfg.get("standardize") else images
+
+    def check(self, data, model, split):
+        from capsnet.training.model_setup import check_labels
+
+        check_labels(data.labels, None, model=model, split=f"{self.name} {split}",
+                     image_shape=self.example_shape(data.shape))
+
+
+def source_shape(dcfg):
+    """The stored (decoded) images' (H, W, C) of a natural-image data section."""
+    from capsnet.datasets import DATASETS
+
+    spec = DATASETS[dcfg["name"]]
+    size = dcfg.get("image_size")
+    if spec.image_shape is None:  # a folder
+        size = size or DEFAULT_IMAGE_SIZE
+        return (size, size, dcfg.get("channels") or DEFAULT_CHANNELS)
+    h, w, c = spec.image_shape
+    return (size, size, c) if size else (h, w, c)
+
+
+def cache_mode(cfg, n, shape):
+    """memory | disk | none: data.cache, auto deciding by the decoded size against
+    data.cache_memory_mb."""
+    mode = cfg.get("cache") or "auto"
+    if mode != "auto":
+        return mode
+    decoded_mb = n * int(np.prod(shape)) / _MB
+    return "memory" if decoded_mb <= cfg.get("cache_memory_mb", 2048) else "disk"
+
+
+_CACHE_DIRS = []
+
+
+def _cache_file(cfg, split, paths):
+    """A new file-cache path for this process (removed at exit): an incomplete cache left
+    by a killed run is never read as a complete one."""
+    directory = tempfile.mkdtemp(prefix="capsnet-cache-", dir=cfg.get("cache_dir"))
+    if not _CACHE_DIRS:
+        atexit.register(lambda: [shutil.rmtree(d, ignore_errors=True) for d in _CACHE_DIRS])
+    _CACHE_DIRS.append(directory)
+    return f"{directory}/{split}"
+
+
+def _skipped_notice(root, split, listed, kept):
+    if kept == 0:
+        raise DataError(f"no image of {root} ({split}) could be decoded ({listed} files)")
+    if kept < listed:
+        say(f"notice: {listed - kept} of the {listed} {split} images of {root} could not be decoded and are skipped")
+
+
+def decode_image(path, size, channels):
+    """uint8 (size, size, channels) of the image file `path`: decoded (JPEG/PNG/BMP/GIF,
+    its first frame), alpha dropped, grey and RGB converted to `channels`, the shorter
+    side resized to `size` (area when shrinking, bilinear when enlarging) and the centre
+    cropped to a square. An image already size x size keeps its pixels."""
+    import tensorflow as tf
+
+    image = tf.io.decode_image(tf.io.read_file(path), channels=0, dtype=tf.uint8, expand_animations=False)
+    c = tf.shape(image)[-1]
+    image = image[..., :tf.where((c == 2) | (c == 4), c - 1, c)]           # alpha dropped
+    image = tf.cond(tf.shape(image)[-1] == 1, lambda: tf.tile(image, [1, 1, 3]), lambda: image)
+    image = tf.ensure_shape(image, [None, None, 3])
+    if channels == 1:
+        image = tf.image.rgb_to_grayscale(image)
+    elif channels == 2:
+        raise ConfigError("data.channels=2: a folder's images are grey (1) or RGB (3)")
+    h, w = tf.shape(image)[0], tf.shape(image)[1]
+
+    def resized():
+        scale = size / tf.cast(tf.minimum(h, w), tf.float32)
+        new = tf.maximum(tf.cast(tf.round(tf.cast(tf.stack([h, w]), tf.float32) * scale), tf.int32), size)
+        shrinking = scale < 1
+        pixels = tf.cond(shrinking,
+                         lambda: tf.image.resize(image, new, method="area"),
+                         lambda: tf.image.resize(image, new, method="bilinear"))
+        return tf.cast(tf.clip_by_value(tf.round(pixels), 0, 255), tf.uint8)
+
+    image = tf.cond((h == size) & (w == size), lambda: image, resized)
+    return tf.ensure_shape(tf.image.resize_with_crop_or_pad(image, size, size), [size, size, channels])
+
+
+def prepare(image, key, position, *, training, crop, flip, brightness, contrast, standardize):
+    """One example's float32 image from its uint8 one (see the module doc)."""
+    import tensorflow as tf
+
+    seeds = tf.random.experimental.stateless_split(
+        tf.random.experimental.stateless_fold_in(key, position + 1, alg="philox"), 4, alg="philox")
+    c = image.shape[-1]
+    if crop:
+        if training:
+            image = tf.image.stateless_random_crop(image, [crop, crop, c], seed=seeds[0])
+        else:
+            image = tf.image.resize_with_crop_or_pad(image, crop, crop)
+    image = tf.cast(image, tf.float32) / 255.0
+    if flip:
+        image = tf.image.stateless_random_flip_left_right(image, seed=seeds[1])
+    if brightness:
+        image = tf.image.stateless_random_brightness(image, brightness, seed=seeds[2])
+    if contrast:
+        image = tf.image.stateless_random_contrast(image, 1 - contrast, 1 + contrast, seed=seeds[3])
+    if standardize:
+        return tf.image.per_image_standardization(image)
+    return tf.clip_by_value(image, 0.0, 1.0)
+
+
+def _resize_array(images, size):
+    import tensorflow as tf
+
+    return np.asarray(tf.cast(tf.clip_by_value(tf.round(tf.image.resize(images, (size, size), method="area")), 0, 255),
+                              tf.uint8))
+
+
+# --------------------------------------------------------------------------- tensorflow-datasets
+
+def load_tfds(name, split):
+    """(images uint8 (N, H, W, C), labels int64 (N,), origin) of tensorflow-datasets'
+    `name`; smallnorb: the stereo pair (image, image2) as 2 channels, downsampled to
+    48x48, labelled by label_category (5 classes). DataError (one line) where tfds cannot
+    provide it (offline: no download)."""
+    from capsnet.data import _fail_fast_downloads, _is_network_error, _shorten
+
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError as err:
+        raise DataError(f"tensorflow-datasets cannot be imported ({err}): install it, or train on an image folder "
+                        "(data=folder data.dir=PATH)") from err
+    try:
+        with _fail_fast_downloads():
+            # Batches of a streamed split (not batch_size=-1: one tensor of the whole split).
+            batches = list(tfds.as_numpy(tfds.load(name, split=split, data_dir=None).batch(4096)))
+        if not batches:
+            raise DataError(f"tensorflow-datasets' {name}/{split} has no examples")
+        if name == "smallnorb":
+            images = np.concatenate([np.concatenate([_resize_array(b[k], 48) for k in ("image", "image2")], -1)
+                                     for b in batches])
+            labels = np.concatenate([b["label_category"] for b in batches])
+        else:
+            images = np.concatenate([b["image"] for b in batches])
+            labels = np.concatenate([b["label"] for b in batches])
+    except Exception as err:  # tfds raises many types (requests, OSError, AssertionError, ...)
+        why = "no network" if _is_network_error(err) else _shorten(
+            f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}", 160)
+        raise DataError(f"tensorflow-datasets cannot provide {name}/{split} ({why}); offline, train on a folder of "
+                        f"its images: data=folder data.dir=PATH") from err
+    return images.astype(np.uint8), labels.astype(np.int64), f"tensorflow-datasets {name}/{split}"
