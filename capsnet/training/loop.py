@@ -674,7 +674,7 @@ class Progress:
 # step a call): Ctrl-C acts between calls, so on a CPU, where a paper-model step takes
 # ~1.2 s, a call of steps_per_execution=50 steps kept it waiting ~60 s. On a GPU a call of
 # 50 steps takes well under this: steps_per_execution decides there.
-CALL_SECONDS = 0.5
+CALL_SECONDS = 1.0
 
 
 def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size, steps_per_execution,
