@@ -96,3 +96,42 @@ def test_ctrl_c_in_the_first_epoch_resumes_without_an_epoch_checkpoint(tiny_conf
     metrics = train(tiny_config(*OVERRIDES, "train.epochs=1", run_dir=run_dir))
     assert metrics["global_step"] == 20 and metrics["epochs"] == 1
     assert "resuming epoch 1 at step" in capsys.readouterr().out
+
+
+def test_train_py_answers_ctrl_c_within_a_second_and_exits_within_three(tiny_idx_dir, tmp_path):
+    """train.py on a long tiny run, SIGINT in epoch 3: the notice on stdout within 1 s, the
+    process gone (exit 130) within 3 s, the one-line message naming what was saved."""
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO, entry_point_env, sigint_as_in_a_terminal, tiny_overrides
+
+    overrides = tiny_overrides(tiny_idx_dir, tmp_path / "run", "train.epochs=200", "data.limit_train=320",
+                               "data.limit_test=16")
+    log = tmp_path / "out.log"
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, str(REPO / "train.py"), *overrides], cwd=tmp_path,
+                                   env=entry_point_env(), preexec_fn=sigint_as_in_a_terminal,
+                                   stdout=out, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 180
+            while "epoch 3/" not in log.read_text() and process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            sent = time.monotonic()
+            process.send_signal(signal.SIGINT)
+            noticed = None
+            while process.poll() is None and time.monotonic() < sent + 30:
+                if noticed is None and "Ctrl-C " in log.read_text():
+                    noticed = time.monotonic()
+                time.sleep(0.02)
+            exited = time.monotonic()
+            _, stderr = process.communicate(timeout=60)
+        finally:
+            process.kill()
+    if noticed is None and "Ctrl-C " in log.read_text():
+        noticed = exited
+    assert process.returncode == 130, stderr
+    assert noticed is not None and noticed - sent < 1.0, (noticed, sent)
+    assert exited - sent < 3.0
+    assert stderr.count("\n") == 1 and stderr.startswith("interrupted ") and ": saved; rerun the same command" in stderr
