@@ -27,13 +27,13 @@ import tensorflow as tf
 
 from capsnet import config
 from capsnet.augment import shift_batch
-from capsnet.data import example_shape, is_overlay, load_split, make_split_dataset
+from capsnet.tasks import task_for
 from capsnet.errors import CheckpointError, ConfigError, DataError
 from capsnet.losses import loss_params
 from capsnet.precision import set_tensor_float_32
 from capsnet.scoring import json_safe, predict, score
 from capsnet.training.checkpoints import resolve_checkpoint, restore_model
-from capsnet.training.model_setup import build_capsnet, check_labels, check_op_library
+from capsnet.training.model_setup import build_capsnet, check_op_library
 from capsnet.training.steps import eval_batch_size, evaluate_model, make_eval_step
 from capsnet.validation import boolean
 
@@ -78,16 +78,17 @@ def format_report(report):
         "",
         f"class  examples  {column}",
     ]
+    names = report.get("class_names")
     for c, (present, accuracy) in enumerate(zip(examples, report["per_class_accuracy"])):
         shown = "-" if accuracy is None else f"{accuracy:.2%}"
-        lines.append(f"{c:>5}  {int(present):>8}  {shown:>8}")
+        lines.append(f"{c:>5}  {int(present):>8}  {shown:>8}" + (f"  {names[c]}" if names else ""))
     if not pairs:
         k = len(confusion)
         width = max(5, len(str(confusion.max())) + 1)
         lines += ["", "confusion matrix (rows: true class, columns: predicted)",
                   " " * 6 + "".join(f"{c:>{width}}" for c in range(k))]
         for c in range(k):
-            lines.append(f"{c:>5} " + "".join(f"{n:>{width}}" for n in confusion[c]))
+            lines.append(f"{c:>5} " + "".join(f"{n:>{width}}" for n in confusion[c]) + (f"  {names[c]}" if names else ""))
     return "\n".join(lines)
 
 
@@ -177,7 +178,8 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     run_border = data_cfg["shift_pixels"] if data_cfg.get("pad_pixels") is None else data_cfg["pad_pixels"]
     data_cfg.update({key: value for key, value in data_args.items() if value is not None})
     test_pairs = None
-    if is_overlay(data_cfg["name"]):
+    task = task_for(data_cfg)
+    if task.two_digits:
         # A shift given alone keeps the run's canvas (a border of null was the run's shift).
         data_cfg["pad_pixels"] = other_pairs.get("pad_pixels", run_border)
         test_pairs = {"shift_pixels": data_cfg["shift_pixels"], "pad_pixels": data_cfg["pad_pixels"]}
@@ -202,7 +204,7 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
         if args["tta"] == "shift" and not trained["shift_pixels"]:
             raise ConfigError(f"tta=shift: the run {member['run_dir']} was not trained on shifted images "
                               "(data.shift_pixels=0): use tta=none")
-    if args["tta"] != "none" and is_overlay(data_cfg["name"]):
+    if args["tta"] != "none" and task.two_digits:
         # Its test pairs carry their digits as the decoder's targets, which a view would have to move too.
         raise ConfigError(f"tta={args['tta']}: not for {data_cfg['name']} (its test pairs carry each digit as "
                           "a reconstruction target): use tta=none")
@@ -221,22 +223,20 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
             raise ConfigError(
                 f"ensemble members differ in (image shape, classes): {shapes[0]} ({first['run_dir']}) and "
                 f"{shapes[1]} ({member['run_dir']}): their capsule lengths cannot be averaged")
-    images, labels = load_run_test_split(data_cfg, from_run=data_args["dir"] is None, run_dir=first["run_dir"])
     # MultiMNIST: the test pairs of the run's shift and canvas (the paper's 4 px).
-    shift_pixels, pad_pixels = data_cfg["shift_pixels"], data_cfg["pad_pixels"]
-    check_labels(labels, images, model=model, split=f"{data_cfg['name']} test",
-                 image_shape=example_shape(data_cfg["name"], images.shape[1:], shift_pixels, pad_pixels))
+    test_split = load_run_test_split(task, from_run=data_args["dir"] is None, run_dir=first["run_dir"])
+    task.check(test_split, model, "test")
     for member in members:
         member["epoch"] = restore_model(member["model"], member["prefix"], member["weights"])
 
-    dataset = make_split_dataset(data_cfg["name"], images, labels, batch_size=batch_size, training=False,
-                                 shift_pixels=shift_pixels, pad_pixels=pad_pixels)
+    dataset = task.dataset(test_split, batch_size=batch_size, training=False)
+    names = task.class_names(model.num_classes)
     ensemble = len(members) > 1 or args["tta"] != "none"
     reports, results = [], []
     for member in members:
         set_tensor_float_32(member["tf32"])  # process-wide: before the member's pass is traced and run
         eval_step = make_eval_step(member["model"], model.image_shape, **member["losses"],
-                                   jit_compile=member["xla"] == "jit", two_digits=is_overlay(data_cfg["name"]))
+                                   jit_compile=member["xla"] == "jit", two_digits=task.two_digits)
         views = tta_views(dataset, args["tta"], shift_fill=member["cfg"]["data"]["shift_fill"])
         for view, view_dataset in views.items():
             result = evaluate_model(eval_step, view_dataset, model.num_classes, keep_lengths=ensemble)
@@ -249,6 +249,7 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
                 "images_per_sec": result["images_per_sec"],
                 "per_class_accuracy": result["per_class_accuracy"],
                 "confusion_matrix": result["confusion_matrix"],
+                **({"class_names": list(names)} if names is not None else {}),
                 **({"per_class_examples": result["per_class_examples"]} if "per_class_examples" in result else {}),
                 "num_examples": result["num_examples"],
                 "checkpoint": member["prefix"],
@@ -266,6 +267,8 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
             })
     if ensemble:
         report = ensemble_report(reports, results, model.num_classes)
+        if names is not None:
+            report["class_names"] = list(names)
         if args["tta"] != "none":
             report["tta"] = args["tta"]
         if test_pairs:
@@ -291,21 +294,23 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     return report
 
 
-def load_run_test_split(data_cfg, *, from_run, run_dir):
-    """The test split of `data_cfg` (load_split). `from_run`: its data.dir is the one the run
+def load_run_test_split(task, *, from_run, run_dir):
+    """The test split of `task` (Task.load, as a Split). `from_run`: its data.dir is the one the run
     saved in its config.yaml (an absolute path at training time): if the data is no longer
     there, the one-line error says where the path came from and that data.dir= overrides it."""
+    data_cfg = task.cfg
     data_dir = data_cfg.get("dir")
     origin = f"the run's data.dir, from {Path(run_dir) / 'config.yaml'}"
+    what = "folder of its images" if task.kind == "images" else "folder with the IDX files"
     if from_run and data_dir is not None and not Path(data_dir).is_dir():
         raise DataError(f"data dir {data_dir} does not exist ({origin}): if the data moved, give its place with "
-                        "data.dir=<folder with the IDX files>")
+                        f"data.dir=<{what}>")
     try:
-        return load_split(data_cfg["name"], "test", data_dir=data_dir, limit=data_cfg.get("limit_test"))
+        return task.load("test", limit=data_cfg.get("limit_test"))
     except DataError as exc:
         if not from_run or data_dir is None:
             raise
-        raise DataError(f"{exc} ({origin}; data.dir=<folder with the IDX files> overrides it)") from exc
+        raise DataError(f"{exc} ({origin}; data.dir=<{what}> overrides it)") from exc
 
 
 def resolve_member(checkpoint, *, which, custom_op, weights, precision=None, tf32=None, xla=None):
@@ -330,7 +335,7 @@ def resolve_member(checkpoint, *, which, custom_op, weights, precision=None, tf3
         # The run's test pass: compiled with the step under train.xla=jit (autocluster is a
         # process-wide setting, not the eval step's, so such runs are evaluated without XLA).
         xla = "jit" if cfg["train"]["xla"] == "jit" else "none"
-    if xla == "jit" and cfg["model"]["routing"] == "xla":
+    if xla == "jit" and cfg["model"]["routing"]["backend"] == "xla":
         raise ConfigError(f"xla=jit: the run {run_dir} routes with model.routing=xla, an XLA computation of its own "
                           "that cannot be nested in a compiled test pass: use xla=none")
     return {"prefix": prefix, "run_dir": run_dir, "cfg": cfg, "custom_op": custom_op,

@@ -50,15 +50,16 @@ _LOAD_OPS = "call capsnet.ops.load_op_library() first (or export with custom_op=
 
 # --------------------------------------------------------------------------- graph
 
-def serving_outputs(model, images, two_digits=False):
+def serving_outputs(model, images, two_digits=False, prepare=None):
     """The exported signature's outputs for float32 images in [0, 1]: lengths,
     predictions and (with a decoder) the reconstructions of the predicted capsule(s).
 
     No labels go into the model, so its decoder reconstructs from the longest capsule,
     as in evaluation (make_eval_step); two_digits=True (MultiMNIST) predicts the two
-    longest capsules and reconstructs each.
+    longest capsules and reconstructs each. prepare: the task's test-time step between the
+    [0, 1] images and the model (Task.serving_images: per-image standardisation), or None.
     """
-    outputs = model(images, training=False)
+    outputs = model(images if prepare is None else prepare(images), training=False)
     lengths = outputs["lengths"]                                                  # (N, classes)
     if two_digits:
         predictions = tf.math.top_k(lengths, k=2).indices                         # (N, 2) int32
@@ -73,7 +74,7 @@ def serving_outputs(model, images, two_digits=False):
     return served
 
 
-def export_archive(model, two_digits=False):
+def export_archive(model, two_digits=False, prepare=None):
     """A Keras ExportArchive of `model` (built, weights loaded) with the endpoints
     `serve` (float32 images in [0, 1]; also `serving_default`) and `serve_uint8`
     (uint8 images in [0, 255])."""
@@ -81,11 +82,11 @@ def export_archive(model, two_digits=False):
     archive = keras.export.ExportArchive()
     archive.track(model)
     # The first endpoint added is also written as "serving_default" (TF Serving's default).
-    archive.add_endpoint("serve", lambda images: serving_outputs(model, images, two_digits),
+    archive.add_endpoint("serve", lambda images: serving_outputs(model, images, two_digits, prepare),
                          input_signature=[tf.TensorSpec(shape, tf.float32, name="images")])
     # The pipelines' own scaling (capsnet.data): cast, then divide by 255.
     archive.add_endpoint(
-        "serve_uint8", lambda images: serving_outputs(model, tf.cast(images, tf.float32) / 255.0, two_digits),
+        "serve_uint8", lambda images: serving_outputs(model, tf.cast(images, tf.float32) / 255.0, two_digits, prepare),
         input_signature=[tf.TensorSpec(shape, tf.uint8, name="images")])
     return archive
 
@@ -127,8 +128,8 @@ def export(checkpoint, output, *, which="best", weights=None, custom_op=False):
         Capsnet> ops in the graph; [] = portable).
     """
     # Imported here, as in capsnet.evaluation: capsnet.training imports that module.
-    from capsnet.data import is_overlay
     from capsnet.evaluation import resolve_member
+    from capsnet.tasks import task_for
     from capsnet.training.checkpoints import restore_model
     from capsnet.training.model_setup import build_capsnet, check_op_library
 
@@ -155,8 +156,10 @@ def export(checkpoint, output, *, which="best", weights=None, custom_op=False):
     model = build_capsnet(cfg["model"], member["custom_op"])
     epoch = restore_model(model, member["prefix"], member["weights"])
     dataset = cfg["data"]["name"]
-    two_digits = is_overlay(dataset)
-    archive = export_archive(model, two_digits)
+    task = task_for(cfg["data"])
+    two_digits = task.two_digits
+    archive = export_archive(model, two_digits, task.serving_images)
+    names = task.class_names(model.num_classes)
 
     report = {
         "output": str(output),
@@ -169,6 +172,8 @@ def export(checkpoint, output, *, which="best", weights=None, custom_op=False):
         "input_shape": list(model.image_shape),
         "num_classes": model.num_classes,
         "two_digits": two_digits,
+        # predict.py names the classes by them (a folder's: its class folders).
+        "class_names": None if names is None else list(names),
         "signatures": signature_descriptions(model, two_digits),
     }
     created = [p for p in [output.parent, *output.parent.parents] if not p.exists()]

@@ -49,23 +49,16 @@ import re
 import sys
 from pathlib import Path
 
-from capsnet.datasets import is_overlay
+from capsnet.datasets import DATASETS, spec_class_names
 from capsnet.errors import CheckpointError, ConfigError, DataError
 
 # What a directory's listing counts as images (TensorFlow's tf.io.decode_image reads these).
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
-# Class names of the datasets known by name; any other class is named by its index.
-DIGITS = tuple(str(d) for d in range(10))
-CLASS_NAMES = {
-    "mnist": DIGITS,
-    "multimnist": DIGITS,
-    # Fashion-MNIST's labels 0-9 (Xiao, Rasul & Vollgraf 2017, the dataset's README).
-    "fashion_mnist": ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
-                      "Ankle boot"),
-}
-# Datasets of light shapes on a dark background: a mostly light image given to their models
-# is probably the other way round (the notice says so; the image is not changed).
-DARK_BACKGROUND = ("mnist", "fashion_mnist", "multimnist")
+# Class names of the datasets known by name: capsnet.datasets' DatasetSpec.class_names; any
+# other class is named by its index. Datasets of light shapes on a dark background
+# (DatasetSpec.dark_background): a mostly light image given to their models is probably
+# the other way round (the notice says so; the image is not changed).
+
 LIGHT_MEAN = 0.5
 EXPORT_METADATA = Path("assets.extra") / "capsnet_export.json"  # capsnet.export.METADATA, where export writes it
 
@@ -158,8 +151,8 @@ def check_inputs(checkpoint, images, reconstruct=None):
 
 def class_names(dataset, num_classes, stored=None):
     """The names of a model's classes: `stored` (an export's, when it has them), else the
-    dataset's (CLASS_NAMES), else each class's index as a string."""
-    for names in (stored, CLASS_NAMES.get(dataset)):
+    dataset's (capsnet.datasets), else each class's index as a string."""
+    for names in (stored, spec_class_names(dataset, num_classes) if dataset in DATASETS else None):
         if names is not None and len(names) == num_classes:
             return [str(name) for name in names]
     return [str(c) for c in range(num_classes)]
@@ -205,6 +198,7 @@ def _checkpoint_classifier(checkpoint, *, which, weights, custom_op):
 
     from capsnet.evaluation import resolve_member
     from capsnet.export import serving_outputs
+    from capsnet.tasks import task_for
     from capsnet.training.checkpoints import restore_model
     from capsnet.training.model_setup import build_capsnet, check_op_library
 
@@ -216,11 +210,12 @@ def _checkpoint_classifier(checkpoint, *, which, weights, custom_op):
     model = build_capsnet(member["cfg"]["model"], member["custom_op"])
     restore_model(model, member["prefix"], member["weights"])
     dataset = member["cfg"]["data"]["name"]
-    two_digits = is_overlay(dataset)
-    call = tf.function(lambda images: serving_outputs(model, images, two_digits),
+    task = task_for(member["cfg"]["data"])
+    two_digits = task.two_digits
+    call = tf.function(lambda images: serving_outputs(model, images, two_digits, task.serving_images),
                        input_signature=[tf.TensorSpec((None, *model.image_shape), tf.float32)])
     return Classifier(call, model.image_shape, model.num_classes, two_digits, model.use_decoder, dataset,
-                      member["prefix"])
+                      member["prefix"], task.class_names(model.num_classes))
 
 
 def _export_classifier(directory):
@@ -368,7 +363,7 @@ def _predict_batch(classifier, paths, top_k, outputs, notice):
         served = classifier(np.stack([image for _, image in loaded]))
         names = classifier.names
         for i, (path, image) in enumerate(loaded):
-            if notice is not None and classifier.dataset in DARK_BACKGROUND and image.mean() > LIGHT_MEAN:
+            if notice is not None and classifier.dataset in DATASETS and DATASETS[classifier.dataset].dark_background and image.mean() > LIGHT_MEAN:
                 notice(f"notice: {path} is mostly light (mean {image.mean():.2f} in [0, 1]); the "
                        f"{classifier.dataset} model was trained on light shapes on a dark background: if this "
                        "one is dark on light, invert it before predicting")

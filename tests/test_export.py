@@ -261,7 +261,7 @@ def test_a_failed_write_leaves_nothing_behind(trained_run, tmp_path, monkeypatch
             (Path(path) / "saved_model.pb").write_bytes(b"half")
             raise failure
 
-    monkeypatch.setattr(capsnet_export, "export_archive", lambda model, two_digits: FailingArchive())
+    monkeypatch.setattr(capsnet_export, "export_archive", lambda model, two_digits, prepare=None: FailingArchive())
     output = tmp_path / "new" / "parents" / "model"
     expected = (CheckpointError, f"cannot write the export {output}: No space left on device") \
         if isinstance(failure, OSError) else (KeyboardInterrupt, None)

@@ -1,7 +1,7 @@
 """The Task interface (capsnet.tasks) and the Split it loads."""
 import dataclasses
 
-from capsnet.datasets import DATASETS, spec_class_names
+from capsnet.datasets import DATASETS, check_canvas_border, spec_class_names
 from capsnet.errors import ConfigError
 
 # The data keys of natural images (capsnet.tasks.images) and their off values: the other
@@ -41,7 +41,8 @@ class Task:
     @classmethod
     def check_config(cls, dcfg, prefix="data."):
         """The section rule of this kind's data keys (ConfigError, one line). Default: the
-        natural-image keys must be off."""
+        natural-image keys must be off, and no canvas border (data.pad_pixels)."""
+        check_canvas_border(dcfg["name"], dcfg.get("pad_pixels"), prefix)
         on = [key for key, off in IMAGE_KEYS_OFF.items() if dcfg.get(key, off) != off]
         if on:
             raise ConfigError(f"{', '.join(prefix + key for key in on)}: only for natural images (data=folder, "

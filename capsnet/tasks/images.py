@@ -27,7 +27,7 @@ import tempfile
 import numpy as np
 
 from capsnet.console import say
-from capsnet.datasets import spec_class_names
+from capsnet.datasets import check_canvas_border, spec_class_names
 from capsnet.errors import ConfigError, DataError
 from capsnet.tasks import folder
 from capsnet.tasks.base import Split, Task
@@ -51,9 +51,7 @@ class NaturalImages(Task):
             raise ConfigError(f"{', '.join(prefix + k for k in refused)}: not for natural images ({dcfg['name']}): "
                               f"use {prefix}crop (random crops), {prefix}flip, {prefix}brightness and "
                               f"{prefix}contrast; set {', '.join(f'{prefix}{k}=0' for k in refused)}")
-        if dcfg.get("pad_pixels") is not None:
-            raise ConfigError(f"{prefix}pad_pixels applies to multimnist only, got {dcfg['pad_pixels']!r}: "
-                              "set it to null")
+        check_canvas_border(dcfg["name"], dcfg.get("pad_pixels"), prefix)
         if dcfg["name"] == "folder":
             folder._root(dcfg.get("dir"))  # data.dir is required
         elif dcfg.get("validation_fraction") and dcfg.get("dir") is None:

@@ -1,7 +1,7 @@
 """MultiMNIST (Sabour et al. 2017, Sec. 6): two MNIST digits of different classes,
 shifted and overlaid (capsnet.data.make_multimnist_dataset); labels (B, 2), each digit
 alone as the reconstruction target, scored by the two longest capsules."""
-from capsnet.datasets import check_canvas_border, example_shape
+from capsnet.datasets import example_shape
 from capsnet.tasks.single_label import SingleLabel
 
 
@@ -14,8 +14,7 @@ class MultiMNIST(SingleLabel):
         from capsnet.config.checks import check_overlay_augmentation
         from capsnet.config.schemas import augmentation_options
 
-        super().check_config(dcfg, prefix)
-        check_canvas_border(dcfg["name"], dcfg.get("pad_pixels"), prefix)
+        super().check_config(dcfg, prefix)  # the canvas border's range too
         check_overlay_augmentation(dcfg["name"], augmentation_options(dcfg), prefix)
 
     def example_shape(self, source_shape):

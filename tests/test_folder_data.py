@@ -1,0 +1,105 @@
+"""Image folders (data=folder: capsnet.tasks.folder and capsnet.tasks.images): the layout's
+classes and one-line errors, decoding any size/mode to the configured square, a corrupt
+file skipped with a count, and the file cache (a folder over the memory budget) giving
+the same batches as the memory cache."""
+import numpy as np
+import pytest
+from PIL import Image
+
+from capsnet.errors import DataError
+from capsnet.tasks import folder, task_for
+
+
+def make_folder(root, n_per_class=6, classes=("cat", "dog", "bird"), size=40, splits=("train", "test")):
+    """Class-dependent images: class k is bright in its own third of the image."""
+    rng = np.random.default_rng(0)
+    for split in splits:
+        for k, name in enumerate(classes):
+            directory = root / split / name if split else root / name
+            directory.mkdir(parents=True)
+            for i in range(n_per_class):
+                pixels = rng.integers(0, 60, (size, size + 8, 3), dtype=np.uint8)
+                pixels[:, k * (size + 8) // 3:(k + 1) * (size + 8) // 3] = 230
+                suffix = (".png", ".jpg", ".bmp", ".gif")[i % 4]
+                image = Image.fromarray(pixels)
+                (image.convert("L") if i % 3 == 0 else image).save(directory / f"{i}{suffix}")
+    return root
+
+
+def cfg(root, **extra):
+    return {"name": "folder", "dir": str(root), "image_size": 32, "channels": 3, "shift_pixels": 0, **extra}
+
+
+def test_classes_sorted_and_images_decoded_to_the_square(tmp_path):
+    root = make_folder(tmp_path / "f")
+    assert folder.class_names(root) == ["bird", "cat", "dog"]
+    task = task_for(cfg(root))
+    data = task.load("train")
+    assert data.images.shape == (18, 32, 32, 3) and data.images.dtype == np.uint8
+    assert list(np.bincount(data.labels)) == [6, 6, 6]
+    # cat (label 1, generated first) is bright in the left third of its images.
+    cat = data.images[data.labels == 1].mean(axis=(0, 1, 3))
+    assert cat[:8].mean() > 150 > cat[24:].mean()
+    images, labels = next(iter(task.dataset(data, batch_size=18, training=False)))
+    np.testing.assert_allclose(images.numpy(), data.images / np.float32(255), atol=1e-6)
+
+
+def test_layout_errors_are_one_line(tmp_path):
+    with pytest.raises(DataError, match="is empty"):
+        (tmp_path / "empty").mkdir()
+        folder.layout(tmp_path / "empty")
+    root = make_folder(tmp_path / "f", n_per_class=2)
+    (root / "train" / "fish").mkdir()
+    with pytest.raises(DataError, match="class folder .*fish has no images"):
+        folder.layout(root)
+    (root / "train" / "fish" / "1.png").write_bytes((root / "train" / "cat" / "1.jpg").read_bytes())
+    with pytest.raises(DataError, match="different classes: only in train/: fish"):
+        folder.layout(root)
+
+
+def test_validation_fraction_splits_one_folder(tmp_path):
+    root = make_folder(tmp_path / "f", n_per_class=10, splits=(None,))
+    _, classes, splits = folder.layout(root, 0.2)
+    assert classes == ["bird", "cat", "dog"]
+    assert all(len(splits["test"][c]) == 2 and len(splits["train"][c]) == 8 for c in classes)
+    assert not set(splits["test"]["cat"]) & set(splits["train"]["cat"])
+
+
+def test_corrupt_image_skipped_with_one_notice(tmp_path, capsys):
+    root = make_folder(tmp_path / "f", n_per_class=4)
+    (root / "train" / "cat" / "broken.png").write_bytes(b"not an image")
+    data = task_for(cfg(root)).load("train")
+    assert len(data) == 12
+    assert "1 of the 13 train images" in capsys.readouterr().out
+
+
+def test_file_cache_over_the_memory_budget_gives_the_same_batches(tmp_path):
+    """A folder larger than data.cache_memory_mb streams from a file cache: the same test
+    batches as the memory cache, and training epochs of every example."""
+    root = make_folder(tmp_path / "f", n_per_class=8)
+    memory = task_for(cfg(root, cache="memory"))
+    disk = task_for(cfg(root, cache="auto", cache_memory_mb=0, cache_dir=str(tmp_path)))  # auto -> disk
+    on_disk = disk.load("test")
+    assert on_disk.images is None and "disk cache" in on_disk.origin
+    a = np.concatenate([x.numpy() for x, _ in memory.dataset(memory.load("test"), batch_size=5, training=False)])
+    b = np.concatenate([x.numpy() for x, _ in disk.dataset(on_disk, batch_size=5, training=False)])
+    np.testing.assert_array_equal(a, b)
+    train = disk.load("train")
+    labels = [np.concatenate([y.numpy() for _, y in disk.dataset(train, batch_size=7, training=True, epoch=e)])
+              for e in (0, 1)]
+    assert sorted(labels[0]) == sorted(train.labels) and len(labels[0]) == 24
+    again = np.concatenate([y.numpy() for _, y in disk.dataset(train, batch_size=7, training=True, epoch=1)])
+    np.testing.assert_array_equal(labels[1], again)  # an epoch's order is a function of (seed, epoch)
+
+
+def test_crop_flip_and_standardisation(tmp_path):
+    root = make_folder(tmp_path / "f", n_per_class=4)
+    task = task_for(cfg(root, crop=24, flip=True, brightness=0.2, contrast=0.5, standardize=True))
+    data = task.load("train")
+    first = next(iter(task.dataset(data, batch_size=12, training=True, seed=3)))[0].numpy()
+    again = next(iter(task.dataset(data, batch_size=12, training=True, seed=3)))[0].numpy()
+    assert first.shape == (12, 24, 24, 3)
+    np.testing.assert_array_equal(first, again)
+    np.testing.assert_allclose(first.mean(axis=(1, 2, 3)), 0, atol=1e-4)
+    test = next(iter(task.dataset(task.load("test"), batch_size=12, training=False)))[0].numpy()
+    assert test.shape == (12, 24, 24, 3)
