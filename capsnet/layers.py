@@ -5,9 +5,9 @@
 - `Conv2D`, `Dense`: Keras' layers with the bias added by capsnet.precision.bias_add
   (fast bias gradients under mixed precision).
 - `PrimaryCaps`: a convolution whose channels are grouped into 8-D capsules u_i.
-- `DigitCaps`: u_hat_j|i = W_ij u_i for every (primary i, digit j) pair, then dynamic
-  routing (capsnet.routing) to the outputs v_j; or both in one compiled op
-  (`routing="fused_op"`).
+- `DigitCaps`: u_hat_j|i = W_ij u_i for every (primary i, digit j) pair, routed to the
+  outputs v_j by the Router it is given (capsnet.routing: dynamic routing, with the
+  fused compiled op as one backend; self-attention routing).
 - `Decoder`: the reconstruction network on the masked v_j.
 
 Names follow the paper: u (input capsules), u_hat (predictions), b_ij (routing logits),
@@ -19,16 +19,17 @@ import keras
 import tensorflow as tf
 from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
-from capsnet import ops
-from capsnet.config import CONV_FORMS, ROUTING_MODES, routing_from_flags, routing_mode
 from capsnet.conv import conv2d_to_blocks, space_to_depth_conv2d
-from capsnet.errors import CapsnetError
 from capsnet.precision import bias_add, float32_math
-from capsnet.routing import dynamic_routing, squash
+from capsnet.routing import DynamicRouting, Router, router_argument, squash
 from capsnet.validation import boolean, finite_float, positive_float, positive_int, positive_int_tuple
 from capsnet.xla_context import in_xla_computation
 
-__all__ = ["squash", "capsule_lengths", "Conv2D", "Dense", "PrimaryCaps", "DigitCaps", "Decoder"]
+__all__ = ["squash", "capsule_lengths", "Conv2D", "Dense", "PrimaryCaps", "DigitCaps", "Decoder", "CONV_FORMS"]
+
+# PrimaryCaps' conv_form choices; capsnet.config's CONV_FORMS (model.primary_caps_conv) is
+# the same tuple (tests/test_layers.py checks), kept there for checks without TensorFlow.
+CONV_FORMS = ("auto", "strided", "space_to_depth")
 
 
 def capsule_lengths(v, axis=-1, epsilon=1e-12):
@@ -308,40 +309,23 @@ def relu_one_buffer(x):
 
 @keras.saving.register_keras_serializable(package="capsnet")
 class DigitCaps(keras.layers.Layer):
-    """Fully connected capsules with dynamic routing.
+    """Fully connected capsules, routed by a Router (capsnet.routing).
 
     u_hat[b, i, j] = W[i, j] · u[b, i] for every input capsule i and output capsule j,
-    then `dynamic_routing` (b_ij zero per sample, routing_iterations rounds) gives v_j.
-    The only weight is W, shape (in_caps, num_caps, dim, in_dim): no bias and no
-    trainable b_ij, as in the paper (1152·10·16·8 = 1,474,560 weights). That layout is
-    shared by every `routing` mode, so weights and checkpoints work with any of them.
-    With `bias_init` set, a second weight b_j (num_caps, dim), as in the authors' code
-    (dynamic_routing's bias).
+    then the router (dynamic routing by default: b_ij zero per sample, a few rounds of
+    agreement) gives v_j. The only weight is W, shape (in_caps, num_caps, dim, in_dim): no
+    bias and no trainable b_ij, as in the paper (1152·10·16·8 = 1,474,560 weights). That
+    layout is shared by every router backend, so weights and checkpoints work with any of
+    them. With `bias_init` set, a second weight b_j (num_caps, dim), as in the authors'
+    code (added to s_j by the router); a router may ask for weights of its own
+    (Router.weights: self-attention's log priors), made here under their names.
 
     Args:
         num_caps: output capsules j (classes).
         dim: output capsule dimension.
-        routing_iterations: rounds of routing r (≥ 1).
-        stop_gradient_routing: stop the gradient through u_hat in the inner routing
-            iterations (default True; why: see `capsnet.routing.dynamic_routing`).
-        routing: how u_hat and the routing are computed, one of capsnet.config.ROUTING_MODES
-            (the config's custom_op and model.routing resolve to one in
-            capsnet.config.routing_mode); the same math in every mode:
-            "matmul": u_hat by matmul, routing as TF ops (the default);
-            "matmul_xla": u_hat by matmul, the routing iterations compiled with XLA on
-                their own (tf.function(jit_compile=True)), fusing their chain of
-                elementwise ops and reductions over u_hat;
-            "op": u_hat by the compiled op (capsnet.ops), routing as TF ops;
-            "op_xla": the compiled op, then XLA-compiled routing on its own (under a
-                whole-step jit_compile, train.xla=jit, use "op": the step's XLA
-                computation contains the op and fuses the routing with the rest);
-            "fused_op": prediction and all routing iterations in one compiled op
-                (`capsnet.ops.capsule_routing`), which never writes u_hat to memory; only
-                the final squash runs in TensorFlow. Needs stop_gradient_routing=True
-                (the op's gradient is that of stop-gradient routing) and no bias (the op
-                routes without one).
-            `custom_op`, `jit_routing` and `fused_routing` (read-only) say what the mode
-            implies, under the names of the flags it replaced.
+        router: a capsnet.routing.Router (or its Keras serialisation); None: dynamic
+            routing as in the paper (3 iterations, stop-gradient, matmul backend). The
+            router says how u_hat and the routing are computed (its `backend`).
         kernel_initializer: initializer for W. Default N(0, 0.1²) per entry (the
             official code's; CapsNet's `w_init_stddev` sets the spread). Keras'
             fan-based initializers would read the 4-D W as a conv kernel with fans of
@@ -359,21 +343,25 @@ class DigitCaps(keras.layers.Layer):
 
     Input shape: `(batch, in_caps, in_dim)` capsules u.
     Output shape: a tuple `(v_j, c_ij)`: v_j `(batch, num_caps, dim)` and the final
-    coupling coefficients c_ij `(batch, in_caps, num_caps)` (they sum to 1 over j).
+    coupling coefficients c_ij `(batch, in_caps, num_caps)`.
     Under a mixed-precision policy u_hat is computed in 16 bits and the routing in
     float32; v_j and c_ij are float32 (capsnet.precision).
     """
 
-    def __init__(self, num_caps=10, dim=16, routing_iterations=3, stop_gradient_routing=True,
-                 routing="matmul", kernel_initializer=None, bias_init=None, **kwargs):
+    def __init__(self, num_caps=10, dim=16, router=None, kernel_initializer=None, bias_init=None, **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
         self.num_caps = positive_int(f"{owner}: num_caps", num_caps)
         self.dim = positive_int(f"{owner}: dim", dim)
-        self.routing_iterations = positive_int(f"{owner}: routing_iterations", routing_iterations)
-        self.stop_gradient_routing = boolean(f"{owner}: stop_gradient_routing", stop_gradient_routing)
         self.bias_init = None if bias_init is None else finite_float(f"{owner}: bias_init", bias_init)
-        self.routing = check_routing(owner, routing, self.stop_gradient_routing, self.bias_init)
+        if isinstance(router, dict):
+            router = keras.saving.deserialize_keras_object(router)
+        self.router = DynamicRouting() if router is None else router
+        if not isinstance(self.router, Router):
+            raise ValueError(f"{owner}: router must be a capsnet.routing.Router, got {router!r}")
+        if self.router.backend == "fused_op" and self.bias_init is not None:
+            raise ValueError(f"{owner}: the fused_op backend routes without a capsule bias, got "
+                             f"bias_init={bias_init!r}: use backend op or op_xla, or no bias")
         if kernel_initializer is None:
             kernel_initializer = keras.initializers.RandomNormal(stddev=0.1)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
@@ -397,29 +385,18 @@ class DigitCaps(keras.layers.Layer):
         self.b_j = None if self.bias_init is None else self.add_weight(
             name="b_j", shape=(self.num_caps, self.dim), initializer=keras.initializers.Constant(self.bias_init),
             trainable=True, autocast=False)
+        # The router's own weights, as attributes: checkpoints name them digit_caps/<name>.
+        router_weights = self.router.weights(in_caps, self.num_caps, self.dim)
+        self.router_weights = tuple(router_weights)
+        for name, (shape, initializer) in router_weights.items():
+            setattr(self, name, self.add_weight(name=name, shape=shape, initializer=initializer, trainable=True,
+                                                autocast=False))
         self.input_spec = keras.layers.InputSpec(ndim=3, axes={1: in_caps, 2: in_dim})
+        self.router.prepare()
 
     def call(self, u):
         W = tf.cast(self.W, u.dtype)
-        # The ops are looked up per call (not once in __init__) so a test or a rebuilt op
-        # library is picked up; the lookup only happens at trace time under tf.function.
-        try:
-            if self.fused_routing:
-                # s_j (B, num_caps, dim) before the last squash, c_ij (B, in_caps, num_caps);
-                # 16-bit under mixed precision (the op sums in float32), v_j and c_ij float32.
-                s_j, c_ij = ops.capsule_routing(u, W, self.routing_iterations)
-                return squash(float32_math(s_j)), float32_math(c_ij)
-            predict = ops.get_capsule_prediction(self.custom_op)  # the op or matmul
-            u_hat = predict(u, W)  # (B, in_caps, num_caps, dim)
-        except CapsnetError as err:
-            # Keras rewrites errors raised in call() into a multi-line message with
-            # the call arguments; an unbuilt op library is the user's to fix and must
-            # stay the one line the entry points print. This marker tells Keras the
-            # error needs no more context.
-            err._keras_call_info_injected = True
-            raise
-        route = _dynamic_routing_xla if self.jit_routing else dynamic_routing
-        return route(u_hat, self.routing_iterations, self.stop_gradient_routing, self.b_j)
+        return self.router(u, W, self.b_j, {name: getattr(self, name) for name in self.router_weights})
 
     def compute_output_shape(self, input_shape):
         in_caps, _ = self._in_shape(input_shape)
@@ -431,66 +408,15 @@ class DigitCaps(keras.layers.Layer):
             **super().get_config(),
             "num_caps": self.num_caps,
             "dim": self.dim,
-            "routing_iterations": self.routing_iterations,
-            "stop_gradient_routing": self.stop_gradient_routing,
-            "routing": self.routing,
-            **routing_flags(self.routing),  # read-only: what the mode implies
+            "router": keras.saving.serialize_keras_object(self.router),
             "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
             "bias_init": self.bias_init,
         }
 
     @classmethod
     def from_config(cls, config):
-        return cls(**routing_argument(config))
-
-    custom_op = property(lambda self: routing_flags(self.routing)["custom_op"],
-                         doc="Whether u_hat comes from the compiled op (routing op, op_xla or fused_op).")
-    jit_routing = property(lambda self: routing_flags(self.routing)["jit_routing"],
-                           doc="Whether the routing iterations are one XLA computation (matmul_xla, op_xla).")
-    fused_routing = property(lambda self: routing_flags(self.routing)["fused_routing"],
-                             doc="Whether one compiled op does prediction and routing (fused_op).")
-
-
-def check_routing(owner, routing, stop_gradient_routing, bias_init=None):
-    """`routing` if it is one of ROUTING_MODES that works with `stop_gradient_routing` and
-    a DigitCaps bias (`bias_init` not None), else ValueError naming `owner`."""
-    if not isinstance(routing, str) or routing not in ROUTING_MODES:
-        raise ValueError(f"{owner}: routing must be one of {', '.join(ROUTING_MODES)}, got {routing!r}")
-    if routing == "fused_op" and not stop_gradient_routing:
-        raise ValueError(
-            f"{owner}: routing=fused_op, i.e. fused_routing=true needs custom_op=true (it is the compiled op) and "
-            "stop_gradient_routing=true (its gradient is that of stop-gradient routing), got "
-            "custom_op=true, stop_gradient_routing=false")
-    if routing == "fused_op" and bias_init is not None:
-        raise ValueError(f"{owner}: routing=fused_op routes without a capsule bias, got bias_init={bias_init!r}: "
-                         "use routing op or op_xla (model.routing=tf or xla), or no bias")
-    return routing
-
-
-def routing_flags(routing):
-    """What a routing mode implies, under the names of the flags it replaced."""
-    return {"custom_op": routing in ("op", "op_xla", "fused_op"), "jit_routing": routing.endswith("_xla"),
-            "fused_routing": routing == "fused_op"}
-
-
-def routing_argument(config):
-    """A layer or model config with `routing` alone: get_config's read-only flags dropped; a
-    config written before `routing` existed (custom_op, jit_routing, fused_routing) gets the
-    mode those flags meant (capsnet.config.routing_from_flags, then routing_mode)."""
-    config = dict(config)
-    flags = {key: config.pop(key) for key in ("custom_op", "jit_routing", "fused_routing") if key in config}
-    if "routing" not in config and flags:
-        stop_gradient = config.get("stop_gradient_routing", True)
-        choice = routing_from_flags(**{"custom_op": False, "jit_routing": False, "fused_routing": False, **flags},
-                                    stop_gradient_routing=stop_gradient, error=ValueError)
-        config["routing"] = routing_mode(flags.get("custom_op", False),
-                                         {"routing": choice, "stop_gradient_routing": stop_gradient})
-    return config
-
-
-# dynamic_routing as one XLA computation (DigitCaps(routing="matmul_xla" or "op_xla")); iterations and
-# stop_gradient are Python values, so each setting traces once.
-_dynamic_routing_xla = tf.function(dynamic_routing, jit_compile=True)
+        # Configs written before routers (routing, routing_iterations, ... keys) load too.
+        return cls(**router_argument(config, "bias_init"))
 
 
 @keras.saving.register_keras_serializable(package="capsnet")

@@ -8,11 +8,15 @@ PrimaryCaps 32 types × 8-D @9×9 stride 2 (6·6·32 = 1152 capsules) → DigitC
 import keras
 import tensorflow as tf
 
-from capsnet.config import CONV_FORMS, INITIALIZERS
-from capsnet.layers import Conv2D, Decoder, DigitCaps, PrimaryCaps, capsule_lengths, check_routing, routing_argument, routing_flags
+from capsnet.layers import CONV_FORMS, Conv2D, Decoder, DigitCaps, PrimaryCaps, capsule_lengths
+from capsnet.routing import LEGACY_KEYS, DynamicRouting, Router, router_argument
 from capsnet.validation import boolean, finite_float, positive_float, positive_int, positive_int_tuple
 
-__all__ = ["CapsNet", "build_model"]
+__all__ = ["CapsNet", "build_model", "INITIALIZERS"]
+
+# CapsNet's `initializers` choices; capsnet.config's INITIALIZERS (model.initializers) is
+# the same tuple (tests/test_model.py checks), kept there for checks without TensorFlow.
+INITIALIZERS = ("keras", "authors")
 
 
 @keras.saving.register_keras_serializable(package="capsnet")
@@ -30,15 +34,11 @@ class CapsNet(keras.Model):
     capsule: (batch, 2, H, W, C) (see `reconstruct`).
 
     images: float in [0, 1], shape (batch, *input_shape). labels: int (batch,) or (batch, 2).
-    stop_gradient_routing (default True) stops the gradient through u_hat in the inner
-    routing iterations; the reasons for that default are in
-    `capsnet.routing.dynamic_routing`.
-    `routing` (one of capsnet.config.ROUTING_MODES: matmul, matmul_xla, op, op_xla,
-    fused_op; see DigitCaps) only picks how DigitCaps computes u_hat and routes; the
-    weights are identical, so a model built with any mode loads the others' weights.
-    A config's custom_op and model.routing resolve to a mode in capsnet.config.routing_mode
-    (capsnet.training.model_setup.build_capsnet does it). `custom_op`, `jit_routing`,
-    `fused_routing`: read-only, what the mode implies (DigitCaps).
+    `router`: how DigitCaps routes, a capsnet.routing.Router (None: dynamic routing as in
+    the paper, 3 iterations with stop-gradient, the matmul backend). Its backend only
+    picks how u_hat and the routing are computed; the weights are identical, so a model
+    built with any backend loads the others' weights. A config's model.routing and
+    custom_op become a Router in capsnet.training.model_setup.build_capsnet.
     `w_init_stddev`: DigitCaps' W starts as N(0, w_init_stddev²) per entry (see
     `capsnet.layers.DigitCaps`).
     `initializers` (capsnet.config.INITIALIZERS): how the other weights start. "keras" (the
@@ -67,8 +67,8 @@ class CapsNet(keras.Model):
     def __init__(self, input_shape=(28, 28, 1), num_classes=10, conv1_filters=256,
                  conv1_kernel_size=9, primary_caps_types=32, primary_caps_dim=8,
                  primary_caps_kernel_size=9, primary_caps_strides=2, digit_caps_dim=16,
-                 routing_iterations=3, stop_gradient_routing=True, decoder=True,
-                 decoder_units=(512, 1024), routing="matmul", w_init_stddev=0.1, initializers="keras",
+                 router=None, decoder=True,
+                 decoder_units=(512, 1024), w_init_stddev=0.1, initializers="keras",
                  primary_caps_conv="auto", digit_caps_bias=None, primary_caps_scale=1.0, primary_caps_bias=0.0,
                  **kwargs):
         super().__init__(**kwargs)
@@ -82,13 +82,15 @@ class CapsNet(keras.Model):
         self.primary_caps_kernel_size = positive_int(f"{owner}: primary_caps_kernel_size", primary_caps_kernel_size)
         self.primary_caps_strides = positive_int(f"{owner}: primary_caps_strides", primary_caps_strides)
         self.digit_caps_dim = positive_int(f"{owner}: digit_caps_dim", digit_caps_dim)
-        self.routing_iterations = positive_int(f"{owner}: routing_iterations", routing_iterations)
-        self.stop_gradient_routing = boolean(f"{owner}: stop_gradient_routing", stop_gradient_routing)
         self.use_decoder = boolean(f"{owner}: decoder", decoder)
         self.decoder_units = positive_int_tuple(f"{owner}: decoder_units", decoder_units)
         self.digit_caps_bias = None if digit_caps_bias is None else finite_float(f"{owner}: digit_caps_bias",
                                                                                  digit_caps_bias)
-        self.routing = check_routing(owner, routing, self.stop_gradient_routing, self.digit_caps_bias)
+        if isinstance(router, dict):
+            router = keras.saving.deserialize_keras_object(router)
+        self.router = DynamicRouting() if router is None else router
+        if not isinstance(self.router, Router):
+            raise ValueError(f"{owner}: router must be a capsnet.routing.Router, got {router!r}")
         self.w_init_stddev = positive_float(f"{owner}: w_init_stddev", w_init_stddev)
         if initializers not in INITIALIZERS:
             raise ValueError(f"{owner}: initializers must be one of {', '.join(INITIALIZERS)}, got {initializers!r}")
@@ -128,9 +130,7 @@ class CapsNet(keras.Model):
             # every primary capsule would start saturated (|u| ≈ 0.99 on MNIST).
             **({"kernel_initializer": truncated(stddev=0.1 / 32)} if authors else {}))
         self.digit_caps = DigitCaps(
-            num_caps=self.num_classes, dim=self.digit_caps_dim,
-            routing_iterations=self.routing_iterations,
-            stop_gradient_routing=self.stop_gradient_routing, routing=self.routing,
+            num_caps=self.num_classes, dim=self.digit_caps_dim, router=self.router,
             kernel_initializer=(truncated if authors else keras.initializers.RandomNormal)(stddev=self.w_init_stddev),
             bias_init=self.digit_caps_bias, name="digit_caps", dtype=self.dtype_policy)
         self.decoder = (
@@ -221,9 +221,7 @@ class CapsNet(keras.Model):
 
     def get_config(self):
         return {
-            "name": self.name,
-            "trainable": self.trainable,
-            "dtype": keras.dtype_policies.serialize(self.dtype_policy),
+            **super().get_config(),
             "input_shape": list(self.image_shape),
             "num_classes": self.num_classes,
             "conv1_filters": self.conv1_filters,
@@ -233,12 +231,9 @@ class CapsNet(keras.Model):
             "primary_caps_kernel_size": self.primary_caps_kernel_size,
             "primary_caps_strides": self.primary_caps_strides,
             "digit_caps_dim": self.digit_caps_dim,
-            "routing_iterations": self.routing_iterations,
-            "stop_gradient_routing": self.stop_gradient_routing,
+            "router": keras.saving.serialize_keras_object(self.router),
             "decoder": self.use_decoder,
             "decoder_units": list(self.decoder_units),
-            "routing": self.routing,
-            **routing_flags(self.routing),  # read-only: what the mode implies
             "w_init_stddev": self.w_init_stddev,
             "initializers": self.initializers,
             "primary_caps_conv": self.primary_caps.conv_form,
@@ -249,18 +244,19 @@ class CapsNet(keras.Model):
 
     @classmethod
     def from_config(cls, config):
-        return cls(**routing_argument(config))
-
-    # What the routing mode implies, as the DigitCaps layer that runs it says.
-    custom_op = property(lambda self: self.digit_caps.custom_op)
-    jit_routing = property(lambda self: self.digit_caps.jit_routing)
-    fused_routing = property(lambda self: self.digit_caps.fused_routing)
+        # Configs written before routers (routing, routing_iterations, stop_gradient_routing,
+        # and the read-only custom_op, jit_routing, fused_routing) load too.
+        return cls(**router_argument(config, "digit_caps_bias"))
 
 
 def build_model(**kwargs):
     """A CapsNet(**kwargs) with its weights created (no forward pass), ready for
-    count_params(), load_weights() or a checkpoint restore. A config's model section
-    (model.routing auto | tf | xla, with custom_op): capsnet.training.model_setup.build_capsnet."""
+    count_params(), load_weights() or a checkpoint restore. Also takes the dynamic
+    routing's arguments of old instead of `router` (routing=<a backend>,
+    routing_iterations, stop_gradient_routing: capsnet.routing.legacy_router). A config's
+    model section with custom_op: capsnet.training.model_setup.build_capsnet."""
+    if set(LEGACY_KEYS) & set(kwargs):
+        kwargs = router_argument(kwargs, "digit_caps_bias")
     model = CapsNet(**kwargs)
     model.build((None, *model.image_shape))
     return model

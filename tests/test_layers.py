@@ -10,10 +10,17 @@ import capsnet.routing
 from capsnet import ops
 from capsnet.layers import Conv2D, Decoder, DigitCaps, PrimaryCaps, capsule_lengths, relu_one_buffer, squash
 from capsnet.model import CapsNet
+from capsnet.routing import DynamicRouting, router_argument
 from conftest import np_capsule_prediction
 from test_routing import EPSILON, np_dynamic_routing, np_squash
 
 pytestmark = pytest.mark.usefixtures("seeded")  # same initial weights every run: failures reproduce
+
+
+def legacy_digit_caps(**kwargs):
+    """DigitCaps of the arguments it took before routers (routing=<backend>,
+    routing_iterations, stop_gradient_routing): capsnet.routing.legacy_router's."""
+    return DigitCaps(**router_argument(kwargs, "bias_init"))
 
 
 def _flat(structure):
@@ -81,13 +88,13 @@ LAYER_CASES = {
                                               padding="same"),
                           (FEATURES,), (2, 6 * 4 * 2, 5), 3 * 5 * 6 * 10 + 10),
     # W only: (in_caps, num_caps, dim, in_dim)
-    "digit_caps": (lambda: DigitCaps(num_caps=5, dim=6, routing_iterations=2),
+    "digit_caps": (lambda: legacy_digit_caps(num_caps=5, dim=6, routing_iterations=2),
                    (CAPSULES,), ((2, 5, 6), (2, 18, 5)), 18 * 5 * 6 * 4),
     # with a capsule bias b_j (num_caps, dim) beside W
-    "digit_caps_bias": (lambda: DigitCaps(num_caps=5, dim=6, routing_iterations=2, bias_init=0.1),
+    "digit_caps_bias": (lambda: legacy_digit_caps(num_caps=5, dim=6, routing_iterations=2, bias_init=0.1),
                         (CAPSULES,), ((2, 5, 6), (2, 18, 5)), 18 * 5 * 6 * 4 + 5 * 6),
     # the same with the fused prediction + routing op: same outputs and weight
-    "digit_caps_fused": (lambda: DigitCaps(num_caps=5, dim=6, routing_iterations=2, routing="fused_op"),
+    "digit_caps_fused": (lambda: legacy_digit_caps(num_caps=5, dim=6, routing_iterations=2, routing="fused_op"),
                          (CAPSULES,), ((2, 5, 6), (2, 18, 5)), 18 * 5 * 6 * 4),
     # 5·6 → 7 → 9 → 4·3·2
     "decoder": (lambda: Decoder(units=(7, 9), output_shape=(4, 3, 2)),
@@ -214,7 +221,7 @@ def test_primary_caps_rejects_small_or_wrong_rank_input():
 
 @pytest.mark.parametrize("iterations", [1, 3])
 def test_digit_caps_matches_numpy(iterations):
-    layer = DigitCaps(num_caps=5, dim=6, routing_iterations=iterations,
+    layer = legacy_digit_caps(num_caps=5, dim=6, routing_iterations=iterations,
                       kernel_initializer=keras.initializers.RandomNormal(stddev=0.3, seed=1))
     v_j, c_ij = layer(CAPSULES)
     (W,) = layer.get_weights()
@@ -228,7 +235,7 @@ def test_digit_caps_matches_numpy(iterations):
 def test_digit_caps_with_a_bias_matches_numpy_on_every_unfused_path(routing):
     """bias_init: b_j starts at that value and is added to s_j in every iteration (the
     authors' code); every path but the fused op routes with it, to the NumPy reference."""
-    layer = DigitCaps(num_caps=5, dim=6, routing_iterations=3, routing=routing, bias_init=0.1,
+    layer = legacy_digit_caps(num_caps=5, dim=6, routing_iterations=3, routing=routing, bias_init=0.1,
                       kernel_initializer=keras.initializers.RandomNormal(stddev=0.3, seed=1))
     layer.build(CAPSULES.shape)
     np.testing.assert_array_equal(layer.b_j.numpy(), np.full((5, 6), 0.1, np.float32))
@@ -247,7 +254,7 @@ def test_digit_caps_bias_stays_float32_under_mixed_precision(routing):
     """Under mixed_bfloat16 the bias reaches the float32 routing sums unrounded: with W = 0
     (u_hat = 0) s_j is the bias alone, and v_j = squash(b_j) to float32 precision (a bias
     rounded to bfloat16 would be off by ~1e-3 relative)."""
-    layer = DigitCaps(num_caps=5, dim=6, routing=routing, bias_init=0.1, kernel_initializer="zeros",
+    layer = legacy_digit_caps(num_caps=5, dim=6, routing=routing, bias_init=0.1, kernel_initializer="zeros",
                       dtype="mixed_bfloat16")
     layer.build(CAPSULES.shape)
     bias = np.full((5, 6), 0.1234567, np.float32) * np.arange(1, 7, dtype=np.float32)
@@ -267,7 +274,7 @@ def test_digit_caps_default_initializer_scale():
 def test_digit_caps_stop_gradient_flag_reaches_routing():
     grads = {}
     for flag in (True, False):
-        layer = DigitCaps(num_caps=5, dim=6, routing_iterations=3, stop_gradient_routing=flag,
+        layer = legacy_digit_caps(num_caps=5, dim=6, routing_iterations=3, stop_gradient_routing=flag,
                           kernel_initializer=keras.initializers.RandomNormal(stddev=0.3, seed=1))
         layer.build(CAPSULES.shape)
         with tf.GradientTape() as tape:
@@ -280,13 +287,13 @@ def test_digit_caps_stop_gradient_flag_reaches_routing():
 
 def test_digit_caps_uses_the_selected_prediction(spy_on_op):
     calls = spy_on_op(through=ops.capsule_prediction_matmul)  # the op library is not needed here
-    DigitCaps(num_caps=5, dim=6, routing="op")(CAPSULES)
+    legacy_digit_caps(num_caps=5, dim=6, routing="op")(CAPSULES)
     assert calls == [((2, 18, 4), (18, 5, 6, 4))]
 
 
 @pytest.mark.parametrize("iterations", [1, 3])
 def test_digit_caps_fused_routing_matches_numpy(iterations):
-    layer = DigitCaps(num_caps=5, dim=6, routing_iterations=iterations, routing="fused_op",
+    layer = legacy_digit_caps(num_caps=5, dim=6, routing_iterations=iterations, routing="fused_op",
                       kernel_initializer=keras.initializers.RandomNormal(stddev=0.3, seed=1))
     v_j, c_ij = layer(CAPSULES)
     (W,) = layer.get_weights()
@@ -306,38 +313,32 @@ def test_digit_caps_fused_routing_uses_only_the_fused_op(spy_on_op, monkeypatch)
         return real_routing(u, W, iterations)
 
     monkeypatch.setattr(ops, "capsule_routing", spy)
-    DigitCaps(num_caps=5, dim=6, routing_iterations=2, routing="fused_op")(CAPSULES)
+    legacy_digit_caps(num_caps=5, dim=6, routing_iterations=2, routing="fused_op")(CAPSULES)
     assert routing_calls == [((2, 18, 4), (18, 5, 6, 4), 2)] and prediction_calls == []
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    # fused_routing=true with custom_op=false, and with jit_routing=true, cannot be written
-    # any more: one routing mode replaces the three flags (tests/test_config.py has the
-    # old flags' combinations, as read from old run configs).
-    (dict(routing="fused_op", stop_gradient_routing=False),
-     "fused_routing=true needs custom_op=true .*stop_gradient_routing=true .*got custom_op=true, "
-     "stop_gradient_routing=false"),
-    (dict(routing="yes"), "routing must be one of matmul, matmul_xla, op, op_xla, fused_op, got 'yes'"),
-    # the fused op routes without a capsule bias (the unfused paths take one)
-    (dict(routing="fused_op", bias_init=0.1),
-     r"^DigitCaps: routing=fused_op routes without a capsule bias, got bias_init=0\.1: use routing op or op_xla "
-     r"\(model.routing=tf or xla\), or no bias$"),
-])
-def test_digit_caps_rejects_bad_fused_routing(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        DigitCaps(**kwargs)
-
-
-@pytest.mark.parametrize("kwargs, match", [
+    (dict(router=DynamicRouting(backend="fused_op"), bias_init=0.1),
+     r"^DigitCaps: the fused_op backend routes without a capsule bias, got bias_init=0\.1: use backend op or op_xla, "
+     r"or no bias$"),
+    (dict(router="dynamic"), "DigitCaps: router must be a capsnet.routing.Router, got 'dynamic'"),
     (dict(num_caps=0), "num_caps must be a positive integer, got 0"),
-    (dict(routing_iterations=0), "routing_iterations must be a positive integer, got 0"),
-    (dict(stop_gradient_routing="yes"), "stop_gradient_routing must be true or false, got 'yes'"),
-    (dict(routing=1), "routing must be one of matmul, matmul_xla, op, op_xla, fused_op, got 1"),
     (dict(bias_init=float("nan")), "bias_init must be a finite number, got nan"),
 ])
 def test_digit_caps_rejects_bad_args(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DigitCaps(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(backend="fused_op", stop_gradient=False), "fused_op needs stop_gradient=True"),
+    (dict(backend="yes"), "backend must be one of matmul, matmul_xla, op, op_xla, fused_op, got 'yes'"),
+    (dict(iterations=0), "iterations must be a positive integer, got 0"),
+    (dict(stop_gradient="yes"), "stop_gradient must be true or false, got 'yes'"),
+])
+def test_dynamic_routing_router_rejects_bad_args(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DynamicRouting(**kwargs)
 
 
 def test_digit_caps_rejects_bad_input_shapes():

@@ -7,6 +7,7 @@ import tensorflow as tf
 from capsnet.errors import ConfigError, OpLibraryError
 from capsnet.losses import margin_loss, reconstruction_loss
 from capsnet.model import CapsNet, build_model
+from capsnet.routing import DynamicRouting
 from conftest import compose_config
 
 pytestmark = pytest.mark.usefixtures("seeded")  # same initial weights every run: failures reproduce
@@ -187,7 +188,10 @@ def test_config_round_trip():
     model = build_model(routing_iterations=2, stop_gradient_routing=False, num_classes=7, w_init_stddev=0.02,
                         primary_caps_scale=0.25, primary_caps_bias=0.1, **SMALL)
     config = model.get_config()
-    assert config["routing_iterations"] == 2 and config["stop_gradient_routing"] is False
+    assert model.router == DynamicRouting(iterations=2, stop_gradient=False)
+    assert config["router"]["config"] == {"iterations": 2, "stop_gradient": False, "leaky": False, "backend": "matmul"}
+    assert {"name", "trainable", "dtype"} <= set(config)  # merged over keras' base config
+    assert not {"custom_op", "jit_routing", "fused_routing"} & set(config)  # no read-only flags
     assert config["w_init_stddev"] == 0.02
     assert config["primary_caps_scale"] == 0.25 and config["primary_caps_bias"] == 0.1
     clone = CapsNet.from_config(config)
@@ -287,7 +291,7 @@ def test_custom_op_matches_matmul_path(no_tf32):
 # ----------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(routing_iterations=0), "routing_iterations must be a positive integer, got 0"),
+    (dict(router="dynamic"), "CapsNet: router must be a capsnet.routing.Router, got 'dynamic'"),
     (dict(num_classes=2.0), "num_classes must be a positive integer, got 2.0"),
     (dict(decoder="yes"), "decoder must be true or false, got 'yes'"),
     (dict(input_shape=(28, 28)), r"input_shape must be 3 positive integers, got \(28, 28\)"),
@@ -315,14 +319,18 @@ def test_rejects_bad_images_and_labels():
 def test_missing_op_library_is_one_clear_line(monkeypatch):
     from capsnet import ops
 
-    def unbuilt(u, W):
+    def unbuilt():
         raise OpLibraryError("the capsnet op library is not built: run `make ops`")
 
-    monkeypatch.setattr(ops, "capsule_prediction", unbuilt)
-    with pytest.raises(OpLibraryError) as err:
-        build_model(routing="op", **SMALL)(images(batch=1))
-    # Keras would otherwise wrap it in a multi-line report of the call arguments
-    assert str(err.value) == "the capsnet op library is not built: run `make ops`"
+    monkeypatch.setattr(ops, "load_op_library", unbuilt)
+    for backend in ("op", "op_xla", "fused_op"):
+        # Raised while the model is built (Router.prepare), outside Keras' call(), which
+        # would rewrite it into a multi-line report of the call arguments.
+        for make in (lambda: build_model(routing=backend, **SMALL),
+                     lambda: CapsNet(router=DynamicRouting(backend=backend), **SMALL)(images(batch=1))):
+            with pytest.raises(OpLibraryError) as err:
+                make()
+            assert str(err.value) == "the capsnet op library is not built: run `make ops`"
 
 
 @pytest.mark.parametrize("custom_op", [False, True])
@@ -340,7 +348,7 @@ def test_jit_routing_computes_the_same_outputs_and_gradients(custom_op, no_tf32)
 
     out_plain, grads_plain = run(plain)
     out_jit, grads_jit = run(jitted)
-    assert jitted.get_config()["jit_routing"] is True
+    assert jitted.router.backend.endswith("_xla")
     for key in out_plain:
         np.testing.assert_allclose(out_jit[key].numpy(), out_plain[key].numpy(), rtol=1e-4, atol=1e-6)
     for var, a, b in zip(plain.trainable_variables, grads_plain, grads_jit):
@@ -371,7 +379,7 @@ def test_fused_routing_matches_the_matmul_path(routing_iterations, no_tf32):
     x, labels = images(), np.array([3, 1, 4, 1])
     out_plain, grads_plain = _loss_and_grads(plain, x, labels)
     out_fused, grads_fused = _loss_and_grads(fused, x, labels)
-    assert fused.get_config()["fused_routing"] is True
+    assert fused.router.backend == "fused_op"
     for key in out_plain:
         np.testing.assert_allclose(out_fused[key].numpy(), out_plain[key].numpy(), rtol=1e-4, atol=1e-6,
                                    err_msg=key)
@@ -427,8 +435,8 @@ def test_fused_routing_from_the_config():
 
     cfg = config("custom_op=true", "model.routing=auto", *CONFIG_SMALL)
     model = build_capsnet(cfg["model"], cfg["custom_op"])
-    assert model.digit_caps.fused_routing and model.get_config()["fused_routing"] is True
-    assert config()["model"]["routing"] == "auto"  # the fused op wherever it applies
+    assert model.digit_caps.router.backend == "fused_op" and model.get_config()["router"]["config"]["backend"] == "fused_op"
+    assert config()["model"]["routing"]["backend"] == "auto"  # the fused op wherever it applies
 
     # fused_routing=true without custom_op=true, or without stop-gradient routing, cannot be
     # written as a config any more; an old run config saying so is refused in the old words.
@@ -450,11 +458,14 @@ def test_fused_routing_from_the_config():
     (["custom_op=false"], False),                                     # no compiled op
     (["custom_op=true", "model.routing=xla"], False),                 # asked for the other speed-up
     (["custom_op=true", "model.stop_gradient_routing=false"], False),  # a gradient the op lacks
-    (["custom_op=true", "model.routing=tf"], False),                  # forced off
+    (["custom_op=true", "model.routing=tf"], False),                  # forced off (the old string override)
+    (["custom_op=true", "model.routing.backend=tf"], False),          # forced off
+    (["custom_op=true", "model.routing.leaky=true"], False),          # the op has no leaky routing
+    (["custom_op=true", "model.digit_caps_bias=0.1"], False),         # nor a bias
 ])
 def test_fused_routing_null_turns_on_where_it_applies(overrides, fused):
     from capsnet.training.model_setup import build_capsnet
 
     cfg = config(*overrides, *CONFIG_SMALL)
     model = build_capsnet(cfg["model"], cfg["custom_op"])
-    assert model.digit_caps.fused_routing is fused and model.get_config()["fused_routing"] is fused
+    assert (model.digit_caps.router.backend == "fused_op") is fused

@@ -55,9 +55,9 @@ from capsnet.config.hydra import (check_overrides, compose, dataset_classes, dat
 from capsnet.config.migrate import migrate
 from capsnet.config.checks import check_predict
 from capsnet.config.schemas import PredictAppConfig
-from capsnet.config.routing import routing_from_flags, routing_mode
+from capsnet.config.routing import router_spec, routing_from_flags, routing_mode
 from capsnet.config.schemas import (ALL_REDUCE, APP_SCHEMAS, AUGMENTATION_OFF, CONV_FORMS, GROUP_SCHEMAS, INITIALIZERS,
-                                    PRECISIONS, ROUTING, ROUTING_MODES, SCALE_LR, SHIFT_FILLS, STRATEGIES, WEIGHTS,
+                                    PRECISIONS, ROUTING, ROUTING_DEFAULT, ROUTING_MODES, SCALE_LR, SHIFT_FILLS, STRATEGIES, WEIGHTS,
                                     WHICH, XLA_MODES, AugmentationConfig, DataConfig, DataSourceConfig,
                                     DistributeConfig, EvalAppConfig, EvalDataConfig, ModelConfig, TrainAppConfig,
                                     TrainConfig, augmentation_on, augmentation_options)
@@ -65,11 +65,11 @@ from capsnet.config.schemas import (ALL_REDUCE, APP_SCHEMAS, AUGMENTATION_OFF, C
 __all__ = [
     "ModelConfig", "DataSourceConfig", "AugmentationConfig", "DataConfig", "TrainConfig", "DistributeConfig", "TrainAppConfig",
     "EvalDataConfig", "EvalAppConfig", "register", "check", "check_eval", "check_section", "migrate",
-    "routing_mode", "routing_from_flags", "compose", "explain", "unknown_key", "check_overrides", "check_augmentation", "check_xla",
+    "routing_mode", "router_spec", "routing_from_flags", "compose", "explain", "unknown_key", "check_overrides", "check_augmentation", "check_xla",
     "check_all_reduce_in_step", "check_data_on_device", "check_overlay_augmentation", "PER_EXAMPLE_AUGMENTATION",
     "OVERLAY_AUGMENTATION",
     "dataset_shape", "dataset_classes", "GROUP_SCHEMAS", "APP_SCHEMAS",
-    "ROUTING", "ROUTING_MODES", "CONV_FORMS", "INITIALIZERS", "XLA_MODES", "PRECISIONS", "STRATEGIES", "ALL_REDUCE", "SCALE_LR", "AUGMENTATION_OFF",
+    "ROUTING", "ROUTING_DEFAULT", "ROUTING_MODES", "CONV_FORMS", "INITIALIZERS", "XLA_MODES", "PRECISIONS", "STRATEGIES", "ALL_REDUCE", "SCALE_LR", "AUGMENTATION_OFF",
     "augmentation_options", "augmentation_on", "SHIFT_FILLS", "WHICH", "WEIGHTS",
 ]
 __all__ += ["PredictAppConfig", "check_predict"]  # predict.py (configs/predict.yaml)

@@ -132,7 +132,7 @@ def check_xla(xla, backend):
     if xla == "jit" and (backend == "xla" or backend.endswith("_xla")):
         # The whole step is one XLA computation already; the nested jit_compile function
         # aborted the process on an H200 (benchmark_train, 2026-11-21).
-        raise ConfigError("model.routing.backend=xla is redundant under train.xla=jit (the whole step is compiled, "
+        raise ConfigError("model.routing=xla is redundant under train.xla=jit (the whole step is compiled, "
                           "the routing with it): set model.routing.backend=auto")
 
 

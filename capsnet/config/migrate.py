@@ -13,7 +13,9 @@ def migrate(saved):
     """A run's saved config (config.yaml, a plain dict) in today's shape, to be `check`ed:
     a key added since the run was saved takes its schema default (what the run was trained
     with: no augmentation beyond shifts, no weight average, W from N(0, 0.1²), one device),
-    and model.jit_routing / model.fused_routing become model.routing (routing_from_flags).
+    model.jit_routing / model.fused_routing become model.routing's backend
+    (routing_from_flags); model.routing auto | tf | xla (before routers) stays, and `check`
+    reads it as the section {algorithm: dynamic, backend: <it>, leaky: false}.
     Values are left as they are (no type conversion): `check` judges them."""
     if not isinstance(saved, dict):
         raise ConfigError(f"a run config must be a section of keys, got {saved!r}")

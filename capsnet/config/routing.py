@@ -1,33 +1,47 @@
-"""Routing: the one place that decides how DigitCaps routes (`routing_mode`), and the
-model.routing of the flags that came before it (`routing_from_flags`: old run configs,
-old Keras model configs)."""
-from capsnet.config.schemas import ROUTING, _boolean, _one_of
+"""Routing: the one place that turns custom_op and a model section's `routing` into the
+arguments of a capsnet.routing Router (`router_spec`, `routing_mode`), and model.routing of
+the flags that came before it (`routing_from_flags`: old run configs)."""
+from capsnet.config.schemas import _boolean, _routing
 from capsnet.errors import ConfigError
 from capsnet.validation import boolean
 
 
 def routing_mode(custom_op, model_cfg):
-    """How DigitCaps runs (one of ROUTING_MODES) for `custom_op` and a model section's
-    `routing` (auto | tf | xla), `stop_gradient_routing` and `digit_caps_bias`. The one
-    place that decides: auto is the fused prediction + routing op wherever it applies
-    (custom_op=true with stop-gradient routing, the gradient the op implements, and no
-    capsule bias, which the op does not add), the fastest setting (docs/benchmarks.md),
-    and TF routing otherwise."""
+    """The Router backend (capsnet.routing.BACKENDS) for `custom_op` and a model section:
+    custom_op picks the prediction (the compiled op or a TF matmul), model.routing.backend
+    how the routing runs (auto | tf | xla). auto is the fused prediction + routing op
+    wherever it applies, the fastest setting (docs/benchmarks.md): custom_op=true, dynamic
+    routing with stop-gradient (the gradient the op implements), no capsule bias (the op
+    adds none) and not leaky (the op has no "none of the above"); elsewhere the
+    prediction (op or matmul) and TF routing."""
     custom_op = _boolean("custom_op", custom_op)
-    routing = _one_of(ROUTING)("model.routing", model_cfg.get("routing", "auto"))
-    stop_gradient = _boolean("model.stop_gradient_routing", model_cfg.get("stop_gradient_routing", True))
-    bias = model_cfg.get("digit_caps_bias")
+    routing = _routing("model.routing", model_cfg.get("routing", "auto"))
     prediction = "op" if custom_op else "matmul"
-    if routing == "xla":
+    if routing["backend"] == "xla":
         return prediction + "_xla"
-    if routing == "auto" and custom_op and stop_gradient and bias is None:
+    fused_applies = (routing["algorithm"] == "dynamic" and not routing.get("leaky", False)
+                     and _boolean("model.stop_gradient_routing", model_cfg.get("stop_gradient_routing", True))
+                     and model_cfg.get("digit_caps_bias") is None)
+    if routing["backend"] == "auto" and custom_op and fused_applies:
         return "fused_op"
     return prediction
 
 
+def router_spec(custom_op, model_cfg):
+    """The keyword arguments of capsnet.routing.make_router for `custom_op` and a model
+    section: model.routing's keys with its backend resolved (routing_mode); dynamic
+    routing also takes model.routing_iterations and model.stop_gradient_routing."""
+    routing = _routing("model.routing", model_cfg.get("routing", "auto"))
+    spec = {**routing, "backend": routing_mode(custom_op, model_cfg)}
+    if routing["algorithm"] == "dynamic":
+        spec.update(iterations=model_cfg.get("routing_iterations", 3),
+                    stop_gradient=model_cfg.get("stop_gradient_routing", True))
+    return spec
+
+
 def routing_from_flags(custom_op=False, jit_routing=False, fused_routing=False, stop_gradient_routing=True,
                        error=ConfigError):
-    """model.routing (auto | tf | xla) of the flags that came before it (a run saved with
+    """model.routing.backend (auto | tf | xla) of the flags that came before it (a run saved with
     model.jit_routing / model.fused_routing, a CapsNet config written with them). The
     combinations that were never valid raise `error` with the words they always had."""
     for name, value in (("custom_op", custom_op), ("jit_routing", jit_routing),

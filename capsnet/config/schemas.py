@@ -229,8 +229,8 @@ def _routing(name, value):
     if isinstance(value, str) and value in ROUTING:
         return {**ROUTING_DEFAULT, "backend": value}
     if not isinstance(value, dict):
-        raise ConfigError(f"{name} must be a section (algorithm, backend, ...) or one of {', '.join(ROUTING)}, "
-                          f"got {value!r}")
+        raise ConfigError(f"{name} must be one of {', '.join(ROUTING)}, got {value!r} (or a section: "
+                          f"{name}.algorithm, {name}.backend, ...; configs/model/routing/)")
     algorithm = value.get("algorithm", "dynamic")
     if not isinstance(algorithm, str):
         raise ConfigError(f"{name}.algorithm must be a name (configs/model/routing/), got {algorithm!r}")
@@ -358,6 +358,8 @@ class TrainConfig:
     num_images: int = _checked(8, _positive_int)
     histogram_examples: int = _checked(100, _positive_int)
     progress_bar: bool = _checked(True, _boolean)
+    progress_every_seconds: float = _checked(30.0, _non_negative_float)
+    restart: bool = _checked(False, _boolean)
 
 
 @dataclass

@@ -1,30 +1,31 @@
 """The model of a config, and the checks that it can run: shared by train() and evaluate().
 
 - `build_capsnet(model_cfg, custom_op, precision)`: the CapsNet of a config's `model`
-  section (model.routing and custom_op resolved by capsnet.config.routing_mode) in a
+  section (model.routing and custom_op made a Router: capsnet.config.router_spec) in a
   train.precision, config errors as ConfigError.
 - `check_op_library(devices)`: custom_op=true fails at once if the compiled op cannot run.
 - `check_labels(labels, images, model=...)`: the data fits the model.
 """
 import tensorflow as tf
 
-from capsnet import config, ops
+from capsnet import config, ops, routing
 from capsnet.errors import ConfigError, OpLibraryError
 from capsnet.model import build_model
 
 
 def build_capsnet(model_cfg, custom_op, precision="float32"):
-    """The CapsNet of a config's `model` section and `custom_op`: DigitCaps routes as
-    capsnet.config.routing_mode decides (the one place); bad values (a non-integer
+    """The CapsNet of a config's `model` section and `custom_op`: DigitCaps routes with the
+    Router of capsnet.config.router_spec (custom_op → its backend: the one place); bad values (a non-integer
     num_classes, input_shape=5, an unknown key, ...) → ConfigError naming them.
     `precision` (train.precision, checked): the model's Keras dtype policy (capsnet.precision).
 
     The values go to CapsNet as they are: it checks them (and turns lists into
     tuples), so a bool(...) or tuple(...) here cannot misread or crash on them first.
     """
-    routing = config.routing_mode(custom_op, model_cfg)
+    router_keys = ("routing", "routing_iterations", "stop_gradient_routing")  # the router's (router_spec)
     try:
-        return build_model(**{k: v for k, v in model_cfg.items() if k != "routing"}, routing=routing,
+        router = routing.make_router(**config.router_spec(custom_op, model_cfg))
+        return build_model(**{k: v for k, v in model_cfg.items() if k not in router_keys}, router=router,
                            dtype=precision)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"model: {' '.join(str(exc).split())}") from exc

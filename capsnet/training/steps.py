@@ -160,7 +160,7 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strate
     if xla not in config.XLA_MODES:
         raise ValueError(f"make_train_step: xla must be one of {', '.join(config.XLA_MODES)}, got {xla!r}")
     # What config.check refuses, for a model built without a config (the rule's words).
-    config.check_xla(xla, "xla" if model.jit_routing else "auto")
+    config.check_xla(xla, model.router.backend)
     set_autoclustering(xla == "autocluster")
     if strategy is not None:
         if two_digits:

@@ -1,8 +1,9 @@
 """Routing by agreement (Sabour et al. 2017, Procedure 1) and the squash non-linearity.
 
-Pure TensorFlow math, no layers or weights: `capsnet.layers.DigitCaps` wraps it, the
-tests compare it with an independent NumPy version. `squash` lives here (and is
-re-exported by capsnet.layers) because routing applies it every iteration.
+Pure TensorFlow math, no layers, weights or config: the routers of capsnet.routing
+(capsnet.routing.dynamic.DynamicRouting) call it, tests/test_routing.py compares it with
+an independent NumPy version. `squash` lives here (and is re-exported by capsnet.layers)
+because routing applies it every iteration.
 """
 import tensorflow as tf
 
@@ -34,7 +35,7 @@ def squash(s, axis=-1, epsilon=1e-7):
     return tf.cast(scale * s_math, s.dtype)
 
 
-def routing_softmax(b_ij):
+def routing_softmax(b_ij, leaky=False):
     """c_ij = softmax_j(b_ij) (Eq. 3) over the last axis, in a form chosen for where it
     runs: tf.nn.softmax, one kernel, in TensorFlow; exp(b_ij − logsumexp_j(b_ij)) inside an
     XLA computation. XLA's GPU compiler makes a softmax a Triton kernel of its own (0.27 ms a
@@ -47,13 +48,22 @@ def routing_softmax(b_ij):
     softmax of XLA's. The two agree to within rounding, gradients
     included (tests/test_routing.py); the second rounds b_ij − logsumexp at b_ij's
     magnitude, a relative error of up to ~|b_ij|·2⁻²⁴ in float32 (softmax's b_ij − max is
-    exact), far below the bfloat16 rounding of the u_hat that b_ij sums."""
+    exact), far below the bfloat16 rounding of the u_hat that b_ij sums.
+
+    leaky=True: the softmax over [0, b_i1, ..., b_iJ] with the first ("none of the above",
+    a parent whose logit stays 0) left out, c_ij = exp(b_ij) / (1 + Σ_k exp(b_ik)): the
+    authors' CIFAR-10 routing (Sabour et al. 2017 Sec. 7; research/capsules
+    `_leaky_routing` in github.com/Sarasra/models). A child that agrees with no parent
+    then sends less than all of its vote; the rows sum to below 1."""
+    if leaky:
+        zero = tf.zeros_like(b_ij[..., :1])
+        return routing_softmax(tf.concat([zero, b_ij], axis=-1))[..., 1:]
     if in_xla_computation():
         return tf.exp(b_ij - tf.reduce_logsumexp(b_ij, axis=-1, keepdims=True))
     return tf.nn.softmax(b_ij, axis=-1)
 
 
-def dynamic_routing(u_hat, iterations=3, stop_gradient=True, bias=None):
+def dynamic_routing(u_hat, iterations=3, stop_gradient=True, bias=None, leaky=False):
     """Route predictions u_hat to output capsules; returns (v_j, c_ij).
 
     Procedure 1 of the paper, per sample: b_ij = 0; then `iterations` times:
@@ -79,7 +89,9 @@ def dynamic_routing(u_hat, iterations=3, stop_gradient=True, bias=None):
     With iterations = 1 there are no inner iterations and the flag changes nothing.
     Pass stop_gradient=False for the fully differentiable variant.
     `capsnet.ops.capsule_routing` computes the same from u and W in one compiled op
-    (stop_gradient=True only), without materialising u_hat.
+    (stop_gradient=True, no bias, not leaky), without materialising u_hat.
+    leaky=True: every c_ij is routing_softmax(b_ij, leaky=True), the first round's too
+    (1 / (out_caps + 1), as the authors' code, whose b_ij also start at 0).
 
     Args:
         u_hat: predictions (batch, in_caps, out_caps, out_dim).
@@ -91,10 +103,11 @@ def dynamic_routing(u_hat, iterations=3, stop_gradient=True, bias=None):
     Returns (float32 for a 16-bit u_hat):
         v_j: output capsules (batch, out_caps, out_dim).
         c_ij: the coupling coefficients used for the final v_j (batch, in_caps,
-            out_caps); each row sums to 1 over j.
+            out_caps); each row sums to 1 over j (below 1 with leaky=True).
     """
     iterations = positive_int("dynamic_routing: iterations", iterations, expected="an integer >= 1")
     boolean("dynamic_routing: stop_gradient", stop_gradient, expected="a bool")
+    boolean("dynamic_routing: leaky", leaky, expected="a bool")
     u_hat = tf.convert_to_tensor(u_hat)
     if u_hat.shape.rank != 4:
         raise ValueError(
@@ -115,7 +128,9 @@ def dynamic_routing(u_hat, iterations=3, stop_gradient=True, bias=None):
     # first round's c_ij = softmax_j(0) = 1/out_caps: written as that constant, not as the
     # softmax of a zero tensor, which XLA constant-folds element by element at compile time
     # (a step's compile grew with the batch: 1.7 s at 128, 13.6 s at 1,024 on a CPU).
-    uniform = tf.constant(1.0, u_hat.dtype) / tf.cast(tf.shape(u_hat)[2], u_hat.dtype)  # as softmax rounds it
+    parents = tf.shape(u_hat)[2] + 1 if leaky else tf.shape(u_hat)[2]  # leaky: and "none of the above"
+    parents = tf.cast(parents, u_hat.dtype)
+    uniform = tf.constant(1.0, u_hat.dtype) / parents  # as softmax rounds it
     c_ij = tf.fill(tf.shape(u_hat)[:3], uniform)                     # (B, in_caps, out_caps)
     for r in range(iterations):
         last = r == iterations - 1
@@ -128,5 +143,5 @@ def dynamic_routing(u_hat, iterations=3, stop_gradient=True, bias=None):
             # Agreement u_hat_j|i · v_j: predictions that match the output gain weight.
             agreement = tf.reduce_sum(votes * v_j[:, None], axis=-1)  # (B, in_caps, out_caps)
             b_ij = agreement if r == 0 else b_ij + agreement
-            c_ij = routing_softmax(b_ij)                              # the next round's
+            c_ij = routing_softmax(b_ij, leaky)                       # the next round's
     return v_j, c_ij
