@@ -23,10 +23,10 @@ stdout.
 A second table times the whole routing step, u and W to (v_j, c_ij) with
 r = --iterations (3) and stop-gradient routing, as DigitCaps computes it
 (--routing-impls; `none` skips it):
-    fused            capsnet.ops.capsule_routing + squash (model.fused_routing=true)
+    fused            capsnet.ops.capsule_routing + squash (backend fused_op: custom_op=true)
     op+routing       the prediction op, then dynamic_routing as TF ops (custom_op=true)
     op+jit_routing   the prediction op, then dynamic_routing compiled by XLA on its own
-                     (model.jit_routing=true)
+                     (backend op_xla: model.routing.backend=xla)
     matmul_xla       the matmul path and dynamic_routing as one XLA computation (what
                      train.xla=jit compiles)
 for the passes forward (v_j, c_ij) and forward+backward (plus dL/du and dL/dW for a
@@ -53,8 +53,9 @@ def _import_tensorflow():
 
     from capsnet import ops
     from capsnet.errors import CapsnetError
-    from capsnet.layers import _dynamic_routing_xla  # what DigitCaps(jit_routing=True) runs
     from capsnet.routing import dynamic_routing, squash
+    # What a DynamicRouting router with backend op_xla runs (Router._xla_route).
+    _dynamic_routing_xla = tf.function(dynamic_routing, jit_compile=True)
 
 
 SHAPES = {  # name: (batch, in_caps, out_caps, out_dim, in_dim)
