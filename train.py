@@ -8,6 +8,8 @@ Examples:
 """
 import logging
 import os
+import shlex
+import sys
 import time
 
 import hydra
@@ -24,19 +26,31 @@ config.register()  # the schemas configs/ extends (capsnet/config/schemas.py), b
 @cli.reports_user_errors
 def main(cfg: DictConfig):
     # Hydra and OmegaConf have checked the keys and their types; capsnet.config checks the
-    # values (and that a switch is written true/false, not no/0). TensorFlow is imported
-    # only after that: a config error is reported at once, not after the seconds-long import.
-    config.check_overrides(HydraConfig.get().overrides.task, config.TrainAppConfig)
+    # values (and that a switch is written true/false, not no/0), once: train() is handed the
+    # checked config. TensorFlow is imported only after that: a config error is reported at
+    # once, not after the seconds-long import.
+    hydra_cfg = HydraConfig.get()
+    config.check_overrides(hydra_cfg.overrides.task, config.TrainAppConfig)
     checked = config.check(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
+    # Before anything is written into the run dir, and before this job's first log line
+    # (which would create train.log there): a directory that is not ours is left untouched.
+    cli.check_run_dir(checked["run_dir"], given=hydra_cfg.run.dir if hydra_cfg.mode.name == "RUN" else None)
     if "CUDA_VISIBLE_DEVICES" in os.environ:
         # The GPU a sweep job was pinned to (hydra/launcher=gpus), in its train.log.
         log.info("CUDA_VISIBLE_DEVICES=%s", os.environ["CUDA_VISIBLE_DEVICES"])
     started = time.perf_counter()
     cli.import_tensorflow_quietly()
     from capsnet.training import train
+    from capsnet.training.run_dir import hydra_snapshot
     log.info("TensorFlow and capsnet.training imported in %.2f s", time.perf_counter() - started)
 
-    metrics = train(checked)
+    # The command that resumes this run: its overrides, with the run dir named (a plain run's
+    # dir is named by its start time: the same command would start a new run).
+    overrides = [o for o in hydra_cfg.overrides.task if not o.startswith(("hydra.run.dir=", "run_dir="))]
+    resume = " ".join(["python", os.path.basename(sys.argv[0]), *map(shlex.quote, overrides),
+                       shlex.quote(f"hydra.run.dir={checked['run_dir']}")])
+    metrics = train(checked, checked=True, resume_command=resume,
+                    hydra_files=hydra_snapshot(cfg, hydra_cfg, hydra_cfg.overrides.task))
     # Returned so that a Hydra sweeper (e.g. Optuna) can optimise it.
     return metrics["test_accuracy"]
 

@@ -104,7 +104,8 @@ def reports_user_errors(task):
 
 def _remove_unused_run_dir():
     """After a user error: remove the run dir Hydra made for this job if it holds nothing
-    but what Hydra itself wrote there (its .hydra/ snapshot, the job's log), and the
+    but what this job wrote there before any training (its .hydra/ snapshot, the job's log,
+    the run dir's marker), and the
     parents that leaves empty up to the working directory, so that a failed
     `python train.py` leaves no empty outputs/<date>/<time>/ behind. A run dir with
     anything else in it (a resumed run's checkpoints) is kept."""
@@ -113,18 +114,18 @@ def _remove_unused_run_dir():
     if not HydraConfig.initialized():
         return
     hydra_cfg = HydraConfig.get()
-    if hydra_cfg.output_subdir is None:  # evaluate.py, export.py: no run dir of their own (run.dir=.)
-        return
     run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
     cwd = Path(hydra_cfg.runtime.cwd).resolve()
-    if run_dir == cwd or run_dir in cwd.parents:
+    if run_dir == cwd or run_dir in cwd.parents:  # evaluate.py, export.py: no run dir of their own (run.dir=.)
         return
-    hydra_own = {hydra_cfg.output_subdir, f"{hydra_cfg.job.name}.log"}
+    # .hydra/ (written by the training holding the lock: capsnet.training.run_dir) and the
+    # marker of a run dir (run_lock.MARKER_NAME) that holds nothing else.
+    own = {".hydra", ".capsnet-run", f"{hydra_cfg.job.name}.log"}
     # train.lock (capsnet.training.run_lock) is ours to remove only when empty: released.
     # One that names a holder belongs to another training starting in this run dir.
     lock = run_dir / "train.lock"
     try:
-        if any(entry.name not in hydra_own and not (entry == lock and lock.stat().st_size == 0)
+        if any(entry.name not in own and not (entry == lock and lock.stat().st_size == 0)
                for entry in run_dir.iterdir()):
             return
         shutil.rmtree(run_dir)
@@ -134,6 +135,35 @@ def _remove_unused_run_dir():
             parent.rmdir()
     except OSError:
         pass  # not empty, or not ours to remove: leave it
+
+
+def check_run_dir(run_dir, given=None):
+    """train.py, before anything is written into the run dir: CheckpointError (one line) for
+    an empty hydra.run.dir (`given`: Hydra's run.dir as the user set it; it would be the
+    current directory), or a directory that holds something other than a run of this app
+    (capsnet.training.run_lock.check_ours). A refused run dir gets no train.log either: the
+    job's log files are closed before the error is reported."""
+    from capsnet.errors import CheckpointError
+    from capsnet.training.run_lock import check_ours
+
+    try:
+        if given is not None and not str(given).strip():
+            raise CheckpointError("hydra.run.dir is empty: it would train into the current directory; name a "
+                                  "directory, or leave hydra.run.dir out for a new one under outputs/")
+        check_ours(run_dir)
+    except CheckpointError:
+        _close_log_files()
+        raise
+
+
+def _close_log_files():
+    """Detach and close the root logger's file handlers (the job's train.log)."""
+    import logging
+
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        root.removeHandler(handler)
+        handler.close()
 
 
 def run(hydra_main):

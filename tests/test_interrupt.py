@@ -134,4 +134,7 @@ def test_train_py_answers_ctrl_c_within_a_second_and_exits_within_three(tiny_idx
     assert process.returncode == 130, stderr
     assert noticed is not None and noticed - sent < 1.0, (noticed, sent)
     assert exited - sent < 3.0
-    assert stderr.count("\n") == 1 and stderr.startswith("interrupted ") and ": saved; rerun the same command" in stderr
+    assert stderr.count("\n") == 1 and stderr.startswith("interrupted ")
+    # The command that resumes it, naming the run dir (a plain run's dir is named by its start time).
+    assert ": saved; rerun `python train.py model.conv1_filters=16 " in stderr
+    assert f" hydra.run.dir={tmp_path / 'run'}` to resume from there" in stderr

@@ -14,13 +14,8 @@ OVERRIDES = ("data.limit_train=320", "data.limit_test=64")
 
 
 def with_progress_every(tiny_config, monkeypatch, seconds, *extra):
-    """The tiny config with progress lines every `seconds` (train.progress_every_seconds, or
-    its default where the config has no such key)."""
-    try:
-        return tiny_config(*extra, f"train.progress_every_seconds={seconds}")
-    except Exception:  # noqa: BLE001  (a config without the key: its default in the code)
-        monkeypatch.setattr(loop, "PROGRESS_EVERY_SECONDS", seconds)
-        return tiny_config(*extra)
+    """The tiny config with progress lines every `seconds` (train.progress_every_seconds)."""
+    return tiny_config(*extra, f"train.progress_every_seconds={seconds}")
 
 
 def timed_lines(monkeypatch):

@@ -4,6 +4,7 @@ smaller checks. Tiny synthetic data (conftest), train() in-process or the CLI as
 subprocess; files corrupted with real bytes."""
 import fcntl
 import json
+import shlex
 import shutil
 import signal
 import socket
@@ -425,21 +426,20 @@ def test_a_learning_rate_that_is_not_finite_is_refused(tiny_config, tmp_path, va
     assert not (tmp_path / "run").exists()
 
 
-def test_history_keeps_one_line_per_epoch_after_kills(trained_run, tiny_config, tmp_path):
-    """Lines of an epoch redone after a kill, and a line cut short by one: the file is
-    written back with one line per epoch done, the later line of an epoch winning."""
+def test_history_keeps_one_line_per_epoch_after_kills(trained_run, tiny_config, tmp_path, capsys):
+    """Lines of epochs a kill kept from their checkpoint, and a line cut short by one: cut off
+    the end of the file on restart (with a notice for the torn line), the lines of the epochs
+    done kept byte for byte (history.jsonl is only appended to)."""
     run_dir = copied_run(trained_run, tmp_path)
     path = run_dir / "history.jsonl"
-    lines = path.read_text().splitlines()
+    kept = path.read_text()
+    lines = kept.splitlines()
     third = json.loads(lines[2])
-    redone = {**third, "train_loss": 123.0}  # the same epoch, logged again by a later attempt
-    path.write_text("\n".join([*lines, json.dumps({**third, "epoch": 5}), json.dumps(redone)]) + "\n"
-                    + '{"epoch": 6, "train_lo')  # an uncommitted epoch and a line cut short by a kill
+    path.write_text(kept + json.dumps({**third, "epoch": 5}) + "\n" + '{"epoch": 6, "train_lo')
     metrics = train(tiny_config(run_dir=run_dir))  # 4 epochs done: nothing to train
-    rewritten = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [h["epoch"] for h in rewritten] == [1, 2, 3, 4]
-    assert rewritten[2]["train_loss"] == 123.0
-    assert metrics["history"] == rewritten
+    assert path.read_text() == kept
+    assert [h["epoch"] for h in metrics["history"]] == [1, 2, 3, 4]
+    assert "was cut short" in capsys.readouterr().out
 
 
 def test_a_plain_idx_file_that_differs_from_its_gz_is_refused(tmp_path):
@@ -489,7 +489,11 @@ def signal_train_py_in_epoch_3(signum, tiny_idx_dir, tmp_path, *extra):
             _, stderr = process.communicate(timeout=60)
         finally:
             process.kill()
-    return process.returncode, stderr
+    # The command that resumes the run names its dir (and the overrides); as "the same command" here.
+    resume = " ".join(["python", "train.py", *[shlex.quote(o) for o in overrides if not o.startswith("run_dir=")],
+                       f"hydra.run.dir={tmp_path / 'run'}"])
+    assert f"rerun `{resume}` to" in stderr, stderr
+    return process.returncode, stderr.replace(f"rerun `{resume}` to", "rerun the same command to")
 
 
 @pytest.mark.slow

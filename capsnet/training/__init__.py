@@ -2,8 +2,12 @@
 
 One module per concern; import each piece from its module (the config's checks, before
 any of these: capsnet.config.check, which train() calls first):
-    loop            train(cfg): config → setup → data → model/optimizer (new or resumed)
-                    → compiled steps → epochs → final metrics; the run dir's layout
+    loop            train(cfg): set-up (devices, data, model, optimizer, checkpoints) and the
+                    epoch loop; train_epoch, the progress lines, the collapse and divergence rules
+    run_dir         RunDir: the run dir's files, lock, checkpoints (latest, best, interrupted),
+                    resume, history.jsonl, config.yaml and metrics.json
+    run_lock        RunLock (one training per run dir), check_ours (a run dir of this app);
+                    free of TensorFlow, for train.py's check before the import
     model_setup     build_capsnet, check_op_library, check_labels (shared with evaluate())
     optimizer       build_optimizer (Adam on a decaying LR), scaled_learning_rate
     weight_average  WeightAverage (train.ema_decay)
@@ -12,11 +16,18 @@ any of these: capsnet.config.check, which train() calls first):
     distribute      tf.distribute strategies, TF_CONFIG, input_iterator
     checkpoints     checkpoint contents, resume rules, the best checkpoint, resolve_checkpoint;
                     damaged checkpoints and lost state files (recover_latest, checkpoint_damage)
-    run_lock        RunLock: one training per run dir
-    summaries       TensorBoard scalars, images, histograms and HParams
+    summaries       TensorBoard scalars, images, histograms and HParams (RunSummaries)
 
 scripts/benchmark_train.py times the same pieces train() is made of.
 """
-from capsnet.training.loop import train
-
 __all__ = ["train"]
+
+
+def __getattr__(name):
+    # Imported on first use: `capsnet.training.run_lock` is imported before TensorFlow is
+    # (train.py checks the run dir first), and loop imports TensorFlow.
+    if name == "train":
+        from capsnet.training.loop import train  # noqa: PLC0415
+
+        return train
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,10 +20,11 @@ done), and the rerun skips that epoch's first step_in_epoch batches (capsnet.tra
 
 An epoch ends with: its history line, then checkpoints/latest/ckpt-N (every epoch, or on
 train.save_every_epochs' schedule), the commit point: a run killed before it redoes the
-epoch, and the history line that epoch wrote is superseded on restart (`read_history`).
+epoch, and the history line that epoch wrote is cut off on restart (run_dir.read_history).
 Then, if it is the best, best/ckpt-N as links to latest's files (a run killed before that
 is repaired on restart: `BestCheckpoint`). SIGTERM ends a run at an epoch's end, saved
-(capsnet.training.loop.train).
+(capsnet.training.loop.train). The run dir as a whole (its files, its lock, who writes
+it): capsnet.training.run_dir.RunDir.
 
 Resuming refuses a config that would change the run's trajectory (RESUME_KEYS: the
 model, the data, the seed, the optimizer and loss values; `check_resumable`) and names
@@ -34,7 +35,7 @@ strategy and devices (a run started on one GPU may continue on two). A saved con
 read in today's shape (capsnet.config.migrate: keys added since at the defaults it was
 trained with, the old routing flags as model.routing).
 """
-import json
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -46,26 +47,62 @@ from capsnet import config
 from capsnet.config import WHICH  # a run dir's checkpoints: best (the highest test accuracy) or latest
 from capsnet.data import AUGMENTATION_KEYS
 from capsnet.errors import CheckpointError, ConfigError
+from capsnet.training.run_lock import MARKER_NAME
 
 
 # --------------------------------------------------------------------------- run config and checkpoint paths
 
 def read_run_config(run_dir):
-    """The plain-dict config a run was trained with (config.yaml, else Hydra's .hydra/config.yaml),
-    in today's shape (config.migrate; not checked: config.check it)."""
-    for candidate in (Path(run_dir) / "config.yaml", Path(run_dir) / ".hydra" / "config.yaml"):
-        if candidate.is_file():
-            try:
-                cfg = yaml.safe_load(candidate.read_text())
-            except yaml.YAMLError as exc:
-                raise CheckpointError(f"cannot parse the run config {candidate}: {exc}".splitlines()[0]) from exc
-            if not isinstance(cfg, dict) or "model" not in cfg:
-                raise CheckpointError(f"the run config {candidate} has no model section")
-            try:
-                return config.migrate(cfg)
-            except ConfigError as exc:  # old routing flags that were never valid together
-                raise ConfigError(f"the run config of {run_dir}: {exc}") from exc
-    return None
+    """The plain-dict config a run was trained with (its config.yaml), in today's shape (not
+    checked: config.check it); None where run_dir has no config.yaml.
+
+    A run dir of this app's marker (run_lock.MARKER_NAME: written by a version that records
+    every key) is read strictly: a key missing from config.yaml or unknown to the schema is a
+    CheckpointError naming it, never filled with today's default. A run dir written before the
+    marker gets the keys added since at the defaults it was trained with (config.migrate).
+    Hydra's .hydra/config.yaml is not the run's config (unresolved: `${dataset_shape:...}`)."""
+    candidate = Path(run_dir) / "config.yaml"
+    if not candidate.is_file():
+        if (Path(run_dir) / ".hydra" / "config.yaml").is_file() and (Path(run_dir) / "checkpoints").is_dir():
+            raise CheckpointError(f"run dir {run_dir} has no config.yaml (the run's resolved config, which "
+                                  "rebuilds its model): put it back; .hydra/config.yaml is the command's, unresolved")
+        return None
+    try:
+        cfg = yaml.safe_load(candidate.read_text())
+    except (yaml.YAMLError, OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"cannot parse the run config {candidate}: {exc}".splitlines()[0]) from exc
+    if not isinstance(cfg, dict) or "model" not in cfg:
+        raise CheckpointError(f"the run config {candidate} has no model section")
+    if (Path(run_dir) / MARKER_NAME).is_file():
+        _check_keys(cfg, candidate)
+    try:
+        return config.migrate(cfg)
+    except ConfigError as exc:  # old routing flags that were never valid together
+        raise ConfigError(f"the run config of {run_dir}: {exc}") from exc
+
+
+def _check_keys(saved, path):
+    """CheckpointError naming the first key of the schema (capsnet.config.TrainAppConfig) that
+    `saved` lacks, or that it has and the schema does not."""
+    for field in dataclasses.fields(config.TrainAppConfig):
+        if field.name not in saved:
+            raise CheckpointError(f"the run config {path} has no key {field.name}: was it edited? put the run's "
+                                  "config.yaml back")
+        if dataclasses.is_dataclass(field.type):
+            section = saved[field.name] if isinstance(saved[field.name], dict) else {}
+            names = [f.name for f in dataclasses.fields(field.type)]
+            for name in names:
+                if name not in section:
+                    raise CheckpointError(f"the run config {path} has no key {field.name}.{name}: was it edited? "
+                                          "put the run's config.yaml back")
+            unknown = sorted(set(section) - set(names))
+            if unknown:
+                raise CheckpointError(f"the run config {path} has an unknown key {field.name}.{unknown[0]}: was it "
+                                      "edited? put the run's config.yaml back")
+    unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(config.TrainAppConfig)})
+    if unknown:
+        raise CheckpointError(f"the run config {path} has an unknown key {unknown[0]}: was it edited? put the "
+                              "run's config.yaml back")
 
 
 def write_run_config(run_dir, cfg):
@@ -455,8 +492,8 @@ def check_resumable(run_dir, cfg):
     returns the 'key: old -> new' lines to announce (the run's config.yaml then records
     the new value)."""
     if not (run_dir / "config.yaml").is_file():
-        # Not .hydra/config.yaml (read_run_config's fallback): Hydra rewrites it with THIS
-        # command's config before train() runs, so it would always agree. Without the run's
+        # Not .hydra/config.yaml: the snapshot of THIS command's config, so it would always
+        # agree. Without the run's
         # own record a changed seed or learning rate would continue unnoticed.
         raise CheckpointError(f"run dir {run_dir} has checkpoints but no config.yaml: cannot check that this "
                               "config continues the same run (seed, model, data, learning rate); put the run's "
@@ -473,7 +510,7 @@ def check_resumable(run_dir, cfg):
     return [line for key, line in differences.items() if key in RESUME_NOTICE_KEYS]
 
 
-# --------------------------------------------------------------------------- the best checkpoint and the history
+# --------------------------------------------------------------------------- the best checkpoint
 
 class BestCheckpoint:
     """checkpoints/best: the epoch with the highest test accuracy among the epochs done.
@@ -555,32 +592,3 @@ class BestCheckpoint:
                 # The checkpoint's own files only (an evaluation's ckpt-N.eval.json stays).
                 for path in [self.directory / f"ckpt-{n}.index", *self.directory.glob(f"ckpt-{n}.data-*")]:
                     path.unlink(missing_ok=True)
-
-
-def read_history(path, epochs_done, *, rewrite=False):
-    """Per-epoch metrics of the epochs the checkpoint covers (a killed run may have logged more).
-
-    An epoch may have several lines (one per attempt: a run killed after the history line
-    and before the commit point redoes the epoch): the later line wins. rewrite=True (the
-    chief, on every start) writes the file back with one line per epoch done, replacing it
-    whole, so history.jsonl stays one line per epoch however often the run was killed."""
-    if not path.is_file():
-        return []
-    entries = _history_entries(path, epochs_done)
-    if rewrite:
-        temporary = path.with_name(path.name + ".tmp")
-        temporary.write_text("".join(json.dumps(entry) + "\n" for entry in entries))
-        os.replace(temporary, path)
-    return entries
-
-
-def _history_entries(path, epochs_done):
-    by_epoch = {}
-    for line in path.read_text().splitlines():
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a kill
-        if isinstance(entry, dict) and 1 <= entry.get("epoch", 0) <= epochs_done:
-            by_epoch[entry["epoch"]] = entry
-    return [by_epoch[e] for e in sorted(by_epoch)]

@@ -6,19 +6,8 @@ final metrics. `cfg` is a plain dict shaped like configs/train.yaml (train.py co
 Hydra's config at the boundary); nothing here sees a Hydra object. `train_epoch` runs
 one epoch's compiled calls, fetching and timing them.
 
-A run dir holds:
-    config.yaml                the resolved config (evaluate.py rebuilds the model from it)
-    train.lock                 held by the training running in it (capsnet.training.run_lock)
-    events.out.tfevents.*      TensorBoard: scalars, reconstructions, histograms, HParams
-    checkpoints/latest/ckpt-N  the last `train.keep_checkpoints` epochs saved (N = epochs done; every
-                               `train.save_every_epochs`th, the last, each new best)
-    checkpoints/best/ckpt-N    the epoch with the highest test accuracy (of the epochs done)
-    checkpoints/interrupted/ckpt-S  Ctrl-C's save of the steps run in an unfinished epoch (S = the
-                               global step): a rerun goes on from there, and drops it once that
-                               epoch is saved
-    history.jsonl              one line of metrics per finished epoch
-    metrics.json               the final metrics, written at the end
-
+The run dir (what it holds, who writes it, how a failed write ends): RunDir
+(capsnet.training.run_dir); TensorBoard: RunSummaries (capsnet.training.summaries).
 Rerunning with the same run dir resumes it; how, what an epoch commits and which config
 changes a resume refuses: capsnet.training.checkpoints. Several devices (the chief
 alone writes the run dir): capsnet.training.distribute. The weight average:
@@ -27,13 +16,10 @@ capsnet.training.weight_average.
 import concurrent.futures
 import contextlib
 import functools
-import json
 import logging
 import math
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -43,47 +29,49 @@ import numpy as np
 import tensorflow as tf
 
 from capsnet import config
+from capsnet.cli import complete_run_notice
 from capsnet.console import say
 from capsnet.data import augmentation_options, example_shape, is_overlay, load_split, make_split_dataset
-from capsnet.errors import ConfigError, Interrupted, Terminated, TrainingCollapsed, TrainingDiverged
+from capsnet.errors import CapsnetError, ConfigError, Interrupted, Terminated, TrainingCollapsed, TrainingDiverged
 from capsnet.losses import loss_params
 from capsnet.precision import set_tensor_float_32
-from capsnet.scoring import json_safe
-from capsnet.training.checkpoints import (BestCheckpoint, check_nothing_committed, check_resumable, checkpoint_damage,
-                                         checkpoint_numbers,
-                                         checkpoint_weights, read_history, recover_latest, resume_from, save_or_fail,
-                                         write_run_config)
+from capsnet.training.checkpoints import checkpoint_numbers, checkpoint_weights
 from capsnet.training.device_input import DevicePairSet, DeviceTrainingSet, make_device_train_loop
 from capsnet.training.distribute import (check_all_reduce, check_global_batch, check_tf_config, check_workers_agree,
                                          input_iterator, is_chief, make_strategy, resolve_all_reduce,
                                          trains_on_gpu, without_autotune_thread)
 from capsnet.training.model_setup import build_capsnet, check_labels, check_op_library
 from capsnet.training.optimizer import build_optimizer, checkpoint_nodes, loss_scale, scaled_learning_rate, steps_done
-from capsnet.training.run_lock import RunLock
+from capsnet.training.run_dir import RunDir, last_epoch_was_best  # noqa: F401  (last_epoch_was_best: loop's rule)
 from capsnet.training.steps import (align_trace_names, eval_batch_size, evaluate_model, execution_lengths,
                                     make_eval_step, make_train_loop, make_train_step, next_execution_length,
                                     set_autoclustering, set_determinism, set_xla_cache)
-from capsnet.training.summaries import (MetricWindow, write_epoch_summaries, write_hparams,
-                                        write_train_scalars)
+from capsnet.training.summaries import MetricWindow, RunSummaries, mean_images_per_sec, write_train_scalars
 from capsnet.training.weight_average import WeightAverage
 
 log = logging.getLogger(__name__)
 
 
-def train(cfg):
+def train(cfg, *, checked=False, hydra_files=None, resume_command=None):
     """Train (or resume) the run in cfg["run_dir"]; returns the final metrics (also metrics.json).
 
-    The run dir is locked for the run's life (capsnet.training.run_lock: one training per
-    run dir), released however train() ends. SIGTERM (a job's time limit, a preemption)
+    `checked`: cfg is config.check's result already (train.py checks it before importing
+    TensorFlow); else it is checked here. `hydra_files`: Hydra's .hydra/ snapshot, written
+    once the run dir is locked (RunDir.take). `resume_command`: the command that resumes
+    the run, named in the Ctrl-C and SIGTERM lines (train.py's, with hydra.run.dir).
+
+    The run dir (capsnet.training.run_dir.RunDir) is locked for the run's life (one training
+    per run dir), released however train() ends. SIGTERM (a job's time limit, a preemption)
     stops the run at the end of the epoch it is in, saved (errors.Terminated); a second
     SIGTERM stops it at once. Ctrl-C (SIGINT) stops it after the steps running, saved
     (checkpoints/interrupted/, errors.Interrupted naming the step); a second Ctrl-C at once.
     Python runs a handler between bytecodes of the main thread: the training steps run on a
     worker thread while it waits (train_epoch), so the handlers run at once there; a signal
     that lands inside another TensorFlow call (a test pass's step) acts when that call returns."""
-    progress = {"locks": [], "epoch": None, "done": None, "trained": None, "terminate": False, "interrupt": False}
+    progress = {"run": None, "epoch": None, "done": None, "trained": None, "terminate": False, "interrupt": False,
+                "resume": resume_command}
     try:
-        return _train(cfg, progress)
+        return _train(cfg if checked else config.check(cfg), progress, hydra_files)
     except KeyboardInterrupt as interrupt:
         if isinstance(interrupt, Interrupted):
             raise
@@ -93,8 +81,8 @@ def train(cfg):
             signal.signal(signal.SIGTERM, progress.pop("sigterm"))
         if "sigint" in progress:
             signal.signal(signal.SIGINT, progress.pop("sigint"))
-        for lock in progress["locks"]:
-            lock.release()
+        if progress["run"] is not None:
+            progress["run"].close()
 
 
 def _on_sigterm(progress, signum, frame):
@@ -116,431 +104,463 @@ def _on_sigint(progress, signum, frame):
         pass
 
 
-# train.progress_every_seconds' default: a progress line inside an epoch when stdout is not a terminal.
-PROGRESS_EVERY_SECONDS = 30.0
+def resume_hint(progress):
+    """How to go on: 'rerun <the command> to resume' (train.py's command names the run dir)."""
+    command = progress.get("resume")
+    return f"rerun `{command}` to resume" if command else "rerun the same command to resume"
 
 
 def interrupted(progress):
-    """The line for Ctrl-C: where the run stopped (`progress`, kept by _train) and how to go on."""
+    """The line for Ctrl-C: where the run stopped (`progress`, kept by _train) and how to go on.
+    An epoch counts as done once its checkpoint is on disk: progress["done"] is raised to the
+    newest epoch checkpoint there (a stop right after a save, before train() noted it)."""
+    run = progress.get("run")
+    if run is not None and progress["done"] is not None and run.chief:
+        saved = checkpoint_numbers(run.path / "checkpoints" / "latest")
+        progress["done"] = max([progress["done"], *saved])
     if progress["done"] is None:
-        return "interrupted before training started; rerun the same command to start (or resume) the run"
+        return f"interrupted before training started; {resume_hint(progress).replace('to resume', 'to start')}"
     done, running = progress["done"], progress["epoch"]
-    resume = f"rerun the same command to resume from epoch {done + 1}"
-    if running is None and progress["trained"] == done:
+    if running is not None and running <= done:
+        running = None  # the epoch running was saved
+    trained = max(progress["trained"] or 0, done)
+    resume = f"{resume_hint(progress)} from epoch {done + 1}"
+    if running is None and trained == done:
         return f"interrupted after epoch {done}; {resume}"
     # Lost: the epoch running, and with train.save_every_epochs > 1 the ones trained since the last save.
-    last = running if running is not None else progress["trained"]
+    last = running if running is not None else trained
     where = f"in epoch {running}" if running is not None else f"after epoch {last}"
     lost = "its progress is lost" if last == done + 1 else f"epochs {done + 1}-{last} are lost"
     return f"interrupted {where} ({lost}: an epoch counts once checkpointed); {resume}"
 
 
-def _train(cfg, progress):
-    """train()'s body; puts the run dir's RunLock in progress["locks"] once it takes it, and
-    keeps progress["done"] (epochs checkpointed), progress["trained"] (epochs finished) and
-    progress["epoch"] (the one running)."""
-    locks = progress["locks"]
-    # ---- config and setup
-    # Every value checked up front, before TensorFlow touches a device or the data is read
-    # (train.py has checked it already: idempotent); a bad one is a ConfigError naming it.
-    cfg = config.check(cfg)
-    # Where the set-up's seconds go, logged before the first epoch (the time to the first
-    # step is part of the time to accuracy): (phase, its end) marks.
-    marks = [("start", time.perf_counter())]
+def _train(cfg, progress, hydra_files):
+    """train()'s body: set-up, then the epoch loop; keeps progress["done"] (epochs
+    checkpointed), progress["trained"] (epochs finished) and progress["epoch"] (the one
+    running), and the RunDir in progress["run"] (closed by train())."""
+    marks = [("start", time.perf_counter())]  # where the set-up's seconds go, logged before the first epoch
     model_cfg, data_cfg, tcfg, dcfg = (dict(cfg[section]) for section in ("model", "data", "train", "distribute"))
     check_tf_config(dcfg["strategy"])
-    run_dir = Path(cfg["run_dir"]).expanduser().resolve()
-    seed, custom_op, batch_size = int(cfg["seed"]), cfg["custom_op"], int(tcfg["batch_size"])
-    if data_cfg.get("dir") is not None:
-        # Absolute, so evaluate.py finds the data from any working directory.
+    if data_cfg.get("dir") is not None:  # absolute, so evaluate.py finds the data from any working directory
         data_cfg["dir"] = str(Path(data_cfg["dir"]).expanduser().resolve())
-    latest_dir = run_dir / "checkpoints" / "latest"
-    interrupted_dir = run_dir / "checkpoints" / "interrupted"  # a Ctrl-C's mid-epoch checkpoint
-    # By the files, not the state file (which may be lost): recover_latest deals with both below.
-    if checkpoint_numbers(latest_dir) or checkpoint_numbers(interrupted_dir):
-        for change in check_resumable(run_dir, {**cfg, "data": data_cfg}):  # before the data is read
-            say(f"notice: resuming {run_dir} with {change} (from the next step on)")
-    # Before anything touches a device: on a CPU-only machine autoclustering needs a
-    # TF_XLA_FLAGS flag, and the XLA cache is one; TensorFlow reads them once, when it sets
-    # up its devices.
-    set_autoclustering(tcfg["xla"] == "autocluster")
-    replaced = set_xla_cache(tcfg["xla_cache_dir"])
-    if replaced:
-        say(f"notice: {replaced}")
-    set_determinism(cfg["deterministic"])
-    set_tensor_float_32(tcfg["tf32"])
-    # Before the first tensor (multi_worker configures the process's collective ops then);
-    # None = one device. Variables made in a scope() are mirrored over the replicas.
-    strategy = make_strategy(dcfg)
-
-    def scope():
-        return strategy.scope() if strategy is not None else contextlib.nullcontext()
-
-    chief = is_chief(strategy)
-    # One notice at most: the device loop (which runs under jit) is the far slower of the two.
-    if tcfg["data_on_device"] and not trains_on_gpu(strategy):
-        # Measured (docs/benchmarks.md, paper model, batch 100, 2 cores):
-        # two steps unfinished after 5 minutes, against ~10 s with the tf.data pipeline. In
-        # the device loop's optimized HLO XLA's CPU compiler leaves the convolution gradients
-        # in the dimension orders it does not hand to Eigen; the single jit step has none.
-        say("notice: train.data_on_device=true on a CPU: the paper model's steps take minutes each "
-            "(docs/benchmarks.md); it is for GPUs (on a CPU: speed=none, or train.data_on_device=false)")
-    elif tcfg["xla"] == "jit" and not trains_on_gpu(strategy):
-        # Measured (docs/benchmarks.md, paper model, batch 100, 2 cores):
-        # 1,274-1,433 ms a step against 1,203 with train.xla=none (with PrimaryCaps on
-        # blocks under jit; with its strided convolution XLA's CPU input gradient made it ~20x).
-        say("notice: train.xla=jit on a CPU: each step is slower than with train.xla=none "
-            "(1.06-1.19x measured, docs/benchmarks.md); jit is for GPUs")
-    if chief and run_dir.is_dir():
-        # A run dir that exists (Hydra's, a resumed run's) is locked at once: a second training
-        # fails before it reads the data. A new one is made and locked before its first write.
-        locks.append(RunLock.acquire(run_dir))
-    all_reduce = dcfg["all_reduce"]
-    if strategy is not None:
-        check_global_batch(batch_size, strategy)
-        all_reduce = resolve_all_reduce(all_reduce, dcfg["strategy"], tcfg["xla"], tcfg["precision"],
-                                        strategy.extended.worker_devices, tcfg["weight_decay"])
-        log.info("distribute=%s: %d replicas, global batch %d = %d per replica, all-reduce %s; this process: %s%s",
-                 dcfg["strategy"], strategy.num_replicas_in_sync, batch_size,
-                 batch_size // strategy.num_replicas_in_sync, all_reduce, ", ".join(strategy.extended.worker_devices),
-                 "" if chief else " (not the chief: writes nothing into the run dir)")
+    cfg = {**cfg, "data": data_cfg}
+    run = progress["run"] = RunDir.open(cfg)  # ours? resumable with this config? before any work
+    seed, batch_size = int(cfg["seed"]), int(tcfg["batch_size"])
+    strategy = set_up_devices(cfg)
+    scope = strategy.scope if strategy is not None else contextlib.nullcontext
+    run.take(is_chief(strategy), hydra_files)  # locked before the data is read
+    all_reduce = distribution(strategy, dcfg, tcfg)
     keras.utils.set_random_seed(seed)  # Python, NumPy and TF seeds: the initial weights
-    if custom_op:
-        # Each replica runs the op on its own device.
+    if cfg["custom_op"]:  # each replica runs the op on its own device
         check_op_library(strategy.extended.worker_devices if strategy is not None else None)
-    # The model first: its config errors (model.num_classes=abc) come before the data is read,
-    # and check_labels compares the data with the checked values.
-    with scope():
-        model = build_capsnet(model_cfg, custom_op, tcfg["precision"])
-    if strategy is not None:
-        # The gradients' all-reduce, tried once on tensors of the gradients' shapes before any
-        # step: one that runs but does not sum would train silently wrong.
-        log.info("checking the all-reduce over %s", ", ".join(strategy.extended.worker_devices))
-        check_all_reduce(strategy, [variable.shape for variable in model.trainable_variables],
-                         compiled=all_reduce == "xla")
+    with scope():  # the model first: its config errors come before the data is read
+        model = build_capsnet(model_cfg, cfg["custom_op"], tcfg["precision"])
+    if strategy is not None:  # an all-reduce that runs but does not sum would train silently wrong
+        check_all_reduce(strategy, [v.shape for v in model.trainable_variables], compiled=all_reduce == "xla")
     marks.append(("devices and model", time.perf_counter()))
-    # MultiMNIST: labels (B, 2) and the digits (B, 2, H, W, C); one device (config.check).
-    two_digits = is_overlay(data_cfg["name"])
-
-    # ---- data (uint8 in memory; make_dataset scales, shuffles and shifts per (seed, epoch);
-    # for MultiMNIST make_multimnist_dataset also pairs and overlays the digits)
-    train_images, train_labels = load_split(data_cfg["name"], "train", data_dir=data_cfg.get("dir"),
-                                            limit=data_cfg.get("limit_train"))
-    test_images, test_labels = load_split(data_cfg["name"], "test", data_dir=data_cfg.get("dir"),
-                                          limit=data_cfg.get("limit_test"))
+    data = load_data(data_cfg, tcfg, model)
     marks.append(("data", time.perf_counter()))
-    image_shape = example_shape(data_cfg["name"], train_images.shape[1:], data_cfg["shift_pixels"],
-                                data_cfg["pad_pixels"])
-    check_labels(train_labels, train_images, model=model, split=f"{data_cfg['name']} train", image_shape=image_shape)
-    check_labels(test_labels, test_images, model=model, split=f"{data_cfg['name']} test", image_shape=image_shape)
-    # train.drop_remainder: only full batches (a different few examples left out each epoch,
-    # the order being shuffled), so the compiled step sees one batch shape, not two.
-    if tcfg["drop_remainder"]:
-        if len(train_labels) < batch_size:
-            raise ConfigError(f"train.batch_size={batch_size} with train.drop_remainder=true leaves no batch of the "
-                              f"{len(train_labels)} training examples of {data_cfg['name']}")
-        steps_per_epoch = len(train_labels) // batch_size
-        examples_per_epoch = steps_per_epoch * batch_size
-    else:
-        steps_per_epoch = math.ceil(len(train_labels) / batch_size)
-        examples_per_epoch = len(train_labels)
-    augmentation = {"shift_pixels": data_cfg["shift_pixels"], **augmentation_options(data_cfg)}
-    # The test split: no augmentation (MultiMNIST: shift_pixels and pad_pixels set its fixed pairs' shifts).
-    # Without the autotune thread, whose join made deleting each test pass's iterator wait (as the epochs').
-    test_ds = without_autotune_thread(make_split_dataset(data_cfg["name"], test_images, test_labels,
-                                                         batch_size=eval_batch_size(tcfg), training=False,
-                                                         shift_pixels=data_cfg["shift_pixels"],
-                                                         pad_pixels=data_cfg["pad_pixels"]))
-    # A fixed set of test images for the reconstruction grid and the histograms, every epoch
-    # (MultiMNIST: the first test pairs, made from the whole test split as in test_ds).
-    n_show = min(len(test_labels), max(tcfg["num_images"], tcfg["histogram_examples"]))
-    show_images = next(iter(test_ds.unbatch().batch(n_show)))[0]  # (n_show, H, W, C)
-    marks.append(("checks and test images", time.perf_counter()))
-
-    # ---- optimizer, checkpoints (new or resumed)
-    learning_rate = scaled_learning_rate(tcfg["learning_rate"], batch_size, dcfg["scale_lr"],
-                                         dcfg["lr_base_batch_size"])
-    if dcfg["scale_lr"] != "none":
-        log.info("learning rate %g: train.learning_rate %g scaled (distribute.scale_lr=%s) from batch %d to %d",
-                 learning_rate, tcfg["learning_rate"], dcfg["scale_lr"], dcfg["lr_base_batch_size"], batch_size)
-    with scope():  # the Keras optimizer keeps the strategy it is made under
-        optimizer, schedule = build_optimizer({**tcfg, "learning_rate": learning_rate}, steps_per_epoch, model)
-        # The run's test passes, best checkpoint and evaluate.py use the average's weights.
-        decay = tcfg["ema_decay"]
-        average = WeightAverage(model, decay, optimizer.iterations) if decay else None
-    epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")  # epochs done
-    best_accuracy = tf.Variable(-1.0, dtype=tf.float64, trainable=False, name="best_accuracy")
-    # "loss_scale" (mixed_float16) is optional on resume: checkpoints are shared by every precision.
-    optimizer_nodes = checkpoint_nodes(optimizer)
-    required_nodes = {"model": checkpoint_weights(model), "optimizer": optimizer_nodes.pop("optimizer"),
-                      "epoch": epoch, "best_accuracy": best_accuracy,
-                      **({"ema": average.weights()} if average is not None else {})}
-    # The steps of the epoch after `epoch` that a Ctrl-C's checkpoint (interrupted/) holds; 0 in
-    # the epochs' checkpoints (optional: those saved before it existed have none).
-    step_in_epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="step_in_epoch")
-    checkpoint = tf.train.Checkpoint(**required_nodes, **optimizer_nodes, step_in_epoch=step_in_epoch)
-    # Only the chief writes into the run dir. The other workers save too, into a scratch
-    # dir of their own (deleted at the end), as tf.distribute's multi-worker guide asks:
-    # saving may read variables through collectives that every worker must join.
-    scratch = None if chief else tempfile.TemporaryDirectory(prefix="capsnet-worker-")
-    checkpoints_dir = run_dir / "checkpoints" if chief else Path(scratch.name) / "checkpoints"
-    # The chief's newest intact checkpoint, on every worker; the chief first repairs what a
-    # crash or a damaged disk left (recover_latest: before the manager reads the state file).
-    if chief and not locks:
-        locks.append(RunLock.acquire(run_dir))
-    resumed_from = recover_latest(latest_dir, repair=chief)
-    if resumed_from is None and chief:
-        check_nothing_committed(run_dir)
-    latest = tf.train.CheckpointManager(checkpoint, str(checkpoints_dir / "latest"),
-                                        max_to_keep=tcfg["keep_checkpoints"])
-    best = BestCheckpoint(checkpoint, checkpoints_dir / "best")
-    history_path = run_dir / "history.jsonl"
+    state = TrainingState(model, tcfg, dcfg, data.steps_per_epoch, scope)
+    resumed_from = run.restore(state.checkpoint, state.required, state.epoch, state.step_in_epoch,
+                               data.steps_per_epoch)
     if resumed_from:
-        resume_from(checkpoint, resumed_from, required=required_nodes)
-        log.info("resumed from %s: %d of %d epochs done, step %d", resumed_from, int(epoch),
-                 tcfg["epochs"], steps_done(optimizer))
-    # A Ctrl-C's checkpoint in the epoch after the last one saved goes on from its step; an
-    # older one (its epoch saved since) is stale.
-    interrupted_at = tf.train.latest_checkpoint(str(checkpoints_dir / "interrupted"))
-    if interrupted_at is not None and checkpoint_damage(interrupted_at) is None and \
-            tf.train.load_checkpoint(interrupted_at).get_tensor("epoch/.ATTRIBUTES/VARIABLE_VALUE") == int(epoch):
-        resume_from(checkpoint, interrupted_at, required=required_nodes)
-        resumed_from = interrupted_at
-        say(f"resuming epoch {int(epoch) + 1} at step {int(step_in_epoch)} of {steps_per_epoch} "
-            f"(interrupted there: {interrupted_at})")
-    elif chief:
-        shutil.rmtree(checkpoints_dir / "interrupted", ignore_errors=True)
-    first_step = int(step_in_epoch)
+        log.info("resumed from %s: %d of %d epochs done, step %d", resumed_from, int(state.epoch), tcfg["epochs"],
+                 steps_done(state.optimizer))
+        if int(state.epoch) >= tcfg["epochs"]:
+            say(complete_run_notice(run.path, int(state.epoch)))
     if dcfg["strategy"] == "multi_worker":
-        check_workers_agree(strategy, int(epoch), steps_done(optimizer))
-    history = read_history(history_path, int(epoch), rewrite=chief)
-    # Drops a best checkpoint of an epoch that is to be redone; adopts the last epoch done if
-    # it was a new best that a crash kept out of best/.
-    best.recover(int(epoch), last_was_best=last_epoch_was_best(history, int(epoch)),
-                 latest_dir=checkpoints_dir / "latest")
-    if chief:
-        write_run_config(run_dir, {**cfg, "run_dir": str(run_dir), "data": data_cfg})
-
+        check_workers_agree(strategy, int(state.epoch), steps_done(state.optimizer))
     marks.append(("optimizer and checkpoints", time.perf_counter()))
-
-    # ---- TensorBoard: one writer per run dir, so `tensorboard --logdir outputs` lists runs side by side
-    writer = tf.summary.create_file_writer(str(run_dir)) if chief else tf.summary.create_noop_writer()
-    if chief and not resumed_from:
-        write_hparams(writer, run_dir, cfg, data_cfg)
-
+    summaries = RunSummaries(run.path, run.chief)
+    if not resumed_from:
+        summaries.hparams(cfg)
     marks.append(("TensorBoard", time.perf_counter()))
     log.info("set-up %.2f s: %s", marks[-1][1] - marks[0][1],
              ", ".join(f"{name} {end - begin:.2f}" for (_, begin), (name, end) in zip(marks, marks[1:])))
-
-    # ---- compiled steps (xla=autocluster switches XLA on for the whole process)
-    losses = loss_params(tcfg)
-    train_step = make_train_step(model, optimizer, input_shape=model.image_shape, losses=losses, xla=tcfg["xla"],
-                                 strategy=strategy, all_reduce=all_reduce, two_digits=two_digits,
-                                 weight_average=average)
-    # The compiled programs are traced here, before the thread that builds the next epoch's
-    # input starts (its traces move the same uid counter), each from an aligned uid
-    # (align_trace_names): a rerun or resumed run finds them in train.xla_cache_dir.
-    align_trace_names()
-    if tcfg["data_on_device"] and int(epoch) < tcfg["epochs"]:  # (a finished run rerun: nothing to copy)
-        # The training split copied to the device once; each epoch only its draws (config.check_data_on_device).
-        if two_digits:
-            training_set = DevicePairSet(train_images, train_labels, batch_size=batch_size, seed=seed,
-                                         shift_pixels=data_cfg["shift_pixels"], pad_pixels=data_cfg["pad_pixels"],
-                                         **{key: augmentation[key] for key in config.OVERLAY_AUGMENTATION})
-        else:
-            training_set = DeviceTrainingSet(train_images, train_labels, batch_size=batch_size, seed=seed,
-                                             **augmentation)
-        last_batch = examples_per_epoch - (steps_per_epoch - 1) * batch_size
-        # The longest call train_epoch makes in the epochs left runs a loop of constant length
-        # (make_device_train_loop says why).
-        per_call = steps_per_call(steps_per_epoch, tcfg["steps_per_execution"], tcfg["progress_bar"])
-        longest = max(max(execution_lengths(steps_per_epoch, done * steps_per_epoch, per_call, tcfg["log_every_steps"]))
-                      for done in range(int(epoch), tcfg["epochs"]))
-        train_steps = make_device_train_loop(train_step, training_set, steps_per_execution=tcfg["steps_per_execution"],
-                                             trace_sizes=(batch_size, last_batch), static_steps=longest)
-    else:
-        training_set = None
-        train_steps = make_train_loop(train_step, strategy=strategy)  # (traces nothing until called)
-        if strategy is None and int(epoch) < tcfg["epochs"]:
-            train_step.get_concrete_function()  # the loop's trace then calls this one
-    eval_step = make_eval_step(model, model.image_shape, jit_compile=tcfg["xla"] == "jit", two_digits=two_digits,
-                               **losses)
-    align_trace_names()
-    eval_step.get_concrete_function()
-
-    def test_pass(summaries_step=None):
-        """(test, raw_test): the test split through eval_step with the run's weights (with a
-        weight average, the average's; raw_test then the trained weights', else None);
-        with summaries_step, the chief also writes the epoch's test summaries."""
-        raw_test = evaluate_model(eval_step, test_ds, model.num_classes) if average is not None else None
-        with average.in_model() if average is not None else contextlib.nullcontext():
-            test = evaluate_model(eval_step, test_ds, model.num_classes, keep_lengths=True)
-            # The longest capsule over the test set (collapse_reason), not the (N, classes) lengths.
-            test["max_length"] = float(test.pop("lengths").max())
-            test.pop("labels")
-            if chief and summaries_step is not None:
-                write_epoch_summaries(writer, model, test, show_images, tcfg, summaries_step, raw_test)
-        return test, raw_test
+    steps = CompiledSteps(model, state, data, cfg, strategy, all_reduce)
 
     # ---- the loop
-    test = None
+    first_step = int(state.step_in_epoch)  # > 0: a Ctrl-C's checkpoint resumed mid-epoch
+    resumed_epoch = int(state.epoch)
     # The steps run, counted on the host (reading Adam's counter would wait for the device, and
-    # with mixed_float16 it leaves out the steps skipped for overflow): epochs end at checkpoints,
-    # and a resume keeps what sets the steps of an epoch.
-    global_step = int(epoch) * steps_per_epoch + first_step
-    progress["done"] = progress["trained"] = int(epoch)
-    resumed_epoch = int(epoch)  # its input starts at first_step
-
-    def epoch_input(epoch_index):
-        # The epoch's batches on the training devices ahead of the steps (under a strategy:
-        # the same global batches, split over the replicas); train.data_on_device: its draws there.
-        if training_set is not None:
-            return training_set.epoch(epoch_index)
-        train_ds = make_split_dataset(data_cfg["name"], train_images, train_labels, batch_size=batch_size,
-                                      training=True, seed=seed, epoch=epoch_index, pad_pixels=data_cfg["pad_pixels"],
-                                      drop_remainder=tcfg["drop_remainder"], **augmentation)
-        if epoch_index == resumed_epoch and first_step:
-            # The epoch's order is a function of (seed, epoch): its batches from the step it stopped at.
-            train_ds = train_ds.skip(first_step)
-        return input_iterator(train_ds, strategy)
-
-    def next_learning_rate():
-        # The rate of the optimizer's next update: its schedule at Adam's step counter, not at
-        # the steps run (with mixed_float16 a step skipped for overflow does not advance it).
-        # Read where the steps were just fetched, so it waits for nothing.
-        return float(schedule(steps_done(optimizer)))
-
-    # From here SIGTERM ends the run at an epoch's end, saved (train()). Only the main thread may
-    # set a handler; a multi-worker run keeps the default (its workers save together, and a
-    # signal reaches one of them). Before here a SIGTERM loses nothing trained.
-    # Ctrl-C likewise, at the step running (train_epoch), saved there; a second one stops at once.
-    if threading.current_thread() is threading.main_thread() and dcfg["strategy"] != "multi_worker":
-        replaced = signal.signal(signal.SIGTERM, functools.partial(_on_sigterm, progress))
-        progress["sigterm"] = signal.SIG_DFL if replaced is None else replaced
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where SIGINT is ignored
-            progress["sigint"] = signal.signal(signal.SIGINT, functools.partial(_on_sigint, progress))
-    report = Progress(epochs=tcfg["epochs"], steps_per_epoch=steps_per_epoch, batch_size=batch_size,
-                      test_examples=len(test_labels), test_every_epochs=tcfg["test_every_epochs"],
-                      every=tcfg.get("progress_every_seconds", PROGRESS_EVERY_SECONDS),
-                      live=live_progress_bar(tcfg["progress_bar"]))
-    for epoch_index, iterator in built_ahead(epoch_input, range(int(epoch), tcfg["epochs"])):
-        progress["epoch"] = epoch_index + 1
+    # with mixed_float16 it leaves out the steps skipped for overflow).
+    global_step = resumed_epoch * data.steps_per_epoch + first_step
+    progress["done"] = progress["trained"] = resumed_epoch
+    handle_signals(progress, dcfg)
+    report = Progress(epochs=tcfg["epochs"], steps_per_epoch=data.steps_per_epoch, batch_size=batch_size,
+                      test_examples=data.test_examples, test_every_epochs=tcfg["test_every_epochs"],
+                      every=tcfg["progress_every_seconds"], live=live_progress_bar(tcfg["progress_bar"]))
+    test = raw_test = None
+    epochs = range(resumed_epoch, tcfg["epochs"])
+    for epoch_index, iterator in built_ahead(lambda e: steps.epoch_input(e, first_step, resumed_epoch), epochs):
+        number = epoch_index + 1
+        progress["epoch"] = number
         start_step = first_step if epoch_index == resumed_epoch else 0
-        say(f"epoch {epoch_index + 1}/{tcfg['epochs']}" + (f" (from step {start_step})" if start_step else ""))
+        say(f"epoch {number}/{tcfg['epochs']}" + (f" (from step {start_step})" if start_step else ""))
         clock = [time.perf_counter()]  # the epoch's phases end: train, test (with its summaries), save
-        report.start_epoch(epoch_index + 1)
-        try:
-            train_means, global_step, stopped_at = train_epoch(
-                train_steps, iterator, global_step=global_step, num_examples=examples_per_epoch,
-                batch_size=batch_size, steps_per_execution=tcfg["steps_per_execution"],
-                log_every_steps=tcfg["log_every_steps"], writer=writer, learning_rate=next_learning_rate,
-                progress_bar=tcfg["progress_bar"], loss_scale=loss_scale(optimizer), first_step=start_step,
-                # train.data_on_device's epochs cannot start mid-way: a Ctrl-C there stops at the epoch's end.
-                stop=(lambda: progress["interrupt"]) if training_set is None else None, report=report)
-            if stopped_at is not None:
-                # Ctrl-C: the steps run so far saved (interrupted/), this epoch unfinished.
-                step_in_epoch.assign(stopped_at)
-                interrupted_manager = tf.train.CheckpointManager(checkpoint, str(checkpoints_dir / "interrupted"),
-                                                                 max_to_keep=1)
-                save_or_fail(lambda: interrupted_manager.save(checkpoint_number=global_step),
-                             checkpoints_dir / "interrupted", global_step)
-                writer.close()
-                raise Interrupted(f"interrupted at step {stopped_at} of {steps_per_epoch} in epoch {epoch_index + 1}: "
-                                  "saved; rerun the same command to resume from there")
-            step_in_epoch.assign(0)  # the epochs' checkpoints start their next epoch at its first step
-        except NonFiniteStep as stop:
-            # Nothing of this epoch is saved (the weights in memory are diverged): the
-            # checkpoints, best/ and history.jsonl keep what the last good epoch left.
-            writer.close()
-            raise diverged(stop, epoch_index + 1, latest.latest_checkpoint, tcfg, learning_rate) from None
-
-        # Test pass, images and histograms; then the epoch's records, the checkpoint LAST.
-        # On every worker (the same weights and data): each decides is_best and saves as the chief does.
-        # With a weight average, the test is the average's, and the trained weights' is logged beside it.
-        # train.test_every_epochs > 1: only every Nth epoch and the last are tested (and can be best/).
+        report.start_epoch(number)
+        train_means, global_step = steps.train(iterator, global_step, start_step, summaries, report, progress, run)
+        state.step_in_epoch.assign(0)  # the epochs' checkpoints start their next epoch at its first step
         clock.append(time.perf_counter())
-        if on_schedule(epoch_index + 1, tcfg["test_every_epochs"], tcfg["epochs"]):
-            test, raw_test = test_pass(summaries_step=global_step)
+        test = raw_test = collapse = None
+        if on_schedule(number, tcfg["test_every_epochs"], tcfg["epochs"]):
+            test, raw_test = steps.test_pass(summaries, global_step)
             report.tested(time.perf_counter() - clock[-1])
-            collapse = collapse_reason(test, epoch_index + 1, model.num_classes, 2 if two_digits else 1)
-            if chief:
-                with writer.as_default(step=global_step):
-                    tf.summary.scalar("test/max_capsule_length", test["max_length"])
-                    tf.summary.scalar("test/collapsed", float(collapse is not None))
-                    if collapse is not None:
-                        tf.summary.text("test/collapse", f"epoch {epoch_index + 1}: {collapse}")
-            is_best = test["accuracy"] > float(best_accuracy)
-        else:
-            test = raw_test = collapse = None
-            is_best = False
-        epoch.assign(epoch_index + 1)
+            collapse = collapse_reason(test, number, model.num_classes, data.labels_per_example)
+            summaries.collapse(global_step, test, collapse, number)
+        is_best = test is not None and test["accuracy"] > float(state.best_accuracy)
+        state.epoch.assign(number)
         if is_best:
-            best_accuracy.assign(test["accuracy"])
-        entry = history_entry(epoch_index + 1, global_step, next_learning_rate(), train_means, test, raw_test,
-                              collapse)
-        history.append(entry)
-        if chief:
-            with history_path.open("a") as f:
-                f.write(json.dumps(entry) + "\n")  # a redone epoch's line supersedes this one (read_history)
+            state.best_accuracy.assign(test["accuracy"])
+        run.append_history(history_entry(number, global_step, steps.next_learning_rate(), train_means, test,
+                                         raw_test, collapse))
         clock.append(time.perf_counter())
-        patience = tcfg["collapse_patience"]
-        stopping = collapse is not None and collapsed_for(history, patience)
+        stopping = collapse is not None and collapsed_for(run.history, tcfg["collapse_patience"])
         terminating = progress["terminate"]  # read once: a SIGTERM from here on stops at the next epoch's end
         interrupting = progress["interrupt"]  # a Ctrl-C during the test pass: saved, then stopped
         # The commit point: until a checkpoint of this epoch exists, a restart redoes it (and the
         # epochs since the last one saved: train.save_every_epochs > 1 saves only every Nth and the
         # last; a new best is always saved, best/ being links to its files, and so is a stop).
-        on_save_schedule = on_schedule(epoch_index + 1, tcfg["save_every_epochs"], tcfg["epochs"])
-        if is_best or stopping or terminating or interrupting or on_save_schedule:
-            saved = save_or_fail(lambda: latest.save(checkpoint_number=epoch_index + 1), checkpoints_dir / "latest",
-                                 epoch_index + 1)
-            progress["done"] = epoch_index + 1
-            if chief and epoch_index == resumed_epoch and first_step:
-                shutil.rmtree(checkpoints_dir / "interrupted", ignore_errors=True)  # superseded (after the commit)
-            if is_best:
-                best.adopt(epoch_index + 1, saved)  # the same files: no second write
-                best.commit(epoch_index + 1)
-        progress["trained"] = epoch_index + 1
+        if is_best or stopping or terminating or interrupting or on_schedule(number, tcfg["save_every_epochs"],
+                                                                             tcfg["epochs"]):
+            run.save_epoch(number, is_best)
+            progress["done"] = number
+            if epoch_index == resumed_epoch and first_step:
+                run.drop_interrupted()  # superseded (after the commit)
+        progress["trained"] = number
         clock.append(time.perf_counter())
-        # Where the epoch's wall time went (TensorBoard's time/ scalars and the epoch's line).
-        phases = dict(zip(("train", "test", "save"), np.diff(clock)))
-        if chief:
-            with writer.as_default(step=global_step):
-                for phase, seconds in phases.items():
-                    tf.summary.scalar(f"time/{phase}_seconds", seconds)
-        test_line = ""
-        if test is not None:
-            raw = f" (trained weights: {raw_test['accuracy']:.4f})" if raw_test is not None else ""
-            test_line = (f" | test loss {test['loss']:.4f} acc {test['accuracy']:.4f}{raw}"
-                         f"{' (best)' if is_best else ''}{f' [COLLAPSED: {collapse}]' if collapse else ''}")
+        phases = dict(zip(("train", "test", "save"), np.diff(clock)))  # where the epoch's wall time went
+        summaries.epoch_end(global_step, phases, run.history)
         progress["epoch"] = None
-        say(f"epoch {epoch_index + 1}: train loss {train_means['loss']:.4f} acc {train_means['accuracy']:.4f}"
-            f"{test_line} | {clock[-1] - clock[0]:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
-        if interrupting and epoch_index + 1 < tcfg["epochs"]:
-            writer.close()
-            raise Interrupted(f"interrupted after epoch {epoch_index + 1}: saved; rerun the same command to resume "
-                              f"from epoch {epoch_index + 2}")
-        if terminating and epoch_index + 1 < tcfg["epochs"]:
-            writer.close()
-            raise Terminated(f"stopped by SIGTERM after epoch {epoch_index + 1} (saved); rerun the same command to "
-                             f"resume from epoch {epoch_index + 2}")
-        if stopping:
-            writer.close()
-            passes = (f"{patience} epoch{'s' if patience > 1 else ''}" if tcfg["test_every_epochs"] == 1 else
-                      f"{patience} test pass{'es' if patience > 1 else ''} (one every {tcfg['test_every_epochs']} epochs)")
-            raise TrainingCollapsed(
-                f"training stopped at epoch {epoch_index + 1}: the test results looked collapsed for "
-                f"{passes} in a row ({collapse}); the epoch is saved in "
-                f"{run_dir}; train.collapse_patience=null trains on regardless")
+        say(epoch_line(number, train_means, test, raw_test, is_best, collapse, clock[-1] - clock[0], phases))
+        stop_if_asked(number, tcfg, interrupting, terminating, stopping, collapse, run, summaries, progress)
 
     # ---- final metrics
-    if test is None:
-        # Nothing left to train (a finished run rerun): measure the checkpoint as it is.
-        test, raw_test = test_pass()
-    train_speeds = [h["train_images_per_sec"] for h in history if "train_images_per_sec" in h]
+    if test is None:  # nothing left to train (a finished run rerun): measure the checkpoint as it is
+        test, raw_test = steps.test_pass()
+    metrics = final_metrics(test, raw_test, run, state, global_step, strategy, dcfg)
+    summaries.close()
+    run.finish(metrics)
+    return metrics
+
+
+def set_up_devices(cfg):
+    """Process-wide TensorFlow settings, before anything touches a device, then the strategy
+    (None = one device; multi_worker configures the process's collective ops then)."""
+    tcfg, dcfg = cfg["train"], cfg["distribute"]
+    # On a CPU-only machine autoclustering needs a TF_XLA_FLAGS flag, and the XLA cache is one;
+    # TensorFlow reads them once, when it sets up its devices.
+    set_autoclustering(tcfg["xla"] == "autocluster")
+    replaced = set_xla_cache(tcfg["xla_cache_dir"])
+    if replaced:
+        say(f"notice: {replaced}")
+    set_memory_growth()
+    set_determinism(cfg["deterministic"])
+    set_tensor_float_32(tcfg["tf32"])
+    strategy = make_strategy(dcfg)
+    # One notice at most: the device loop (which runs under jit) is the far slower of the two.
+    if tcfg["data_on_device"] and not trains_on_gpu(strategy):
+        # Measured (docs/benchmarks.md, paper model, batch 100, 2 cores): two steps unfinished
+        # after 5 minutes, against ~10 s with the tf.data pipeline. In the device loop's optimized
+        # HLO XLA's CPU compiler leaves the convolution gradients in the dimension orders it does
+        # not hand to Eigen; the single jit step has none.
+        say("notice: train.data_on_device=true on a CPU: the paper model's steps take minutes each "
+            "(docs/benchmarks.md); it is for GPUs (on a CPU: speed=none, or train.data_on_device=false)")
+    elif tcfg["xla"] == "jit" and not trains_on_gpu(strategy):
+        # Measured (docs/benchmarks.md, paper model, batch 100, 2 cores): 1,274-1,433 ms a step
+        # against 1,203 with train.xla=none (with PrimaryCaps on blocks under jit; with its
+        # strided convolution XLA's CPU input gradient made it ~20x).
+        say("notice: train.xla=jit on a CPU: each step is slower than with train.xla=none "
+            "(1.06-1.19x measured, docs/benchmarks.md); jit is for GPUs")
+    return strategy
+
+
+def set_memory_growth():
+    """Every GPU's memory taken as needed, not all at the start (before the first op: TensorFlow
+    fixes it when it sets up its devices): a second training on the GPU, or XLA's autotuning of
+    a convolution, then finds room. A process that has set up its devices already keeps them."""
+    for gpu in tf.config.list_physical_devices("GPU"):
+        try:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        except (RuntimeError, ValueError):  # devices set up already (train() run twice in one process)
+            pass
+
+
+def device_memory_error(exc):
+    """The one line for a device that ran out of memory in the first steps (another process
+    holds it), or None for another error."""
+    text = str(exc)
+    if isinstance(exc, tf.errors.ResourceExhaustedError) or "No valid config found" in text or \
+            "out of memory" in text.lower():
+        first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+        return CapsnetError(
+            f"the device ran out of memory in the first steps ({first[:200]}): another process may hold the GPU's "
+            "memory (nvidia-smi shows it); wait for it, use another GPU (CUDA_VISIBLE_DEVICES), or a smaller "
+            "train.batch_size")
+    return None
+
+
+def distribution(strategy, dcfg, tcfg):
+    """The all-reduce of a strategy's gradients (checked against the batch), logged; dcfg's for one device."""
+    if strategy is None:
+        return dcfg["all_reduce"]
+    batch_size = int(tcfg["batch_size"])
+    check_global_batch(batch_size, strategy)
+    all_reduce = resolve_all_reduce(dcfg["all_reduce"], dcfg["strategy"], tcfg["xla"], tcfg["precision"],
+                                    strategy.extended.worker_devices, tcfg["weight_decay"])
+    log.info("distribute=%s: %d replicas, global batch %d = %d per replica, all-reduce %s; this process: %s%s",
+             dcfg["strategy"], strategy.num_replicas_in_sync, batch_size, batch_size // strategy.num_replicas_in_sync,
+             all_reduce, ", ".join(strategy.extended.worker_devices),
+             "" if is_chief(strategy) else " (not the chief: writes nothing into the run dir)")
+    return all_reduce
+
+
+class RunData:
+    """The run's data: the splits (uint8 in memory; make_split_dataset scales, shuffles and
+    shifts per (seed, epoch); MultiMNIST pairs and overlays the digits), checked against the
+    model, the epoch's steps, the test pass's dataset and the fixed images of the summaries."""
+
+    def __init__(self, data_cfg, tcfg, model):
+        name, batch_size = data_cfg["name"], int(tcfg["batch_size"])
+        self.name, self.data_cfg = name, data_cfg
+        self.train_images, self.train_labels = load_split(name, "train", data_dir=data_cfg.get("dir"),
+                                                          limit=data_cfg.get("limit_train"))
+        test_images, test_labels = load_split(name, "test", data_dir=data_cfg.get("dir"),
+                                              limit=data_cfg.get("limit_test"))
+        image_shape = example_shape(name, self.train_images.shape[1:], data_cfg["shift_pixels"],
+                                    data_cfg["pad_pixels"])
+        check_labels(self.train_labels, self.train_images, model=model, split=f"{name} train", image_shape=image_shape)
+        check_labels(test_labels, test_images, model=model, split=f"{name} test", image_shape=image_shape)
+        # MultiMNIST: labels (B, 2) and the digits (B, 2, H, W, C); one device (config.check).
+        self.two_digits = is_overlay(name)
+        self.labels_per_example = 2 if self.two_digits else 1
+        # train.drop_remainder: only full batches (a different few examples left out each epoch,
+        # the order being shuffled), so the compiled step sees one batch shape, not two.
+        if tcfg["drop_remainder"]:
+            if len(self.train_labels) < batch_size:
+                raise ConfigError(f"train.batch_size={batch_size} with train.drop_remainder=true leaves no batch of "
+                                  f"the {len(self.train_labels)} training examples of {name}")
+            self.steps_per_epoch = len(self.train_labels) // batch_size
+            self.examples_per_epoch = self.steps_per_epoch * batch_size
+        else:
+            self.steps_per_epoch = math.ceil(len(self.train_labels) / batch_size)
+            self.examples_per_epoch = len(self.train_labels)
+        self.augmentation = {"shift_pixels": data_cfg["shift_pixels"], **augmentation_options(data_cfg)}
+        self.test_examples = len(test_labels)
+        # The test split: no augmentation (MultiMNIST: shift_pixels and pad_pixels set its fixed
+        # pairs' shifts). Without the autotune thread, whose join made deleting each test pass's
+        # iterator wait (as the epochs').
+        self.test_ds = without_autotune_thread(make_split_dataset(
+            name, test_images, test_labels, batch_size=eval_batch_size(tcfg), training=False,
+            shift_pixels=data_cfg["shift_pixels"], pad_pixels=data_cfg["pad_pixels"]))
+        # A fixed set of test images for the reconstruction grid and the histograms, every epoch
+        # (MultiMNIST: the first test pairs, made from the whole test split as in test_ds).
+        n_show = min(len(test_labels), max(tcfg["num_images"], tcfg["histogram_examples"]))
+        self.show_images = next(iter(self.test_ds.unbatch().batch(n_show)))[0]  # (n_show, H, W, C)
+
+
+def load_data(data_cfg, tcfg, model):
+    return RunData(data_cfg, tcfg, model)
+
+
+class TrainingState:
+    """What a checkpoint holds: the optimizer (Adam on the run's learning rate schedule), the
+    weight average (train.ema_decay), the epochs done, the best accuracy so far and, in a
+    Ctrl-C's checkpoint, the steps of the next epoch done (`step_in_epoch`)."""
+
+    def __init__(self, model, tcfg, dcfg, steps_per_epoch, scope):
+        batch_size = int(tcfg["batch_size"])
+        self.learning_rate = scaled_learning_rate(tcfg["learning_rate"], batch_size, dcfg["scale_lr"],
+                                                  dcfg["lr_base_batch_size"])
+        if dcfg["scale_lr"] != "none":
+            log.info("learning rate %g: train.learning_rate %g scaled (distribute.scale_lr=%s) from batch %d to %d",
+                     self.learning_rate, tcfg["learning_rate"], dcfg["scale_lr"], dcfg["lr_base_batch_size"],
+                     batch_size)
+        with scope():  # the Keras optimizer keeps the strategy it is made under
+            self.optimizer, self.schedule = build_optimizer({**tcfg, "learning_rate": self.learning_rate},
+                                                            steps_per_epoch, model)
+            # The run's test passes, best checkpoint and evaluate.py use the average's weights.
+            self.average = (WeightAverage(model, tcfg["ema_decay"], self.optimizer.iterations)
+                            if tcfg["ema_decay"] else None)
+        self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")  # epochs done
+        self.best_accuracy = tf.Variable(-1.0, dtype=tf.float64, trainable=False, name="best_accuracy")
+        # "loss_scale" (mixed_float16) is optional on resume: checkpoints are shared by every precision.
+        optimizer_nodes = checkpoint_nodes(self.optimizer)
+        self.required = {"model": checkpoint_weights(model), "optimizer": optimizer_nodes.pop("optimizer"),
+                         "epoch": self.epoch, "best_accuracy": self.best_accuracy,
+                         **({"ema": self.average.weights()} if self.average is not None else {})}
+        # The steps of the epoch after `epoch` that a Ctrl-C's checkpoint (interrupted/) holds; 0 in
+        # the epochs' checkpoints (optional: those saved before it existed have none).
+        self.step_in_epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="step_in_epoch")
+        self.checkpoint = tf.train.Checkpoint(**self.required, **optimizer_nodes, step_in_epoch=self.step_in_epoch)
+
+
+class CompiledSteps:
+    """The run's compiled train and test steps (xla=autocluster switches XLA on for the whole
+    process), each epoch's input, and the epoch's training (`train`) and test pass (`test_pass`)."""
+
+    def __init__(self, model, state, data, cfg, strategy, all_reduce):
+        tcfg = cfg["train"]
+        self.model, self.state, self.data, self.tcfg, self.strategy = model, state, data, tcfg, strategy
+        self.seed, self.batch_size = int(cfg["seed"]), int(tcfg["batch_size"])
+        losses = loss_params(tcfg)
+        train_step = make_train_step(model, state.optimizer, input_shape=model.image_shape, losses=losses,
+                                     xla=tcfg["xla"], strategy=strategy, all_reduce=all_reduce,
+                                     two_digits=data.two_digits, weight_average=state.average)
+        # The compiled programs are traced here, before the thread that builds the next epoch's
+        # input starts (its traces move the same uid counter), each from an aligned uid
+        # (align_trace_names): a rerun or resumed run finds them in train.xla_cache_dir.
+        align_trace_names()
+        done = int(state.epoch)
+        if tcfg["data_on_device"] and done < tcfg["epochs"]:  # (a finished run rerun: nothing to copy)
+            self.training_set = device_training_set(data, tcfg, self.seed)
+            last_batch = data.examples_per_epoch - (data.steps_per_epoch - 1) * self.batch_size
+            # The longest call train_epoch makes in the epochs left runs a loop of constant length
+            # (make_device_train_loop says why).
+            per_call = steps_per_call(data.steps_per_epoch, tcfg["steps_per_execution"], tcfg["progress_bar"])
+            longest = max(max(execution_lengths(data.steps_per_epoch, d * data.steps_per_epoch, per_call,
+                                                tcfg["log_every_steps"])) for d in range(done, tcfg["epochs"]))
+            self.train_steps = make_device_train_loop(train_step, self.training_set,
+                                                      steps_per_execution=tcfg["steps_per_execution"],
+                                                      trace_sizes=(self.batch_size, last_batch), static_steps=longest)
+        else:
+            self.training_set = None
+            self.train_steps = make_train_loop(train_step, strategy=strategy)  # (traces nothing until called)
+            if strategy is None and done < tcfg["epochs"]:
+                train_step.get_concrete_function()  # the loop's trace then calls this one
+        self.eval_step = make_eval_step(model, model.image_shape, jit_compile=tcfg["xla"] == "jit",
+                                        two_digits=data.two_digits, **losses)
+        align_trace_names()
+        self.eval_step.get_concrete_function()
+
+    def epoch_input(self, epoch_index, first_step, resumed_epoch):
+        """The epoch's batches on the training devices ahead of the steps (under a strategy: the
+        same global batches, split over the replicas); train.data_on_device: its draws there."""
+        if self.training_set is not None:
+            return self.training_set.epoch(epoch_index)
+        data = self.data
+        train_ds = make_split_dataset(data.name, data.train_images, data.train_labels, batch_size=self.batch_size,
+                                      training=True, seed=self.seed, epoch=epoch_index,
+                                      pad_pixels=data.data_cfg["pad_pixels"],
+                                      drop_remainder=self.tcfg["drop_remainder"], **data.augmentation)
+        if epoch_index == resumed_epoch and first_step:
+            # The epoch's order is a function of (seed, epoch): its batches from the step it stopped at.
+            train_ds = train_ds.skip(first_step)
+        return input_iterator(train_ds, self.strategy)
+
+    def next_learning_rate(self):
+        """The rate of the optimizer's next update: its schedule at Adam's step counter, not at the
+        steps run (with mixed_float16 a step skipped for overflow does not advance it). Read where
+        the steps were just fetched, so it waits for nothing."""
+        return float(self.state.schedule(steps_done(self.state.optimizer)))
+
+    def train(self, iterator, global_step, start_step, summaries, report, progress, run):
+        """One epoch (train_epoch) → (train means, global step); Ctrl-C's save and Interrupted, a
+        non-finite step's TrainingDiverged, a device out of memory in one line."""
+        tcfg, epoch_number = self.tcfg, int(self.state.epoch) + 1
+        try:
+            means, global_step, stopped_at = train_epoch(
+                self.train_steps, iterator, global_step=global_step, num_examples=self.data.examples_per_epoch,
+                batch_size=self.batch_size, steps_per_execution=tcfg["steps_per_execution"],
+                log_every_steps=tcfg["log_every_steps"], writer=summaries.writer,
+                learning_rate=self.next_learning_rate, progress_bar=tcfg["progress_bar"],
+                loss_scale=loss_scale(self.state.optimizer), first_step=start_step,
+                # train.data_on_device's epochs cannot start mid-way: a Ctrl-C there stops at the epoch's end.
+                stop=(lambda: progress["interrupt"]) if self.training_set is None else None, report=report)
+        except NonFiniteStep as stop:
+            # Nothing of this epoch is saved (the weights in memory are diverged): the
+            # checkpoints, best/ and history.jsonl keep what the last good epoch left.
+            summaries.close()
+            raise diverged(stop, epoch_number, run.last_good(), tcfg, self.state.learning_rate) from None
+        except tf.errors.OpError as exc:
+            if summaries.write_failed(exc) is not None:  # the train/ scalars' event file
+                raise summaries.write_failed(exc) from None
+            if report.announced or device_memory_error(exc) is None:  # past the first steps: not the start's
+                raise
+            raise device_memory_error(exc) from None
+        if stopped_at is not None:
+            # Ctrl-C: the steps run so far saved (interrupted/), this epoch unfinished.
+            self.state.step_in_epoch.assign(stopped_at)
+            run.save_interrupted(global_step)
+            summaries.close()
+            raise Interrupted(f"interrupted at step {stopped_at} of {self.data.steps_per_epoch} in epoch "
+                              f"{epoch_number}: saved; {resume_hint(progress)} from there")
+        return means, global_step
+
+    def test_pass(self, summaries=None, step=None):
+        """(test, raw_test): the test split through eval_step with the run's weights (with a
+        weight average, the average's; raw_test then the trained weights', else None); with
+        `summaries`, the epoch's test summaries at `step` too."""
+        average, model, data = self.state.average, self.model, self.data
+        raw_test = evaluate_model(self.eval_step, data.test_ds, model.num_classes) if average is not None else None
+        with average.in_model() if average is not None else contextlib.nullcontext():
+            test = evaluate_model(self.eval_step, data.test_ds, model.num_classes, keep_lengths=True)
+            # The longest capsule over the test set (collapse_reason), not the (N, classes) lengths.
+            test["max_length"] = float(test.pop("lengths").max())
+            test.pop("labels")
+            if summaries is not None:
+                summaries.epoch(model, test, data.show_images, self.tcfg, step, raw_test)
+        return test, raw_test
+
+
+def device_training_set(data, tcfg, seed):
+    """train.data_on_device: the training split copied to the device once; each epoch only its draws."""
+    batch_size = int(tcfg["batch_size"])
+    if data.two_digits:
+        return DevicePairSet(data.train_images, data.train_labels, batch_size=batch_size, seed=seed,
+                             shift_pixels=data.data_cfg["shift_pixels"], pad_pixels=data.data_cfg["pad_pixels"],
+                             **{key: data.augmentation[key] for key in config.OVERLAY_AUGMENTATION})
+    return DeviceTrainingSet(data.train_images, data.train_labels, batch_size=batch_size, seed=seed,
+                             **data.augmentation)
+
+
+def handle_signals(progress, dcfg):
+    """From here SIGTERM ends the run at an epoch's end, saved, and Ctrl-C at the step running,
+    saved there (train_epoch); a second one of either stops at once. Only the main thread may
+    set a handler; a multi-worker run keeps the default (its workers save together, and a
+    signal reaches one of them). Before here a signal loses nothing trained."""
+    if threading.current_thread() is threading.main_thread() and dcfg["strategy"] != "multi_worker":
+        replaced = signal.signal(signal.SIGTERM, functools.partial(_on_sigterm, progress))
+        progress["sigterm"] = signal.SIG_DFL if replaced is None else replaced
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where SIGINT is ignored
+            progress["sigint"] = signal.signal(signal.SIGINT, functools.partial(_on_sigint, progress))
+
+
+def epoch_line(number, train_means, test, raw_test, is_best, collapse, seconds, phases):
+    """The epoch's line: its train and test results, and where its wall time went."""
+    test_line = ""
+    if test is not None:
+        raw = f" (trained weights: {raw_test['accuracy']:.4f})" if raw_test is not None else ""
+        test_line = (f" | test loss {test['loss']:.4f} acc {test['accuracy']:.4f}{raw}"
+                     f"{' (best)' if is_best else ''}{f' [COLLAPSED: {collapse}]' if collapse else ''}")
+    return (f"epoch {number}: train loss {train_means['loss']:.4f} acc {train_means['accuracy']:.4f}{test_line} | "
+            f"{seconds:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+
+
+def stop_if_asked(number, tcfg, interrupting, terminating, stopping, collapse, run, summaries, progress):
+    """After epoch `number` (saved if any of these asks): Ctrl-C, SIGTERM, a collapse."""
+    if (interrupting or terminating) and number < tcfg["epochs"]:
+        summaries.close()
+        if interrupting:
+            raise Interrupted(f"interrupted after epoch {number}: saved; {resume_hint(progress)} from epoch "
+                              f"{number + 1}")
+        raise Terminated(f"stopped by SIGTERM after epoch {number} (saved); {resume_hint(progress)} from epoch "
+                         f"{number + 1}")
+    if stopping:
+        summaries.close()
+        patience = tcfg["collapse_patience"]
+        passes = (f"{patience} epoch{'s' if patience > 1 else ''}" if tcfg["test_every_epochs"] == 1 else
+                  f"{patience} test pass{'es' if patience > 1 else ''} (one every {tcfg['test_every_epochs']} epochs)")
+        raise TrainingCollapsed(f"training stopped at epoch {number}: the test results looked collapsed for "
+                                f"{passes} in a row ({collapse}); the epoch is saved in {run.path}; "
+                                "train.collapse_patience=null trains on regardless")
+
+
+def final_metrics(test, raw_test, run, state, global_step, strategy, dcfg):
+    """metrics.json's values: the last test pass, the history's, the run's."""
+    history = run.history
     tested = [h for h in history if "test_accuracy" in h]
-    best_epoch = max(tested, key=lambda h: h["test_accuracy"])["epoch"] if tested else None
-    metrics = {
+    return {
         "test_accuracy": test["accuracy"],
         "test_loss": test["loss"],
         "test_margin_loss": test["margin_loss"],
@@ -549,25 +569,19 @@ def _train(cfg, progress):
         "test_raw_accuracy": raw_test["accuracy"] if raw_test is not None else None,  # the trained weights' (EMA on)
         "train_loss": history[-1]["train_loss"] if history else None,
         "train_accuracy": history[-1]["train_accuracy"] if history else None,
-        "images_per_sec": float(np.mean(train_speeds)) if train_speeds else None,
+        "images_per_sec": mean_images_per_sec(history),
         "test_images_per_sec": test["images_per_sec"],
-        "best_test_accuracy": float(best_accuracy),
-        "best_epoch": best_epoch,
-        "epochs": int(epoch),
+        "best_test_accuracy": float(state.best_accuracy),
+        "best_epoch": max(tested, key=lambda h: h["test_accuracy"])["epoch"] if tested else None,
+        "epochs": int(state.epoch),
         "global_step": global_step,  # the steps run
-        "optimizer_updates": steps_done(optimizer),  # the steps applied: fewer by the overflow-skipped (mixed_float16)
-        "resumed_from": resumed_from,
-        "run_dir": str(run_dir),
+        "optimizer_updates": steps_done(state.optimizer),  # the steps applied: fewer by the overflow-skipped
+        "resumed_from": run.resumed_from,
+        "run_dir": str(run.path),
         "distribute": dcfg["strategy"],
         "replicas": strategy.num_replicas_in_sync if strategy is not None else 1,
         "history": history,
     }
-    writer.close()
-    if chief:
-        (run_dir / "metrics.json").write_text(json.dumps(json_safe(metrics), indent=2) + "\n")
-    else:
-        scratch.cleanup()
-    return metrics
 
 
 def built_ahead(build, items):
@@ -862,15 +876,6 @@ def collapsed_for(history, patience):
     since = history[tested[-patience]:]
     return (all(history[i]["collapsed"] for i in tested[-patience:])
             and since[-1]["epoch"] - since[0]["epoch"] == len(since) - 1)
-
-
-def last_epoch_was_best(history, epochs_done):
-    """Whether epoch `epochs_done` was a new best: it was tested, and its history line's test
-    accuracy beats every earlier test's (the rule train() saves best/ by)."""
-    if not history or history[-1]["epoch"] != epochs_done or "test_accuracy" not in history[-1]:
-        return False
-    earlier = [h["test_accuracy"] for h in history[:-1] if "test_accuracy" in h]
-    return history[-1]["test_accuracy"] > max(earlier, default=-1.0)
 
 
 def history_entry(epoch, global_step, learning_rate, train_means, test=None, raw_test=None, collapse=None):

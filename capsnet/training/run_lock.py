@@ -8,6 +8,12 @@ no cleanup step; the file names its holder (pid, host, since when) for the one-l
 error a second training gets, and for the notice when a dead holder's lock is taken over.
 flock is local to a host (and unreliable over some network file systems): multi-worker
 runs take it on the chief only.
+
+A run dir is ours only if it is empty or holds a run of this app: `check_ours`, before the
+lock file or anything else is written into it. Every run dir has a marker file, MARKER_NAME,
+naming the app's version (`write_marker`, right after the lock is taken); a run dir written
+before the marker existed is recognised by its config.yaml (a capsnet config). Kept free of
+TensorFlow: train.py checks the run dir before the seconds-long import.
 """
 import datetime
 import fcntl
@@ -15,9 +21,57 @@ import os
 import socket
 from pathlib import Path
 
+import yaml
+
+from capsnet import __version__
 from capsnet.errors import CheckpointError
 
 LOCK_NAME = "train.lock"
+MARKER_NAME = ".capsnet-run"
+
+
+def check_ours(run_dir, ignore=()):
+    """CheckpointError (one line) unless `run_dir` is missing, an empty directory, or a run dir
+    this app wrote (its MARKER_NAME file, or the config.yaml of a run dir written before the
+    marker existed): a training never writes into a directory that is someone else's."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        return
+    if not run_dir.is_dir():
+        raise CheckpointError(f"run dir {run_dir} is not a directory: pick another hydra.run.dir")
+    try:
+        names = sorted(entry.name for entry in run_dir.iterdir())
+    except OSError as exc:
+        raise CheckpointError(f"cannot read run dir {run_dir}: {exc.strerror or exc}") from None
+    names = [name for name in names if name not in ignore]  # `ignore`: the caller's own files (its log)
+    if not names or MARKER_NAME in names or _written_before_the_marker(run_dir):
+        return
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    raise CheckpointError(f"{run_dir} is not empty and holds no run of this app (no {MARKER_NAME} file; it holds "
+                          f"{shown}): not training into it, so nothing there is overwritten; pick a new or empty "
+                          "hydra.run.dir")
+
+
+def _written_before_the_marker(run_dir):
+    """Whether run_dir holds the config.yaml (or Hydra's .hydra/config.yaml) of a capsnet run."""
+    for candidate in (run_dir / "config.yaml", run_dir / ".hydra" / "config.yaml"):
+        try:
+            saved = yaml.safe_load(candidate.read_text())
+        except (OSError, yaml.YAMLError, UnicodeDecodeError):
+            continue
+        if isinstance(saved, dict) and {"model", "data", "train"} <= set(saved):
+            return True
+    return False
+
+
+def write_marker(run_dir):
+    """The run dir's MARKER_NAME file (once): this app's run, written by version __version__."""
+    marker = Path(run_dir) / MARKER_NAME
+    if not marker.is_file():
+        try:
+            marker.write_text(f"capsnet {__version__}\n")
+        except OSError as exc:
+            raise CheckpointError(f"cannot write {marker}: {exc.strerror or exc}") from None
 
 
 class RunLock:
@@ -29,9 +83,12 @@ class RunLock:
     @classmethod
     def acquire(cls, run_dir, announce=print):
         run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / LOCK_NAME
-        file = path.open("a+")
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            file = path.open("a+")
+        except OSError as exc:  # a read-only place, a path too long, a file in the way
+            raise CheckpointError(f"cannot write {path}: {exc.strerror or exc}") from None
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -1,6 +1,6 @@
 """TensorBoard: one writer per run dir, so `tensorboard --logdir outputs` lists runs side by side.
 
-- `write_train_scalars`: train/ loss, accuracy, images/s, step time and the LR, the
+- `write_train_scalars`: train/ loss, accuracy, images/s, step time, gradient norm and the LR, the
   means of a `MetricWindow` of steps (every train.log_every_steps steps).
 - `write_epoch_summaries`: test/ scalars, the routing and capsule-length histograms and
   the inputs-over-reconstructions `image_grid`, once an epoch.
@@ -9,8 +9,11 @@
   (`train/mean_images_per_sec`, metrics.json's images_per_sec), the HParams dashboard's
   images/s column: it shows a metric's last value, and the last train/images_per_sec window
   is one window's speed, not the run's.
+- `RunSummaries`: a run's writer and all of the above that train() writes, one object.
 TensorBoard's step is the global step (optimizer.iterations).
 """
+import contextlib
+
 import numpy as np
 import tensorflow as tf
 
@@ -115,7 +118,9 @@ def write_train_scalars(writer, window, learning_rate, step, loss_scale=None):
     variable (read after the window's steps were fetched, so it waits for nothing)."""
     means = window.means()
     with writer.as_default(step=step):
-        for key in ("loss", "margin_loss", "reconstruction_loss", "accuracy", "images_per_sec", "step_time_ms"):
+        # grad_norm: the global gradient norm the non-finite guard checks (0 where the guard is off).
+        for key in ("loss", "margin_loss", "reconstruction_loss", "accuracy", "images_per_sec", "step_time_ms",
+                    "grad_norm"):
             if key in means:
                 tf.summary.scalar(f"train/{key}", means[key])
         tf.summary.scalar("train/learning_rate", learning_rate)
@@ -140,3 +145,63 @@ def write_epoch_summaries(writer, model, test, show_images, tcfg, step, raw_test
             tf.summary.image("reconstructions/inputs_over_reconstructions",
                              image_grid(show_images[:n], outputs["reconstructions"][:n]), max_outputs=1)
     writer.flush()
+
+
+class RunSummaries:
+    """A run's TensorBoard: one writer into the run dir (the chief's; a no-op writer on the
+    other workers of a multi-worker run), and what train() writes through it. A write that
+    fails (a full disk, a read-only run dir) is one CheckpointError naming the event file."""
+
+    def __init__(self, run_dir, chief=True):
+        self.run_dir, self.chief = run_dir, chief
+        with self._writing():
+            self.writer = tf.summary.create_file_writer(str(run_dir)) if chief else tf.summary.create_noop_writer()
+
+    @contextlib.contextmanager
+    def _writing(self):
+        try:
+            yield
+        except (tf.errors.OpError, OSError) as exc:
+            raise self.write_failed(exc) from None
+
+    def write_failed(self, exc):
+        """The one-line CheckpointError naming the event file, for `exc` from a write of this
+        writer (train_epoch's train/ scalars included); None for another error."""
+        if isinstance(exc, tf.errors.OpError) and "tfevents" not in str(exc) and "summary" not in str(exc).lower():
+            return None
+        from capsnet.training.run_dir import write_error  # noqa: PLC0415  (run_dir imports what imports this)
+
+        path = next(iter(sorted(self.run_dir.glob("events.out.tfevents.*"))[-1:]), self.run_dir)
+        return write_error(path, exc)
+
+    def hparams(self, cfg):
+        """The run's values in the HParams dashboard, once a run (a new run: not on resume)."""
+        with self._writing():
+            write_hparams(self.writer, self.run_dir, cfg, cfg["data"])
+
+    def epoch(self, model, test, show_images, tcfg, step, raw_test=None):
+        """The test pass's scalars, histograms and reconstructions (write_epoch_summaries)."""
+        if self.chief:
+            with self._writing():
+                write_epoch_summaries(self.writer, model, test, show_images, tcfg, step, raw_test)
+
+    def collapse(self, step, test, collapse, epoch_number):
+        """The collapse check's values (training.loop.collapse_reason): the longest capsule, whether collapsed, why."""
+        with self._writing(), self.writer.as_default(step=step):
+            tf.summary.scalar("test/max_capsule_length", test["max_length"])
+            tf.summary.scalar("test/collapsed", float(collapse is not None))
+            if collapse is not None:
+                tf.summary.text("test/collapse", f"epoch {epoch_number}: {collapse}")
+
+    def epoch_end(self, step, phases, history):
+        """Where the epoch's wall time went (time/<phase>_seconds), and the run's mean speed so far."""
+        with self._writing():
+            with self.writer.as_default(step=step):
+                for phase, seconds in phases.items():
+                    tf.summary.scalar(f"time/{phase}_seconds", seconds)
+            write_run_scalars(self.writer, history, step)
+            self.writer.flush()
+
+    def close(self):
+        with self._writing():
+            self.writer.close()
