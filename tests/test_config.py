@@ -40,15 +40,17 @@ def test_importing_config_does_not_import_tensorflow():
     ["experiment=paper_mnist"], ["experiment=paper_fashion_mnist"], ["experiment=paper_multimnist"],
     ["experiment=fast_mnist"], ["experiment=tuned_mnist"], ["model=capsnet", "train=default"], ["custom_op=true"],
     ["speed=none"], ["speed=gpu"], ["experiment=paper_multimnist", "speed=none"],
-    ["model.routing=xla"], ["model.routing=tf"],
+    ["model.routing.backend=xla"], ["model.routing.backend=tf"], ["model/routing=self_attention"],
 ])
 def test_every_config_group_composes_and_checks(overrides):
     cfg = train_cfg(*overrides)
     checked = config.check(cfg)
     assert checked == cfg  # the composed config is already in its checked form
-    assert set(checked) == {"model", "data", "train", "distribute", "custom_op", "seed", "deterministic", "debug",
+    assert set(checked) == {"model", "data", "train", "distribute", "custom_op", "seed", "deterministic", "debug", "name",
                             "run_dir"}
     assert set(checked["data"]) == {"name", "dir", "limit_train", "limit_test", "shift_pixels", "pad_pixels",
+                                   "image_size", "channels", "crop", "validation_fraction", "cache", "cache_memory_mb",
+                                   "cache_dir", "class_names", "standardize", "brightness", "contrast",
                                    *config.AUGMENTATION_OFF}
     assert set(checked["distribute"]) == {"strategy", "devices", "all_reduce", "scale_lr", "lr_base_batch_size"}
 
@@ -116,9 +118,17 @@ def test_input_shape_and_num_classes_come_from_the_dataset(overrides, shape):
     assert cfg["model"]["input_shape"] == shape and cfg["model"]["num_classes"] == 10
 
 
+def test_the_old_routing_string_checks_to_the_section():
+    # model.routing=auto|tf|xla (before routing became a section) still works on the command line
+    for backend in ("auto", "tf", "xla"):
+        checked = config.check(train_cfg(f"model.routing={backend}"))
+        assert checked["model"]["routing"] == {"algorithm": "dynamic", "backend": backend, "leaky": False}
+
+
 def test_an_unknown_dataset_is_one_line():
     assert one_line_error(["data.name=cifar", "run_dir=/x"]) == \
-        "data.name must be one of fashion_mnist, mnist, multimnist, got 'cifar'"
+        ("data.name must be one of cifar10, fashion_mnist, folder, mnist, multimnist, smallnorb, svhn_cropped, "
+         "got 'cifar'")
 
 
 # --------------------------------------------------------------------------- unknown keys, wrong types
@@ -290,7 +300,8 @@ def test_an_old_run_config_migrates_to_the_schema_defaults():
     assert migrated["data"]["pad_pixels"] is None  # the canvas border was the shift
     assert migrated["distribute"] == {"strategy": "none", "devices": None, "all_reduce": "auto", "scale_lr": "none",
                                       "lr_base_batch_size": 100}
-    assert migrated["seed"] == 3 and migrated["model"]["routing"] == "tf"
+    assert migrated["seed"] == 3 and migrated["model"]["routing"] == {"algorithm": "dynamic", "backend": "tf",
+                                                                      "leaky": False}
 
 
 @pytest.mark.parametrize("custom_op, flags, routing, mode", [
