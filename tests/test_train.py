@@ -99,18 +99,18 @@ def test_drop_remainder_trains_full_batches_only(tiny_config, tmp_path, monkeypa
     """train.drop_remainder=true: every step of an epoch gets a full batch (50 examples at
     16 a batch: 3 steps, not 4 with a last one of 2), the step counter and the images
     counted follow, and the epoch's batches are the first 48 of the same shuffled order."""
-    import capsnet.training.loop as loop
+    from capsnet.tasks.single_label import SingleLabel
     seen = []
-    make = loop.make_split_dataset
+    make = SingleLabel.dataset
 
-    def recording(*args, training, drop_remainder=False, **kwargs):
-        dataset = make(*args, training=training, drop_remainder=drop_remainder, **kwargs)
+    def recording(self, data, *, training, drop_remainder=False, **kwargs):
+        dataset = make(self, data, training=training, drop_remainder=drop_remainder, **kwargs)
         if training:
-            full = make(*args, training=training, **kwargs)  # the same epoch, its last batch kept
+            full = make(self, data, training=training, **kwargs)  # the same epoch, its last batch kept
             seen.append(([labels.numpy() for _, labels in dataset], np.concatenate([y for _, y in full])))
         return dataset
 
-    monkeypatch.setattr(loop, "make_split_dataset", recording)
+    monkeypatch.setattr(SingleLabel, "dataset", recording)
     run_dir = tmp_path / "dropped"
     metrics = train(tiny_config("data.limit_train=50", "train.drop_remainder=true", "train.epochs=2", run_dir=run_dir))
     assert metrics["global_step"] == 6
@@ -379,20 +379,20 @@ def test_resume_continues_where_the_checkpoint_left_off(trained_run, tiny_config
 def test_test_batch_size_sets_the_test_pass_batches_not_its_scores(trained_run, tiny_config, tmp_path, monkeypatch):
     """train.test_batch_size batches the per-epoch test pass differently (a finished run,
     rerun, measures its checkpoint again) and scores it the same: each example on its own."""
-    import capsnet.training.loop as loop
+    from capsnet.tasks.single_label import SingleLabel
 
     original_dir, original = trained_run
     run_dir = tmp_path / "rerun"
     shutil.copytree(original_dir, run_dir)
     test_batches = []
-    make = loop.make_split_dataset
+    make = SingleLabel.dataset
 
-    def recording(*args, batch_size, training, **kwargs):
+    def recording(self, data, *, batch_size, training, **kwargs):
         if not training:
             test_batches.append(batch_size)
-        return make(*args, batch_size=batch_size, training=training, **kwargs)
+        return make(self, data, batch_size=batch_size, training=training, **kwargs)
 
-    monkeypatch.setattr(loop, "make_split_dataset", recording)
+    monkeypatch.setattr(SingleLabel, "dataset", recording)
     again = train(tiny_config("train.test_batch_size=7", run_dir=run_dir))
     assert test_batches == [7]
     assert again["test_accuracy"] == original["test_accuracy"]

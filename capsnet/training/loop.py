@@ -31,7 +31,6 @@ import tensorflow as tf
 from capsnet import config
 from capsnet.cli import complete_run_notice
 from capsnet.console import say
-from capsnet.data import augmentation_options, example_shape, is_overlay, load_split, make_split_dataset
 from capsnet.errors import CapsnetError, ConfigError, Interrupted, Terminated, TrainingCollapsed, TrainingDiverged
 from capsnet.losses import loss_params
 from capsnet.precision import set_tensor_float_32
@@ -40,7 +39,8 @@ from capsnet.training.device_input import DevicePairSet, DeviceTrainingSet, make
 from capsnet.training.distribute import (check_all_reduce, check_global_batch, check_tf_config, check_workers_agree,
                                          input_iterator, is_chief, make_strategy, resolve_all_reduce,
                                          trains_on_gpu, without_autotune_thread)
-from capsnet.training.model_setup import build_capsnet, check_labels, check_op_library
+from capsnet.tasks import task_for
+from capsnet.training.model_setup import build_capsnet, check_op_library
 from capsnet.training.optimizer import build_optimizer, checkpoint_nodes, loss_scale, scaled_learning_rate, steps_done
 from capsnet.training.run_dir import RunDir, last_epoch_was_best  # noqa: F401  (last_epoch_was_best: loop's rule)
 from capsnet.training.steps import (align_trace_names, eval_batch_size, evaluate_model, execution_lengths,
@@ -316,47 +316,49 @@ def distribution(strategy, dcfg, tcfg):
 
 
 class RunData:
-    """The run's data: the splits (uint8 in memory; make_split_dataset scales, shuffles and
-    shifts per (seed, epoch); MultiMNIST pairs and overlays the digits), checked against the
-    model, the epoch's steps, the test pass's dataset and the fixed images of the summaries."""
+    """The run's data, through its Task (capsnet.tasks.task_for(data_cfg)): the splits (loaded
+    once; the task's dataset scales, shuffles and augments them per (seed, epoch); MultiMNIST
+    pairs and overlays the digits), checked against the model, the epoch's steps, the test
+    pass's dataset and the fixed images of the summaries."""
 
     def __init__(self, data_cfg, tcfg, model):
-        name, batch_size = data_cfg["name"], int(tcfg["batch_size"])
-        self.name, self.data_cfg = name, data_cfg
-        self.train_images, self.train_labels = load_split(name, "train", data_dir=data_cfg.get("dir"),
-                                                          limit=data_cfg.get("limit_train"))
-        test_images, test_labels = load_split(name, "test", data_dir=data_cfg.get("dir"),
-                                              limit=data_cfg.get("limit_test"))
-        image_shape = example_shape(name, self.train_images.shape[1:], data_cfg["shift_pixels"],
-                                    data_cfg["pad_pixels"])
-        check_labels(self.train_labels, self.train_images, model=model, split=f"{name} train", image_shape=image_shape)
-        check_labels(test_labels, test_images, model=model, split=f"{name} test", image_shape=image_shape)
+        batch_size = int(tcfg["batch_size"])
+        self.task = task = task_for(data_cfg)
+        self.name = task.name
+        self.train_split = task.load("train", limit=data_cfg.get("limit_train"))
+        test_split = task.load("test", limit=data_cfg.get("limit_test"))
+        task.check(self.train_split, model, "train")
+        task.check(test_split, model, "test")
         # MultiMNIST: labels (B, 2) and the digits (B, 2, H, W, C); one device (config.check).
-        self.two_digits = is_overlay(name)
-        self.labels_per_example = 2 if self.two_digits else 1
+        self.two_digits = task.two_digits
+        self.labels_per_example = task.labels_per_example
+        n_train = len(self.train_split)
         # train.drop_remainder: only full batches (a different few examples left out each epoch,
         # the order being shuffled), so the compiled step sees one batch shape, not two.
         if tcfg["drop_remainder"]:
-            if len(self.train_labels) < batch_size:
+            if n_train < batch_size:
                 raise ConfigError(f"train.batch_size={batch_size} with train.drop_remainder=true leaves no batch of "
-                                  f"the {len(self.train_labels)} training examples of {name}")
-            self.steps_per_epoch = len(self.train_labels) // batch_size
+                                  f"the {n_train} training examples of {self.name}")
+            self.steps_per_epoch = n_train // batch_size
             self.examples_per_epoch = self.steps_per_epoch * batch_size
         else:
-            self.steps_per_epoch = math.ceil(len(self.train_labels) / batch_size)
-            self.examples_per_epoch = len(self.train_labels)
-        self.augmentation = {"shift_pixels": data_cfg["shift_pixels"], **augmentation_options(data_cfg)}
-        self.test_examples = len(test_labels)
+            self.steps_per_epoch = math.ceil(n_train / batch_size)
+            self.examples_per_epoch = n_train
+        self.test_examples = len(test_split)
         # The test split: no augmentation (MultiMNIST: shift_pixels and pad_pixels set its fixed
         # pairs' shifts). Without the autotune thread, whose join made deleting each test pass's
         # iterator wait (as the epochs').
-        self.test_ds = without_autotune_thread(make_split_dataset(
-            name, test_images, test_labels, batch_size=eval_batch_size(tcfg), training=False,
-            shift_pixels=data_cfg["shift_pixels"], pad_pixels=data_cfg["pad_pixels"]))
+        self.test_ds = without_autotune_thread(task.dataset(test_split, batch_size=eval_batch_size(tcfg),
+                                                            training=False))
         # A fixed set of test images for the reconstruction grid and the histograms, every epoch
         # (MultiMNIST: the first test pairs, made from the whole test split as in test_ds).
-        n_show = min(len(test_labels), max(tcfg["num_images"], tcfg["histogram_examples"]))
+        n_show = min(len(test_split), max(tcfg["num_images"], tcfg["histogram_examples"]))
         self.show_images = next(iter(self.test_ds.unbatch().batch(n_show)))[0]  # (n_show, H, W, C)
+
+    def train_dataset(self, *, batch_size, seed, epoch, drop_remainder):
+        """One epoch of training batches, shuffled and augmented by (seed, epoch)."""
+        return self.task.dataset(self.train_split, batch_size=batch_size, training=True, seed=seed, epoch=epoch,
+                                 drop_remainder=drop_remainder)
 
 
 def load_data(data_cfg, tcfg, model):
@@ -438,11 +440,8 @@ class CompiledSteps:
         same global batches, split over the replicas); train.data_on_device: its draws there."""
         if self.training_set is not None:
             return self.training_set.epoch(epoch_index)
-        data = self.data
-        train_ds = make_split_dataset(data.name, data.train_images, data.train_labels, batch_size=self.batch_size,
-                                      training=True, seed=self.seed, epoch=epoch_index,
-                                      pad_pixels=data.data_cfg["pad_pixels"],
-                                      drop_remainder=self.tcfg["drop_remainder"], **data.augmentation)
+        train_ds = self.data.train_dataset(batch_size=self.batch_size, seed=self.seed, epoch=epoch_index,
+                                           drop_remainder=self.tcfg["drop_remainder"])
         if epoch_index == resumed_epoch and first_step:
             # The epoch's order is a function of (seed, epoch): its batches from the step it stopped at.
             train_ds = train_ds.skip(first_step)
@@ -499,19 +498,20 @@ class CompiledSteps:
             test["max_length"] = float(test.pop("lengths").max())
             test.pop("labels")
             if summaries is not None:
-                summaries.epoch(model, test, data.show_images, self.tcfg, step, raw_test)
+                summaries.epoch(model, test, data.show_images, self.tcfg, step, raw_test,
+                                class_names=data.task.class_names(model.num_classes))
         return test, raw_test
 
 
 def device_training_set(data, tcfg, seed):
     """train.data_on_device: the training split copied to the device once; each epoch only its draws."""
-    batch_size = int(tcfg["batch_size"])
+    batch_size, split, task = int(tcfg["batch_size"]), data.train_split, data.task
+    augmentation = task.augmentation()  # the MNIST family's (natural images refuse the device loop in config)
     if data.two_digits:
-        return DevicePairSet(data.train_images, data.train_labels, batch_size=batch_size, seed=seed,
-                             shift_pixels=data.data_cfg["shift_pixels"], pad_pixels=data.data_cfg["pad_pixels"],
-                             **{key: data.augmentation[key] for key in config.OVERLAY_AUGMENTATION})
-    return DeviceTrainingSet(data.train_images, data.train_labels, batch_size=batch_size, seed=seed,
-                             **data.augmentation)
+        return DevicePairSet(split.images, split.labels, batch_size=batch_size, seed=seed,
+                             shift_pixels=augmentation["shift_pixels"], pad_pixels=task.cfg.get("pad_pixels"),
+                             **{key: augmentation[key] for key in config.OVERLAY_AUGMENTATION})
+    return DeviceTrainingSet(split.images, split.labels, batch_size=batch_size, seed=seed, **augmentation)
 
 
 def handle_signals(progress, dcfg):

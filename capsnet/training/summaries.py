@@ -128,7 +128,10 @@ def write_train_scalars(writer, window, learning_rate, step, loss_scale=None):
             tf.summary.scalar("train/loss_scale", loss_scale)
 
 
-def write_epoch_summaries(writer, model, test, show_images, tcfg, step, raw_test=None):
+def write_epoch_summaries(writer, model, test, show_images, tcfg, step, raw_test=None, class_names=None):
+    """The test pass's scalars (test/per_class/<class>: each class's accuracy, named by
+    `class_names` where the task has them, else by index), the test/per_class_accuracy
+    table, histograms and reconstructions."""
     outputs = model(show_images, training=False)  # no labels: masked by the prediction, as at test time
     with writer.as_default(step=step):
         for key in ("loss", "margin_loss", "reconstruction_loss", "accuracy", "images_per_sec"):
@@ -136,6 +139,15 @@ def write_epoch_summaries(writer, model, test, show_images, tcfg, step, raw_test
         if raw_test is not None:  # train.ema_decay: `test` is the average's, these the trained weights'
             for key in ("loss", "accuracy"):
                 tf.summary.scalar(f"test/raw_{key}", raw_test[key])
+        per_class = test.get("per_class_accuracy")
+        if per_class is not None:
+            names = [str(k) for k in range(len(per_class))] if class_names is None else [str(n) for n in class_names]
+            rows = []
+            for name, accuracy in zip(names, per_class):
+                if accuracy is not None:  # None: no test example of the class
+                    tf.summary.scalar(f"test/per_class/{name}", accuracy)
+                rows.append(f"| {name} | {'-' if accuracy is None else f'{accuracy:.4f}'} |")
+            tf.summary.text("test/per_class_accuracy", "\n".join(["| class | accuracy |", "|---|---|", *rows]))
         n = tcfg["histogram_examples"]
         # The coupling coefficients after the last routing iteration and the class scores.
         tf.summary.histogram("routing/c_ij", outputs["c_ij"][:n])
@@ -179,11 +191,12 @@ class RunSummaries:
         with self._writing():
             write_hparams(self.writer, self.run_dir, cfg, cfg["data"])
 
-    def epoch(self, model, test, show_images, tcfg, step, raw_test=None):
-        """The test pass's scalars, histograms and reconstructions (write_epoch_summaries)."""
+    def epoch(self, model, test, show_images, tcfg, step, raw_test=None, class_names=None):
+        """The test pass's scalars, per-class accuracies (by `class_names`), histograms and
+        reconstructions (write_epoch_summaries)."""
         if self.chief:
             with self._writing():
-                write_epoch_summaries(self.writer, model, test, show_images, tcfg, step, raw_test)
+                write_epoch_summaries(self.writer, model, test, show_images, tcfg, step, raw_test, class_names)
 
     def collapse(self, step, test, collapse, epoch_number):
         """The collapse check's values (training.loop.collapse_reason): the longest capsule, whether collapsed, why."""
