@@ -47,3 +47,21 @@ def test_export_a_relative_run_dir(relative_run, tmp_path):
     assert Path(report["run_dir"]).resolve() == relative_run.resolve()
     assert os.path.samefile(f"{report['checkpoint']}.index",
                             relative_run.resolve() / "checkpoints" / "best" / f"{Path(report['checkpoint']).name}.index")
+
+
+def test_a_resume_may_change_the_routing_backend_but_not_its_algorithm():
+    # model.routing.backend says how the routing runs (the same math); the algorithm and
+    # leaky change what it computes, so a resume with another one is refused.
+    from capsnet import config
+    from capsnet.training.checkpoints import _config_differences
+
+    saved = config.check(config.compose("train", ["run_dir=/x"]))
+    backend = config.check(config.compose("train", ["run_dir=/x", "model.routing.backend=tf"]))
+    leaky = config.check(config.compose("train", ["run_dir=/x", "model.routing.leaky=true"]))
+    attention = config.check(config.compose("train", ["run_dir=/x", "model/routing=self_attention"]))
+    assert _config_differences(saved, backend) == {}
+    assert list(_config_differences(saved, leaky)) == ["model.routing.leaky"]
+    assert "model.routing.algorithm" in _config_differences(saved, attention)
+    # a run saved with the old string form had dynamic routing, not leaky
+    old = {**saved, "model": {**saved["model"], "routing": "auto"}}
+    assert _config_differences(old, saved) == {}

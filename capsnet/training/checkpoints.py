@@ -432,7 +432,7 @@ RESUME_KEYS = {
     "train": ("batch_size", "drop_remainder", "learning_rate", "lr_schedule", "m_plus", "m_minus", "lambda_",
               "reconstruction_weight", "weight_decay", "ema_decay"),
 }
-RESUME_FREE_MODEL_KEYS = ("routing", "primary_caps_conv")  # how, not what, it computes
+RESUME_FREE_MODEL_KEYS = ("routing", "primary_caps_conv")  # how, not what, it computes; routing: its backend alone
 # What each train.lr_schedule reads besides the learning rate: a resume keeps the keys of the
 # run's schedule and may change the other's. The cosine schedule ends at train.epochs (moving
 # the end would jump the rate); the exponential one has no end, so its run may be extended.
@@ -458,6 +458,11 @@ def _resume_values(cfg, schedules):
 
     values = {"seed": cfg.get("seed")}
     values.update({f"model.{k}": v for k, v in section("model").items() if k not in RESUME_FREE_MODEL_KEYS})
+    # The routing algorithm and its options (leaky, ...) change the math; only the backend is
+    # free. A run saved before routing was a section had dynamic routing, not leaky.
+    routing = section("model").get("routing")
+    routing = routing if isinstance(routing, dict) else {"algorithm": "dynamic", "leaky": False}
+    values.update({f"model.routing.{k}": v for k, v in routing.items() if k != "backend"})
     for name, keys in RESUME_KEYS.items():
         values.update({f"{name}.{k}": section(name).get(k) for k in keys})
     values.update({f"train.{k}": section("train").get(k)
