@@ -2,6 +2,8 @@
 classes and one-line errors, decoding any size/mode to the configured square, a corrupt
 file skipped with a count, and the file cache (a folder over the memory budget) giving
 the same batches as the memory cache."""
+import json
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -10,16 +12,18 @@ from capsnet.errors import DataError
 from capsnet.tasks import folder, task_for
 
 
-def make_folder(root, n_per_class=6, classes=("cat", "dog", "bird"), size=40, splits=("train", "test")):
-    """Class-dependent images: class k is bright in its own third of the image."""
-    rng = np.random.default_rng(0)
+def make_folder(root, n_per_class=6, classes=("cat", "dog", "bird"), size=40, splits=("train", "test"), seed=0):
+    """Class-dependent images: class k is bright in its own third of the image (with more
+    classes than 3, the thirds repeat: classes k and k + 3 share a pattern)."""
+    rng = np.random.default_rng(seed)
     for split in splits:
         for k, name in enumerate(classes):
             directory = root / split / name if split else root / name
             directory.mkdir(parents=True)
             for i in range(n_per_class):
                 pixels = rng.integers(0, 60, (size, size + 8, 3), dtype=np.uint8)
-                pixels[:, k * (size + 8) // 3:(k + 1) * (size + 8) // 3] = 230
+                third = k % 3
+                pixels[:, third * (size + 8) // 3:(third + 1) * (size + 8) // 3] = 230
                 suffix = (".png", ".jpg", ".bmp", ".gif")[i % 4]
                 image = Image.fromarray(pixels)
                 (image.convert("L") if i % 3 == 0 else image).save(directory / f"{i}{suffix}")
@@ -103,3 +107,71 @@ def test_crop_flip_and_standardisation(tmp_path):
     np.testing.assert_allclose(first.mean(axis=(1, 2, 3)), 0, atol=1e-4)
     test = next(iter(task.dataset(task.load("test"), batch_size=12, training=False)))[0].numpy()
     assert test.shape == (12, 24, 24, 3)
+
+
+# The tiny model (tests/conftest.py) on a folder's 32x32 RGB images.
+FOLDER_TRAIN = ["data=folder", "data.image_size=32", "train.epochs=2", "train.batch_size=32",
+                "train.learning_rate=0.01"]
+
+
+def test_a_folder_trains_evaluates_exports_and_predicts_with_its_class_names(tmp_path):
+    """data=folder end to end on CPU: 999 generated 64x64 RGB images of 3 classes (798
+    train, 201 test; a class is a bright third of the image) train the tiny model for 2
+    epochs; evaluate scores the test split per class, keyed by the folder's class names and
+    well above chance (1/3); the SavedModel's capsnet_export.json names the classes; predict
+    answers with the names, on the run dir and on the export."""
+    from conftest import TINY_MODEL, TINY_TRAIN, compose_config
+
+    from capsnet.evaluation import evaluate
+    from capsnet.export import METADATA, export
+    from capsnet.prediction import predict
+    from capsnet.training import train
+
+    root = tmp_path / "shapes"
+    make_folder(root, n_per_class=266, size=64, splits=("train",), seed=1)
+    make_folder(root, n_per_class=67, size=64, splits=("test",), seed=2)
+    run_dir = tmp_path / "run"
+    metrics = train(compose_config("train", [*TINY_MODEL, *TINY_TRAIN, *FOLDER_TRAIN, f"data.dir={root}",
+                                             f"run_dir={run_dir}"]))
+    names = ["bird", "cat", "dog"]  # sorted folder names
+    assert metrics["epochs"] == 2 and metrics["global_step"] == 2 * 25  # 798 at 32 a batch
+
+    report = evaluate(str(run_dir))
+    assert report["class_names"] == names and report["num_examples"] == 201
+    per_class = dict(zip(report["class_names"], report["per_class_accuracy"]))
+    assert report["accuracy"] > 0.8, report["accuracy"]
+    assert all(accuracy > 0.5 for accuracy in per_class.values()), per_class
+
+    output = tmp_path / "exported"
+    export(str(run_dir), output)
+    stored = json.loads(next(output.rglob(METADATA)).read_text())
+    assert stored["class_names"] == names
+
+    files = [sorted((root / "test" / name).iterdir())[0] for name in names]
+    for source in (run_dir, output):
+        records = predict(str(source), [str(f) for f in files])
+        assert [r["class"] for r in records] == names, (source, records)
+
+
+def test_the_paper_cifar10_preset_trains_a_step_on_a_folder(tmp_path):
+    """experiment=paper_cifar10 (24x24 crops, flip, brightness, contrast, per-image
+    standardisation, leaky routing, no decoder) on a generated 32x32 RGB folder with
+    CIFAR-10's ten class names: one step of the tiny model trains and tests finitely."""
+    from conftest import TINY_MODEL, TINY_TRAIN, compose_config
+
+    from capsnet.datasets import DATASETS
+    from capsnet.training import train
+
+    classes = DATASETS["cifar10"].class_names
+    root = tmp_path / "cifar10"
+    make_folder(root, n_per_class=2, classes=classes, size=32, splits=("train",), seed=1)
+    make_folder(root, n_per_class=1, classes=classes, size=32, splits=("test",), seed=2)
+    cfg = compose_config("train", ["experiment=paper_cifar10", *TINY_MODEL, *TINY_TRAIN, f"data.dir={root}",
+                                   "train.epochs=1", "train.batch_size=20", f"run_dir={tmp_path / 'run'}"])
+    data, model = cfg["data"], cfg["model"]
+    assert (data["crop"], data["flip"], data["standardize"]) == (24, True, True)
+    assert data["brightness"] > 0 and data["contrast"] > 0 and model["routing"]["leaky"] and not model["decoder"]
+    assert model["input_shape"] == [24, 24, 3] and model["num_classes"] == 10
+    metrics = train(cfg)
+    assert metrics["global_step"] == 1 and np.isfinite(metrics["test_loss"])
+    assert metrics["history"][0]["train_loss"] > 0
