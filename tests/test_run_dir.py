@@ -23,9 +23,13 @@ BEFORE = {
     "false": (["0x1.b0d6f10000000p-1", "0x1.64a9128000000p-1"], "0x1.617f8f0000000p-1"),
     "true": (["0x1.b0d6ee8000000p-1", "0x1.64a9110000000p-1"], "0x1.617f890000000p-1"),
 }
-# A run dir written by that loop: 1 epoch of the same run (config.yaml with model.routing as it
-# was then, history.jsonl, checkpoints/latest and best, metrics.json; no marker file).
+# A run dir written by that loop (capsnet/training/loop.py at 6b14e73): 1 epoch of the same run
+# with a smaller model (OLD_RUN_MODEL: a small fixture), config.yaml with model.routing as it was
+# then, history.jsonl, checkpoints/latest and best, metrics.json; no marker file. OLD_RUN_LOSSES:
+# that loop's 2-epoch run of the same config, uninterrupted.
 OLD_RUN_DIR = Path(__file__).parent / "run_dirs" / "v0_one_epoch"
+OLD_RUN_MODEL = ["model.decoder=false", "model.primary_caps_types=2", "model.conv1_filters=8"]
+OLD_RUN_LOSSES = (["0x1.6c52f60000000p-1", "0x1.13d6ae8000000p-1"], "0x1.333a0d0000000p-1")
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +68,8 @@ def test_a_run_dir_of_the_loop_before_resumes_to_the_same_numbers(small_data, tm
     from capsnet.training import train
 
     run_dir = old_run_dir(tmp_path, small_data)
-    metrics = train(small_config(small_data, run_dir))
-    assert losses(metrics) == BEFORE["false"]
+    metrics = train(small_config(small_data, run_dir, *OLD_RUN_MODEL))
+    assert losses(metrics) == OLD_RUN_LOSSES
     assert metrics["resumed_from"].endswith("ckpt-1") and (run_dir / ".capsnet-run").is_file()
     assert [json.loads(line)["epoch"] for line in (run_dir / "history.jsonl").read_text().splitlines()] == [1, 2]
 
