@@ -163,15 +163,63 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
         "weights": weights, "precision": precision, "tf32": tf32, "xla": xla, "output": output, "tta": tta,
         "data": {"name": data_name, "dir": data_dir, "limit_test": limit_test, "shift_pixels": shift_pixels,
                  "pad_pixels": pad_pixels}})
-    members = [resolve_member(c, which=which, custom_op=custom_op, weights=weights, precision=precision, tf32=tf32,
-                              xla=xla) for c in checkpoints]
+    members = resolve_members(checkpoints, which=which, custom_op=custom_op, weights=weights, precision=precision,
+                              tf32=tf32, xla=xla)
     first = members[0]
+    data_cfg, task, test_pairs, other_pairs = test_data_section(first["cfg"]["data"], args["data"])
+    batch_size = args["batch_size"] or eval_batch_size(first["cfg"]["train"])
+    check_members(members, task, data_cfg["name"], args["tta"])
+    model = build_member_models(members)
+    # MultiMNIST: the test pairs of the run's shift and canvas (the paper's 4 px).
+    test_split = load_run_test_split(task, from_run=args["data"]["dir"] is None, run_dir=first["run_dir"])
+    task.check(test_split, model, "test")
+    for member in members:
+        member["epoch"] = restore_model(member["model"], member["prefix"], member["weights"])
+
+    dataset = task.dataset(test_split, batch_size=batch_size, training=False)
+    names = task.class_names(model.num_classes)
+    ensemble = len(members) > 1 or args["tta"] != "none"
+    reports, results = [], []
+    shared = {"dataset": data_cfg["name"], "batch_size": batch_size, "class_names": names, "test_pairs": test_pairs}
+    for member in members:
+        set_tensor_float_32(member["tf32"])  # process-wide: before the member's pass is traced and run
+        eval_step = make_eval_step(member["model"], model.image_shape, **member["losses"],
+                                   jit_compile=member["xla"] == "jit", two_digits=task.two_digits)
+        views = tta_views(dataset, args["tta"], shift_fill=member["cfg"]["data"]["shift_fill"])
+        for view, view_dataset in views.items():
+            result = evaluate_model(eval_step, view_dataset, model.num_classes, keep_lengths=ensemble)
+            results.append(result)
+            reports.append(member_report(result, member, view if len(views) > 1 else None, **shared))
+    report, default_output = final_report(reports, results, first, model.num_classes, ensemble=ensemble,
+                                          tta=args["tta"], names=names, test_pairs=test_pairs,
+                                          other_pairs=other_pairs)
+    output = Path(args["output"] if args["output"] is not None else default_output)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(json_safe(report), indent=2) + "\n")
+    except OSError as exc:
+        raise CheckpointError(f"cannot write the evaluation report {output}: {exc.strerror}") from exc
+    report["output"] = str(output)
+    return report
+
+
+def resolve_members(checkpoints, **options):
+    """resolve_member of each checkpoint (`options`: its keywords); ConfigError for a checkpoint
+    named twice (a member twice would weigh it double without saying so)."""
+    members = [resolve_member(c, **options) for c in checkpoints]
     prefixes = [member["prefix"] for member in members]
     repeated = sorted({prefix for prefix in prefixes if prefixes.count(prefix) > 1})
     if repeated:
-        # A member twice would weigh it double without saying so.
         raise ConfigError(f"the ensemble names a checkpoint more than once: {', '.join(repeated)}")
-    data_cfg, data_args = dict(first["cfg"]["data"]), args["data"]
+    return members
+
+
+def test_data_section(run_data, data_args):
+    """(data_cfg, task, test_pairs, other_pairs): the run's data section `run_data` with
+    evaluate's data arguments over it. A different data.name without data.dir reads
+    tensorflow-datasets; MultiMNIST: the test pairs' shifts and canvas (a shift given alone
+    keeps the run's canvas), `other_pairs` those given; other datasets refuse them."""
+    data_cfg = dict(run_data)
     if data_args["name"] is not None and data_args["name"] != data_cfg["name"] and data_args["dir"] is None:
         data_cfg["dir"] = None
     other_pairs = {key: data_args[key] for key in ("shift_pixels", "pad_pixels") if data_args[key] is not None}
@@ -183,115 +231,106 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
         # A shift given alone keeps the run's canvas (a border of null was the run's shift).
         data_cfg["pad_pixels"] = other_pairs.get("pad_pixels", run_border)
         test_pairs = {"shift_pixels": data_cfg["shift_pixels"], "pad_pixels": data_cfg["pad_pixels"]}
+        task = task_for(data_cfg)
     elif other_pairs:
         raise ConfigError(f"data.shift_pixels / data.pad_pixels make MultiMNIST's test pairs: the {data_cfg['name']} "
                           "test images are scored as they are (set them to null)")
-    run_train = first["cfg"]["train"]
-    batch_size = args["batch_size"] or eval_batch_size(run_train)
-    # One test split for all (data.name may pick another): members trained for different
-    # datasets have capsules that mean different things, whatever split they are scored on.
+    return data_cfg, task, test_pairs, other_pairs
+
+
+def check_members(members, task, data_name, tta):
+    """The members were trained on one dataset (members trained for different datasets have
+    capsules that mean different things, whatever split they are scored on), and on the
+    images that `tta`'s views make (ConfigError, one line)."""
     trained_on = [member["cfg"]["data"]["name"] for member in members]
     for member, name in zip(members[1:], trained_on[1:]):
         if name != trained_on[0]:
             raise ConfigError(f"ensemble members trained on different datasets: {trained_on[0]} "
-                              f"({first['run_dir']}) and {name} ({member['run_dir']})")
+                              f"({members[0]['run_dir']}) and {name} ({member['run_dir']})")
     for member in members:
         trained = member["cfg"]["data"]
-        if args["tta"] == "flip" and not trained["flip"]:
+        if tta == "flip" and not trained["flip"]:
             raise ConfigError(f"tta=flip: the run {member['run_dir']} was not trained on mirrored images "
                               f"(data.flip=false; a mirrored {trained['name']} image need not be of its class): "
                               "use tta=none")
-        if args["tta"] == "shift" and not trained["shift_pixels"]:
+        if tta == "shift" and not trained["shift_pixels"]:
             raise ConfigError(f"tta=shift: the run {member['run_dir']} was not trained on shifted images "
                               "(data.shift_pixels=0): use tta=none")
-    if args["tta"] != "none" and task.two_digits:
+    if tta != "none" and task.two_digits:
         # Its test pairs carry their digits as the decoder's targets, which a view would have to move too.
-        raise ConfigError(f"tta={args['tta']}: not for {data_cfg['name']} (its test pairs carry each digit as "
+        raise ConfigError(f"tta={tta}: not for {data_name} (its test pairs carry each digit as "
                           "a reconstruction target): use tta=none")
 
+
+def build_member_models(members):
+    """Each member's model (member["model"]), built before the data is read; the first's is
+    returned. ConfigError where members differ in image shape or classes."""
     if any(member["custom_op"] for member in members):
         check_op_library()
     for member in members:
         # Routed as config.routing_mode decides for the member's custom_op: custom_op=false
         # routes the same W in TF (or XLA) whatever the run routed with.
-        member["model"] = build_capsnet(member["cfg"]["model"], member["custom_op"],
-                                        member["precision"])  # before the data is read
-    model = first["model"]
+        member["model"] = build_capsnet(member["cfg"]["model"], member["custom_op"], member["precision"])
+    first = members[0]
     for member in members[1:]:
         shapes = [(m["model"].image_shape, m["model"].num_classes) for m in (first, member)]
         if shapes[0] != shapes[1]:
             raise ConfigError(
                 f"ensemble members differ in (image shape, classes): {shapes[0]} ({first['run_dir']}) and "
                 f"{shapes[1]} ({member['run_dir']}): their capsule lengths cannot be averaged")
-    # MultiMNIST: the test pairs of the run's shift and canvas (the paper's 4 px).
-    test_split = load_run_test_split(task, from_run=data_args["dir"] is None, run_dir=first["run_dir"])
-    task.check(test_split, model, "test")
-    for member in members:
-        member["epoch"] = restore_model(member["model"], member["prefix"], member["weights"])
+    return first["model"]
 
-    dataset = task.dataset(test_split, batch_size=batch_size, training=False)
-    names = task.class_names(model.num_classes)
-    ensemble = len(members) > 1 or args["tta"] != "none"
-    reports, results = [], []
-    for member in members:
-        set_tensor_float_32(member["tf32"])  # process-wide: before the member's pass is traced and run
-        eval_step = make_eval_step(member["model"], model.image_shape, **member["losses"],
-                                   jit_compile=member["xla"] == "jit", two_digits=task.two_digits)
-        views = tta_views(dataset, args["tta"], shift_fill=member["cfg"]["data"]["shift_fill"])
-        for view, view_dataset in views.items():
-            result = evaluate_model(eval_step, view_dataset, model.num_classes, keep_lengths=ensemble)
-            results.append(result)
-            reports.append({
-                "accuracy": result["accuracy"],
-                "loss": result["loss"],
-                "margin_loss": result["margin_loss"],
-                "reconstruction_loss": result["reconstruction_loss"],
-                "images_per_sec": result["images_per_sec"],
-                "per_class_accuracy": result["per_class_accuracy"],
-                "confusion_matrix": result["confusion_matrix"],
-                **({"class_names": list(names)} if names is not None else {}),
-                **({"per_class_examples": result["per_class_examples"]} if "per_class_examples" in result else {}),
-                "num_examples": result["num_examples"],
-                "checkpoint": member["prefix"],
-                "run_dir": str(member["run_dir"]),
-                "epoch": member["epoch"],
-                "dataset": data_cfg["name"],
-                "custom_op": member["custom_op"],
-                "batch_size": batch_size,
-                "weights": member["weights"],
-                "precision": member["precision"],
-                "tf32": member["tf32"],
-                "xla": member["xla"],
-                **({"test_pairs": test_pairs} if test_pairs else {}),
-                **({"view": view} if len(views) > 1 else {}),
-            })
+
+def member_report(result, member, view, *, dataset, batch_size, class_names, test_pairs):
+    """One pass's report: evaluate_model's `result` for `member` (its `view` with tta, else None)."""
+    return {
+        "accuracy": result["accuracy"],
+        "loss": result["loss"],
+        "margin_loss": result["margin_loss"],
+        "reconstruction_loss": result["reconstruction_loss"],
+        "images_per_sec": result["images_per_sec"],
+        "per_class_accuracy": result["per_class_accuracy"],
+        "confusion_matrix": result["confusion_matrix"],
+        **({"class_names": list(class_names)} if class_names is not None else {}),
+        **({"per_class_examples": result["per_class_examples"]} if "per_class_examples" in result else {}),
+        "num_examples": result["num_examples"],
+        "checkpoint": member["prefix"],
+        "run_dir": str(member["run_dir"]),
+        "epoch": member["epoch"],
+        "dataset": dataset,
+        "custom_op": member["custom_op"],
+        "batch_size": batch_size,
+        "weights": member["weights"],
+        "precision": member["precision"],
+        "tf32": member["tf32"],
+        "xla": member["xla"],
+        **({"test_pairs": test_pairs} if test_pairs else {}),
+        **({"view": view} if view is not None else {}),
+    }
+
+
+def final_report(reports, results, first, num_classes, *, ensemble, tta, names, test_pairs, other_pairs):
+    """(report, default output path): the one pass's report, or the ensemble's over all the
+    passes (written beside the first checkpoint under a hash of the passes); test pairs other
+    than the run's go to their own file, not over the run's report (compare_runs reads that
+    one as the run's final)."""
     if ensemble:
-        report = ensemble_report(reports, results, model.num_classes)
+        report = ensemble_report(reports, results, num_classes)
         if names is not None:
             report["class_names"] = list(names)
-        if args["tta"] != "none":
-            report["tta"] = args["tta"]
+        if tta != "none":
+            report["tta"] = tta
         if test_pairs:
             report["test_pairs"] = test_pairs
         passes = [[m["checkpoint"], m["weights"], m["custom_op"], *([m["view"]] if "view" in m else [])] for m in reports]
         if other_pairs:
             passes.append(test_pairs)
         digest = hashlib.sha1(json.dumps(passes).encode()).hexdigest()[:8]
-        default_output = f"{first['prefix']}.ensemble-{digest}.eval.json"
-    elif other_pairs:
-        # Not over the run's own report (compare_runs reads that one as the run's final).
-        report = reports[0]
-        default_output = f"{first['prefix']}.eval-pairs-shift{test_pairs['shift_pixels']}-pad{test_pairs['pad_pixels']}.json"
-    else:
-        report, default_output = reports[0], first["prefix"] + ".eval.json"
-    output = Path(args["output"] if args["output"] is not None else default_output)
-    try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(json_safe(report), indent=2) + "\n")
-    except OSError as exc:
-        raise CheckpointError(f"cannot write the evaluation report {output}: {exc.strerror}") from exc
-    report["output"] = str(output)
-    return report
+        return report, f"{first['prefix']}.ensemble-{digest}.eval.json"
+    if other_pairs:
+        return reports[0], (f"{first['prefix']}.eval-pairs-shift{test_pairs['shift_pixels']}"
+                            f"-pad{test_pairs['pad_pixels']}.json")
+    return reports[0], first["prefix"] + ".eval.json"
 
 
 def load_run_test_split(task, *, from_run, run_dir):
