@@ -128,6 +128,7 @@ def _remove_unused_run_dir():
         if any(entry.name not in own and not (entry == lock and lock.stat().st_size == 0)
                for entry in run_dir.iterdir()):
             return
+        _close_log_files()  # the job's train.log goes with it: nothing may reopen it (delay: true) afterwards
         shutil.rmtree(run_dir)
         for parent in run_dir.parents:  # outputs/<date>, outputs: only if now empty
             if parent == cwd or cwd not in parent.parents:
