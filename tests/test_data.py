@@ -165,7 +165,7 @@ def test_load_split_limit(idx_dir):
 
 def test_load_split_rejects_unknown_name_or_split(idx_dir):
     directory = idx_dir[0]
-    with pytest.raises(ConfigError, match="cifar.*fashion_mnist, mnist"):
+    with pytest.raises(ConfigError, match="cifar.*fashion_mnist, folder, mnist"):
         load_split("cifar", "train", directory)
     with pytest.raises(ConfigError, match="'validation'.*train, test"):
         load_split("mnist", "validation", directory)
