@@ -22,7 +22,7 @@ from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 from capsnet.conv import conv2d_to_blocks, space_to_depth_conv2d
 from capsnet.precision import bias_add, float32_math
 from capsnet.routing import DynamicRouting, Router, router_argument, squash
-from capsnet.validation import boolean, finite_float, positive_float, positive_int, positive_int_tuple
+from capsnet.validation import finite_float, positive_float, positive_int, positive_int_tuple
 from capsnet.xla_context import in_xla_computation
 
 __all__ = ["squash", "capsule_lengths", "Conv2D", "Dense", "PrimaryCaps", "DigitCaps", "Decoder", "CONV_FORMS"]

@@ -24,7 +24,6 @@ busy time is listed, so the rows compare with a one-GPU profile's.
 import argparse
 import collections
 import contextlib
-import json
 import math
 import os
 import statistics

@@ -5,7 +5,6 @@ References are independent of the code under test: IDX bytes built by hand with
 `struct`, shifts computed by NumPy slicing, permutations checked by sorting.
 """
 import gzip
-import os
 import re
 import struct
 import time

@@ -382,8 +382,10 @@ def test_a_fused_routing_run_evaluates_on_either_path(trained_run, tmp_path):
     trained (the fused op) and with custom_op=false (TF routing), the same accuracy and loss."""
     run_dir = tmp_path / "fused"
     shutil.copytree(trained_run[0], run_dir)
+    (run_dir / ".capsnet-run").unlink()  # a run dir of the code that had the flag: no marker, read by migrate
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     saved["custom_op"], saved["model"]["fused_routing"] = True, True
+    del saved["model"]["routing"]  # the flag came before model.routing
     (run_dir / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
     fused = evaluate(run_dir, which="latest", output=tmp_path / "fused.json")
     matmul = evaluate(run_dir, which="latest", custom_op=False, output=tmp_path / "matmul.json")

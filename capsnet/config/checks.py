@@ -7,8 +7,7 @@ import math
 from omegaconf import MISSING
 
 from capsnet.config.schemas import (AUGMENTATION_OFF, ALL_REDUCE, AugmentationConfig, DataConfig, DistributeConfig,
-                                    EvalAppConfig, ModelConfig, TrainAppConfig, TrainConfig, augmentation_options)
-from capsnet.config.schemas import PredictAppConfig
+                                    EvalAppConfig, ModelConfig, PredictAppConfig, TrainAppConfig, TrainConfig)
 from capsnet.datasets import is_overlay
 from capsnet.errors import ConfigError
 
