@@ -82,13 +82,40 @@ def export_archive(model, two_digits=False, prepare=None):
     archive = keras.export.ExportArchive()
     archive.track(model)
     # The first endpoint added is also written as "serving_default" (TF Serving's default).
-    archive.add_endpoint("serve", lambda images: serving_outputs(model, images, two_digits, prepare),
+    archive.add_endpoint("serve", lambda images: serving_outputs(model, checked_images(images, model.image_shape),
+                                                                 two_digits, prepare),
                          input_signature=[tf.TensorSpec(shape, tf.float32, name="images")])
     # The pipelines' own scaling (capsnet.data): cast, then divide by 255.
     archive.add_endpoint(
-        "serve_uint8", lambda images: serving_outputs(model, tf.cast(images, tf.float32) / 255.0, two_digits, prepare),
+        "serve_uint8",
+        lambda images: serving_outputs(model, tf.cast(checked_images(images, model.image_shape), tf.float32) / 255.0,
+                                       two_digits, prepare),
         input_signature=[tf.TensorSpec(shape, tf.uint8, name="images")])
     return archive
+
+
+def checked_images(images, image_shape):
+    """`images` once its runtime shape is (N, *image_shape), else InvalidArgument naming the
+    expected and received shapes.
+
+    A signature called through `model.signatures[...]` does not check its input against the
+    input signature: the graph is built for rank 4, so a 3-D batch reaches kernels that index
+    a 4th dimension (a CHECK failure that aborts the process) and images of another size are
+    reshaped into fewer, wrong predictions. One condition covers rank and size: the
+    dimensions after the first are padded with zeros before the comparison, so that no op
+    compares tensors of different lengths whatever the rank received.
+    """
+    rank = len(image_shape) + 1
+    expected = "(N, " + ", ".join(str(d) for d in image_shape) + ")"
+    dims = tf.shape(images)
+    received = tf.strings.reduce_join(tf.strings.as_string(dims), separator=", ")
+    trailing = tf.concat([dims[1:], tf.zeros([rank], tf.int32)], axis=0)[:rank - 1]
+    ok = tf.logical_and(tf.equal(tf.size(dims), rank),
+                        tf.reduce_all(tf.equal(trailing, tf.constant(image_shape, tf.int32))))
+    message = tf.strings.join([f"images must have the shape {expected}; received shape: (", received, ")"])
+    check = tf.debugging.Assert(ok, [message], name="check_images_shape")
+    with tf.control_dependencies([check]):
+        return tf.identity(images)
 
 
 def graph_op_types(saved_model_dir):

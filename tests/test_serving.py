@@ -1,0 +1,80 @@
+"""The exported serving signatures against wrong input: each of `serving_default` (float32)
+and `serve_uint8` (uint8), called through `model.signatures[...]` as the README shows, in a
+fresh process so that an abort shows as its return code. A wrong rank, size or channel count
+is an InvalidArgumentError naming the expected and received shapes; a wrong dtype a clean
+Python error; an empty batch returns empty outputs."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from capsnet import export as capsnet_export
+from conftest import repo_env
+
+# Calls one signature with one input and prints what happened as one JSON line.
+CALL_SCRIPT = r"""
+import json, sys
+import numpy as np
+import tensorflow as tf
+
+export_dir, signature, shape, dtype = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+function = tf.saved_model.load(export_dir).signatures[signature]
+try:
+    out = function(images=tf.zeros(shape, dtype=dtype))
+    print(json.dumps({"ok": {k: list(v.shape) for k, v in out.items()}}))
+except Exception as exc:
+    print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+"""
+
+SIGNATURES = {"serving_default": "float32", "serve_uint8": "uint8"}
+
+
+@pytest.fixture(scope="module")
+def portable_export(trained_run, tmp_path_factory):
+    run_dir, _ = trained_run
+    output = tmp_path_factory.mktemp("serving") / "mnist"
+    report = capsnet_export.export(run_dir, output, custom_op=False)
+    assert report["input_shape"] == [28, 28, 1] and report["op_library_ops"] == []
+    return output
+
+
+def call(export_dir, signature, shape, dtype):
+    env = repo_env()
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    result = subprocess.run([sys.executable, "-c", CALL_SCRIPT, str(export_dir), signature, json.dumps(shape), dtype],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"rc {result.returncode}: {result.stderr[-2000:]}"
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("signature", SIGNATURES)
+@pytest.mark.parametrize("shape, received", [
+    ((4, 28, 28), "(4, 28, 28)"),            # wrong rank: aborted the process
+    ((4, 14, 14, 1), "(4, 14, 14, 1)"),      # wrong size: gave 2 predictions for 4 images
+    ((2, 28, 28, 3), "(2, 28, 28, 3)"),      # wrong channels
+    ((28, 28), "(28, 28)"),                  # one image without its batch dimension
+])
+def test_a_wrong_shape_is_invalid_argument_naming_both_shapes(portable_export, signature, shape, received):
+    seen = call(portable_export, signature, list(shape), SIGNATURES[signature])
+    assert seen.get("error") == "InvalidArgumentError", seen
+    assert f"images must have the shape (N, 28, 28, 1); received shape: {received}" in seen["message"], seen
+
+
+@pytest.mark.parametrize("signature", SIGNATURES)
+def test_a_wrong_dtype_is_invalid_argument(portable_export, signature):
+    # TensorFlow checks the dtype of a signature's input itself.
+    wrong = {"float32": ("float64", "double"), "uint8": ("int32", "int32")}[SIGNATURES[signature]]
+    seen = call(portable_export, signature, [2, 28, 28, 1], wrong[0])
+    assert seen.get("error") == "InvalidArgumentError", seen
+    expected = "float" if SIGNATURES[signature] == "float32" else "uint8"
+    assert f"expected to be a {expected} tensor but is a {wrong[1]} tensor" in seen["message"], seen
+
+
+@pytest.mark.parametrize("signature", SIGNATURES)
+def test_an_empty_batch_returns_empty_outputs_and_a_good_batch_works(portable_export, signature):
+    assert call(portable_export, signature, [0, 28, 28, 1], SIGNATURES[signature]) == {
+        "ok": {"lengths": [0, 10], "predictions": [0], "reconstructions": [0, 28, 28, 1]}}
+    assert call(portable_export, signature, [3, 28, 28, 1], SIGNATURES[signature]) == {
+        "ok": {"lengths": [3, 10], "predictions": [3], "reconstructions": [3, 28, 28, 1]}}
