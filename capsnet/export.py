@@ -25,7 +25,9 @@
   do when the export holds the compiled op and the op library is not loaded.
 
 The export is written to a temporary directory beside `output` and renamed at the end:
-an error leaves nothing behind, and an existing `output` is never overwritten.
+an error leaves nothing behind, and an existing `output` is never overwritten. One left by a
+killed export (`.<name>.partial-<pid>-<hex>`, its process gone) is removed by the next export
+of the same output.
 Next to the graph, `assets.extra/` (the SavedModel place for files the graph does not
 read) holds `capsnet_export.json` (where the weights came from, the signatures, the ops
 needed) and a `README.txt` with how to load it.
@@ -210,7 +212,8 @@ def export(checkpoint, output, *, which="best", weights=None, custom_op=False):
         # Beside `output` (same file system): the final rename is atomic.
         # mkdir, not tempfile.mkdtemp: the export gets the usual (umask) permissions, not 0700,
         # so that a server running as another user can read it.
-        partial = output.parent / f".{output.name}.partial-{secrets.token_hex(4)}"
+        remove_stale_partials(output)
+        partial = output.parent / f".{output.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
         partial.mkdir()
         archive.write_out(str(partial), verbose=False)
         report["op_library_ops"] = sorted(t for t in graph_op_types(partial) if t.startswith(OP_PREFIX))
@@ -233,6 +236,30 @@ def export(checkpoint, output, *, which="best", weights=None, custom_op=False):
             raise CheckpointError(f"cannot write the export {output}: {exc.message.strip().splitlines()[0]}") from exc
         raise
     return report
+
+
+def remove_stale_partials(output):
+    """Remove what an earlier export of `output` killed mid-write (SIGKILL, power loss: no
+    cleanup ran) left beside it: `.<name>.partial-<pid>-<hex>` folders whose process is gone
+    (and the older `.<name>.partial-<hex>` ones, which name no process). A folder of an export
+    of the same output still running in another process is kept."""
+    for stale in output.parent.glob(f".{output.name}.partial-*"):
+        pid = stale.name[len(f".{output.name}.partial-"):].split("-")[0]
+        if "-" in stale.name[len(f".{output.name}.partial-"):] and pid.isdigit() and process_alive(int(pid)):
+            continue
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def process_alive(pid):
+    """Whether a process `pid` exists on this machine (it may belong to another user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def signature_descriptions(model, two_digits):
