@@ -282,18 +282,3 @@ def test_export_argument_errors(trained_run, tmp_path):
     with pytest.raises(CheckpointError, match="cannot load the SavedModel"):
         capsnet_export.load(tmp_path / "nothing")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
-
-
-def test_a_killed_exports_partial_folder_is_removed_by_the_next_export(trained_run, tmp_path):
-    # A SIGKILL mid-write runs no cleanup: its `.name.partial-*` folder stays beside the output.
-    run_dir, _ = trained_run
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    stale = [tmp_path / f".model.partial-{dead.pid}-0badc0de", tmp_path / ".model.partial-deadbeef"]
-    running = tmp_path / f".model.partial-{os.getpid()}-00c0ffee"  # an export of this process still writing
-    other = tmp_path / ".other.partial-1-deadbeef"                     # another output's
-    for folder in (*stale, running, other):
-        folder.mkdir()
-        (folder / "saved_model.pb").write_bytes(b"half")
-    capsnet_export.export(run_dir, tmp_path / "model")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([running.name, other.name, "model"])

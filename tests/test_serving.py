@@ -1,8 +1,9 @@
 """The exported serving signatures against wrong input: each of `serving_default` (float32)
 and `serve_uint8` (uint8), called through `model.signatures[...]` as the README shows, in a
 fresh process so that an abort shows as its return code. A wrong rank, size or channel count
-is an InvalidArgumentError naming the expected and received shapes; a wrong dtype a clean
-Python error; an empty batch returns empty outputs."""
+is an InvalidArgumentError naming the expected and received shapes, so is a wrong dtype; an
+empty batch returns empty outputs. Also: a killed export's partial folder is removed by the
+next export of the same output."""
 import json
 import os
 import subprocess
@@ -78,3 +79,18 @@ def test_an_empty_batch_returns_empty_outputs_and_a_good_batch_works(portable_ex
         "ok": {"lengths": [0, 10], "predictions": [0], "reconstructions": [0, 28, 28, 1]}}
     assert call(portable_export, signature, [3, 28, 28, 1], SIGNATURES[signature]) == {
         "ok": {"lengths": [3, 10], "predictions": [3], "reconstructions": [3, 28, 28, 1]}}
+
+
+def test_a_killed_exports_partial_folder_is_removed_by_the_next_export(trained_run, tmp_path):
+    # A SIGKILL mid-write runs no cleanup: its `.name.partial-*` folder stays beside the output.
+    run_dir, _ = trained_run
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = [tmp_path / f".model.partial-{dead.pid}-0badc0de", tmp_path / ".model.partial-deadbeef"]
+    running = tmp_path / f".model.partial-{os.getpid()}-00c0ffee"  # an export of this process still writing
+    other = tmp_path / ".other.partial-1-deadbeef"                     # another output's
+    for folder in (*stale, running, other):
+        folder.mkdir()
+        (folder / "saved_model.pb").write_bytes(b"half")
+    capsnet_export.export(run_dir, tmp_path / "model")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([running.name, other.name, "model"])
