@@ -2,6 +2,7 @@
 
 No TensorFlow: config errors come before the seconds-long import.
 """
+import re
 import subprocess
 import sys
 
@@ -337,3 +338,26 @@ def test_migrate_leaves_values_for_check_to_judge():
     assert migrated["custom_op"] == "yes"
     with pytest.raises(ConfigError, match="custom_op must be true or false, got 'yes'"):
         config.check(migrated)
+
+
+@pytest.mark.parametrize("seed, message", [
+    ("-1", "seed must be in [0, 4294967295], got -1"),
+    (str(2**40), f"seed must be in [0, 4294967295], got {2**40}"),
+    (str(2**32), "seed must be in [0, 4294967295], got 4294967296"),
+    ("abc", "seed must be an integer, got 'abc'"),
+])
+def test_a_seed_that_seeding_would_refuse_is_a_config_error(seed, message):
+    # The valid range is what keras.utils.set_random_seed takes: NumPy's seeding is its narrowest.
+    import numpy as np
+    if seed.lstrip("-").isdigit():
+        with pytest.raises(ValueError):
+            np.random.seed(int(seed))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        compose_config("train", [f"seed={seed}"])
+
+
+def test_the_seed_range_ends_are_accepted_by_seeding(tmp_path):
+    import numpy as np
+    for seed in (0, 2**32 - 1):
+        assert compose_config("train", [f"seed={seed}", f"run_dir={tmp_path}"])["seed"] == seed
+        np.random.seed(seed)  # keras.utils.set_random_seed's narrowest seeding (TensorFlow's takes any int64)

@@ -75,6 +75,11 @@ def _integer(name, value):
     return integer(name, value, error=ConfigError)
 
 
+def _seed(name, value):
+    # keras.utils.set_random_seed seeds NumPy too, whose np.random.seed takes [0, 2**32 - 1] only.
+    return integer(name, value, minimum=0, maximum=2**32 - 1, error=ConfigError)
+
+
 def _string(name, value):
     if not isinstance(value, str):
         raise ConfigError(f"{name} must be a string, got {value!r}")
@@ -381,7 +386,7 @@ class TrainAppConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     distribute: DistributeConfig = field(default_factory=DistributeConfig)
     custom_op: bool = _checked(False, _boolean)
-    seed: int = _checked(0, _integer)
+    seed: int = _checked(0, _seed)
     deterministic: bool = _checked(False, _boolean)
     debug: bool = _checked(False, _boolean)
     run_dir: Optional[str] = _checked(None, _optional_string)
