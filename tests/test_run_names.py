@@ -91,3 +91,30 @@ def test_train_py_names_its_run_dir_and_resumes_it(tiny_idx_dir, tmp_path):
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["resumed_from"] and metrics["epochs"] == 2
     assert [h["epoch"] for h in metrics["history"]] == [1, 2]
+
+
+def test_a_300_character_override_list_gives_a_valid_run_dir(tmp_path):
+    # A sweep's long override list: each run dir's name is shortened to fit a file name (255
+    # bytes), stays a value evaluate.py's checkpoint= parses, and can be created.
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from conftest import compose_config
+
+    overrides = ["seed=123456789", "custom_op=true", "train.learning_rate=0.000123456789", "train.batch_size=64",
+                 "train.epochs=30", "model.routing_iterations=3", "model.decoder_units=[512,1024]",
+                 "train.lr_schedule=cosine", "data.limit_train=100000", "data.limit_test=50000",
+                 "train.ema_decay=0.999", "deterministic=true", "model.input_shape=[28,28,1]",
+                 "train.weight_decay=0.0001", "model.num_classes=10", "train.warmup_epochs=2"]
+    assert len(" ".join(overrides)) >= 300
+    hydra = hydra_config(*overrides, "hydra.job.num=7")
+    for run_dir in (hydra.run.dir, f"{hydra.sweep.dir}/{hydra.sweep.subdir}"):
+        assert max(len(part.encode()) for part in run_dir.split("/")) <= 255, run_dir
+        assert len(run_dir.rsplit("/", 1)[-1]) <= len("21-53-33") + 1 + MAX_LENGTH, run_dir
+        assert re.search(r"\+\d+-more$", run_dir), run_dir
+        parsed = OverridesParser.create().parse_override(f"checkpoint={run_dir}")
+        assert not parsed.is_sweep_override() and parsed.value() == run_dir
+        (tmp_path / run_dir).mkdir(parents=True)
+    assert re.fullmatch(r"7_custom_op-true\+.*", hydra.sweep.subdir)
+    # The same overrides compose into a config that passes every check (no training here).
+    cfg = compose_config("train", [*overrides, f"run_dir={tmp_path / 'run'}"])
+    assert cfg["seed"] == 123456789 and cfg["train"]["epochs"] == 30
