@@ -42,6 +42,7 @@ def main(cfg: DictConfig):
                       shift_pixels=cfg["data"]["shift_pixels"], pad_pixels=cfg["data"]["pad_pixels"],
                       custom_op=cfg["custom_op"], batch_size=cfg["batch_size"], weights=cfg["weights"],
                       precision=cfg["precision"], tf32=cfg["tf32"], xla=cfg["xla"], output=cfg["output"],
+                      overwrite=cfg["overwrite"],
                       tta=cfg["tta"])
     print(format_report(report))
     print(to_json_line(report), flush=True)  # the last line: machine-readable

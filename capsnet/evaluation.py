@@ -98,9 +98,26 @@ def pairs_shown(report):
     return "" if not pairs else f" (shifted ±{pairs['shift_pixels']} px, canvas border {pairs['pad_pixels']} px)"
 
 
+RUN_FILES = ("config.yaml", "history.jsonl", "metrics.json", "train.lock", ".capsnet-run")
+
+
+def check_output(output, overwrite=False):
+    """An evaluation report's output= path: CheckpointError (one line) for a file of a run
+    (config.yaml, history, metrics, the lock and marker, anything under checkpoints/, whose
+    files best/ and latest/ share by hard link) and, unless `overwrite`, for any existing file."""
+    resolved = output.resolve()
+    in_checkpoints = any(part.name == "checkpoints" and (part.parent / "config.yaml").is_file()
+                         for part in resolved.parents)
+    if in_checkpoints or (resolved.name in RUN_FILES and (resolved.parent / "config.yaml").is_file()):
+        raise CheckpointError(f"output={output} is a file of a run (its config, history, metrics or checkpoints): "
+                              "write the report elsewhere (output=null puts it beside the checkpoint)")
+    if output.exists() and not overwrite:
+        raise CheckpointError(f"output={output} exists: overwrite=true replaces it, or name another file")
+
+
 def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_test=None, shift_pixels=None,
              pad_pixels=None, custom_op=None, batch_size=None, weights=None, precision=None, tf32=None, xla=None, output=None,
-             tta="none"):
+             overwrite=False, tta="none"):
     """Evaluate `checkpoint` on the test split; returns the report and writes it as JSON.
 
     Args:
@@ -130,7 +147,9 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
             XLA-compiled pass rounds differently, so only the run's own setting reproduces
             its in-run test score exactly.
         output: JSON path; None = `<checkpoint>.eval.json` (an ensemble or tta:
-            `<first checkpoint>.ensemble-<hash of the passes>.eval.json`).
+            `<first checkpoint>.ensemble-<hash of the passes>.eval.json`). A path given is
+            refused before the pass if it exists (unless `overwrite`) or is a run's own file
+            (check_output).
         tta: "none"; "flip": every member also scores the test images mirrored
             left-right, only for runs trained on mirrored images (data.flip=true: a digit's
             mirror image is not that digit); "shift": every member also scores them moved one
@@ -160,9 +179,12 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     # (evaluate.py has checked them already; tests and scripts call evaluate() directly).
     args = config.check_section(config.EvalAppConfig, {
         "checkpoint": checkpoints, "which": which, "custom_op": custom_op, "batch_size": batch_size,
-        "weights": weights, "precision": precision, "tf32": tf32, "xla": xla, "output": output, "tta": tta,
+        "weights": weights, "precision": precision, "tf32": tf32, "xla": xla, "output": output,
+        "overwrite": overwrite, "tta": tta,
         "data": {"name": data_name, "dir": data_dir, "limit_test": limit_test, "shift_pixels": shift_pixels,
                  "pad_pixels": pad_pixels}})
+    if args["output"] is not None:
+        check_output(Path(args["output"]), args["overwrite"])
     members = resolve_members(checkpoints, which=which, custom_op=custom_op, weights=weights, precision=precision,
                               tf32=tf32, xla=xla)
     first = members[0]

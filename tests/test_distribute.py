@@ -811,9 +811,11 @@ def test_resume_refuses_another_lr_scaling_and_accepts_a_run_dir_from_before_dis
         train(tiny_config(*DATA, "train.epochs=3", "distribute.scale_lr=linear", run_dir=run_dir))
     # The strategy may change (a run may move to more GPUs), and a config.yaml without a
     # distribute section is one that trained on one device without LR scaling.
+    # (a run dir of the code before distribute existed: no marker, its config read by migrate)
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     del saved["distribute"]
     (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+    (run_dir / ".capsnet-run").unlink()
     metrics = train(tiny_config(*DATA, "train.epochs=3", "distribute=mirrored", run_dir=run_dir))
     assert metrics["resumed_from"].endswith("ckpt-3") and metrics["epochs"] == 3
 

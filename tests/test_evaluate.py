@@ -221,8 +221,8 @@ def test_evaluate_a_list_of_checkpoints_as_an_ensemble(trained_run, tiny_idx_dir
     assert report["confusion_matrix"] == confusion.tolist()
     assert report["accuracy"] == pytest.approx(np.mean(expected == labels))
     # Each member's own numbers are those of evaluating it alone (and of training at its epoch).
-    for member, prefix, lengths in zip(report["members"], prefixes, members):
-        alone = evaluate(prefix, output=tmp_path / "alone.json")
+    for i, (member, prefix, lengths) in enumerate(zip(report["members"], prefixes, members)):
+        alone = evaluate(prefix, output=tmp_path / f"alone-{i}.json")
         assert member["checkpoint"] == alone["checkpoint"] == str(prefix)
         assert member["epoch"] == alone["epoch"]
         assert member["accuracy"] == alone["accuracy"] == pytest.approx(np.mean(lengths.argmax(axis=1) == labels))
@@ -401,3 +401,23 @@ def test_evaluate_without_the_op_library_is_one_line_error(trained_run, tmp_path
         evaluate(trained_run[0], custom_op=True, output=tmp_path / "never.json")
     assert "\n" not in str(err.value) and str(missing) in str(err.value) and "make ops" in str(err.value)
     assert not (tmp_path / "never.json").exists()
+
+
+def test_an_output_never_replaces_a_run_file_nor_an_existing_file_unasked(trained_run, tmp_path):
+    # output=RUN/config.yaml would break the run; a checkpoint file is shared by best/ and
+    # latest/ through a hard link: both are refused before the pass, and the files kept.
+    run_dir = trained_run[0]
+    config_file = run_dir / "config.yaml"
+    index = next((run_dir / "checkpoints" / "latest").glob("ckpt-*.index"))
+    for target in (config_file, index, run_dir / "history.jsonl"):
+        before = target.read_bytes()
+        with pytest.raises(CheckpointError, match="is a file of a run"):
+            evaluate(run_dir, output=target, overwrite=True)
+        assert target.read_bytes() == before
+    mine = tmp_path / "report.json"
+    mine.write_text("my notes\n")
+    with pytest.raises(CheckpointError, match="exists: overwrite=true"):
+        evaluate(run_dir, output=mine)
+    assert mine.read_text() == "my notes\n"
+    report = evaluate(run_dir, output=mine, overwrite=True)
+    assert json.loads(mine.read_text())["accuracy"] == report["accuracy"]

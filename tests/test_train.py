@@ -182,7 +182,10 @@ def test_model_config_covers_every_capsnet_argument_with_the_paper_values():
 
     cfg = compose_config("train", ["run_dir=/unused"])
     arguments = set(inspect.signature(CapsNet.__init__).parameters) - {"self", "kwargs", "custom_op"}
-    assert set(cfg["model"]) == arguments  # custom_op is the top-level key
+    # The router is built from model.routing, routing_iterations and stop_gradient_routing
+    # (capsnet.config.router_spec) and custom_op, the top-level key.
+    router_keys = {"routing", "routing_iterations", "stop_gradient_routing"}
+    assert set(cfg["model"]) - router_keys == arguments - {"router"}
     assert build_capsnet(cfg["model"], custom_op=False).count_params() == 8_215_568
     assert build_capsnet({**cfg["model"], "decoder": False}, custom_op=False).count_params() == 6_804_224
 

@@ -415,6 +415,7 @@ class EvalAppConfig:
     tf32: Optional[bool] = _checked(None, _eval_boolean)
     xla: Optional[str] = _checked(None, _eval_xla)
     output: Optional[str] = _checked(None, _optional_string)
+    overwrite: bool = _checked(False, _boolean)  # an existing output= file may be replaced
     tta: str = _checked("none", _one_of(TTA))
     data: EvalDataConfig = field(default_factory=EvalDataConfig)
     debug: bool = _checked(False, _boolean)

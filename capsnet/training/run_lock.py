@@ -28,6 +28,9 @@ from capsnet.errors import CheckpointError
 
 LOCK_NAME = "train.lock"
 MARKER_NAME = ".capsnet-run"
+# hydra/launcher=gpus sends a job's stdout to a file in the job's run dir before train.py
+# starts (hydra_plugins/capsnet_launcher): that file is the launcher's, not someone else's.
+JOB_OUTPUT_ENV = "CAPSNET_JOB_OUTPUT"
 
 
 def check_ours(run_dir, ignore=()):
@@ -43,6 +46,9 @@ def check_ours(run_dir, ignore=()):
         names = sorted(entry.name for entry in run_dir.iterdir())
     except OSError as exc:
         raise CheckpointError(f"cannot read run dir {run_dir}: {exc.strerror or exc}") from None
+    job_output = os.environ.get(JOB_OUTPUT_ENV)
+    if job_output and Path(job_output).parent.resolve() == run_dir.resolve():
+        ignore = {*ignore, Path(job_output).name}
     names = [name for name in names if name not in ignore]  # `ignore`: the caller's own files (its log)
     if not names or MARKER_NAME in names or _written_before_the_marker(run_dir):
         return

@@ -245,6 +245,7 @@ class GpusLauncher(Launcher):
             env.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
         job.dir.mkdir(parents=True, exist_ok=True)
         job.output = open(job.dir / "output.log", "w")
+        env["CAPSNET_JOB_OUTPUT"] = str(job.dir / "output.log")  # ours in the job's run dir (run_lock.check_ours)
         log.info(f"\t{job.name}" + ("" if job.device is None else f" on device {job.device}"))
         job.started = time.monotonic()
         job.process = subprocess.Popen(self._command(job), env=env, stdout=job.output, stderr=subprocess.STDOUT,
