@@ -74,7 +74,7 @@ def write_idx_dataset(directory, n_train, n_test, gz=True):
     return directory
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # once for the whole tests/ folder
 def tiny_idx_dir(tmp_path_factory):
     """A small learnable MNIST-format dataset: 320 train / 100 test images, gzip IDX."""
     return write_idx_dataset(tmp_path_factory.mktemp("tiny_idx"), n_train=320, n_test=100)
@@ -169,7 +169,7 @@ def tiny_config(tiny_idx_dir, tmp_path):
     return make
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # once for the whole tests/ folder
 def trained_run(tiny_idx_dir, tmp_path_factory):
     """A tiny run trained in-process for 4 epochs (20 steps each): (run_dir, returned metrics)."""
     from capsnet.training import train
