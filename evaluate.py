@@ -14,6 +14,7 @@ Examples:
     python evaluate.py 'checkpoint=[outputs/run_a,outputs/run_b,outputs/run_c]' which=latest   # an ensemble
     python evaluate.py checkpoint=outputs/fashion-run tta=flip     # each image also scored mirrored
     python evaluate.py checkpoint=outputs/mnist-run tta=shift      # and moved one pixel each way
+    python evaluate.py checkpoint=outputs/expanded-run data.name=affnist   # an expanded_mnist run on the affine set
 """
 import hydra
 from hydra.core.hydra_config import HydraConfig

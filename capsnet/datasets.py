@@ -5,7 +5,8 @@ import dataclasses
 
 from capsnet.errors import ConfigError
 
-__all__ = ["DatasetSpec", "DATASETS", "KINDS", "is_overlay", "check_canvas_border", "example_shape", "spec_class_names"]
+__all__ = ["DatasetSpec", "DATASETS", "KINDS", "is_overlay", "has_canvas", "check_canvas_border", "example_shape",
+           "spec_class_names"]
 
 DIGITS = tuple(str(d) for d in range(10))
 
@@ -18,9 +19,14 @@ class DatasetSpec:
     image_shape: tuple     # (H, W, C) of the stored (source) images; None: the folder's (data.image_size, data.channels)
     num_classes: int | None  # None: the folder's class folders
     overlay: bool = False  # True: examples are two overlaid source digits (make_multimnist_dataset)
-    kind: str = "single_label"  # capsnet.tasks.KINDS: single_label | multimnist | images (natural images)
+    # capsnet.tasks.KINDS: single_label | multimnist | images (natural images) | canvas | affine (capsnet.tasks.canvas)
+    kind: str = "single_label"
     class_names: tuple | None = None  # None: each class named by its index (a folder: its folder names)
     dark_background: bool = False  # light shapes on black: a mostly light image given to predict gets a notice
+    # True: each digit drawn on a zero canvas data.pad_pixels wider on every side (null:
+    # data.shift_pixels), as an overlay dataset's are (capsnet.tasks.canvas)
+    canvas: bool = False
+    test_only: bool = False  # True: a test set only (affnist): training on it is refused
 
 
 # Add a dataset here to make it loadable by name (a new kind: a module in capsnet/tasks/ too).
@@ -46,13 +52,29 @@ DATASETS = {
     "smallnorb": DatasetSpec(tfds_name="smallnorb", image_shape=(48, 48, 2), num_classes=5, kind="images",
                              class_names=("animal", "human", "airplane", "truck", "car")),
     "folder": DatasetSpec(tfds_name=None, image_shape=None, num_classes=None, kind="images"),
+    # Expanded MNIST (paper Sec. 5.2): each MNIST digit on a 40x40 canvas (data.pad_pixels 6),
+    # shifted by up to data.shift_pixels (6) in training; the test digits at one fixed shift
+    # each (capsnet.tasks.canvas). Read from the MNIST files (tfds mnist or data.dir).
+    "expanded_mnist": DatasetSpec(tfds_name="mnist", image_shape=(28, 28, 1), num_classes=10, kind="canvas",
+                                  class_names=DIGITS, dark_background=True, canvas=True),
+    # The 10,000 MNIST test digits on that canvas, each under one random affine map in
+    # affNIST's ranges (capsnet.affine): a test set for expanded_mnist runs, generated here
+    # in affNIST's ranges, not affNIST's own files.
+    "affnist": DatasetSpec(tfds_name="mnist", image_shape=(28, 28, 1), num_classes=10, kind="affine",
+                           class_names=DIGITS, dark_background=True, canvas=True, test_only=True),
 }
-KINDS = ("single_label", "multimnist", "images")
+KINDS = ("single_label", "multimnist", "images", "canvas", "affine")
 
 
 def is_overlay(name):
     """Whether dataset `name` yields two-digit examples (labels (B, 2), see make_multimnist_dataset)."""
     return name in DATASETS and DATASETS[name].overlay
+
+
+def has_canvas(name):
+    """Whether dataset `name` draws its digits on a canvas data.pad_pixels wider on every side
+    (MultiMNIST, expanded_mnist, affnist)."""
+    return name in DATASETS and (DATASETS[name].overlay or DATASETS[name].canvas)
 
 
 def spec_class_names(name, num_classes):
@@ -63,20 +85,21 @@ def spec_class_names(name, num_classes):
 
 
 def check_canvas_border(name, pad_pixels, prefix="data."):
-    """Only an overlay dataset has a canvas border (data.pad_pixels): any other shifts its
-    images on their own canvas, so a border set for it is refused (ConfigError, one line)."""
-    if pad_pixels is not None and not is_overlay(name):
-        raise ConfigError(f"{prefix}pad_pixels applies to multimnist only ({name} images are shifted on their own "
-                          f"canvas), got {pad_pixels!r}: set it to null")
+    """Only a dataset drawn on a canvas (has_canvas) has a canvas border (data.pad_pixels): any
+    other shifts its images on their own canvas, so a border set for it is refused
+    (ConfigError, one line)."""
+    if pad_pixels is not None and not has_canvas(name):
+        raise ConfigError(f"{prefix}pad_pixels applies to multimnist, expanded_mnist and affnist only ({name} images "
+                          f"are shifted on their own canvas), got {pad_pixels!r}: set it to null")
 
 
 def example_shape(name, source_shape, shift_pixels, pad_pixels=None, *, crop=None):
-    """The (H, W, C) of the images the model sees: the source's, for an overlay dataset
-    the canvas the shifted digits are drawn on, (H + 2·p, W + 2·p, C) with p = pad_pixels,
-    or shift_pixels where that is None (MultiMNIST, shift 4: 28 → 36), and for natural
-    images with data.crop the crop's (crop, crop, C)."""
+    """The (H, W, C) of the images the model sees: the source's, for a dataset drawn on a
+    canvas (has_canvas) the canvas, (H + 2·p, W + 2·p, C) with p = pad_pixels, or
+    shift_pixels where that is None (MultiMNIST, shift 4: 28 → 36; expanded_mnist and
+    affnist, pad 6: 28 → 40), and for natural images with data.crop the crop's (crop, crop, C)."""
     h, w, c = source_shape
-    if is_overlay(name):
+    if has_canvas(name):
         p = shift_pixels if pad_pixels is None else pad_pixels
         return (h + 2 * p, w + 2 * p, c)
     if crop:

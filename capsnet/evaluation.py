@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from capsnet import config
 from capsnet.augment import shift_batch
+from capsnet.datasets import DATASETS
 from capsnet.tasks import task_for
 from capsnet.errors import CheckpointError, ConfigError, DataError
 from capsnet.losses import loss_params
@@ -239,10 +240,14 @@ def resolve_members(checkpoints, **options):
 def test_data_section(run_data, data_args):
     """(data_cfg, task, test_pairs, other_pairs): the run's data section `run_data` with
     evaluate's data arguments over it. A different data.name without data.dir reads
-    tensorflow-datasets; MultiMNIST: the test pairs' shifts and canvas (a shift given alone
-    keeps the run's canvas), `other_pairs` those given; other datasets refuse them."""
+    tensorflow-datasets, unless both names are made of the same files (expanded_mnist and
+    affnist of MNIST's: the run's data.dir holds them); MultiMNIST: the test pairs' shifts
+    and canvas (a shift given alone keeps the run's canvas), `other_pairs` those given;
+    other datasets refuse them."""
     data_cfg = dict(run_data)
-    if data_args["name"] is not None and data_args["name"] != data_cfg["name"] and data_args["dir"] is None:
+    name = data_args["name"]
+    if name is not None and name != data_cfg["name"] and data_args["dir"] is None and not same_files(
+            name, data_cfg["name"]):
         data_cfg["dir"] = None
     other_pairs = {key: data_args[key] for key in ("shift_pixels", "pad_pixels") if data_args[key] is not None}
     run_border = data_cfg["shift_pixels"] if data_cfg.get("pad_pixels") is None else data_cfg["pad_pixels"]
@@ -258,6 +263,13 @@ def test_data_section(run_data, data_args):
         raise ConfigError(f"data.shift_pixels / data.pad_pixels make MultiMNIST's test pairs: the {data_cfg['name']} "
                           "test images are scored as they are (set them to null)")
     return data_cfg, task, test_pairs, other_pairs
+
+
+def same_files(name, other):
+    """Whether datasets `name` and `other` are read from the same files (one tfds name, e.g.
+    mnist for expanded_mnist and affnist): a run's data.dir of one holds the other's."""
+    specs = [DATASETS.get(n) for n in (name, other)]
+    return all(specs) and specs[0].tfds_name is not None and specs[0].tfds_name == specs[1].tfds_name
 
 
 def check_members(members, task, data_name, tta):
@@ -334,8 +346,11 @@ def member_report(result, member, view, *, dataset, batch_size, class_names, tes
 def final_report(reports, results, first, num_classes, *, ensemble, tta, names, test_pairs, other_pairs):
     """(report, default output path): the one pass's report, or the ensemble's over all the
     passes (written beside the first checkpoint under a hash of the passes); test pairs other
-    than the run's go to their own file, not over the run's report (compare_runs reads that
-    one as the run's final)."""
+    than the run's, or another dataset than the run's (affnist for an expanded_mnist run), go
+    to their own file, not over the run's report (compare_runs reads that one as the run's
+    final)."""
+    dataset = reports[0]["dataset"]
+    other_dataset = dataset if dataset != first["cfg"]["data"]["name"] else None
     if ensemble:
         report = ensemble_report(reports, results, num_classes)
         if names is not None:
@@ -347,11 +362,15 @@ def final_report(reports, results, first, num_classes, *, ensemble, tta, names, 
         passes = [[m["checkpoint"], m["weights"], m["custom_op"], *([m["view"]] if "view" in m else [])] for m in reports]
         if other_pairs:
             passes.append(test_pairs)
+        if other_dataset:
+            passes.append(["dataset", other_dataset])
         digest = hashlib.sha1(json.dumps(passes).encode()).hexdigest()[:8]
         return report, f"{first['prefix']}.ensemble-{digest}.eval.json"
     if other_pairs:
         return reports[0], (f"{first['prefix']}.eval-pairs-shift{test_pairs['shift_pixels']}"
                             f"-pad{test_pairs['pad_pixels']}.json")
+    if other_dataset:
+        return reports[0], f"{first['prefix']}.eval-{other_dataset}.json"
     return reports[0], first["prefix"] + ".eval.json"
 
 

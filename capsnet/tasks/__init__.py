@@ -29,6 +29,8 @@ KINDS = {
     "single_label": "capsnet.tasks.single_label:SingleLabel",
     "multimnist": "capsnet.tasks.multimnist:MultiMNIST",
     "images": "capsnet.tasks.images:NaturalImages",
+    "canvas": "capsnet.tasks.canvas:CanvasDigits",
+    "affine": "capsnet.tasks.canvas:AffineDigits",
 }
 
 
