@@ -345,9 +345,9 @@ def test_multimnist_config_errors(tiny_idx_dir, tmp_path):
     assert cfg["model"]["input_shape"] == [36, 36, 1]
     assert compose_config("train", ["data=multimnist", "data.shift_pixels=6", "run_dir=/unused"]
                           )["model"]["input_shape"] == [40, 40, 1]
-    # Only the overlay dataset has a canvas border: MNIST shifts on its own 28 x 28.
-    with pytest.raises(ConfigError, match=r"^data.pad_pixels applies to multimnist only \(mnist images are shifted on "
-                                          r"their own canvas\), got 2: set it to null$"):
+    # Only the datasets drawn on a canvas have its border: MNIST shifts on its own 28 x 28.
+    with pytest.raises(ConfigError, match=r"^data.pad_pixels applies to multimnist, expanded_mnist and affnist only "
+                                          r"\(mnist images are shifted on their own canvas\), got 2: set it to null$"):
         check(compose_config("train", ["data=mnist", "data.pad_pixels=2", "run_dir=/unused"]))
     with pytest.raises(ConfigError, match=r"^data\.pad_pixels must be ≥ 0, got -1"):
         compose_config("train", ["data=multimnist", "data.pad_pixels=-1", "run_dir=/unused"])
