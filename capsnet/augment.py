@@ -300,3 +300,43 @@ def elastic_distort(images, noise, alpha, sigma):
             taps = tf.gather_nd(images, tf.cast(index, tf.int32), batch_dims=1)  # (B, H, W, C)
             out += tf.where(inside, weight, 0.0)[..., None] * taps
     return out
+
+
+def natural_image_batch(images, stream_key, positions, *, training, crop, flip, brightness, contrast, standardize):
+    """A batch of natural images (uint8 (B, H, W, C)) as the model's float32 input: a random
+    `crop` x `crop` window (the centre one at test), a left-right flip (`flip`), a brightness
+    delta uniform in ±`brightness`, a contrast factor uniform in [1 − contrast, 1 + contrast)
+    (tf.image.adjust_contrast's: each channel's deviation from its image mean scaled), then
+    per-image standardisation (`standardize`) or a clip to [0, 1]: the authors' CIFAR-10
+    input (Sarasra/models, research/capsules, input_data/cifar10/cifar10_input.py), in that
+    order. The draws of example `positions` (int64 (B,): its place in the epoch) are the
+    Philox words of stateless_fold_in(stream_key, position) (example_words), so the whole
+    batch is a few ops: per example, tf.data's map ran at ~2,400 CIFAR images/s on a core."""
+    images = tf.convert_to_tensor(images)
+    _, h, w, _ = images.shape
+    block0, block1 = example_words(stream_key, positions, blocks=2) if training else (None, None)
+    if crop:
+        if training:
+            rows = tf.cast(block0[0] % (h - crop + 1), tf.int32)[:, None] + tf.range(crop)[None, :]
+            cols = tf.cast(block0[1] % (w - crop + 1), tf.int32)[:, None] + tf.range(crop)[None, :]
+            images = tf.gather(tf.gather(images, rows, axis=1, batch_dims=1), cols, axis=2, batch_dims=1)
+        else:
+            top, left = (h - crop) // 2, (w - crop) // 2
+            images = images[:, top:top + crop, left:left + crop]
+    images = tf.cast(images, tf.float32) / 255.0
+    if training:
+        u_flip, u_brightness, u_contrast = [tf.cast(u, tf.float32)[:, None, None, None]
+                                            for u in float_draws([block0[2], block0[3], block1[0]])]
+        if flip:
+            images = tf.where(u_flip < 0.5, images[:, :, ::-1], images)
+        if brightness:
+            images = images + (2.0 * u_brightness - 1.0) * brightness
+        if contrast:
+            mean = tf.reduce_mean(images, axis=[1, 2], keepdims=True)
+            images = (images - mean) * ((1.0 - contrast) + 2.0 * contrast * u_contrast) + mean
+    if standardize:
+        # tf.image.per_image_standardization: the std floored at 1/sqrt(pixels) (flat images).
+        mean, var = tf.nn.moments(images, axes=[1, 2, 3], keepdims=True)
+        floor = 1.0 / math.sqrt(float(np.prod(images.shape[1:])))
+        return (images - mean) / tf.maximum(tf.sqrt(var), floor)
+    return tf.clip_by_value(images, 0.0, 1.0)

@@ -13,7 +13,8 @@ stop a run, and the count says that some were left out).
 
 Pipeline (`dataset`): training shuffles (an in-memory split by a stateless permutation of
 (seed, epoch), as capsnet.data.make_dataset; a streamed one through a shuffle buffer seeded
-by (seed, epoch)), then per example, keyed by (seed, epoch, position): a random
+by (seed, epoch)), then a batch at a time (capsnet.augment.natural_image_batch), each
+example's draws keyed by (seed, epoch, position in the epoch): a random
 data.crop x data.crop crop (the centre at test), a left-right flip (data.flip), a random
 brightness delta in ±data.brightness and contrast factor in [1 - c, 1 + c]
 (data.contrast), then data.standardize's per-image standardisation (else pixels clipped
@@ -138,6 +139,8 @@ class NaturalImages(Task):
     def dataset(self, data, *, batch_size, training, seed=0, epoch=0, drop_remainder=False):
         import tensorflow as tf
 
+        from capsnet.augment import natural_image_batch
+
         n = len(data)
         if n == 0:
             raise DataError(f"{self.name}: no image in the split ({data.origin})")
@@ -152,7 +155,8 @@ class NaturalImages(Task):
                                                                      alg="philox")
                 else:
                     order = tf.range(n, dtype=tf.int64)
-                examples = tf.data.Dataset.from_tensor_slices(order).map(
+                # Whole batches gathered at once: a map per example costs more than its gather.
+                batches = tf.data.Dataset.from_tensor_slices(order).batch(batch_size, drop_remainder=drop_remainder).map(
                     lambda i: (tf.gather(images_t, i), tf.gather(labels_t, i)))
             else:
                 all_labels = tf.constant(data.source["labels"].astype(np.int32))
@@ -162,11 +166,16 @@ class NaturalImages(Task):
                     buffer = int(min(n, max(1024, int(self.cfg.get("cache_memory_mb", 2048)) * _MB // 4 // (h * w * c))))
                     shuffle_seed = int(hashlib.sha256(f"{seed}/{epoch}".encode()).hexdigest()[:15], 16)
                     examples = examples.shuffle(buffer, seed=shuffle_seed, reshuffle_each_iteration=False)
+                batches = examples.batch(batch_size, drop_remainder=drop_remainder)
             options = self._augmentation(training)
-            examples = examples.enumerate().map(
-                lambda position, example: (prepare(example[0], key, position, **options), example[1]),
-                num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-            return examples.batch(batch_size, drop_remainder=drop_remainder).prefetch(tf.data.AUTOTUNE)
+
+            def prepared(batch_index, batch):
+                images, labels = batch
+                positions = batch_index * batch_size + tf.range(tf.shape(labels, out_type=tf.int64)[0])
+                return natural_image_batch(images, key, positions, **options), labels
+
+            return batches.enumerate().map(prepared, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(
+                tf.data.AUTOTUNE)
 
     def _augmentation(self, training):
         cfg = self.cfg
@@ -261,30 +270,6 @@ def decode_image(path, size, channels):
 
     image = tf.cond((h == size) & (w == size), lambda: image, resized)
     return tf.ensure_shape(tf.image.resize_with_crop_or_pad(image, size, size), [size, size, channels])
-
-
-def prepare(image, key, position, *, training, crop, flip, brightness, contrast, standardize):
-    """One example's float32 image from its uint8 one (see the module doc)."""
-    import tensorflow as tf
-
-    seeds = tf.random.experimental.stateless_split(
-        tf.random.experimental.stateless_fold_in(key, position + 1, alg="philox"), 4, alg="philox")
-    c = image.shape[-1]
-    if crop:
-        if training:
-            image = tf.image.stateless_random_crop(image, [crop, crop, c], seed=seeds[0])
-        else:
-            image = tf.image.resize_with_crop_or_pad(image, crop, crop)
-    image = tf.cast(image, tf.float32) / 255.0
-    if flip:
-        image = tf.image.stateless_random_flip_left_right(image, seed=seeds[1])
-    if brightness:
-        image = tf.image.stateless_random_brightness(image, brightness, seed=seeds[2])
-    if contrast:
-        image = tf.image.stateless_random_contrast(image, 1 - contrast, 1 + contrast, seed=seeds[3])
-    if standardize:
-        return tf.image.per_image_standardization(image)
-    return tf.clip_by_value(image, 0.0, 1.0)
 
 
 def _resize_array(images, size):
