@@ -268,7 +268,12 @@ def signature_descriptions(model, two_digits):
     k = model.num_classes
     pred, recon = ("int32 (N, 2): the two longest capsules, longest first", f"float32 (N, 2, {h}, {w}, {c})") \
         if two_digits else ("int32 (N,): the longest capsule", f"float32 (N, {h}, {w}, {c})")
-    outputs = {"lengths": f"float32 (N, {k}): capsule lengths (class scores)", "predictions": pred}
+    if not hasattr(model, "digit_caps"):  # the CNN baseline: its "lengths" are softmax probabilities
+        pred = "int32 (N,): the most probable class"
+        outputs = {"lengths": f"float32 (N, {k}): class probabilities (softmax; a CapsNet's capsule lengths)",
+                   "predictions": pred}
+    else:
+        outputs = {"lengths": f"float32 (N, {k}): capsule lengths (class scores)", "predictions": pred}
     if model.use_decoder:
         outputs["reconstructions"] = f"{recon} in [0, 1]: the decoder's image of the predicted capsule(s)"
     return {

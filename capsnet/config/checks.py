@@ -154,6 +154,10 @@ def check_all_reduce_in_step(all_reduce, xla, loss_scaling, weight_decay=0.0):
                           f"distribute.all_reduce=collective or train.weight_decay=0 (got {weight_decay})")
 
 
+# custom_op runs capsule routing, which only model.kind=capsnet has (also build_capsnet's words).
+CUSTOM_OP_CAPSNET_ONLY = "custom_op=true: model.kind={kind} has no capsule routing for the op to run: set custom_op=false"
+
+
 def check(cfg):
     """A train config (a plain dict shaped like configs/train.yaml) checked: ConfigError
     naming the first bad key, else the checked dict with plain types (lists for sequences)
@@ -164,6 +168,8 @@ def check(cfg):
     (check_data_on_device); run_dir set."""
     checked = check_section(TrainAppConfig, cfg)
     check_xla(checked["train"]["xla"], checked["model"]["routing"]["backend"])
+    if checked["custom_op"] and checked["model"]["kind"] != "capsnet":
+        raise ConfigError(CUSTOM_OP_CAPSNET_ONLY.format(kind=checked["model"]["kind"]))
     data_name, strategy = checked["data"]["name"], checked["distribute"]["strategy"]
     from capsnet.tasks import task_class
 
@@ -171,6 +177,10 @@ def check(cfg):
     if kind.labels_per_example == 2 and strategy != "none":
         # Its (B, 2) labels and two reconstructions are not in the distributed step.
         raise ConfigError(f"data.name={data_name} trains on one device only: set distribute=none")
+    if kind.labels_per_example == 2 and checked["model"]["kind"] != "capsnet":
+        # Its steps take two labels and reconstruct each digit: capsule outputs.
+        raise ConfigError(f"data.name={data_name} has two digits an image; model.kind={checked['model']['kind']} "
+                          "classifies one: use model=capsnet")
     if kind.kind == "images" and checked["train"]["data_on_device"]:
         # Its crops and colour changes run per example in tf.data; a folder may stream from a file cache.
         raise ConfigError(f"train.data_on_device=true: not for natural images (data.name={data_name}): set it to false")

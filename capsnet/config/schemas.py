@@ -27,6 +27,7 @@ XLA_MODES = ("none", "autocluster", "jit")                              # train.
 EVAL_XLA = ("none", "jit")                                              # evaluate.py xla (autocluster is process-wide)
 CONV_FORMS = ("auto", "strided", "space_to_depth")                      # model.primary_caps_conv
 INITIALIZERS = ("keras", "authors")                                     # model.initializers
+MODEL_KINDS = ("capsnet", "baseline_cnn")                              # model.kind
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")            # train.precision (Keras policy names)
 STRATEGIES = ("none", "mirrored", "multi_worker")                       # distribute.strategy
 ALL_REDUCE = {                                                          # distribute.all_reduce, per strategy
@@ -277,6 +278,13 @@ class ModelConfig:
     digit_caps_bias: Optional[float] = _checked(None, _optional_finite_float)
     primary_caps_scale: float = _checked(1.0, _positive_float)
     primary_caps_bias: float = _checked(0.0, _finite_float)
+    # Which network (capsnet.training.model_setup.build_capsnet): capsnet, or the paper's CNN
+    # baseline (capsnet.baseline.BaselineCNN), which reads only input_shape, num_classes and cnn_*.
+    kind: str = _checked("capsnet", _one_of(MODEL_KINDS))
+    cnn_filters: List[int] = _checked(check=_int_list, factory=lambda: [256, 256, 128])
+    cnn_kernel_size: int = _checked(5, _positive_int)
+    cnn_dense_units: List[int] = _checked(check=_int_list, factory=lambda: [328, 192])
+    cnn_dropout: float = _checked(0.5, _in_range(0, 0.99))
 
 
 @dataclass
@@ -362,6 +370,8 @@ class TrainConfig:
     data_on_device: bool = _checked(False, _boolean)
     num_images: int = _checked(8, _positive_int)
     histogram_examples: int = _checked(100, _positive_int)
+    # TensorBoard's figures at the end of training (capsnet.figures); runs saved before it had none.
+    figures: bool = _checked(False, _boolean)
     progress_bar: bool = _checked(True, _boolean)
     progress_every_seconds: float = _checked(30.0, _non_negative_float)
     restart: bool = _checked(False, _boolean)

@@ -1,28 +1,51 @@
 """The model of a config, and the checks that it can run: shared by train() and evaluate().
 
-- `build_capsnet(model_cfg, custom_op, precision)`: the CapsNet of a config's `model`
-  section (model.routing and custom_op made a Router: capsnet.config.router_spec) in a
-  train.precision, config errors as ConfigError.
+- `build_capsnet(model_cfg, custom_op, precision)`: the model of a config's `model`
+  section, model.kind's class (CapsNet: model.routing and custom_op made a Router,
+  capsnet.config.router_spec; or the CNN baseline) in a train.precision, config errors as ConfigError.
 - `check_op_library(devices)`: custom_op=true fails at once if the compiled op cannot run.
 - `check_labels(labels, images, model=...)`: the data fits the model.
 """
 import tensorflow as tf
 
 from capsnet import config, ops, routing
+from capsnet.baseline import build_baseline
+from capsnet.config.checks import CUSTOM_OP_CAPSNET_ONLY
+from capsnet.config.schemas import MODEL_KINDS
 from capsnet.errors import ConfigError, OpLibraryError
 from capsnet.model import build_model
 
 
+# model.kind=baseline_cnn: the BaselineCNN argument each of its config keys is.
+BASELINE_KEYS = {"input_shape": "input_shape", "num_classes": "num_classes", "cnn_filters": "filters",
+                 "cnn_kernel_size": "kernel_size", "cnn_dense_units": "dense_units", "cnn_dropout": "dropout"}
+
+
 def build_capsnet(model_cfg, custom_op, precision="float32"):
-    """The CapsNet of a config's `model` section and `custom_op`: DigitCaps routes with the
+    """The model of a config's `model` section and `custom_op`: model.kind picks the class
+    (capsnet: CapsNet; baseline_cnn: capsnet.baseline.BaselineCNN from input_shape,
+    num_classes and the cnn_* keys, the others unread). CapsNet's DigitCaps routes with the
     Router of capsnet.config.router_spec (custom_op → its backend: the one place); bad values (a non-integer
     num_classes, input_shape=5, an unknown key, ...) → ConfigError naming them.
     `precision` (train.precision, checked): the model's Keras dtype policy (capsnet.precision).
 
-    The values go to CapsNet as they are: it checks them (and turns lists into
+    The values go to the model as they are: it checks them (and turns lists into
     tuples), so a bool(...) or tuple(...) here cannot misread or crash on them first.
     """
+    kind = model_cfg.get("kind", "capsnet")  # (a config saved before model.kind: a CapsNet)
+    if kind == "baseline_cnn":
+        if custom_op:  # evaluate.py / export.py custom_op=true on a CNN run (train: config.check)
+            raise ConfigError(CUSTOM_OP_CAPSNET_ONLY.format(kind=kind))
+        try:
+            return build_baseline(**{arg: model_cfg[key] for key, arg in BASELINE_KEYS.items() if key in model_cfg},
+                                  dtype=precision)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"model: {' '.join(str(exc).split())}") from exc
+    if kind != "capsnet":
+        raise ConfigError(f"model.kind must be one of {', '.join(MODEL_KINDS)}, got {kind!r}")
     router_keys = ("routing", "routing_iterations", "stop_gradient_routing")  # the router's (router_spec)
+    cnn_keys = ("kind", *(key for key in BASELINE_KEYS if key.startswith("cnn_")))  # baseline_cnn's
+    model_cfg = {k: v for k, v in model_cfg.items() if k not in cnn_keys}
     try:
         router = routing.make_router(**config.router_spec(custom_op, model_cfg))
         return build_model(**{k: v for k, v in model_cfg.items() if k not in router_keys}, router=router,

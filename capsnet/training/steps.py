@@ -160,7 +160,8 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strate
     if xla not in config.XLA_MODES:
         raise ValueError(f"make_train_step: xla must be one of {', '.join(config.XLA_MODES)}, got {xla!r}")
     # What config.check refuses, for a model built without a config (the rule's words).
-    config.check_xla(xla, model.router.backend)
+    if hasattr(model, "router"):  # (a CNN baseline has none: nothing routes)
+        config.check_xla(xla, model.router.backend)
     set_autoclustering(xla == "autocluster")
     if strategy is not None:
         if two_digits:
@@ -183,7 +184,7 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strate
             # Labels mask the decoder input: reconstruct the TRUE class(es) in training;
             # two labels: each digit from its own capsule, against its own image (digits).
             outputs = model(images, labels=labels, training=True)
-            total, margin, reconstruction = capsnet_losses(images, labels, outputs, **losses,
+            total, margin, reconstruction = model_losses(images, labels, outputs, **losses,
                                                            targets=digits)  # (B,) each
             loss = tf.reduce_mean(total)
             # × the loss scale under mixed_float16 (a LossScaleOptimizer, which divides the
@@ -205,6 +206,21 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strate
         }
 
     return train_step
+
+
+def model_losses(images, labels, outputs, *, m_plus, m_minus, lambda_, reconstruction_weight, targets=None):
+    """The per-example loss of a model's outputs: (total, class term, reconstruction), each (batch,).
+
+    A CapsNet's: capsnet_losses (margin + reconstruction_weight · reconstruction). A model with
+    "logits" (the CNN baseline, capsnet.baseline): softmax cross-entropy, in the class term's
+    place (the steps' margin_loss value, so history and TensorBoard keep one set of keys),
+    and a zero reconstruction term; the margin arguments are unread.
+    """
+    if "logits" not in outputs:
+        return capsnet_losses(images, labels, outputs, m_plus=m_plus, m_minus=m_minus, lambda_=lambda_,
+                              reconstruction_weight=reconstruction_weight, targets=targets)
+    cross_entropy = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=outputs["logits"])  # (B,)
+    return cross_entropy, cross_entropy, tf.zeros_like(cross_entropy)
 
 
 def gradient_norm(grads, optimizer):
@@ -335,7 +351,7 @@ def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, all
         with tf.GradientTape() as tape:
             # Labels mask the decoder input: reconstruct the TRUE class in training.
             outputs = model(images, labels=labels, training=True)
-            total, margin, reconstruction = capsnet_losses(images, labels, outputs, **losses)  # (b,) each
+            total, margin, reconstruction = model_losses(images, labels, outputs, **losses)  # (b,) each
             # This replica's share of the GLOBAL batch mean: the sum of its per-example totals
             # (margin + weighted reconstruction) over the global batch size. The optimizer sums
             # the replicas' gradients (an all-reduce), which makes the gradient of the mean
@@ -510,7 +526,7 @@ def make_eval_step(model, image_shape, *, m_plus, m_minus, lambda_, reconstructi
             # The model reconstructed from the longest capsule only; here from the two longest.
             outputs = {**outputs, "reconstructions": model.reconstruct(outputs["v_j"],
                                                                       label_order(predictions, labels))}
-        total, margin, reconstruction = capsnet_losses(
+        total, margin, reconstruction = model_losses(
             images, labels, outputs, m_plus=m_plus, m_minus=m_minus, lambda_=lambda_,
             reconstruction_weight=reconstruction_weight, targets=digits)
         return {

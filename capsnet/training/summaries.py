@@ -9,7 +9,8 @@
   (`train/mean_images_per_sec`, metrics.json's images_per_sec), the HParams dashboard's
   images/s column: it shows a metric's last value, and the last train/images_per_sec window
   is one window's speed, not the run's.
-- `RunSummaries`: a run's writer and all of the above that train() writes, one object.
+- `RunSummaries`: a run's writer and all of the above that train() writes, one object; at the
+  end of training (train.figures) also capsnet.figures' pictures (`RunSummaries.figures`).
 TensorBoard's step is the global step (optimizer.iterations).
 """
 import contextlib
@@ -150,7 +151,8 @@ def write_epoch_summaries(writer, model, test, show_images, tcfg, step, raw_test
             tf.summary.text("test/per_class_accuracy", "\n".join(["| class | accuracy |", "|---|---|", *rows]))
         n = tcfg["histogram_examples"]
         # The coupling coefficients after the last routing iteration and the class scores.
-        tf.summary.histogram("routing/c_ij", outputs["c_ij"][:n])
+        if "c_ij" in outputs:  # (a CNN baseline routes nothing; its "lengths" are class probabilities)
+            tf.summary.histogram("routing/c_ij", outputs["c_ij"][:n])
         tf.summary.histogram("capsules/lengths", outputs["lengths"][:n])
         if "reconstructions" in outputs:
             n = tcfg["num_images"]
@@ -197,6 +199,24 @@ class RunSummaries:
         if self.chief:
             with self._writing():
                 write_epoch_summaries(self.writer, model, test, show_images, tcfg, step, raw_test, class_names)
+
+    def figures(self, model, images, labels, step, class_names=None):
+        """At the end of training: capsnet.figures' pictures of `model` on the labelled test
+        examples `images`, `labels` in the Images tab (figures/<name>), the figures left out
+        (no decoder, the CNN baseline) as figures/notes text."""
+        if not self.chief:
+            return
+        from capsnet.figures import model_figures  # noqa: PLC0415  (matplotlib: only at the end of a run)
+
+        drawn = model_figures(model, images, labels, class_names=class_names)
+        with self._writing(), self.writer.as_default(step=step):
+            for name, image in drawn.images.items():
+                image = np.asarray(image)
+                tf.summary.image(f"figures/{name}", (image / 255.0 if image.dtype == np.uint8 else image)[None],
+                                 max_outputs=1)
+            if drawn.notes:
+                tf.summary.text("figures/notes", "\n".join(drawn.notes))
+            self.writer.flush()
 
     def collapse(self, step, test, collapse, epoch_number):
         """The collapse check's values (training.loop.collapse_reason): the longest capsule, whether collapsed, why."""
