@@ -238,6 +238,7 @@ def _train(cfg, progress, hydra_files):
     # ---- final metrics
     if test is None:  # nothing left to train (a finished run rerun): measure the checkpoint as it is
         test, raw_test = steps.test_pass()
+    steps.figures(summaries, global_step)
     metrics = final_metrics(test, raw_test, run, state, global_step, strategy, dcfg)
     summaries.close()
     run.finish(metrics)
@@ -501,6 +502,27 @@ class CompiledSteps:
                 summaries.epoch(model, test, data.show_images, self.tcfg, step, raw_test,
                                 class_names=data.task.class_names(model.num_classes))
         return test, raw_test
+
+    def figures(self, summaries, step):
+        """train.figures: capsnet.figures' pictures of the run's weights (the test pass's: with a
+        weight average, the average's) on the first FIGURE_EXAMPLES test examples, in TensorBoard
+        (RunSummaries.figures). Not for two-digit data (its examples have two labels)."""
+        if not self.tcfg["figures"] or self.data.two_digits or not summaries.chief:
+            return
+        batches, count = [], 0
+        for images, labels, *_ in self.data.test_ds:
+            batches.append((images.numpy(), labels.numpy()))
+            count += len(batches[-1][1])
+            if count >= FIGURE_EXAMPLES:
+                break
+        images, labels = (np.concatenate(part)[:FIGURE_EXAMPLES] for part in zip(*batches))
+        average, model = self.state.average, self.model
+        with average.in_model() if average is not None else contextlib.nullcontext():
+            summaries.figures(model, images, labels, step, class_names=self.data.task.class_names(model.num_classes))
+
+
+# Test examples the end-of-training figures are drawn from (their confusion matrix counts them all).
+FIGURE_EXAMPLES = 500
 
 
 def device_training_set(data, tcfg, seed):
