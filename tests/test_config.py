@@ -128,8 +128,8 @@ def test_the_old_routing_string_checks_to_the_section():
 
 def test_an_unknown_dataset_is_one_line():
     assert one_line_error(["data.name=cifar", "run_dir=/x"]) == \
-        ("data.name must be one of cifar10, fashion_mnist, folder, mnist, multimnist, smallnorb, svhn_cropped, "
-         "got 'cifar'")
+        ("data.name must be one of affnist, cifar10, expanded_mnist, fashion_mnist, folder, mnist, multimnist, "
+         "smallnorb, svhn_cropped, got 'cifar'")
 
 
 # --------------------------------------------------------------------------- unknown keys, wrong types
