@@ -190,22 +190,21 @@ def _routing_chart(figure, images, maps, titles, names):
 
 
 def _lengths_chart(figure, lengths, titles, names, capsules):
-    """One bar chart per example: its length (or probability) for each class."""
-    count = len(lengths)
-    cols = min(count, 5)
-    rows = -(-count // cols)
-    figure.set_size_inches(2.4 * cols, 1.9 * rows + 0.4)
-    axes = figure.subplots(rows, cols, squeeze=False)
-    for n, ax in enumerate(axes.flat):
-        if n >= count:
-            ax.axis("off")
-            continue
-        ax.bar(range(len(names)), lengths[n], color=["C1" if name == titles[n] else "C0" for name in names])
-        ax.set_ylim(0, 1)
-        ax.set_xticks(range(len(names)), names, fontsize=6)
-        ax.set_title(f"label {titles[n]}", fontsize=8)
-    figure.suptitle("capsule lengths |v_j|" if capsules else "class probabilities (softmax)", fontsize=9)
-    figure.tight_layout()
+    """One axes (ten would take seconds of matplotlib's text layout): a group of bars per
+    example, its length (or probability) for each class, the labelled class's bar orange."""
+    count, classes = len(lengths), len(names)
+    figure.set_size_inches(1.0 + 0.12 * count * (classes + 2), 3.0)
+    ax = figure.subplots()
+    width = 1.0 / (classes + 2)
+    for n in range(count):
+        x = n + width * (np.arange(classes) - (classes - 1) / 2)
+        ax.bar(x, lengths[n], width=width, color=["C1" if name == titles[n] else "C0" for name in names])
+    ax.set_ylim(0, 1)
+    ax.set_xticks(range(count), [f"label {t}" for t in titles], fontsize=7)
+    ax.set_xlim(-0.6, count - 0.4)
+    what = "capsule lengths |v_j|" if capsules else "class probabilities (softmax)"
+    ax.set_title(f"{what} of each class's first test example: one bar per class in class order, the label's orange",
+                 fontsize=8)
 
 
 def _confusion_chart(figure, confusion, names):
@@ -228,7 +227,7 @@ def _confusion_chart(figure, confusion, names):
 
 # --------------------------------------------------------------------------- a run dir
 
-def run_figures(checkpoint, *, which="best", examples=500, batch_size=100):
+def run_figures(checkpoint, *, which="best", examples=200, batch_size=100):
     """model_figures of a trained run: `checkpoint` a run dir or checkpoint path, resolved and
     its model rebuilt from its config.yaml as evaluate.py does (the run's weights: its
     average where it kept one), over the first `examples` examples of its test split.

@@ -4,7 +4,8 @@
 
 RUN_DIR: a run dir or a checkpoint path, as evaluate.py takes it; the model is rebuilt from
 the run's config.yaml and its test split read from the run's data.dir. The first N test
-examples (default 500) go through the model. Writes into --out (default RUN_DIR/figures,
+examples (default 200: the paper's CapsNet forward on them is most of the run's ~20 s on a
+2-core CPU) go through the model. Writes into --out (default RUN_DIR/figures,
 created if missing), and prints each path written:
 - `perturbation_<class>.png` (a CapsNet with a decoder): the paper's Fig. 4 for the class's
   first test example: a row per digit-capsule dimension, a column per amount added to it
@@ -34,7 +35,7 @@ def parse_args(argv=None):
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: RUN_DIR/figures)")
     parser.add_argument("--which", choices=("best", "latest"), default="best",
                         help="in a run dir: its best or latest checkpoint")
-    parser.add_argument("--examples", type=int, default=500, help="test examples through the model (default 500)")
+    parser.add_argument("--examples", type=int, default=200, help="test examples through the model (default 200)")
     args = parser.parse_args(argv)
     if args.examples < 1:
         parser.error(f"--examples must be at least 1, got {args.examples}")
