@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import compose_config, run_entry_point, tiny_overrides
+from conftest import compose_config, read_events, run_entry_point, tiny_overrides
 
 # A CNN that trains in seconds on 2 CPU cores: the paper's layout, narrow.
 TINY_CNN = ["model=baseline_cnn", "model.cnn_filters=[8,8,4]", "model.cnn_dense_units=[32,16]", "model.cnn_dropout=0.2"]
@@ -95,14 +95,18 @@ def test_tiny_cnn_trains_through_train_py_and_evaluate_scores_it(tiny_idx_dir, t
     from capsnet.training.model_setup import build_capsnet
 
     run_dir = tmp_path / "cnn"
-    overrides = tiny_overrides(tiny_idx_dir, run_dir, *TINY_CNN, "train.epochs=3", "train.learning_rate=0.003",
-                               "train.figures=false")
+    overrides = tiny_overrides(tiny_idx_dir, run_dir, *TINY_CNN, "train.epochs=3", "train.learning_rate=0.003")
     result = run_entry_point("train.py", *overrides, cwd=tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr[-2000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())
     losses = [h["train_loss"] for h in metrics["history"]]
     assert losses[-1] < 0.8 * losses[0], losses
     assert metrics["test_reconstruction_loss"] == 0.0
+    # TensorBoard's end-of-training figures: the CNN's two, and the line saying why not the others.
+    events = read_events(run_dir)
+    assert sorted(tag for tag in events if tag.startswith("figures/")) == ["figures/confusion", "figures/lengths",
+                                                                            "figures/notes"]
+    assert "routing/c_ij" not in events
 
     report = evaluate(str(run_dir), which="latest")
     # The reference: the latest checkpoint's model rebuilt here, argmax of its probabilities.
