@@ -155,7 +155,8 @@ def check_all_reduce_in_step(all_reduce, xla, loss_scaling, weight_decay=0.0):
 
 
 # custom_op runs capsule routing, which only model.kind=capsnet has (also build_capsnet's words).
-CUSTOM_OP_CAPSNET_ONLY = "custom_op=true: model.kind={kind} has no capsule routing for the op to run: set custom_op=false"
+CUSTOM_OP_CAPSNET_ONLY = ("custom_op=true: model.kind={kind} has no capsule routing for the op to run: "
+                          "set custom_op=false")
 
 
 def check(cfg):

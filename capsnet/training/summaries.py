@@ -21,9 +21,10 @@ import tensorflow as tf
 from capsnet import config
 
 # Values shown side by side in TensorBoard's HParams dashboard, and the metrics they explain.
-HPARAMS = ("custom_op", "routing", "xla", "precision", "tf32", "dataset", "limit_train", "limit_test", "epochs",
-           "batch_size", "routing_iterations", "seed", "learning_rate", "lr_schedule", "weight_decay", "decoder")
-HPARAM_DESCRIPTIONS = {"limit_train": "data.limit_train: training examples used (0: all)",
+HPARAMS = ("model", "custom_op", "routing", "xla", "precision", "tf32", "dataset", "limit_train", "limit_test",
+           "epochs", "batch_size", "routing_iterations", "seed", "learning_rate", "lr_schedule", "weight_decay", "decoder")
+HPARAM_DESCRIPTIONS = {"model": "model.kind: capsnet or the paper's CNN baseline (baseline_cnn)",
+                       "limit_train": "data.limit_train: training examples used (0: all)",
                        "limit_test": "data.limit_test: test examples used (0: all)",
                        "epochs": "train.epochs: the epochs the run was started for"}
 RUN_SPEED_TAG = "train/mean_images_per_sec"
@@ -72,9 +73,12 @@ class MetricWindow:
 def write_hparams(writer, run_dir, cfg, data_cfg):
     from tensorboard.plugins.hparams import api as hp  # noqa: PLC0415  (only needed once)
 
+    capsnet = cfg["model"].get("kind", "capsnet") == "capsnet"
     values = {
+        "model": str(cfg["model"].get("kind", "capsnet")),
         "custom_op": bool(cfg["custom_op"]),
-        "routing": config.routing_mode(cfg["custom_op"], cfg["model"]),  # the mode DigitCaps runs
+        # The mode DigitCaps runs; the CNN baseline routes nothing.
+        "routing": config.routing_mode(cfg["custom_op"], cfg["model"]) if capsnet else "none",
         "xla": str(cfg["train"]["xla"]),
         "precision": str(cfg["train"]["precision"]),
         "tf32": bool(cfg["train"]["tf32"]),
@@ -84,7 +88,7 @@ def write_hparams(writer, run_dir, cfg, data_cfg):
         "limit_test": int(data_cfg.get("limit_test") or 0),
         "epochs": int(cfg["train"]["epochs"]),
         "batch_size": int(cfg["train"]["batch_size"]),
-        "routing_iterations": int(cfg["model"]["routing_iterations"]),
+        "routing_iterations": int(cfg["model"]["routing_iterations"]) if capsnet else 0,
         "seed": int(cfg["seed"]),
         "learning_rate": float(cfg["train"]["learning_rate"]),
         "lr_schedule": str(cfg["train"]["lr_schedule"]),
