@@ -1,0 +1,36 @@
+"""A run dir written before a config key existed stays readable (the key at its schema
+default, the behaviour the run had), while an edited config.yaml with a key the schema does
+not know is refused in one line."""
+import shutil
+
+import pytest
+import yaml
+
+from capsnet.errors import CheckpointError
+from capsnet.training.checkpoints import read_run_config
+
+
+def copy_with_config(trained_run, tmp_path, edit):
+    run_dir, _ = trained_run
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    saved = yaml.safe_load((copy / "config.yaml").read_text())
+    edit(saved)
+    (copy / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    return copy
+
+
+def test_keys_added_since_take_their_schema_defaults(trained_run, tmp_path):
+    def drop(saved):
+        del saved["model"]["kind"], saved["train"]["figures"]
+
+    read = read_run_config(copy_with_config(trained_run, tmp_path, drop))
+    assert read["model"]["kind"] == "capsnet" and read["train"]["figures"] is False
+
+
+def test_an_unknown_key_is_refused_naming_it(trained_run, tmp_path):
+    def add(saved):
+        saved["train"]["epoch_count"] = 3
+
+    with pytest.raises(CheckpointError, match=r"unknown key train\.epoch_count"):
+        read_run_config(copy_with_config(trained_run, tmp_path, add))
