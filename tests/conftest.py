@@ -31,6 +31,7 @@ TINY_TRAIN = [
     "train.num_images=4",
     "train.histogram_examples=16",
     "train.progress_bar=false",
+    "train.figures=false",  # the end-of-training figures cost seconds a run: trained_run and the tests of them draw them
 ]
 
 
@@ -175,7 +176,7 @@ def trained_run(tiny_idx_dir, tmp_path_factory):
     from capsnet.training import train
 
     run_dir = tmp_path_factory.mktemp("trained") / "run"
-    metrics = train(compose_config("train", tiny_overrides(tiny_idx_dir, run_dir)))
+    metrics = train(compose_config("train", tiny_overrides(tiny_idx_dir, run_dir, "train.figures=true")))
     return run_dir, metrics
 
 

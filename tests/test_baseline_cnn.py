@@ -95,7 +95,8 @@ def test_tiny_cnn_trains_through_train_py_and_evaluate_scores_it(tiny_idx_dir, t
     from capsnet.training.model_setup import build_capsnet
 
     run_dir = tmp_path / "cnn"
-    overrides = tiny_overrides(tiny_idx_dir, run_dir, *TINY_CNN, "train.epochs=3", "train.learning_rate=0.003")
+    overrides = tiny_overrides(tiny_idx_dir, run_dir, *TINY_CNN, "train.epochs=3", "train.learning_rate=0.003",
+                              "train.figures=true")
     result = run_entry_point("train.py", *overrides, cwd=tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr[-2000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())
