@@ -1,6 +1,6 @@
-"""A run dir written before a config key existed stays readable (the key at its schema
-default, the behaviour the run had), while an edited config.yaml with a key the schema does
-not know is refused in one line."""
+"""A marked run dir written before a config key existed stays readable (the key at its
+schema default, the behaviour the run had), while an edited config.yaml (a key deleted that
+every marked run has, or one the schema does not know) is refused in one line."""
 import shutil
 
 import pytest
@@ -34,3 +34,11 @@ def test_an_unknown_key_is_refused_naming_it(trained_run, tmp_path):
 
     with pytest.raises(CheckpointError, match=r"unknown key train\.epoch_count"):
         read_run_config(copy_with_config(trained_run, tmp_path, add))
+
+
+def test_a_deleted_key_of_every_marked_run_is_refused_naming_it(trained_run, tmp_path):
+    def drop(saved):
+        del saved["model"]["routing_iterations"]
+
+    with pytest.raises(CheckpointError, match=r"no key model\.routing_iterations"):
+        read_run_config(copy_with_config(trained_run, tmp_path, drop))

@@ -9,6 +9,15 @@ from capsnet.config.schemas import TrainAppConfig
 from capsnet.errors import ConfigError
 
 
+# Schema keys added after run dirs began to carry the marker (capsnet.training.run_lock.MARKER_NAME),
+# which is what makes a run dir's config.yaml read strictly: a marked run written before them
+# lacks them on purpose and ran as their schema defaults (no CNN baseline existed; no
+# end-of-training figures were drawn). Any other key missing from a marked run's config.yaml
+# means the file was edited, and reading it as today's default could evaluate another model.
+ADDED_SINCE_MARKER = ("model.kind", "model.cnn_filters", "model.cnn_kernel_size", "model.cnn_dense_units",
+                      "model.cnn_dropout", "train.figures")
+
+
 def migrate(saved):
     """A run's saved config (config.yaml, a plain dict) in today's shape, to be `check`ed:
     a key added since the run was saved takes its schema default (what the run was trained

@@ -42,10 +42,10 @@ from pathlib import Path
 
 import tensorflow as tf
 import yaml
-from omegaconf import MISSING
 
 from capsnet import config
 from capsnet.config import WHICH  # a run dir's checkpoints: best (the highest test accuracy) or latest
+from capsnet.config.migrate import ADDED_SINCE_MARKER
 from capsnet.data import AUGMENTATION_KEYS
 from capsnet.errors import CheckpointError, ConfigError
 from capsnet.training.run_lock import MARKER_NAME
@@ -58,9 +58,10 @@ def read_run_config(run_dir):
     checked: config.check it); None where run_dir has no config.yaml.
 
     A run dir of this app's marker (run_lock.MARKER_NAME: written by a version that records
-    every key) is read strictly: a key unknown to the schema, or missing where the schema has
-    no default, is a CheckpointError naming it. Keys added since a run was written (marked or
-    not) take their schema defaults, what it was trained with (config.migrate).
+    every key) is read strictly: a key missing from config.yaml or unknown to the schema is a
+    CheckpointError naming it, never filled with today's default, except the keys added since
+    the marker (config.migrate.ADDED_SINCE_MARKER). A run dir written before the marker gets
+    the keys added since at the defaults it was trained with (config.migrate).
     Hydra's .hydra/config.yaml is not the run's config (unresolved: `${dataset_shape:...}`)."""
     candidate = Path(run_dir) / "config.yaml"
     if not candidate.is_file():
@@ -83,11 +84,10 @@ def read_run_config(run_dir):
 
 
 def _check_keys(saved, path):
-    """CheckpointError naming the first key that `saved` has and the schema
-    (capsnet.config.TrainAppConfig) does not, or that it lacks and the schema has no default
-    for. A key with a default may be missing: a run written before the key existed ran as
-    its default (each new key's default is the behaviour from before it; config.migrate
-    fills it in), so a run dir stays readable as the schema grows."""
+    """CheckpointError naming the first key of the schema (capsnet.config.TrainAppConfig) that
+    `saved` lacks, or that it has and the schema does not. A key added since run dirs were
+    marked (config.migrate.ADDED_SINCE_MARKER) may be missing: migrate gives it the default
+    the run was trained with."""
     for field in dataclasses.fields(config.TrainAppConfig):
         if field.name not in saved:
             raise CheckpointError(f"the run config {path} has no key {field.name}: was it edited? put the run's "
@@ -95,11 +95,10 @@ def _check_keys(saved, path):
         if dataclasses.is_dataclass(field.type):
             section = saved[field.name] if isinstance(saved[field.name], dict) else {}
             names = [f.name for f in dataclasses.fields(field.type)]
-            for key in dataclasses.fields(field.type):
-                if key.name not in section:
-                    if _schema_default(key) == MISSING:
-                        raise CheckpointError(f"the run config {path} has no key {field.name}.{key.name}: was it "
-                                              "edited? put the run's config.yaml back")
+            for name in names:
+                if name not in section and f"{field.name}.{name}" not in ADDED_SINCE_MARKER:
+                    raise CheckpointError(f"the run config {path} has no key {field.name}.{name}: was it edited? "
+                                          "put the run's config.yaml back")
             unknown = sorted(set(section) - set(names))
             if unknown:
                 raise CheckpointError(f"the run config {path} has an unknown key {field.name}.{unknown[0]}: was it "
@@ -108,13 +107,6 @@ def _check_keys(saved, path):
     if unknown:
         raise CheckpointError(f"the run config {path} has an unknown key {unknown[0]}: was it edited? put the "
                               "run's config.yaml back")
-
-
-def _schema_default(field):
-    """A schema field's default (omegaconf's MISSING where it has none)."""
-    if field.default_factory is not dataclasses.MISSING:
-        return field.default_factory()
-    return field.default
 
 
 def write_run_config(run_dir, cfg):
