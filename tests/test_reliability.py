@@ -299,6 +299,19 @@ def test_evaluate_a_damaged_checkpoint_names_the_file_and_the_intact_ones(traine
     assert "config.yaml match" not in message  # not the hint for a checkpoint of another model
 
 
+def test_repairing_a_damaged_only_best_checkpoint_says_the_state_file_goes(trained_run, tmp_path):
+    from capsnet.training.checkpoints import BestCheckpoint
+
+    run_dir = copied_run(trained_run, tmp_path)
+    best_dir = run_dir / "checkpoints" / "best"
+    damage(tf.train.latest_checkpoint(str(best_dir)), "truncated data")
+    notices = []
+    BestCheckpoint(tf.train.Checkpoint(), best_dir).recover(4, announce=notices.append)
+    assert not (best_dir / "checkpoint").exists() and list(best_dir.glob("*.damaged"))
+    assert len(notices) == 2 and "set aside" in notices[0]
+    assert notices[1].startswith(f"notice: {best_dir} holds no intact checkpoint: its state file removed")
+
+
 def test_evaluate_cli_on_a_damaged_checkpoint_prints_one_line(trained_run, tmp_path):
     run_dir = copied_run(trained_run, tmp_path)
     damage(tf.train.latest_checkpoint(str(run_dir / "checkpoints" / "best")), "truncated data")

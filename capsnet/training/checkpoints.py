@@ -587,6 +587,9 @@ class BestCheckpoint:
             announce(f"notice: {damage}: set aside as ckpt-{done[-1]}.*.damaged; the best checkpoint is now "
                      f"the newest intact one below it, if any (evaluate.py which=latest has the last epoch)")
             _set_aside(str(self.directory / f"ckpt-{done.pop()}"))
+        if not done and (self.directory / "checkpoint").is_file():
+            announce(f"notice: {self.directory} holds no intact checkpoint: its state file removed (the next "
+                     "epoch that beats the run's best test accuracy records one; which=latest evaluates meanwhile)")
         self._keep_only(done[-1] if done else None)
 
     def _keep_only(self, number):
