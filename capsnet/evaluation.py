@@ -20,6 +20,7 @@ epoch), the scoring (capsnet.scoring: `predict`, `score`, `confusion_report`,
 """
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -198,6 +199,7 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     task.check(test_split, model, "test")
     for member in members:
         member["epoch"] = restore_model(member["model"], member["prefix"], member["weights"])
+    check_writable(Path(args["output"]).parent if args["output"] is not None else Path(first["prefix"]).parent)
 
     dataset = task.dataset(test_split, batch_size=batch_size, training=False)
     names = task.class_names(model.num_classes)
@@ -224,6 +226,18 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
         raise CheckpointError(f"cannot write the evaluation report {output}: {exc.strerror}") from exc
     report["output"] = str(output)
     return report
+
+
+def check_writable(directory):
+    """CheckpointError (one line) before the test pass when the report could not be written
+    into `directory` (or the nearest folder above it that exists): a read-only run dir would
+    otherwise fail only after a pass that can take minutes."""
+    existing = Path(directory).absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not os.access(existing, os.W_OK):
+        raise CheckpointError(f"cannot write the evaluation report into {directory}: {existing} is read-only; "
+                              "output=PATH writes it elsewhere")
 
 
 def resolve_members(checkpoints, **options):

@@ -4,6 +4,7 @@ smaller checks. Tiny synthetic data (conftest), train() in-process or the CLI as
 subprocess; files corrupted with real bytes."""
 import fcntl
 import json
+import os
 import shlex
 import shutil
 import signal
@@ -873,3 +874,25 @@ def test_a_run_testing_every_third_epoch_trains_the_same_and_saves_every_epoch(t
     assert [("test_accuracy" in h) for h in resumed["history"]] == [False, False, True, True, False, True, True]
     lines = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
     assert lines == json.loads(json.dumps(resumed["history"]))
+
+
+def test_evaluate_on_a_read_only_run_stops_before_the_pass(trained_run, tmp_path, monkeypatch):
+    """A report that could not be written beside the checkpoint is one line before the test
+    pass, not an error after it (root ignores chmod, so the read-only folder is os.access's
+    answer); output= elsewhere still evaluates."""
+    import capsnet.evaluation as evaluation
+
+    run_dir = copied_run(trained_run, tmp_path)
+    best_dir = (run_dir / "checkpoints" / "best").absolute()
+    real_access = os.access
+    monkeypatch.setattr(evaluation.os, "access", lambda path, mode: Path(path) != best_dir and real_access(path, mode))
+    passes = []
+    real_pass = evaluation.evaluate_model
+    monkeypatch.setattr(evaluation, "evaluate_model", lambda *a, **k: passes.append(1) or real_pass(*a, **k))
+    with pytest.raises(CheckpointError) as err:
+        evaluation.evaluate(str(run_dir), data_dir=None)
+    assert str(err.value) == (f"cannot write the evaluation report into {best_dir}: {best_dir} is read-only; "
+                              "output=PATH writes it elsewhere")
+    assert passes == []
+    report = evaluation.evaluate(str(run_dir), data_dir=None, output=str(tmp_path / "elsewhere" / "report.json"))
+    assert passes and (tmp_path / "elsewhere" / "report.json").is_file() and report["accuracy"] > 0
