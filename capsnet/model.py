@@ -70,7 +70,7 @@ class CapsNet(keras.Model):
                  router=None, decoder=True,
                  decoder_units=(512, 1024), w_init_stddev=0.1, initializers="keras",
                  primary_caps_conv="auto", digit_caps_bias=None, primary_caps_scale=1.0, primary_caps_bias=0.0,
-                 **kwargs):
+                 padding="valid", **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
         self.image_shape = positive_int_tuple(f"{owner}: input_shape", input_shape, length=3)
@@ -104,11 +104,14 @@ class CapsNet(keras.Model):
             raise ValueError(f"{owner}: primary_caps_conv must be one of {', '.join(CONV_FORMS)}, "
                              f"got {primary_caps_conv!r}")
 
-        # Both convolutions are 'valid': check now that the image survives them, so a
-        # bad config fails here with the numbers rather than inside a conv op.
+        if padding not in ("valid", "same"):
+            raise ValueError(f"{owner}: padding must be 'valid' or 'same', got {padding!r}")
+        self.padding = padding
+        # 'valid' convolutions: check now that the image survives them, so a bad config
+        # fails here with the numbers rather than inside a conv op ('same' keeps any size).
         height, width = self.image_shape[:2]
         conv1_out = min(height, width) - self.conv1_kernel_size + 1
-        if conv1_out < self.primary_caps_kernel_size:
+        if padding == "valid" and conv1_out < self.primary_caps_kernel_size:
             raise ValueError(
                 f"{owner}: input_shape {self.image_shape} is too small for conv1_kernel_size "
                 f"{self.conv1_kernel_size} followed by primary_caps_kernel_size "
@@ -116,13 +119,13 @@ class CapsNet(keras.Model):
                 f"{self.conv1_kernel_size + self.primary_caps_kernel_size - 1} pixels per side")
 
         self.conv1 = Conv2D(
-            self.conv1_filters, self.conv1_kernel_size, strides=1, padding="valid",
+            self.conv1_filters, self.conv1_kernel_size, strides=1, padding=self.padding,
             activation="relu", name="conv1", dtype=self.dtype_policy,
             **({"kernel_initializer": truncated(stddev=0.05), "bias_initializer": bias(0.1)} if authors else {}))
         self.primary_caps = PrimaryCaps(
             num_types=self.primary_caps_types, dim=self.primary_caps_dim,
             kernel_size=self.primary_caps_kernel_size, strides=self.primary_caps_strides,
-            padding="valid", conv_form=primary_caps_conv, kernel_scale=primary_caps_scale,
+            padding=self.padding, conv_form=primary_caps_conv, kernel_scale=primary_caps_scale,
             bias_init=primary_caps_bias, name="primary_caps", dtype=self.dtype_policy,
             # The authors' start as a function: their σ 0.1 kernel under their 1/32, an
             # effective σ 0.1/32 whatever primary_caps_scale is (build divides the draw by the
@@ -240,6 +243,7 @@ class CapsNet(keras.Model):
             "digit_caps_bias": self.digit_caps_bias,
             "primary_caps_scale": self.primary_caps.kernel_scale,
             "primary_caps_bias": self.primary_caps.bias_init,
+            "padding": self.padding,
         }
 
     @classmethod

@@ -26,6 +26,7 @@ ROUTING_DEFAULT = {"algorithm": "dynamic", "backend": "auto", "leaky": False}  #
 XLA_MODES = ("none", "autocluster", "jit")                              # train.xla
 EVAL_XLA = ("none", "jit")                                              # evaluate.py xla (autocluster is process-wide)
 CONV_FORMS = ("auto", "strided", "space_to_depth")                      # model.primary_caps_conv
+PADDINGS = ("valid", "same")                                            # model.padding
 INITIALIZERS = ("keras", "authors")                                     # model.initializers
 MODEL_KINDS = ("capsnet", "baseline_cnn")                              # model.kind
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")            # train.precision (Keras policy names)
@@ -275,6 +276,7 @@ class ModelConfig:
     w_init_stddev: float = _checked(0.1, _positive_float)
     initializers: str = _checked("keras", _one_of(INITIALIZERS))
     primary_caps_conv: str = _checked("auto", _one_of(CONV_FORMS))
+    padding: str = _checked("valid", _one_of(PADDINGS))
     digit_caps_bias: Optional[float] = _checked(None, _optional_finite_float)
     primary_caps_scale: float = _checked(1.0, _positive_float)
     primary_caps_bias: float = _checked(0.0, _finite_float)
