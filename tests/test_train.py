@@ -178,14 +178,16 @@ def test_weight_decay_shrinks_kernels_and_W_by_lr_times_decay_and_leaves_biases(
 
 def test_model_config_covers_every_capsnet_argument_with_the_paper_values():
     from capsnet.model import CapsNet
-    from capsnet.training.model_setup import build_capsnet
+    from capsnet.training.model_setup import BASELINE_KEYS, build_capsnet
 
     cfg = compose_config("train", ["run_dir=/unused"])
     arguments = set(inspect.signature(CapsNet.__init__).parameters) - {"self", "kwargs", "custom_op"}
     # The router is built from model.routing, routing_iterations and stop_gradient_routing
     # (capsnet.config.router_spec) and custom_op, the top-level key.
     router_keys = {"routing", "routing_iterations", "stop_gradient_routing"}
-    assert set(cfg["model"]) - router_keys == arguments - {"router"}
+    # model.kind picks the class; the cnn_* keys are the CNN baseline's (BASELINE_KEYS).
+    baseline_keys = {"kind", *(key for key in BASELINE_KEYS if key.startswith("cnn_"))}
+    assert set(cfg["model"]) - router_keys - baseline_keys == arguments - {"router"}
     assert build_capsnet(cfg["model"], custom_op=False).count_params() == 8_215_568
     assert build_capsnet({**cfg["model"], "decoder": False}, custom_op=False).count_params() == 6_804_224
 
