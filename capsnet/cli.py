@@ -296,6 +296,21 @@ def import_tensorflow_quietly():
             if failed or user_log_level is not None:
                 captured.seek(0)
                 sys.stderr.write(captured.read().decode(errors="replace"))
+    set_memory_growth()
+
+
+def set_memory_growth():
+    """Every GPU's memory taken as needed, not all at the start (before the first op: TensorFlow
+    fixes it when it sets up its devices): a second training or an evaluation on the same GPU,
+    or XLA's autotuning of a convolution, then finds room. A process that has set up its
+    devices already keeps them."""
+    import tensorflow as tf
+
+    for gpu in tf.config.list_physical_devices("GPU"):
+        try:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        except (RuntimeError, ValueError):  # devices set up already (train() run twice in one process)
+            pass
 
 
 _check_not_shadowed()

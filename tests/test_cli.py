@@ -263,3 +263,18 @@ def test_an_xla_cache_dir_that_cannot_be_made_is_a_one_line_error(tmp_path):
     result = run_entry_point("train.py", f"train.xla_cache_dir={blocker / 'cache'}",
                              f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert_one_line_error(result, "train.xla_cache_dir", str(blocker / "cache"))
+
+
+def test_every_entry_point_takes_gpu_memory_as_needed():
+    """evaluate.py, export.py and predict.py import TensorFlow through cli.import_tensorflow_quietly,
+    which sets memory growth: without it an evaluation beside a running training would take the
+    GPU's memory and the training would die in its next allocation."""
+    code = ("from capsnet import cli\n"
+            "calls = []\n"
+            "cli.set_memory_growth = lambda: calls.append(1)\n"
+            "cli.import_tensorflow_quietly()\n"
+            "assert calls == [1], calls\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    for entry in ("evaluate.py", "export.py", "predict.py", "train.py"):
+        assert "cli.import_tensorflow_quietly()" in (Path(__file__).parent.parent / entry).read_text(), entry

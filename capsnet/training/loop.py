@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from capsnet import config
-from capsnet.cli import complete_run_notice
+from capsnet.cli import complete_run_notice, set_memory_growth
 from capsnet.console import say
 from capsnet.errors import CapsnetError, ConfigError, Interrupted, Terminated, TrainingCollapsed, TrainingDiverged
 from capsnet.losses import loss_params
@@ -274,17 +274,6 @@ def set_up_devices(cfg):
         say("notice: train.xla=jit on a CPU: each step is slower than with train.xla=none "
             "(1.06-1.19x measured, docs/benchmarks.md); jit is for GPUs")
     return strategy
-
-
-def set_memory_growth():
-    """Every GPU's memory taken as needed, not all at the start (before the first op: TensorFlow
-    fixes it when it sets up its devices): a second training on the GPU, or XLA's autotuning of
-    a convolution, then finds room. A process that has set up its devices already keeps them."""
-    for gpu in tf.config.list_physical_devices("GPU"):
-        try:
-            tf.config.experimental.set_memory_growth(gpu, True)
-        except (RuntimeError, ValueError):  # devices set up already (train() run twice in one process)
-            pass
 
 
 def device_memory_error(exc):
