@@ -2,8 +2,9 @@
 
 Prints a table (accuracy, per-class accuracy, confusion matrix) and, as the LAST line
 of stdout, one JSON object with accuracy, loss, images_per_sec, per_class_accuracy,
-confusion_matrix, ...; the same JSON is written next to the checkpoint
-(`<checkpoint>.eval.json`). A list of checkpoints is an ensemble: its JSON has the
+confusion_matrix, ...; the same JSON is written into the run dir's evaluations/ folder
+(`evaluations/best-ckpt-7.json` for checkpoints/best/ckpt-7, which no checkpoint rotation of a
+training touches; output=PATH writes it elsewhere). A list of checkpoints is an ensemble: its JSON has the
 ensemble's scores and each member's own (accuracy, loss, epoch, ...) under `members`
 (capsnet.evaluation.evaluate). Keys: configs/eval.yaml.
 

@@ -3,8 +3,8 @@
 - `evaluate(checkpoint, ...) -> dict`: `python evaluate.py` without Hydra. `checkpoint`
   is a run dir (its BEST checkpoint by default, `which="latest"` for the last epoch
   saved) or a checkpoint path (`.../checkpoints/latest/ckpt-3`). The model is rebuilt
-  from the run's saved `config.yaml`; the report is also written as JSON next to the
-  evaluated checkpoint (`<checkpoint>.eval.json`).
+  from the run's saved `config.yaml`; the report is also written as JSON into the run's
+  `evaluations/` folder (`report_path`: `evaluations/best-ckpt-7.json` for checkpoints/best/ckpt-7).
 - `evaluate([checkpoint, ...])`: an ensemble, each example scored by its capsule
   lengths averaged over the members (`ensemble_report`).
 - `evaluate(..., tta="flip"|"shift")`: test-time augmentation, each example scored by its
@@ -101,6 +101,27 @@ def pairs_shown(report):
 
 
 RUN_FILES = ("config.yaml", "history.jsonl", "metrics.json", "train.lock", ".capsnet-run")
+# The run's folder of evaluate()'s reports at their default place (report_path). Not under
+# checkpoints/, whose files a training running in the run dir deletes: best/ drops the previous
+# best epoch's, latest/ prunes past train.keep_checkpoints, a saved epoch removes interrupted/.
+REPORTS_DIR = "evaluations"
+
+
+def report_path(member, variant=None):
+    """The default report of `member` (resolve_member's: prefix and run_dir, both resolved):
+    <run dir>/evaluations/<checkpoint>[.<variant>].json, <checkpoint> its path below the run's
+    checkpoints/ with '-' for '/' (best-ckpt-7, latest-ckpt-3, interrupted-ckpt-1200; a
+    checkpoint elsewhere in the run dir by its path below the run dir). `variant`: what sets
+    the report apart from the checkpoint's own ("affnist", "pairs-shift1-pad4", "ensemble-<hash>")."""
+    prefix, run_dir = Path(member["prefix"]), Path(member["run_dir"])
+    try:
+        parts = prefix.relative_to(run_dir).parts
+    except ValueError:  # checkpoints/ links elsewhere: its folder and name are what tells it apart
+        parts = (prefix.parent.name, prefix.name)
+    if len(parts) > 1 and parts[0] == "checkpoints":
+        parts = parts[1:]
+    name = "-".join(parts)
+    return run_dir / REPORTS_DIR / (f"{name}.{variant}.json" if variant else f"{name}.json")
 
 
 def check_output(output, overwrite=False):
@@ -112,7 +133,7 @@ def check_output(output, overwrite=False):
                          for part in resolved.parents)
     if in_checkpoints or (resolved.name in RUN_FILES and (resolved.parent / "config.yaml").is_file()):
         raise CheckpointError(f"output={output} is a file of a run (its config, history, metrics or checkpoints): "
-                              "write the report elsewhere (output=null puts it beside the checkpoint)")
+                              "write the report elsewhere (output=null puts it in the run's evaluations/)")
     if output.exists() and not overwrite:
         raise CheckpointError(f"output={output} exists: overwrite=true replaces it, or name another file")
 
@@ -134,7 +155,8 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
             and canvas border (a run scored on other pairs, e.g. the authors' generator's
             shift_pixels=6 with pad_pixels=4). A shift given alone keeps the run's canvas.
             The report names its pairs (`test_pairs`); pairs other than the run's are written
-            to `<checkpoint>.eval-pairs-shift<s>-pad<p>.json` by default, not over the run's own.
+            to `evaluations/<checkpoint>.pairs-shift<s>-pad<p>.json` by default, not over the
+            run's own.
         custom_op: None = as trained; True/False picks the capsule-prediction path.
         batch_size: None = the (first) run's test pass batch: its train.test_batch_size, or
             train.batch_size where that is null.
@@ -148,10 +170,12 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
             with train.xla=jit, else "none"; or "none" / "jit". In 16-bit precisions the
             XLA-compiled pass rounds differently, so only the run's own setting reproduces
             its in-run test score exactly.
-        output: JSON path; None = `<checkpoint>.eval.json` (an ensemble or tta:
-            `<first checkpoint>.ensemble-<hash of the passes>.eval.json`). A path given is
-            refused before the pass if it exists (unless `overwrite`) or is a run's own file
-            (check_output).
+        output: JSON path; None = the run's `evaluations/<checkpoint>.json` (report_path:
+            `evaluations/best-ckpt-7.json`; another dataset than the run's:
+            `evaluations/<checkpoint>.<dataset>.json`; an ensemble or tta: the first member's
+            run's `evaluations/<first checkpoint>.ensemble-<hash of the passes>.json`),
+            replaced if it exists. A path given is refused before the pass if it exists
+            (unless `overwrite`) or is a run's own file (check_output).
         tta: "none"; "flip": every member also scores the test images mirrored
             left-right, only for runs trained on mirrored images (data.flip=true: a digit's
             mirror image is not that digit); "shift": every member also scores them moved one
@@ -199,7 +223,7 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     task.check(test_split, model, "test")
     for member in members:
         member["epoch"] = restore_model(member["model"], member["prefix"], member["weights"])
-    check_writable(Path(args["output"]).parent if args["output"] is not None else Path(first["prefix"]).parent)
+    check_writable(Path(args["output"]).parent if args["output"] is not None else report_path(first).parent)
 
     dataset = task.dataset(test_split, batch_size=batch_size, training=False)
     names = task.class_names(model.num_classes)
@@ -215,10 +239,9 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
             result = evaluate_model(eval_step, view_dataset, model.num_classes, keep_lengths=ensemble)
             results.append(result)
             reports.append(member_report(result, member, view if len(views) > 1 else None, **shared))
-    report, default_output = final_report(reports, results, first, model.num_classes, ensemble=ensemble,
-                                          tta=args["tta"], names=names, test_pairs=test_pairs,
-                                          other_pairs=other_pairs)
-    output = Path(args["output"] if args["output"] is not None else default_output)
+    report, variant = final_report(reports, results, first, model.num_classes, ensemble=ensemble,
+                                   tta=args["tta"], names=names, test_pairs=test_pairs, other_pairs=other_pairs)
+    output = Path(args["output"]) if args["output"] is not None else report_path(first, variant)
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(json_safe(report), indent=2) + "\n")
@@ -358,11 +381,11 @@ def member_report(result, member, view, *, dataset, batch_size, class_names, tes
 
 
 def final_report(reports, results, first, num_classes, *, ensemble, tta, names, test_pairs, other_pairs):
-    """(report, default output path): the one pass's report, or the ensemble's over all the
-    passes (written beside the first checkpoint under a hash of the passes); test pairs other
-    than the run's, or another dataset than the run's (affnist for an expanded_mnist run), go
-    to their own file, not over the run's report (compare_runs reads that one as the run's
-    final)."""
+    """(report, variant for report_path): the one pass's report, or the ensemble's over all
+    the passes (its variant "ensemble-<hash of the passes>", named after the first checkpoint);
+    test pairs other than the run's ("pairs-shift<s>-pad<p>"), or another dataset than the
+    run's ("affnist" for an expanded_mnist run), go to their own file, not over the run's
+    report (None: compare_runs reads that one as the run's final)."""
     dataset = reports[0]["dataset"]
     other_dataset = dataset if dataset != first["cfg"]["data"]["name"] else None
     if ensemble:
@@ -379,13 +402,12 @@ def final_report(reports, results, first, num_classes, *, ensemble, tta, names, 
         if other_dataset:
             passes.append(["dataset", other_dataset])
         digest = hashlib.sha1(json.dumps(passes).encode()).hexdigest()[:8]
-        return report, f"{first['prefix']}.ensemble-{digest}.eval.json"
+        return report, f"ensemble-{digest}"
     if other_pairs:
-        return reports[0], (f"{first['prefix']}.eval-pairs-shift{test_pairs['shift_pixels']}"
-                            f"-pad{test_pairs['pad_pixels']}.json")
+        return reports[0], f"pairs-shift{test_pairs['shift_pixels']}-pad{test_pairs['pad_pixels']}"
     if other_dataset:
-        return reports[0], f"{first['prefix']}.eval-{other_dataset}.json"
-    return reports[0], first["prefix"] + ".eval.json"
+        return reports[0], other_dataset
+    return reports[0], None
 
 
 def load_run_test_split(task, *, from_run, run_dir):

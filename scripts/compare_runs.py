@@ -21,8 +21,10 @@ What a run contributes, read from its own files (no TensorFlow is imported):
   float32 the same number. A run stopped before train.epochs is marked `*` and still counts:
   the note under its table says so;
 - evaluate.py: the accuracy in the report evaluate.py left at its default place,
-  `checkpoints/latest/ckpt-<last epoch>.eval.json`, if there is one (the last path evaluated
-  with the default output; a report of another epoch is not this run's final);
+  `evaluations/latest-ckpt-<last epoch>.json`, if there is one (the last path evaluated with
+  the default output; a report of another epoch is not this run's final); a run dir evaluated
+  by an older version has it beside the checkpoint, `checkpoints/latest/ckpt-<last epoch>.eval.json`,
+  read where the first is missing;
 - best epoch, first epoch at or above --threshold, the last epoch's training accuracy;
 - images/s: the mean of its epochs' training speeds in history.jsonl (train_images_per_sec),
   as metrics.json's images_per_sec and TensorBoard's HParams images/s have it; a group's is the
@@ -113,14 +115,24 @@ def read_run(path, threshold):
         raise CompareError(f"{path}: no epoch of history.jsonl has a test accuracy")
     last_tested = max(tested)
     best_epoch = max(tested, key=lambda e: (tested[e], -e))  # the earliest of equal bests
-    report = path / "checkpoints" / "latest" / f"ckpt-{records[-1]['epoch']}.eval.json"
-    evaluated = json.loads(report.read_text()).get("accuracy") if report.is_file() else None
+    evaluated = evaluated_accuracy(path, records[-1]["epoch"])
     return Run(path=path, seed=int(config["seed"]), epochs=int(config["train"]["epochs"]),
                last_epoch=records[-1]["epoch"], final=tested[last_tested], evaluated=evaluated,
                best=(tested[best_epoch], best_epoch),
                first_at=min((e for e, a in tested.items() if a >= threshold), default=None),
                train_accuracy=records[-1]["train_accuracy"], tested=tested, recipe=recipe,
                images_per_sec=statistics.fmean(speeds.values()) if speeds else None)
+
+
+def evaluated_accuracy(path, epoch):
+    """The accuracy of evaluate.py's default report of run `path`'s checkpoints/latest/ckpt-`epoch`,
+    or None: evaluations/latest-ckpt-<epoch>.json (capsnet.evaluation.report_path), else where
+    an older evaluate.py wrote it, beside the checkpoint (a run dir evaluated before the move)."""
+    for report in (path / "evaluations" / f"latest-ckpt-{epoch}.json",
+                   path / "checkpoints" / "latest" / f"ckpt-{epoch}.eval.json"):
+        if report.is_file():
+            return json.loads(report.read_text()).get("accuracy")
+    return None
 
 
 def flatten(section, prefix=""):

@@ -74,7 +74,7 @@ def test_evaluate_prints_a_table_and_ends_with_json(trained_run, tmp_path):
     assert report["accuracy"] == metrics["test_accuracy"]
     # weights: null → the trained weights of a run that kept no average.
     assert report["weights"] == "raw" and "trained weights" in lines[0]
-    written = json.loads((run_dir / "checkpoints" / "latest" / "ckpt-4.eval.json").read_text())
+    written = json.loads((run_dir / "evaluations" / "latest-ckpt-4.json").read_text())
     assert written["accuracy"] == report["accuracy"]
     assert written["confusion_matrix"] == report["confusion_matrix"]
     assert list(tmp_path.iterdir()) == []  # nothing written in the working directory

@@ -41,11 +41,11 @@ def test_a_real_run_and_evaluate_py_report_of_its_final_checkpoint(trained_run, 
     history = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
     metrics = json.loads((run_dir / "metrics.json").read_text())
     # Without a report there is none to show (other tests evaluate the shared run: drop theirs).
-    for report in run_dir.glob("checkpoints/**/*.eval.json"):
-        report.unlink()
+    shutil.rmtree(run_dir / "evaluations", ignore_errors=True)
     assert compare_runs.read_run(run_dir, 0.5).evaluated is None
 
     report = evaluate(run_dir, which="latest")  # written at its default place
+    assert report["output"] == str(run_dir.resolve() / "evaluations" / f"latest-ckpt-{len(history)}.json")
     run = compare_runs.read_run(run_dir, 0.5)
     assert run.evaluated == report["accuracy"]
     assert run.final == history[-1]["test_accuracy"] == metrics["test_accuracy"]
@@ -58,6 +58,27 @@ def test_a_real_run_and_evaluate_py_report_of_its_final_checkpoint(trained_run, 
     assert summary["groups"]["tiny"]["mean"] == run.final
     assert f"| 0 | {100 * run.final:.2f}% | {100 * report['accuracy']:.2f}% |" in printed
     assert f"| {compare_runs.speed(run.images_per_sec)} | {run_dir} |" in printed
+
+
+def test_the_evaluated_report_is_read_from_evaluations_then_from_beside_the_checkpoint(tmp_path):
+    """evaluate.py's default report of the last epoch: evaluations/latest-ckpt-N.json, else
+    (a run dir evaluated before reports moved out of checkpoints/) checkpoints/latest/ckpt-N.eval.json;
+    a report of another epoch, or of best/, is not the run's final."""
+    run = fake_run(tmp_path, "run", 0, [0.97, 0.98, 0.99])
+    (run / "checkpoints" / "latest").mkdir(parents=True)
+    (run / "evaluations").mkdir()
+    (run / "evaluations" / "latest-ckpt-2.json").write_text(json.dumps({"accuracy": 0.5}))
+    (run / "evaluations" / "best-ckpt-3.json").write_text(json.dumps({"accuracy": 0.6}))
+    assert compare_runs.read_run(run, 0.5).evaluated is None
+
+    old = run / "checkpoints" / "latest" / "ckpt-3.eval.json"
+    old.write_text(json.dumps({"accuracy": 0.981}))
+    assert compare_runs.read_run(run, 0.5).evaluated == 0.981
+
+    (run / "evaluations" / "latest-ckpt-3.json").write_text(json.dumps({"accuracy": 0.982}))
+    assert compare_runs.read_run(run, 0.5).evaluated == 0.982  # the new place first
+    old.unlink()
+    assert compare_runs.read_run(run, 0.5).evaluated == 0.982
 
 
 def test_group_numbers_against_numpy(tmp_path):

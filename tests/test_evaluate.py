@@ -1,6 +1,7 @@
 """capsnet.evaluation: the report math against NumPy, evaluate() on a tiny trained run, bad input."""
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -48,9 +49,9 @@ def test_evaluate_run_dir_uses_its_best_checkpoint(trained_run, tiny_idx_dir):
     assert report["accuracy"] == pytest.approx(np.trace(confusion) / len(true_labels))
     assert report["num_examples"] == len(true_labels)
 
-    # Written next to the checkpoint, equal to the returned report.
+    # Written into the run's evaluations/, equal to the returned report.
     written = json.loads(open(report["output"]).read())
-    assert report["output"] == report["checkpoint"] + ".eval.json"
+    assert report["output"] == str(run_dir.resolve() / "evaluations" / f"best-ckpt-{metrics['best_epoch']}.json")
     assert written == {k: v for k, v in report.items() if k != "output"}
     table = format_report(report)
     assert "confusion matrix" in table and f"{report['accuracy']:.4%}" in table
@@ -68,6 +69,45 @@ def test_evaluate_latest_and_a_checkpoint_path(trained_run, tmp_path):
     assert report["epoch"] == 3 and report["num_examples"] == 40
     assert np.array(report["confusion_matrix"]).sum() == 40
     assert json.loads(output.read_text())["accuracy"] == report["accuracy"]
+
+
+def test_the_default_report_is_outside_checkpoints_and_outlives_their_rotation(trained_run, tiny_config, tmp_path):
+    """The default report goes into the run's evaluations/, named after the checkpoint's place
+    (best-ckpt-N, latest-ckpt-N; a checkpoint path finds its run dir above it); nothing is
+    written under checkpoints/. A training going on in the run dir then moves best/ to
+    another epoch and prunes latest/ (train.keep_checkpoints=1), deleting the evaluated
+    checkpoints' files: the reports stay, and so does one an older version wrote beside a
+    checkpoint (ckpt-N.eval.json: the pruning deletes a checkpoint's own files only)."""
+    import tensorflow as tf
+
+    from capsnet.training import train
+    from capsnet.training.checkpoints import BestCheckpoint, checkpoint_numbers
+
+    run_dir = shutil.copytree(trained_run[0], tmp_path / "run").resolve()
+    shutil.rmtree(run_dir / "evaluations", ignore_errors=True)  # other tests' reports of the shared run
+    checkpoints = run_dir / "checkpoints"
+    before = sorted(checkpoints.rglob("*"))
+    best = evaluate(run_dir)
+    latest = evaluate(checkpoints / "latest" / "ckpt-3")
+    assert best["output"] == str(run_dir / "evaluations" / f"best-ckpt-{best['epoch']}.json")
+    assert latest["output"] == str(run_dir / "evaluations" / "latest-ckpt-3.json")
+    assert sorted(checkpoints.rglob("*")) == before
+    old = checkpoints / "best" / f"ckpt-{best['epoch']}.eval.json"
+    old.write_text(json.dumps({"accuracy": best["accuracy"]}))
+
+    # best/ moves to another epoch (BestCheckpoint.commit deletes the previous best's files).
+    other = max(set(checkpoint_numbers(checkpoints / "latest")) - {best["epoch"]})
+    rotated = BestCheckpoint(tf.train.Checkpoint(), checkpoints / "best")
+    rotated.adopt(other, checkpoints / "latest" / f"ckpt-{other}")
+    rotated.commit(other)
+    assert checkpoint_numbers(checkpoints / "best") == [other]
+    # latest/ keeps one checkpoint from the next epoch on (CheckpointManager prunes the rest).
+    train(tiny_config("train.epochs=5", "train.keep_checkpoints=1", run_dir=run_dir))
+    assert checkpoint_numbers(checkpoints / "latest") == [5]
+    for report in (best, latest):
+        assert not Path(report["checkpoint"] + ".index").exists()
+        assert json.loads(Path(report["output"]).read_text()) == {k: v for k, v in report.items() if k != "output"}
+    assert json.loads(old.read_text())["accuracy"] == best["accuracy"]
 
 
 def test_evaluate_batches_as_the_run_tested_unless_told(trained_run, tmp_path):
@@ -228,8 +268,8 @@ def test_evaluate_a_list_of_checkpoints_as_an_ensemble(trained_run, tiny_idx_dir
         assert member["accuracy"] == alone["accuracy"] == pytest.approx(np.mean(lengths.argmax(axis=1) == labels))
         assert member["loss"] == pytest.approx(alone["loss"], rel=1e-5)
         assert member["accuracy"] == metrics["history"][member["epoch"] - 1]["test_accuracy"]
-    # Written next to the first member, under a name that says which members.
-    assert report["output"].startswith(str(prefixes[0]) + ".ensemble-")
+    # Written into the first member's run's evaluations/, under a name that says which members.
+    assert report["output"].startswith(str(run_dir / "evaluations" / "latest-ckpt-2.ensemble-"))
     written = json.loads(open(report["output"]).read())
     assert written == {k: v for k, v in report.items() if k != "output"}
     table = format_report(report)
@@ -267,7 +307,7 @@ def test_tta_flip_scores_each_image_by_its_lengths_and_its_mirror_images_average
     for member, lengths in zip(report["members"], (plain, mirrored)):
         assert member["accuracy"] == pytest.approx(np.mean(lengths.argmax(axis=1) == labels))
     assert report["members"][0]["accuracy"] == evaluate(run_dir, which="latest", output=tmp_path / "a.json")["accuracy"]
-    assert report["output"].startswith(str(prefix) + ".ensemble-")
+    assert report["output"].startswith(str(run_dir / "evaluations" / "latest-ckpt-2.ensemble-"))
     assert format_report(report).startswith("ensemble of 2 passes: 1 checkpoint(s) x 2 views, plain and mirrored")
 
     with pytest.raises(ConfigError, match=r"tta=flip: the run .* was not trained on mirrored images "
@@ -358,7 +398,7 @@ def test_ensembles_of_unlike_runs_are_one_line_config_errors(trained_run, tmp_pa
     with pytest.raises(CheckpointError, match=f"checkpoint not found: {tmp_path}/nope"):
         evaluate([run_dir, tmp_path / "nope"])
     assert not (tmp_path / "never.json").exists()
-    assert not list(run_dir.glob("checkpoints/best/*.ensemble-*"))  # nor where the first member's report would go
+    assert not list(run_dir.glob("evaluations/best-ckpt-*.ensemble-*"))  # nor where the first member's report would go
 
 
 # --------------------------------------------------------------------------- the compiled op

@@ -406,15 +406,15 @@ def test_evaluate_scores_a_run_on_other_test_pairs_and_keeps_its_own_report(tiny
     run_dir = tmp_path / "run"
     train(compose_config("train", multimnist_overrides(tiny_idx_dir, run_dir)))
     own = evaluate(run_dir, which="latest")
-    assert own["test_pairs"] == {"shift_pixels": 4, "pad_pixels": 4} and own["output"].endswith("ckpt-2.eval.json")
+    assert own["test_pairs"] == {"shift_pixels": 4, "pad_pixels": 4} and own["output"].endswith("/evaluations/latest-ckpt-2.json")
     explicit = evaluate(run_dir, which="latest", shift_pixels=4, pad_pixels=4)  # the run's own pairs, named
     assert (explicit["accuracy"], explicit["loss"]) == (own["accuracy"], own["loss"])
 
     other = evaluate(run_dir, which="latest", shift_pixels=1)  # alone: the run's canvas (border 4) stays
     assert other["test_pairs"] == {"shift_pixels": 1, "pad_pixels": 4}
-    assert other["output"].endswith("ckpt-2.eval-pairs-shift1-pad4.json")
+    assert other["output"].endswith("/evaluations/latest-ckpt-2.pairs-shift1-pad4.json")
     assert other["loss"] != own["loss"]  # other images
-    assert json.loads((run_dir / "checkpoints" / "latest" / "ckpt-2.eval.json").read_text())["loss"] == own["loss"]
+    assert json.loads((run_dir / "evaluations" / "latest-ckpt-2.json").read_text())["loss"] == own["loss"]
     assert "(shifted ±1 px, canvas border 4 px)" in format_report(other)
     images, labels = load_split("multimnist", "test", data_dir=tiny_idx_dir, limit=40)
     pairs = make_split_dataset("multimnist", images, labels, batch_size=16, training=False, shift_pixels=1,

@@ -877,21 +877,22 @@ def test_a_run_testing_every_third_epoch_trains_the_same_and_saves_every_epoch(t
 
 
 def test_evaluate_on_a_read_only_run_stops_before_the_pass(trained_run, tmp_path, monkeypatch):
-    """A report that could not be written beside the checkpoint is one line before the test
-    pass, not an error after it (root ignores chmod, so the read-only folder is os.access's
+    """A report that could not be written into the run's evaluations/ is one line before the
+    test pass, not an error after it (root ignores chmod, so the read-only folder is os.access's
     answer); output= elsewhere still evaluates."""
     import capsnet.evaluation as evaluation
 
-    run_dir = copied_run(trained_run, tmp_path)
-    best_dir = (run_dir / "checkpoints" / "best").absolute()
+    run_dir = copied_run(trained_run, tmp_path).resolve()
+    shutil.rmtree(run_dir / "evaluations", ignore_errors=True)  # other tests' reports of the shared run
+    reports = run_dir / "evaluations"
     real_access = os.access
-    monkeypatch.setattr(evaluation.os, "access", lambda path, mode: Path(path) != best_dir and real_access(path, mode))
+    monkeypatch.setattr(evaluation.os, "access", lambda path, mode: Path(path) != run_dir and real_access(path, mode))
     passes = []
     real_pass = evaluation.evaluate_model
     monkeypatch.setattr(evaluation, "evaluate_model", lambda *a, **k: passes.append(1) or real_pass(*a, **k))
     with pytest.raises(CheckpointError) as err:
         evaluation.evaluate(str(run_dir), data_dir=None)
-    assert str(err.value) == (f"cannot write the evaluation report into {best_dir}: {best_dir} is read-only; "
+    assert str(err.value) == (f"cannot write the evaluation report into {reports}: {run_dir} is read-only; "
                               "output=PATH writes it elsewhere")
     assert passes == []
     report = evaluation.evaluate(str(run_dir), data_dir=None, output=str(tmp_path / "elsewhere" / "report.json"))

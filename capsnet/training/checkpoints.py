@@ -601,6 +601,7 @@ class BestCheckpoint:
             write_state(self.directory, number, [number])
         for n in self.numbers():
             if n != number:
-                # The checkpoint's own files only (an evaluation's ckpt-N.eval.json stays).
+                # The checkpoint's own files only: a report an older evaluate.py wrote beside it
+                # (ckpt-N.eval.json; evaluate.py now writes into the run's evaluations/) stays.
                 for path in [self.directory / f"ckpt-{n}.index", *self.directory.glob(f"ckpt-{n}.data-*")]:
                     path.unlink(missing_ok=True)

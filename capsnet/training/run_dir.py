@@ -17,6 +17,9 @@ A run dir holds:
                                epoch is saved
     history.jsonl              one line of metrics per finished epoch, appended; checked on resume
     metrics.json               the final metrics, written at the end
+    evaluations/               evaluate.py's reports (best-ckpt-N.json, ...; capsnet.evaluation.report_path),
+                               written by evaluate.py, never by the training: outside checkpoints/, whose
+                               files the training deletes as best/ and latest/ move on
 
 Only the chief writes here (the other workers of a multi-worker run save into a scratch dir
 of their own, as tf.distribute asks). Every write that fails (a full disk, a read-only
