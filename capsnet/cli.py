@@ -286,7 +286,8 @@ def import_tensorflow_quietly():
         os.dup2(captured.fileno(), 2)
         failed = True
         try:
-            import tensorflow  # noqa: F401  (the import is the point)
+            with _without_matplotlib():
+                import tensorflow  # noqa: F401  (the import is the point)
 
             failed = False
         finally:
@@ -297,6 +298,26 @@ def import_tensorflow_quietly():
                 captured.seek(0)
                 sys.stderr.write(captured.read().decode(errors="replace"))
     set_memory_growth()
+
+
+@contextlib.contextmanager
+def _without_matplotlib():
+    """matplotlib cannot be imported inside: TensorFlow's import imports Keras, and Keras'
+    keras.visualization imports matplotlib.pyplot if it can (`try: import matplotlib.pyplot`),
+    ~0.8 s of the ~4.7 s import on the 2-core CPU machine (`python -X importtime`), for
+    plotting functions nothing here calls; only the end-of-training figures
+    (capsnet.figures) draw with matplotlib, and they import it themselves, as they can again
+    once this is left. (In such a process keras.visualization.plot_image_gallery says that
+    matplotlib is not installed.) A process that imported matplotlib already is left as it is."""
+    if "matplotlib" in sys.modules:
+        yield
+        return
+    sys.modules["matplotlib"] = None  # `import matplotlib[.x]` raises ImportError meanwhile
+    try:
+        yield
+    finally:
+        if "matplotlib" in sys.modules and sys.modules["matplotlib"] is None:
+            del sys.modules["matplotlib"]
 
 
 def set_memory_growth():

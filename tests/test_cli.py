@@ -278,3 +278,19 @@ def test_every_entry_point_takes_gpu_memory_as_needed():
     assert done.returncode == 0, done.stderr
     for entry in ("evaluate.py", "export.py", "predict.py", "train.py"):
         assert "cli.import_tensorflow_quietly()" in (Path(__file__).parent.parent / entry).read_text(), entry
+
+
+def test_tensorflow_is_imported_without_matplotlib_which_imports_afterwards():
+    """Keras imports matplotlib.pyplot with TensorFlow if it can (~0.8 s of a 2-core CPU's start-up);
+    cli.import_tensorflow_quietly keeps it out, and matplotlib imports as before once TensorFlow is in
+    (the end-of-training figures draw with it)."""
+    code = ("import sys\n"
+            "from capsnet import cli\n"
+            "cli.import_tensorflow_quietly()\n"
+            "import keras\n"
+            "assert not [m for m in sys.modules if m.split('.')[0] == 'matplotlib'], 'matplotlib imported'\n"
+            "import matplotlib.pyplot\n"
+            "from capsnet.figures import _render\n"
+            "assert _render(lambda figure: figure.add_subplot().plot([0, 1])).shape[-1] == 4\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
