@@ -300,6 +300,42 @@ def test_evaluate_a_damaged_checkpoint_names_the_file_and_the_intact_ones(traine
     assert "config.yaml match" not in message  # not the hint for a checkpoint of another model
 
 
+@pytest.mark.parametrize("moment", ["before its check", "before the restore"])
+def test_evaluate_while_a_training_moves_best_on_says_the_checkpoint_was_replaced(trained_run, tmp_path, monkeypatch,
+                                                                                  moment):
+    """best/ moving to a new best between evaluate's resolving its checkpoint and reading it (a
+    training's BestCheckpoint.commit deletes the previous best's files): right after the state
+    file is read, or while the test data loads, before the restore. One line saying the
+    checkpoint was replaced and what to do: not a damaged file, not a config that does not
+    match. Run again, evaluate finds the new best."""
+    import capsnet.evaluation as evaluation
+    import capsnet.training.checkpoints as checkpoints
+
+    run_dir = copied_run(trained_run, tmp_path).resolve()
+    best_dir, latest_dir = run_dir / "checkpoints" / "best", run_dir / "checkpoints" / "latest"
+    resolved = tf.train.latest_checkpoint(str(best_dir))
+    moved_to = max(set(checkpoints.checkpoint_numbers(latest_dir)) - set(checkpoints.checkpoint_numbers(best_dir)))
+
+    def move_best_on():
+        best = checkpoints.BestCheckpoint(tf.train.Checkpoint(), best_dir)
+        best.adopt(moved_to, latest_dir / f"ckpt-{moved_to}")
+        best.commit(moved_to)
+
+    if moment == "before its check":
+        real = checkpoints._newest_named
+        monkeypatch.setattr(checkpoints, "_newest_named", lambda directory: (real(directory), move_best_on())[0])
+    else:
+        real = evaluation.load_run_test_split
+        monkeypatch.setattr(evaluation, "load_run_test_split", lambda *a, **k: (real(*a, **k), move_best_on())[0])
+    with pytest.raises(CheckpointError) as err:
+        evaluation.evaluate(str(run_dir), data_dir=None, output=str(tmp_path / "report.json"))
+    assert str(err.value) == (f"checkpoint {resolved} was replaced while it was being read (a training is writing "
+                              "this run: its best/ moved on): run again, or give which=latest or a checkpoint path")
+    assert not (tmp_path / "report.json").exists()
+    monkeypatch.undo()
+    assert evaluation.evaluate(str(run_dir), data_dir=None, output=str(tmp_path / "report.json"))["epoch"] == moved_to
+
+
 def test_repairing_a_damaged_only_best_checkpoint_says_the_state_file_goes(trained_run, tmp_path):
     from capsnet.training.checkpoints import BestCheckpoint
 

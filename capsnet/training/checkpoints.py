@@ -152,11 +152,12 @@ def resolve_checkpoint(checkpoint, which="best"):
         raise CheckpointError(
             f"checkpoint not found: {checkpoint} (expected a run dir or a checkpoint path like "
             f".../checkpoints/latest/ckpt-3)")
+    seen = _is_checkpoint_prefix(prefix)  # its files gone later: replaced, not damaged (_check_intact)
     # The run dir is the nearest ancestor holding the run's config.
     for parent in list(Path(prefix).parents)[:4]:
         cfg = read_run_config(parent)
         if cfg is not None:
-            _check_intact(prefix, parent)
+            _check_intact(prefix, parent, seen)
             return prefix, parent, cfg
     raise CheckpointError(f"no config.yaml for checkpoint {prefix} in its run dir: cannot rebuild the model")
 
@@ -174,14 +175,18 @@ def _newest_named(directory):
     return newest
 
 
-def _check_intact(prefix, run_dir):
+def _check_intact(prefix, run_dir, seen=True):
     """CheckpointError naming the damaged file, and the intact checkpoints of the run that
     could be used instead, if `prefix` does not read whole (checkpoint_damage). Checked
     before TensorFlow restores from it: a failed restore reports a misleading mismatch and
-    leaves a screenful of warnings about unrestored values."""
+    leaves a screenful of warnings about unrestored values. A checkpoint whose index file
+    was there when it was resolved (`seen`), or that its directory's state file no longer
+    names, and is gone now was replaced by a training, not damaged (replaced_while_reading)."""
     damage = checkpoint_damage(prefix)
     if damage is None:
         return
+    if not _is_checkpoint_prefix(prefix) and (seen or read_state(Path(prefix).parent)[0] != prefix):
+        raise replaced_while_reading(prefix)
     others = [str(Path(p).relative_to(run_dir)) if Path(p).is_relative_to(run_dir) else p
               for p in intact_checkpoints(run_dir) if p != str(prefix)]
     instead = (f"intact checkpoints of {run_dir}: {', '.join(others)} (pass one as checkpoint=)" if others
@@ -218,6 +223,16 @@ def checkpoint_weights(model):
     return weights
 
 
+def replaced_while_reading(prefix):
+    """The CheckpointError for checkpoint `prefix` whose files went between resolve_checkpoint
+    and reading them: a training writing its run dir moved best/ on (BestCheckpoint.commit
+    deletes the previous best's files) or pruned latest/ (train.keep_checkpoints). Neither
+    the checkpoint nor the run's config is at fault: the same command finds the new one."""
+    return CheckpointError(f"checkpoint {prefix} was replaced while it was being read (a training is writing this "
+                           f"run: its {Path(prefix).parent.name}/ moved on): run again, or give which=latest or a "
+                           "checkpoint path")
+
+
 # evaluate(weights=...): the trained weights (checkpoint node "model") or their moving
 # average (node "ema", kept by runs with train.ema_decay > 0; the same names below it).
 WEIGHTS = {"raw": "model", "ema": "ema"}
@@ -235,6 +250,8 @@ def restore_model(model, prefix, weights="raw"):
         status.expect_partial()
         status.assert_existing_objects_matched()
     except (tf.errors.OpError, ValueError, AssertionError) as exc:
+        if not _is_checkpoint_prefix(prefix):  # resolved with its files, gone now: not the config's fault
+            raise replaced_while_reading(prefix) from exc
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
             f"cannot load the model from checkpoint {prefix}: {message} "
