@@ -449,7 +449,7 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
             # and splits the batches over replicas by its older rebatching; the slices are
             # the same (tests/test_distribute.py).
             dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
-            dataset = dataset.map(load_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            dataset = _map(dataset, load_batch)
             return dataset.prefetch(tf.data.AUTOTUNE)
         def example_key(stream_key, index):
             # Keyed by the example's index in `images`, not by its position in a batch
@@ -476,12 +476,24 @@ def make_dataset(images, labels, *, batch_size, training, seed=0, epoch=0, shift
         def finish_batch(x, y, later):
             return _distort_and_erase(x, later, **elastic), y
 
-        dataset = dataset.map(load_example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        dataset = _map(dataset, load_example)
         dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
         if training and (elastic_alpha > 0 or erase_probability > 0):
-            dataset = dataset.map(finish_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            dataset = _map(dataset, finish_batch)
         # Prefetch the next batches while the model trains on this one.
         return dataset.prefetch(tf.data.AUTOTUNE)
+
+
+def _map(dataset, fn):
+    """dataset.map(fn) in parallel, in order, without AutoGraph: tf.data converts a map's
+    function with AutoGraph by default, which rewrites the source of it and of everything it
+    calls (~0.45 s of a 2-core CPU's start-up: the test split's map, then the first
+    training epoch's). Nothing in these functions branches or loops on a tensor (their `if`s
+    read the config and the draws' keys), so the ops are the same without it, as they are
+    in train.data_on_device's compiled step, which runs batch_from_draws and
+    pairs_from_draws under tf.function(autograph=False) (capsnet.training.device_input)."""
+    return dataset.map(tf.autograph.experimental.do_not_convert(fn), num_parallel_calls=tf.data.AUTOTUNE,
+                       deterministic=True)
 
 
 def epoch_draws(images_shape, *, training, seed=0, epoch=0, shift_pixels=2, flip=False, erase_probability=0.0,
@@ -643,9 +655,8 @@ def make_multimnist_dataset(images, labels, *, batch_size, training, seed=0, epo
         draws = multimnist_draws(labels, training=training, seed=seed, epoch=epoch, shift_pixels=shift_pixels,
                                  elastic=elastic["elastic_alpha"] > 0)
         dataset = tf.data.Dataset.from_tensor_slices(draws).batch(batch_size, drop_remainder=drop_remainder)
-        dataset = dataset.map(lambda d: pairs_from_draws(images_t, labels_t, d, shift_pixels=shift_pixels,
-                                                         pad_pixels=pad_pixels, **elastic),
-                              num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        dataset = _map(dataset, lambda d: pairs_from_draws(images_t, labels_t, d, shift_pixels=shift_pixels,
+                                                           pad_pixels=pad_pixels, **elastic))
         return dataset.prefetch(tf.data.AUTOTUNE)
 
 
