@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, compose_config, repo_env, run_entry_point, tiny_overrides, write_idx_dataset
+from conftest import (REPO, compose_config, entry_point_env, repo_env, run_entry_point, tiny_overrides,
+                      write_idx_dataset)
 
 # Per-epoch train losses and the final test loss (float.hex: bitwise) of a 2-epoch tiny run on
 # write_idx_dataset(64 train, 32 test) with deterministic=true, recorded from the loop before
@@ -104,6 +105,56 @@ def test_an_empty_run_dir_override_is_refused(tiny_idx_dir, tmp_path):
                              cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "hydra.run.dir is empty" in result.stderr and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["under a file", "a file", "a name over 255 bytes"])
+def test_a_run_dir_that_cannot_be_made_is_one_line(tiny_idx_dir, tmp_path, kind):
+    """Hydra makes the run dir before train.py's code runs: a path that cannot be a directory was
+    its mkdir's traceback. Now one line naming the path and the reason (exit 2), nothing made,
+    the file in the way untouched."""
+    (tmp_path / "notes.txt").write_text("keep me\n")
+    run_dir = {"under a file": tmp_path / "notes.txt" / "run", "a file": tmp_path / "notes.txt",
+               "a name over 255 bytes": tmp_path / ("r" * 300)}[kind]
+    reason = {"under a file": f"{tmp_path / 'notes.txt'} is a file", "a file": "is not a directory",
+              "a name over 255 bytes": "File name too long"}[kind]
+    result = run_entry_point("train.py", *tiny_overrides(tiny_idx_dir, "x", "train.epochs=1")[:-1],
+                             f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("error: ") and str(run_dir) in result.stderr and reason in result.stderr
+    assert "pick another hydra.run.dir" in result.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"] and (tmp_path / "notes.txt").read_text() == "keep me\n"
+
+
+# train.py with os.access saying argv[1] is not writable (a read-only mount or folder: root
+# ignores a folder's mode, so the test cannot make one with chmod), its arguments after it.
+READ_ONLY_TRAIN = textwrap.dedent("""
+    import os, runpy, sys
+    read_only, real_access = os.path.abspath(sys.argv[1]), os.access
+    def access(path, mode, **kwargs):
+        if os.path.abspath(path) == read_only and mode & os.W_OK:
+            return False
+        return real_access(path, mode, **kwargs)
+    os.access = access
+    sys.argv = [{train!r}, *sys.argv[2:]]
+    runpy.run_path({train!r}, run_name="__main__")
+""")
+
+
+def test_a_read_only_run_dir_is_one_line_before_anything_is_written(trained_run, tiny_idx_dir, tmp_path):
+    """Resuming a run whose dir is read-only: the job's first log line (train.log) raised out of
+    Python's logging with a traceback. Now one line before any file is opened there."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run[0], run_dir)
+    (run_dir / "train.lock").write_text("")
+    before = tree(run_dir)
+    script = READ_ONLY_TRAIN.format(train=str(REPO / "train.py"))
+    result = subprocess.run([sys.executable, "-c", script, str(run_dir),
+                             *tiny_overrides(tiny_idx_dir, "x", "train.epochs=5")[:-1], f"hydra.run.dir={run_dir}"],
+                            cwd=tmp_path, env=entry_point_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr == f"error: run dir {run_dir} is read-only: a training there could save nothing; make it " \
+                            "writable or pick another hydra.run.dir\n"
+    assert tree(run_dir) == before
 
 
 def test_a_refused_second_training_writes_nothing_of_the_running_run(tiny_idx_dir, tmp_path):
@@ -256,16 +307,21 @@ def test_a_run_dir_of_the_loop_before_still_gets_the_keys_added_since(tmp_path, 
     assert read_run_config(old_run_dir(tmp_path, small_data))["train"]["restart"] is False
 
 
-def test_evaluate_without_config_yaml_is_one_line(trained_run, tmp_path):
+@pytest.mark.parametrize("script", ["evaluate.py", "export.py"])
+def test_evaluate_and_export_without_config_yaml_are_one_line(trained_run, tmp_path, script):
+    """With config.yaml deleted, both failed on the unresolved ${dataset_shape:...} of Hydra's
+    .hydra/config.yaml (the command's, not the run's): one line saying config.yaml is missing."""
     original_dir, _ = trained_run
     run_dir = tmp_path / "run"
     shutil.copytree(original_dir, run_dir)
     (run_dir / ".hydra").mkdir(exist_ok=True)
     (run_dir / ".hydra" / "config.yaml").write_text("model:\n  input_shape: ${dataset_shape:mnist}\n")
     (run_dir / "config.yaml").unlink()
-    result = run_entry_point("evaluate.py", f"checkpoint={run_dir}", cwd=tmp_path)
+    extra = [f"output={tmp_path / 'model'}"] if script == "export.py" else []
+    result = run_entry_point(script, f"checkpoint={run_dir}", *extra, cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "has no config.yaml" in result.stderr and "dataset_shape" not in result.stderr
+    assert not (tmp_path / "model").exists()
 
 
 # --------------------------------------------------------------------------- failed writes: one line, resumable
@@ -307,6 +363,37 @@ def test_a_write_that_fails_is_one_line_naming_the_file_and_the_run_resumes(tiny
     assert "File too large" in line or "is the disk full" in line, line
     metrics = train(tiny_config("train.epochs=2", run_dir=run_dir))
     assert metrics["epochs"] == 2 and [h["epoch"] for h in metrics["history"]] == [1, 2]
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "history.jsonl", "metrics.json"])
+def test_a_failed_write_of_each_run_file_is_one_line_and_the_run_resumes(tiny_config, tmp_path, monkeypatch, name):
+    """The file-size limit above reaches the checkpoint, the event file and config.yaml; a full disk
+    when history.jsonl or metrics.json is written (small files, seldom the first to reach a limit)
+    must be the same one line naming the file and the reason, and a rerun must finish the run."""
+    import errno
+
+    from capsnet.errors import CheckpointError
+    from capsnet.training import train
+
+    real_open = Path.open
+
+    def open_on_a_full_disk(self, mode="r", *args, **kwargs):
+        # config.yaml and metrics.json are written as <name>.tmp, then renamed over the old one.
+        if self.name in (name, name + ".tmp") and ("w" in mode or "a" in mode):
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real_open(self, mode, *args, **kwargs)
+
+    small = ("train.epochs=2", "data.limit_train=64", "data.limit_test=32")
+    monkeypatch.setattr(Path, "open", open_on_a_full_disk)
+    with pytest.raises(CheckpointError) as error:
+        train(tiny_config(*small))
+    assert str(error.value).startswith(f"cannot write {tmp_path / 'run' / name}: No space left on device (is the disk "
+                                       "full?); the last saved checkpoint is unchanged") and "\n" not in str(error.value)
+    monkeypatch.undo()
+    metrics = train(tiny_config(*small))
+    assert [h["epoch"] for h in metrics["history"]] == [1, 2]
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["epochs"] == 2
+    assert len((tmp_path / "run" / "history.jsonl").read_text().splitlines()) == 2
 
 
 # --------------------------------------------------------------------------- Ctrl-C's line, the device's memory

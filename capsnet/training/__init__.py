@@ -6,7 +6,8 @@ any of these: capsnet.config.check, which train() calls first):
                     epoch loop; train_epoch, the progress lines, the collapse and divergence rules
     run_dir         RunDir: the run dir's files, lock, checkpoints (latest, best, interrupted),
                     resume, history.jsonl, config.yaml and metrics.json
-    run_lock        RunLock (one training per run dir), check_ours (a run dir of this app);
+    run_lock        RunLock (one training per run dir), check_ours (a run dir of this app),
+                    RunDirCallback (Hydra's run dir made first: a bad path is one line);
                     free of TensorFlow, for train.py's check before the import
     model_setup     build_capsnet, check_op_library, check_labels (shared with evaluate())
     optimizer       build_optimizer (Adam on a decaying LR), scaled_learning_rate

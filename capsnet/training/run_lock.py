@@ -14,6 +14,11 @@ lock file or anything else is written into it. Every run dir has a marker file, 
 naming the app's version (`write_marker`, right after the lock is taken); a run dir written
 before the marker existed is recognised by its config.yaml (a capsnet config). Kept free of
 TensorFlow: train.py checks the run dir before the seconds-long import.
+
+Hydra makes the run dir (and a sweep's dir) itself, before train.py's code runs: `RunDirCallback`
+(configs/hydra/default.yaml's hydra.callbacks) makes it first with `make_run_dir`, so that a path
+that cannot be a directory (under a file, a name over 255 bytes, a read-only place) or a run dir
+that is read-only ends in one line instead of Hydra's traceback or the job log's.
 """
 import datetime
 import fcntl
@@ -22,6 +27,7 @@ import socket
 from pathlib import Path
 
 import yaml
+from hydra.experimental.callback import Callback
 
 from capsnet import __version__
 from capsnet.errors import CheckpointError
@@ -78,6 +84,48 @@ def write_marker(run_dir):
             marker.write_text(f"capsnet {__version__}\n")
         except OSError as exc:
             raise CheckpointError(f"cannot write {marker}: {exc.strerror or exc}") from None
+
+
+def make_run_dir(run_dir, what="run dir", key="hydra.run.dir"):
+    """Make `run_dir` (and its parents) as Hydra would, or CheckpointError (one line) naming the
+    path and the OS's reason, `key` the setting to change; a run dir that exists is refused if
+    it cannot be written (a read-only mount or folder): its first write would be the job's log,
+    whose failure is a traceback, and a training that cannot save is no training."""
+    run_dir = Path(run_dir).expanduser()
+    try:
+        if run_dir.is_file():
+            raise CheckpointError(f"{what} {run_dir} is not a directory: pick another {key}")
+        run_dir.mkdir(parents=True, exist_ok=True)  # a name over 255 bytes fails in is_file already
+    except OSError as exc:
+        above = next((p for p in run_dir.parents if os.path.lexists(p)), None)
+        why = f"{above} is a file" if above is not None and not above.is_dir() else exc.strerror or str(exc)
+        raise CheckpointError(f"cannot make {what} {run_dir}: {why}; pick another {key}") from None
+    if not os.access(run_dir, os.W_OK):
+        raise CheckpointError(f"{what} {run_dir} is read-only: a training there could save nothing; make it "
+                              f"writable or pick another {key}")
+
+
+class RunDirCallback(Callback):
+    """Hydra callback (configs/hydra/default.yaml): the run dir (a sweep's dir) made by
+    `make_run_dir` before Hydra's own mkdir and log files, a failure one `error:` line and exit
+    status 2 (capsnet.cli.fail; an exception raised by a callback Hydra turns into a warning)."""
+
+    def on_run_start(self, config, **kwargs):
+        given = config.hydra.run.dir
+        if str(given).strip():  # empty: train.py's check_run_dir says so, in its words
+            self._make(given, "run dir", "hydra.run.dir")
+
+    def on_multirun_start(self, config, **kwargs):
+        self._make(config.hydra.sweep.dir, "sweep dir", "hydra.sweep.dir")
+
+    @staticmethod
+    def _make(path, what, key):
+        try:
+            make_run_dir(path, what, key)
+        except CheckpointError as exc:
+            from capsnet.cli import fail  # noqa: PLC0415  (cli imports the config package)
+
+            fail(exc)
 
 
 class RunLock:
