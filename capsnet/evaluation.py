@@ -124,14 +124,18 @@ def report_path(member, variant=None):
     return run_dir / REPORTS_DIR / (f"{name}.{variant}.json" if variant else f"{name}.json")
 
 
+def in_run_checkpoints(path):
+    """Whether `path` (resolved) is under a run dir's checkpoints/ (a folder beside a config.yaml),
+    where no output goes: a training deletes and links files there as best/ and latest/ move on."""
+    return any(part.name == "checkpoints" and (part.parent / "config.yaml").is_file() for part in path.parents)
+
+
 def check_output(output, overwrite=False):
     """An evaluation report's output= path: CheckpointError (one line) for a file of a run
     (config.yaml, history, metrics, the lock and marker, anything under checkpoints/, whose
     files best/ and latest/ share by hard link) and, unless `overwrite`, for any existing file."""
     resolved = output.resolve()
-    in_checkpoints = any(part.name == "checkpoints" and (part.parent / "config.yaml").is_file()
-                         for part in resolved.parents)
-    if in_checkpoints or (resolved.name in RUN_FILES and (resolved.parent / "config.yaml").is_file()):
+    if in_run_checkpoints(resolved) or (resolved.name in RUN_FILES and (resolved.parent / "config.yaml").is_file()):
         raise CheckpointError(f"output={output} is a file of a run (its config, history, metrics or checkpoints): "
                               "write the report elsewhere (output=null puts it in the run's evaluations/)")
     if output.exists() and not overwrite:

@@ -25,9 +25,9 @@
   do when the export holds the compiled op and the op library is not loaded.
 
 The export is written to a temporary directory beside `output` and renamed at the end:
-an error leaves nothing behind, and an existing `output` is never overwritten. One left by a
-killed export (`.<name>.partial-<pid>-<hex>`, its process gone) is removed by the next export
-of the same output.
+an error leaves nothing behind, and an existing `output` is never overwritten, nor is one
+made inside a run's checkpoints/. One left by a killed export (`.<name>.partial-<pid>-<hex>`,
+its process gone) is removed by the next export of the same output.
 Next to the graph, `assets.extra/` (the SavedModel place for files the graph does not
 read) holds `capsnet_export.json` (where the weights came from, the signatures, the ops
 needed) and a `README.txt` with how to load it.
@@ -157,7 +157,7 @@ def export(checkpoint, output, *, which="best", weights=None, custom_op=False):
         Capsnet> ops in the graph; [] = portable).
     """
     # Imported here, as in capsnet.evaluation: capsnet.training imports that module.
-    from capsnet.evaluation import resolve_member
+    from capsnet.evaluation import in_run_checkpoints, resolve_member
     from capsnet.tasks import task_for
     from capsnet.training.checkpoints import restore_model
     from capsnet.training.model_setup import build_capsnet, check_op_library
@@ -173,6 +173,9 @@ def export(checkpoint, output, *, which="best", weights=None, custom_op=False):
             if not parent.is_dir():
                 raise ConfigError(f"output {output}: {parent} is not a directory")
             break
+    if in_run_checkpoints(output.resolve()):
+        raise ConfigError(f"output {output} is inside a run's checkpoints/, whose files a training deletes as best/ "
+                          "and latest/ move on: export somewhere else")
 
     # Everything that can fail on the user's input fails here, before anything is written.
     member = resolve_member(checkpoint, which=which, custom_op=custom_op, weights=weights)

@@ -461,3 +461,14 @@ def test_an_output_never_replaces_a_run_file_nor_an_existing_file_unasked(traine
     assert mine.read_text() == "my notes\n"
     report = evaluate(run_dir, output=mine, overwrite=True)
     assert json.loads(mine.read_text())["accuracy"] == report["accuracy"]
+
+
+def test_an_output_under_checkpoints_is_refused_even_as_a_new_file(trained_run):
+    """A new file under checkpoints/ would go when the training's best/ or latest/ moves on (a
+    folder of them is removed whole): refused before the pass, nothing made."""
+    run_dir = trained_run[0]
+    for target in (run_dir / "checkpoints" / "report.json", run_dir / "checkpoints" / "best" / "new" / "report.json"):
+        with pytest.raises(CheckpointError, match="is a file of a run"):
+            evaluate(run_dir, output=target, overwrite=True)
+        assert not target.exists()
+    assert not (run_dir / "checkpoints" / "best" / "new").exists()

@@ -282,3 +282,14 @@ def test_export_argument_errors(trained_run, tmp_path):
     with pytest.raises(CheckpointError, match="cannot load the SavedModel"):
         capsnet_export.load(tmp_path / "nothing")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_an_export_inside_a_runs_checkpoints_is_refused(trained_run, tmp_path):
+    """A training deletes and links files under checkpoints/ as best/ and latest/ move on: no
+    output goes there, refused before anything is built or written."""
+    run_dir, _ = trained_run
+    before = sorted(p.relative_to(run_dir) for p in (run_dir / "checkpoints").rglob("*"))
+    for output in (run_dir / "checkpoints" / "model", run_dir / "checkpoints" / "best" / "new" / "model"):
+        with pytest.raises(ConfigError, match="is inside a run's checkpoints/.*export somewhere else"):
+            capsnet_export.export(run_dir, output)
+    assert sorted(p.relative_to(run_dir) for p in (run_dir / "checkpoints").rglob("*")) == before

@@ -2,8 +2,9 @@
 and `serve_uint8` (uint8), called through `model.signatures[...]` as the README shows, in a
 fresh process so that an abort shows as its return code. A wrong rank, size or channel count
 is an InvalidArgumentError naming the expected and received shapes, so is a wrong dtype; an
-empty batch returns empty outputs. Also: a killed export's partial folder is removed by the
-next export of the same output."""
+empty batch returns empty outputs. The op export (custom_op=true) refuses a 3-D batch the
+same way. Also: a killed export's partial folder is removed by the next export of the same
+output."""
 import json
 import os
 import subprocess
@@ -21,6 +22,9 @@ import numpy as np
 import tensorflow as tf
 
 export_dir, signature, shape, dtype = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+if sys.argv[5:] == ["load_op_library"]:  # an export holding the compiled op (custom_op=true)
+    import capsnet.ops
+    capsnet.ops.load_op_library()
 function = tf.saved_model.load(export_dir).signatures[signature]
 try:
     out = function(images=tf.zeros(shape, dtype=dtype))
@@ -41,11 +45,12 @@ def portable_export(trained_run, tmp_path_factory):
     return output
 
 
-def call(export_dir, signature, shape, dtype):
+def call(export_dir, signature, shape, dtype, load_op_library=False):
     env = repo_env()
     env["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    result = subprocess.run([sys.executable, "-c", CALL_SCRIPT, str(export_dir), signature, json.dumps(shape), dtype],
-                            env=env, capture_output=True, text=True, timeout=300)
+    extra = ["load_op_library"] if load_op_library else []
+    result = subprocess.run([sys.executable, "-c", CALL_SCRIPT, str(export_dir), signature, json.dumps(shape), dtype,
+                             *extra], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"rc {result.returncode}: {result.stderr[-2000:]}"
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -61,6 +66,22 @@ def test_a_wrong_shape_is_invalid_argument_naming_both_shapes(portable_export, s
     seen = call(portable_export, signature, list(shape), SIGNATURES[signature])
     assert seen.get("error") == "InvalidArgumentError", seen
     assert f"images must have the shape (N, 28, 28, 1); received shape: {received}" in seen["message"], seen
+
+
+@pytest.fixture(scope="module")
+def op_export(trained_run, tmp_path_factory):
+    output = tmp_path_factory.mktemp("serving_op") / "mnist"
+    assert capsnet_export.export(trained_run[0], output, custom_op=True)["op_library_ops"]
+    return output
+
+
+@pytest.mark.parametrize("signature", SIGNATURES)
+def test_the_op_exports_signatures_refuse_a_3d_batch_too(op_export, signature):
+    """The 3-D batch aborted the process for both exports: the op export's signatures (the
+    compiled op in the graph) check the shape as the portable export's do, before the op runs."""
+    seen = call(op_export, signature, [4, 28, 28], SIGNATURES[signature], load_op_library=True)
+    assert seen.get("error") == "InvalidArgumentError", seen
+    assert "images must have the shape (N, 28, 28, 1); received shape: (4, 28, 28)" in seen["message"], seen
 
 
 @pytest.mark.parametrize("signature", SIGNATURES)
