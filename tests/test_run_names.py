@@ -33,6 +33,8 @@ def hydra_config(*overrides):
     ("model.decoder_units-[32,64]", None, "_model.decoder_units-_32_64"),
     ("distribute.devices-[/gpu:0,/gpu:1]", None, "_distribute.devices-_gpu_0_gpu_1"),
     ("", "my run/v2 'final'", "_my_run_v2_final"),
+    ("custom_op-False+seed-0", None, "_custom_op-false+seed-0"),  # a sweep job's Python booleans
+    ("name_True-True", None, "_name_True-true"),                  # only the value
 ])
 def test_run_name(overrides, name, expected):
     assert run_name(overrides, name) == expected
@@ -45,6 +47,8 @@ def test_a_long_run_name_keeps_what_fits_and_counts_the_rest():
     kept = name[1:].split("+")
     left = int(re.fullmatch(r"(\d+)-more", kept.pop()).group(1))
     assert kept == items[:len(kept)] and len(kept) + left == len(items) and left > 0
+    with_seed = run_name("+".join(items + ["seed-7"]))  # the seed is kept, the others cut
+    assert len(with_seed) <= 1 + MAX_LENGTH and re.search(r"\+seed-7\+\d+-more$", with_seed), with_seed
     one = run_name("x-" + "y" * 300)  # one override longer than a name: its start
     assert len(one) == 1 + MAX_LENGTH - len("+1-more") and one.startswith("_x-yyy")
     assert run_name("", "n" * 300) == "_" + "n" * MAX_LENGTH
