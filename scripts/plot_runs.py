@@ -47,7 +47,7 @@ RUN_SPEED_TAG = "train/mean_images_per_sec"  # the run's mean so far, after ever
 IMAGE_TAG = "reconstructions/inputs_over_reconstructions"
 EVENT_GLOB = "events.out.tfevents.*"
 DPI = 100
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9._-]+$")
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9._+-]+$")  # run dir names join their overrides with "+"
 
 
 # --------------------------------------------------------------------------- reading
@@ -273,7 +273,7 @@ def parse_args(argv):
         fail(f"--names has {len(names)} names for {len(args.run_dirs)} run dirs")
     for name in names:
         if not NAME_PATTERN.match(name):
-            fail(f"run name {name!r} is not a plain file name (letters, digits, '._-')")
+            fail(f"run name {name!r} is not a plain file name (letters, digits, '._+-')")
     if len(set(names)) != len(names):
         fail(f"run names must be unique (got {', '.join(names)}); pass --names")
     args.names = names

@@ -213,6 +213,9 @@ def test_bad_inputs_exit_2_with_one_line(plot_runs, trained_run, tmp_path, capsy
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and words in err, err
     assert not (tmp_path / "o").exists()
+    # A default run dir name (overrides joined by "+") is a plain name: only the name is checked here.
+    assert plot_runs.parse_args([str(run_dir), "--out", str(tmp_path / "o"), "--names",
+                                 "10-00-00_custom_op-true+seed-1"]).names == ["10-00-00_custom_op-true+seed-1"]
 
     # As a user runs it: the same one line from the command line, and nothing on stdout.
     result = run_entry_point("scripts/plot_runs.py", tmp_path / "missing", "--out", tmp_path / "o", cwd=tmp_path,
