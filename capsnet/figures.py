@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from capsnet.training.summaries import image_grid
 
-__all__ = ["PERTURBATIONS", "FigureSet", "model_figures", "perturbed_capsules", "perturbation_images", "tile",
+__all__ = ["PERTURBATIONS", "FigureSet", "model_figures", "perturbed_capsules", "perturbation_images", "displayable", "tile",
            "routing_maps", "class_examples", "confusion_counts", "encode_png"]
 
 # The added amounts, one column each: -0.25, -0.20, ..., 0.25 (11 steps; the paper's range and interval).
@@ -58,6 +58,17 @@ def perturbation_images(model, v_j, label, steps=PERTURBATIONS):
     labels = tf.fill([len(capsules)], tf.constant(int(label), tf.int32))
     images = model.decoder(tf.constant(capsules), labels).numpy()             # (dim·S, H, W, C)
     return images.reshape(v_j.shape[-1], len(steps), *images.shape[1:])
+
+
+def displayable(image):
+    """`image` in [0, 1] for drawing: as it is when it already lies there, else stretched from
+    its own minimum and maximum (inputs under data.standardize are per-image standardised,
+    about -3 to 3, which a [0, 1] drawing would clip to black and white)."""
+    image = np.asarray(image, np.float32)
+    low, high = float(image.min()), float(image.max())
+    if low >= 0.0 and high <= 1.0:
+        return image
+    return (image - low) / (high - low) if high > low else np.zeros_like(image)
 
 
 def tile(images):
@@ -134,7 +145,7 @@ def model_figures(model, images, labels, *, class_names=None, batch_size=100, ro
     else:
         for k, i in chosen:
             figures.images[f"perturbation/{names[k]}"] = tile(perturbation_images(model, outputs["v_j"][i], k))
-        shown = np.stack([images[i] for _, i in chosen])
+        shown = np.stack([displayable(images[i]) for _, i in chosen])
         figures.images["reconstructions"] = image_grid(shown, np.stack([outputs["reconstructions"][i]
                                                                         for _, i in chosen]))[0]
     if capsules:
@@ -172,7 +183,7 @@ def _routing_chart(figure, images, maps, titles, names):
     figure.set_size_inches(2 + 1.1 * classes, 1.4 * rows + 0.6)
     axes = figure.subplots(rows, 2, squeeze=False, gridspec_kw={"width_ratios": [1, classes]})
     for r in range(rows):
-        axes[r, 0].imshow(np.squeeze(images[r]), cmap="gray", vmin=0, vmax=1)
+        axes[r, 0].imshow(np.squeeze(displayable(images[r])), cmap="gray", vmin=0, vmax=1)
         axes[r, 0].set_title(f"label {titles[r][0]}, pred {titles[r][1]}", fontsize=7)
         h, w = maps[r].shape[1:]
         # The class maps side by side, a one-pixel gap (NaN: blank) between them.

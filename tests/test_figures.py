@@ -142,3 +142,13 @@ def test_visualize_refuses_a_missing_run_dir_in_one_line(tmp_path, capsys):
         visualize.main([str(tmp_path / "nowhere")])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == f"error: run dir or checkpoint {tmp_path / 'nowhere'} does not exist"
+
+
+def test_displayable_keeps_unit_images_and_stretches_standardised_ones():
+    from capsnet.figures import displayable
+
+    unit = np.array([[0.0, 0.25], [0.5, 1.0]], np.float32)
+    np.testing.assert_array_equal(displayable(unit), unit)
+    standardised = np.array([[-2.0, 0.0], [1.0, 2.0]], np.float32)  # per-image standardisation's range
+    np.testing.assert_allclose(displayable(standardised), [[0.0, 0.5], [0.75, 1.0]])
+    np.testing.assert_array_equal(displayable(np.full((2, 2), 3.0, np.float32)), np.zeros((2, 2)))
