@@ -269,7 +269,10 @@ def resume_from(checkpoint, prefix, required=None):
         if required is None:
             checkpoint.restore(prefix).assert_existing_objects_matched()
         else:
-            tf.train.Checkpoint(**required).restore(prefix).assert_existing_objects_matched()
+            # Checked, then marked partial: the file's other values (the counters, the rest of
+            # `checkpoint`) are restored below, and TensorFlow would warn, as this object is
+            # deleted, that they were never read.
+            tf.train.Checkpoint(**required).restore(prefix).assert_existing_objects_matched().expect_partial()
             checkpoint.restore(prefix).expect_partial()  # the rest, and the save counter
     except (tf.errors.OpError, ValueError, AssertionError) as exc:
         raise CheckpointError(f"cannot resume from {prefix}: {str(exc).strip().splitlines()[0]}") from exc
