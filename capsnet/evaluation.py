@@ -20,6 +20,7 @@ epoch), the scoring (capsnet.scoring: `predict`, `score`, `confusion_report`,
 """
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 
@@ -65,7 +66,7 @@ def format_report(report):
                   f"{WEIGHT_NAMES[m['weights']]}, custom_op={m['custom_op']}): "
                   f"{scored} {m['accuracy']:.4%}, loss {m['loss']:.5f}" for m in report["members"]]
         lines += [f"dataset: {report['dataset']} test, {report['num_examples']} {kind}{pairs_shown(report)}",
-                  f"ensemble {scored} {report['accuracy']:.4%}  {report['images_per_sec']:.1f} images/s"]
+                  f"ensemble {scored} {report['accuracy']:.4%}  {rate_text(report['images_per_sec'])}"]
     else:
         lines = [
             f"checkpoint: {report['checkpoint']} (epoch {report['epoch']}, {WEIGHT_NAMES[report['weights']]})",
@@ -74,7 +75,7 @@ def format_report(report):
             f"precision={report['precision']}, tf32={report['tf32']}, xla={report['xla']}",
             f"{scored} {report['accuracy']:.4%}  loss {report['loss']:.5f}  "
             f"(margin {report['margin_loss']:.5f}, reconstruction {report['reconstruction_loss']:.3f})  "
-            f"{report['images_per_sec']:.1f} images/s",
+            f"{rate_text(report['images_per_sec'])}",
         ]
     lines += [
         "",
@@ -363,7 +364,7 @@ def member_report(result, member, view, *, dataset, batch_size, class_names, tes
         "loss": result["loss"],
         "margin_loss": result["margin_loss"],
         "reconstruction_loss": result["reconstruction_loss"],
-        "images_per_sec": result["images_per_sec"],
+        "images_per_sec": measured_rate(result["images_per_sec"]),
         "per_class_accuracy": result["per_class_accuracy"],
         "confusion_matrix": result["confusion_matrix"],
         **({"class_names": list(class_names)} if class_names is not None else {}),
@@ -382,6 +383,16 @@ def member_report(result, member, view, *, dataset, batch_size, class_names, tes
         **({"test_pairs": test_pairs} if test_pairs else {}),
         **({"view": view} if view is not None else {}),
     }
+
+
+def measured_rate(images_per_sec):
+    """A test pass's images/s, or None where it was not measured: the clock leaves the first
+    batch out (its wait includes the compile), so a test split of one batch times nothing."""
+    return images_per_sec if math.isfinite(images_per_sec) and images_per_sec > 0 else None
+
+
+def rate_text(images_per_sec):
+    return f"{images_per_sec:.1f} images/s" if images_per_sec is not None else "images/s not measured (one batch)"
 
 
 def final_report(reports, results, first, num_classes, *, ensemble, tta, names, test_pairs, other_pairs):
@@ -510,7 +521,8 @@ def ensemble_report(reports, results, num_classes):
         **scores,
         "num_examples": len(labels),
         # Members run one after another: their seconds per image add up.
-        "images_per_sec": 1.0 / sum(1.0 / r["images_per_sec"] for r in reports),
+        "images_per_sec": (None if any(r["images_per_sec"] is None for r in reports)
+                           else 1.0 / sum(1.0 / r["images_per_sec"] for r in reports)),
         "dataset": reports[0]["dataset"],
         "batch_size": reports[0]["batch_size"],
         "ensemble": f"mean capsule lengths of {len(reports)} {'passes' if 'view' in reports[0] else 'members'}",

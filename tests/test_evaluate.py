@@ -244,6 +244,22 @@ def test_ensemble_report_scores_the_members_mean_lengths():
         ensemble_report([r for _, r in shuffled], [p for p, _ in shuffled], num_classes=4)
 
 
+def test_a_test_split_of_one_batch_is_scored_with_its_rate_unmeasured(trained_run, tmp_path):
+    """The clock leaves a test pass's first batch out (its wait includes the compile): with one
+    batch nothing is timed. The rate is then None ("not measured"), not 0 images/s, and an
+    ensemble of such passes is scored instead of dividing by zero."""
+    run_dir, _ = trained_run
+    latest = run_dir / "checkpoints" / "latest"
+    alone = evaluate(latest / "ckpt-3", limit_test=20, batch_size=50, output=tmp_path / "alone.json")
+    assert alone["images_per_sec"] is None and alone["num_examples"] == 20
+    assert "images/s not measured (one batch)" in format_report(alone)
+    both = evaluate([str(latest / "ckpt-2"), str(latest / "ckpt-3")], limit_test=20, batch_size=50,
+                    output=tmp_path / "both.json")
+    assert both["images_per_sec"] is None and both["num_examples"] == 20
+    assert "images/s not measured" in format_report(both)
+    assert json.loads((tmp_path / "both.json").read_text())["images_per_sec"] is None
+
+
 def test_evaluate_a_list_of_checkpoints_as_an_ensemble(trained_run, tiny_idx_dir, tmp_path):
     run_dir, metrics = trained_run
     latest = run_dir / "checkpoints" / "latest"
