@@ -7,7 +7,7 @@
 #   make test      install, then run the test suite (in parallel, one worker per core)
 #   make train     install, then a first training in minutes on a CPU (experiment=quickstart, offline
 #                  on the MNIST sample in the package); ARGS="..." trains with those Hydra overrides
-#                  instead, e.g. ARGS="data.dir=../shared/data/mnist" for the full 50-epoch recipe
+#                  instead, e.g. ARGS="data.dir=/data/mnist" for the full 50-epoch recipe
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python

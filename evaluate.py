@@ -11,7 +11,7 @@ ensemble's scores and each member's own (accuracy, loss, epoch, ...) under `memb
 Examples:
     python evaluate.py checkpoint=outputs/2025-01-01/12-00-00              # the run's best checkpoint
     python evaluate.py checkpoint=outputs/2025-01-01/12-00-00 which=latest custom_op=true
-    python evaluate.py checkpoint=outputs/.../checkpoints/latest/ckpt-3 data.dir=../shared/data/mnist
+    python evaluate.py checkpoint=outputs/.../checkpoints/latest/ckpt-3 data.dir=/data/mnist
     python evaluate.py 'checkpoint=[outputs/run_a,outputs/run_b,outputs/run_c]' which=latest   # an ensemble
     python evaluate.py checkpoint=outputs/fashion-run tta=flip     # each image also scored mirrored
     python evaluate.py checkpoint=outputs/mnist-run tta=shift      # and moved one pixel each way

@@ -3,7 +3,7 @@
 train() builds each epoch with make_split_dataset, shuffled and augmented by (seed, epoch);
 this does the same, with no model.
 
-    python scripts/benchmark_input.py --data-dir ../shared/data/mnist [--dataset mnist]
+    python scripts/benchmark_input.py --data-dir /data/mnist [--dataset mnist]
         [--batch-size 100] [--epochs 3] [--shift-pixels 2] [--flip] [--erase-probability 0.5] [--elastic-alpha 16]
 
 Each epoch is timed from building its dataset to its last batch (on the host, nothing
