@@ -62,6 +62,9 @@ def one_line(exc):
     `train.m_plus must be a finite number, got 'abc'` (capsnet.config.explain); an unknown key
     with the known ones closest to it (capsnet.config.unknown_key), not Hydra's `+key=value`
     hint (the schemas are closed: a key added that way fails in turn)."""
+    own = _own_cause(exc)
+    if own is not None:  # ours, raised inside a resolver: OmegaConf's wrapping adds only noise
+        return " ".join(str(own).split())
     explained = config.explain(exc) or config.unknown_key(exc)
     if explained is not None:
         return explained
@@ -71,6 +74,20 @@ def one_line(exc):
     if cause is not None and str(cause).strip():
         text += " (" + str(cause).strip().splitlines()[0] + ")"
     return text
+
+
+def _own_cause(exc):
+    """The CapsnetError that `exc` (an OmegaConf error) wraps, if any: a resolver such as
+    `${dataset_shape:...}` that reads the data (a folder's classes) raises ours, and OmegaConf
+    reports it as "ConfigError raised while resolving interpolation: ... full_key: ...
+    reference_type=...", which says the same and more."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, CapsnetError):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def reports_user_errors(task):

@@ -294,3 +294,23 @@ def test_tensorflow_is_imported_without_matplotlib_which_imports_afterwards():
             "assert _render(lambda figure: figure.add_subplot().plot([0, 1])).shape[-1] == 4\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+
+
+def test_our_error_raised_inside_a_resolver_is_said_without_omegaconfs_wrapping():
+    """A resolver that reads the data (a folder's classes for model.num_classes) raises a
+    ConfigError; OmegaConf wraps it with the key's path and types. The one line is ours."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from capsnet import cli
+    from capsnet.errors import ConfigError
+
+    def classes(_):
+        raise ConfigError("data dir /x has no train/ and test/ folders")
+
+    OmegaConf.register_new_resolver("_test_classes", classes, replace=True)
+    cfg = OmegaConf.create({"model": {"num_classes": "${_test_classes:/x}"}})
+    with pytest.raises(OmegaConfBaseException) as caught:
+        cfg.model.num_classes
+    assert "full_key" in str(caught.value) or "resolving interpolation" in str(caught.value)
+    assert cli.one_line(caught.value) == "data dir /x has no train/ and test/ folders"

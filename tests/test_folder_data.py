@@ -74,7 +74,8 @@ def test_corrupt_image_skipped_with_one_notice(tmp_path, capsys):
     (root / "train" / "cat" / "broken.png").write_bytes(b"not an image")
     data = task_for(cfg(root)).load("train")
     assert len(data) == 12
-    assert "1 of the 13 train images" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "1 of the 13 train images" in out and f"skipped: {root / 'train' / 'cat' / 'broken.png'}" in out
 
 
 def test_file_cache_over_the_memory_budget_gives_the_same_batches(tmp_path):

@@ -119,14 +119,14 @@ class NaturalImages(Task):
                 images.append(image.numpy())
             kept = np.concatenate(indices) if indices else np.zeros((0,), np.int64)
             array = np.concatenate(images) if images else np.zeros((0, *shape), np.uint8)
-            _skipped_notice(root, split, len(paths), len(kept))
+            _skipped_notice(root, split, paths, kept)
             return Split(labels=labels[kept], images=array, shape=shape, origin=f"{root} ({split})")
         if mode == "disk":
             stream = decoded.cache(_cache_file(cfg, split, paths))
         else:  # none: decode every epoch
             stream = decoded
         kept = np.concatenate([i.numpy() for i, _ in stream.batch(256)] or [np.zeros((0,), np.int64)])
-        _skipped_notice(root, split, len(paths), len(kept))
+        _skipped_notice(root, split, paths, kept)
         if mode == "none" and len(kept) < len(paths):
             kept_paths = [paths[i] for i in kept]
             stream = (tf.data.Dataset.from_tensor_slices((tf.constant(kept, tf.int64), tf.constant(kept_paths)))
@@ -234,11 +234,17 @@ def _cache_file(cfg, split, paths):
     return f"{directory}/{split}"
 
 
-def _skipped_notice(root, split, listed, kept):
-    if kept == 0:
+def _skipped_notice(root, split, paths, kept):
+    """`paths`: the split's files; `kept`: the indices of those that decoded. The notice names
+    the first few skipped, so that a user can find and mend them."""
+    listed = len(paths)
+    if len(kept) == 0:
         raise DataError(f"no image of {root} ({split}) could be decoded ({listed} files)")
-    if kept < listed:
-        say(f"notice: {listed - kept} of the {listed} {split} images of {root} could not be decoded and are skipped")
+    if len(kept) < listed:
+        skipped = sorted(set(range(listed)) - {int(i) for i in kept})
+        named = ", ".join(str(paths[i]) for i in skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+        say(f"notice: {len(skipped)} of the {listed} {split} images of {root} could not be decoded and are "
+            f"skipped: {named}")
 
 
 def decode_image(path, size, channels):
