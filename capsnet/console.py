@@ -13,9 +13,25 @@ def _log_files():
     return [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
 
 
+# Whether a live progress bar's line (redrawn in place, no newline yet) ends the terminal's
+# output: a line said now starts on a line of its own, not after the bar's last number.
+_bar_line_open = False
+
+
+def bar_line_open(is_open):
+    """Called by the live progress bar: True after it drew a line it will redraw."""
+    global _bar_line_open
+    _bar_line_open = is_open
+
+
 def say(line, *, stream=None):
     """Print `line` (stdout unless `stream`) and append it to the job's log files."""
+    global _bar_line_open
     stream = stream or sys.stdout
+    if _bar_line_open:
+        _bar_line_open = False
+        sys.stdout.write("\n")  # the bar's line ends; its next redraw starts below this one
+        sys.stdout.flush()
     stream.write(line + "\n")
     stream.flush()
     if not _log_files():

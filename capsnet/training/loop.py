@@ -28,7 +28,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from capsnet import config
+from capsnet import config, console
 from capsnet.cli import complete_run_notice, set_memory_growth
 from capsnet.console import say
 from capsnet.errors import CapsnetError, ConfigError, Interrupted, Terminated, TrainingCollapsed, TrainingDiverged
@@ -781,6 +781,7 @@ def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size,
                     # Minutes: the bar shows numbers only (a value of its own: the bar's ETA is the epoch's).
                     shown.append(("run ETA min", report.run_eta / 60.0))
                 bar.update(step_in_epoch, shown)
+                console.bar_line_open(live and not last)  # at the epoch's end the bar ends its line
             if report is not None and seconds_per_step is not None:
                 report(step_in_epoch, seconds_per_step, epoch_window.means().get("images_per_sec"))
             if stopping and not last:
