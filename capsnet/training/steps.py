@@ -443,14 +443,19 @@ def make_train_loop(train_step, *, strategy=None):
     """
     names = STEP_VALUES  # the keys of both step kinds' outputs
 
-    @tf.function
+    # autograph=False, the loop written as the tf.while_loop AutoGraph made of `for i in
+    # tf.range(count)`: converting it cost ~0.45 s of the first call (2-core CPU, measured).
+    @tf.function(autograph=False)
     def train_steps(iterator, batch_sizes):
         count = tf.math.count_nonzero(batch_sizes, dtype=tf.int32)
-        values = {name: tf.TensorArray(tf.float32, size=count) for name in names}
-        for i in tf.range(count):
+
+        def step(i, values):
             batch = next(iterator)  # (images, labels) or (images, labels, digits)
             out = train_step(*batch) if strategy is None else train_step(*batch, batch_sizes[i])
-            values = {name: values[name].write(i, tf.cast(out[name], tf.float32)) for name in names}
+            return i + 1, {name: values[name].write(i, tf.cast(out[name], tf.float32)) for name in names}
+
+        empty = {name: tf.TensorArray(tf.float32, size=count) for name in names}
+        _, values = tf.while_loop(lambda i, _: i < count, step, (tf.constant(0), empty))
         stacked = {name: values[name].stack() for name in names}  # (K,) each
         ran = steps_until_non_finite(stacked, count)
         return {name: value[:ran] for name, value in stacked.items()}
