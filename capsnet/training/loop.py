@@ -149,6 +149,7 @@ def _train(cfg, progress, hydra_files):
     strategy = set_up_devices(cfg)
     scope = strategy.scope if strategy is not None else contextlib.nullcontext
     run.take(is_chief(strategy), hydra_files)  # locked before the data is read
+    say(f"run dir: {run.path}")  # where evaluate.py, TensorBoard and a resume find this run
     all_reduce = distribution(strategy, dcfg, tcfg)
     keras.utils.set_random_seed(seed)  # Python, NumPy and TF seeds: the initial weights
     if cfg["custom_op"]:  # each replica runs the op on its own device
@@ -242,6 +243,7 @@ def _train(cfg, progress, hydra_files):
     metrics = final_metrics(test, raw_test, run, state, global_step, strategy, dcfg)
     summaries.close()
     run.finish(metrics)
+    say(f"done: {run.path} (python evaluate.py checkpoint={run.path})")
     return metrics
 
 
