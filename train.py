@@ -17,7 +17,6 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from capsnet import cli, config
-from capsnet.datasets import DATASETS
 
 log = logging.getLogger(__name__)
 # The schemas configs/ extends (capsnet/config/schemas.py) are registered with Hydra by the import of
@@ -41,7 +40,6 @@ def main(cfg: DictConfig):
         # The GPU a sweep job was pinned to (hydra/launcher=gpus), in its train.log.
         log.info("CUDA_VISIBLE_DEVICES=%s", os.environ["CUDA_VISIBLE_DEVICES"])
     started = time.perf_counter()
-    read_data_ahead(checked["data"])
     cli.import_tensorflow_quietly()
     from capsnet.training import train
     from capsnet.training.run_dir import hydra_snapshot
@@ -56,15 +54,6 @@ def main(cfg: DictConfig):
                     hydra_files=hydra_snapshot(cfg, hydra_cfg, hydra_cfg.overrides.task))
     # Returned so that a Hydra sweeper (e.g. Optuna) can optimise it.
     return metrics["test_accuracy"]
-
-
-def read_data_ahead(data_cfg):
-    """The IDX files of data.dir (the MNIST family's datasets) read on a thread while TensorFlow
-    is imported (capsnet.idx.read_ahead); the run's data load takes them from there."""
-    if data_cfg.get("dir") is not None and DATASETS[data_cfg["name"]].kind != "images":
-        from capsnet import idx  # (NumPy: not before the config is checked)
-
-        idx.read_ahead(data_cfg["dir"])
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from capsnet.console import say
 from capsnet.datasets import (DATASETS, DatasetSpec, check_canvas_border, example_shape,  # noqa: F401  (re-exported)
                               is_overlay)
 from capsnet.errors import ConfigError, DataError
-from capsnet.idx import SPLITS, read_idx, split_files
+from capsnet.idx import SPLITS, idx_file_names, read_idx
 from capsnet.validation import boolean, integer
 
 # --------------------------------------------------------------------------- datasets
@@ -87,7 +87,23 @@ def load_split(name, split, data_dir=None, limit=None, *, tfds_data_dir=None):
 
 
 def _load_idx_dir(split, data_dir):
-    images_path, labels_path = split_files(split, data_dir)
+    data_dir = os.path.abspath(os.path.expanduser(os.fspath(data_dir)))
+    bases = idx_file_names(split)
+    if not os.path.isdir(data_dir):
+        expected = ", ".join(f"{b}[.gz]" for s in SPLITS for b in idx_file_names(s))
+        raise DataError(f"data dir {data_dir} does not exist or is not a directory "
+                        f"(it should hold the IDX files {expected})")
+    paths = []
+    for base in bases:
+        candidates = [os.path.join(data_dir, base + suffix) for suffix in ("", ".gz")]
+        found = [p for p in candidates if os.path.isfile(p)]
+        if not found:
+            raise DataError(f"data dir {data_dir} has no {base} or {base}.gz "
+                            f"(the {split} split needs {bases[0]}[.gz] and {bases[1]}[.gz])")
+        if len(found) == 2:
+            _check_same_idx(*found)
+        paths.append(found[0])
+    images_path, labels_path = paths
     return read_idx(images_path), read_idx(labels_path), images_path, labels_path
 
 
@@ -129,6 +145,20 @@ def _check_not_other_dataset(name, spec, split, images, data_dir, images_src):
     raise DataError(f"data dir {data_dir} holds {_TITLES.get(other, other)}'s files, not "
                     f"{_TITLES.get(expected, expected)}'s{made_of}: {images_src} starts with {_TITLES.get(other, other)}'s "
                     f"{known[1]} images; use {fix}a data.dir of the {_TITLES.get(expected, expected)} files")
+
+
+def _check_same_idx(plain, gz):
+    """Both `X` and `X.gz`: the plain file is read (no decompression), which is right only
+    if it is the .gz's content (a gunzipped copy beside its archive, as MNIST downloads
+    often leave). gzip stores the content's size (mod 2**32) in its last 4 bytes: sizes
+    that differ mean two different datasets under one name, and which one a run trains
+    on must not depend on a file-lookup order: DataError."""
+    with open(gz, "rb") as f:
+        f.seek(-4, os.SEEK_END)
+        content_size = int.from_bytes(f.read(4), "little")
+    if os.path.getsize(plain) % 2**32 != content_size:
+        raise DataError(f"{plain} and {gz} are both there but hold different data ({os.path.getsize(plain)} bytes "
+                        f"vs {content_size} bytes unpacked): remove the one that is not the dataset")
 
 
 # --------------------------------------------------------------------------- the bundled sample

@@ -1,9 +1,7 @@
 """The IDX file format of the MNIST-family distributions: `read_idx` / `write_idx` (plain
-or gzip), `idx_file_names` and `split_files`, the files a split is stored in, and
-`read_ahead`, which reads a directory's files on a thread for a later read_idx. NumPy only,
-no TensorFlow; capsnet.data.load_split reads a directory of these files.
+or gzip), and `idx_file_names`, the files a split is stored in. NumPy only, no TensorFlow;
+capsnet.data.load_split reads a directory of these files.
 """
-import concurrent.futures
 import gzip
 import math
 import os
@@ -36,14 +34,8 @@ def read_idx(path):
     Returns an array in native byte order with the header's dtype and shape. Any
     inconsistency (unreadable file, corrupt gzip, bad magic, unknown type code, a
     header or payload shorter or longer than the header says) raises `DataError`
-    naming the file and the problem. A file that `read_ahead` read already, unchanged
-    since, is not read again.
+    naming the file and the problem.
     """
-    ahead = _take_read_ahead(path)
-    return ahead if ahead is not None else _read_idx(path)
-
-
-def _read_idx(path):
     path = os.fspath(path)
     raw = _read_bytes(path)
     if raw[:2] == _GZIP_MAGIC:
@@ -134,88 +126,3 @@ def idx_file_names(split):
     """The (images, labels) IDX base names of `split`; each may also end in `.gz`."""
     prefix = _IDX_PREFIX[split]
     return f"{prefix}-images-idx3-ubyte", f"{prefix}-labels-idx1-ubyte"
-
-
-def split_files(split, data_dir):
-    """The (images, labels) files of `split` in the directory `data_dir`: each base name
-    (idx_file_names) as it is, else with .gz; both there: the plain one, if it is the .gz's
-    content (_check_same_idx). DataError naming what is missing."""
-    data_dir = os.path.abspath(os.path.expanduser(os.fspath(data_dir)))
-    bases = idx_file_names(split)
-    if not os.path.isdir(data_dir):
-        expected = ", ".join(f"{b}[.gz]" for s in SPLITS for b in idx_file_names(s))
-        raise DataError(f"data dir {data_dir} does not exist or is not a directory "
-                        f"(it should hold the IDX files {expected})")
-    paths = []
-    for base in bases:
-        candidates = [os.path.join(data_dir, base + suffix) for suffix in ("", ".gz")]
-        found = [p for p in candidates if os.path.isfile(p)]
-        if not found:
-            raise DataError(f"data dir {data_dir} has no {base} or {base}.gz "
-                            f"(the {split} split needs {bases[0]}[.gz] and {bases[1]}[.gz])")
-        if len(found) == 2:
-            _check_same_idx(*found)
-        paths.append(found[0])
-    return tuple(paths)
-
-
-def _check_same_idx(plain, gz):
-    """Both `X` and `X.gz`: the plain file is read (no decompression), which is right only
-    if it is the .gz's content (a gunzipped copy beside its archive, as MNIST downloads
-    often leave). gzip stores the content's size (mod 2**32) in its last 4 bytes: sizes
-    that differ mean two different datasets under one name, and which one a run trains
-    on must not depend on a file-lookup order: DataError."""
-    with open(gz, "rb") as f:
-        f.seek(-4, os.SEEK_END)
-        content_size = int.from_bytes(f.read(4), "little")
-    if os.path.getsize(plain) % 2**32 != content_size:
-        raise DataError(f"{plain} and {gz} are both there but hold different data ({os.path.getsize(plain)} bytes "
-                        f"vs {content_size} bytes unpacked): remove the one that is not the dataset")
-
-
-# --------------------------------------------------------------------------- reading ahead
-# read_ahead's reads: the file's real path -> (its (size, mtime) when the read started, the
-# Future of its array).
-_ahead = {}
-
-
-def read_ahead(data_dir, splits=SPLITS):
-    """Start reading the IDX files of `splits` in `data_dir` (split_files) on a thread, one
-    after another; a later read_idx of one of them, unchanged since, takes that array.
-
-    Why: train.py calls it before it imports TensorFlow (seconds, mostly Python on one
-    core), and reading MNIST's files is mostly gzip decompression, which runs beside it
-    (zlib lets go of the GIL): ~0.35 s of a 2-core CPU's start-up that the data load no
-    longer waits for. Nothing here raises: a directory that is not one of IDX files is
-    read later, by the load, which says what is wrong; a read that failed on the thread is
-    done again there, and fails with its own error."""
-    try:
-        paths = [path for split in splits for path in split_files(split, data_dir)]
-    except (DataError, OSError):
-        return
-    reader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="capsnet-idx")
-    for path in paths:
-        stamp = _stamp(path)
-        if stamp is not None:
-            _ahead[os.path.realpath(path)] = (stamp, reader.submit(_read_idx, path))
-    reader.shutdown(wait=False)
-
-
-def _stamp(path):
-    try:
-        stat = os.stat(path)
-    except OSError:
-        return None
-    return stat.st_size, stat.st_mtime_ns
-
-
-def _take_read_ahead(path):
-    """read_ahead's array of `path` (a copy of its own: taken once), or None: not read
-    ahead, changed since, or the read failed."""
-    stamp, future = _ahead.pop(os.path.realpath(os.fspath(path)), (None, None))
-    if future is None or stamp != _stamp(path):
-        return None
-    try:
-        return future.result()
-    except Exception:  # noqa: BLE001  (read again by the caller, which raises its own error)
-        return None

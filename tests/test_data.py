@@ -5,7 +5,6 @@ References are independent of the code under test: IDX bytes built by hand with
 `struct`, shifts computed by NumPy slicing, permutations checked by sorting.
 """
 import gzip
-import os
 import re
 import struct
 import time
@@ -221,50 +220,6 @@ def test_load_split_corrupt_file_names_it(tmp_path):
     with pytest.raises(DataError, match="gzip") as err:
         load_split("mnist", "train", tmp_path)
     assert str(path) in str(err.value)
-
-
-def test_read_ahead_gives_load_split_the_same_arrays_read_once(idx_dir, monkeypatch):
-    """train.py reads data.dir's IDX files on a thread while TensorFlow imports (idx.read_ahead):
-    the split loads from those reads, equal to a plain load, and each file is read once."""
-    from capsnet import idx
-
-    directory, train, test = idx_dir
-    reads = []
-    real_read = idx._read_idx
-    monkeypatch.setattr(idx, "_read_idx", lambda path: reads.append(os.path.basename(path)) or real_read(path))
-    idx.read_ahead(str(directory))
-    for split, (want_x, want_y) in (("train", train), ("test", test)):
-        images, labels = load_split("mnist", split, data_dir=directory)
-        np.testing.assert_array_equal(images[..., 0], want_x)
-        np.testing.assert_array_equal(labels, want_y)
-        images[0, 0, 0, 0] = 7  # writable, as read_idx's own arrays are
-    assert sorted(reads) == sorted(["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
-                                    "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"])
-    load_split("mnist", "test", data_dir=directory)  # taken once: a second load reads the files
-    assert len(reads) == 6 and not idx._ahead
-
-
-def test_read_ahead_is_not_taken_for_a_changed_file_and_never_raises(tmp_path):
-    from capsnet import idx
-
-    idx.read_ahead(tmp_path / "no" / "such")  # nothing to read: the load says what is wrong
-    with pytest.raises(DataError, match="does not exist"):
-        load_split("mnist", "train", tmp_path / "no" / "such")
-    write_split(tmp_path, "train", tiny_images(3, seed=1), np.zeros(3, np.uint8))
-    write_split(tmp_path, "t10k", tiny_images(2, seed=2), np.zeros(2, np.uint8))
-    idx.read_ahead(tmp_path)
-    newer = tiny_images(4, seed=3)
-    write_split(tmp_path, "train", newer, np.ones(4, np.uint8))  # rewritten after the read started
-    path = tmp_path / "train-images-idx3-ubyte.gz"
-    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # whatever the clock's grain
-    images, labels = load_split("mnist", "train", tmp_path)
-    np.testing.assert_array_equal(images[..., 0], newer)
-    np.testing.assert_array_equal(labels, np.ones(4))
-    (tmp_path / "t10k-images-idx3-ubyte.gz").write_bytes(b"\x1f\x8b broken")  # a failed read ahead: the load's error
-    idx.read_ahead(tmp_path)
-    with pytest.raises(DataError, match="gzip"):
-        load_split("mnist", "test", tmp_path)
-    idx._ahead.clear()
 
 
 @pytest.mark.skipif(not REAL_MNIST.is_dir(), reason=f"{REAL_MNIST} absent")
