@@ -37,6 +37,7 @@ def main(cfg: DictConfig):
     cfg = config.check_eval(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
     cli.check_checkpoints_exist(cfg["checkpoint"])  # at once, not after the TensorFlow import
     cli.import_tensorflow_quietly()
+    cli.set_memory_growth()  # beside a training on the same GPU
     from capsnet.evaluation import evaluate, format_report, to_json_line
 
     report = evaluate(cfg["checkpoint"], which=cfg["which"], data_name=cfg["data"]["name"],

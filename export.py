@@ -29,6 +29,7 @@ def main(cfg: DictConfig):
     cfg = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     cli.check_checkpoints_exist(cfg["checkpoint"])  # at once, not after the TensorFlow import
     cli.import_tensorflow_quietly()
+    cli.set_memory_growth()  # beside a training on the same GPU
     from capsnet.export import export, format_summary
     from capsnet.evaluation import to_json_line
 

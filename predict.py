@@ -39,6 +39,7 @@ def main(cfg: DictConfig):
 
     check_inputs(cfg["checkpoint"], cfg["images"], cfg["reconstruct"])  # the paths, before TensorFlow
     cli.import_tensorflow_quietly()
+    cli.set_memory_growth()  # beside a training on the same GPU
     total = failed = 0
     for record in iter_predictions(cfg["checkpoint"], cfg["images"], top_k=cfg["top_k"],
                                    reconstruct=cfg["reconstruct"], which=cfg["which"], weights=cfg["weights"],

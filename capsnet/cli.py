@@ -314,7 +314,6 @@ def import_tensorflow_quietly():
             if failed or user_log_level is not None:
                 captured.seek(0)
                 sys.stderr.write(captured.read().decode(errors="replace"))
-    set_memory_growth()
 
 
 @contextlib.contextmanager
@@ -341,7 +340,9 @@ def set_memory_growth():
     """Every GPU's memory taken as needed, not all at the start (before the first op: TensorFlow
     fixes it when it sets up its devices): a second training or an evaluation on the same GPU,
     or XLA's autotuning of a convolution, then finds room. A process that has set up its
-    devices already keeps them."""
+    devices already keeps them. Called by each entry point after its own device settings:
+    listing the GPUs makes TensorFlow read TF_XLA_FLAGS, which train.py sets first (the XLA
+    cache)."""
     import tensorflow as tf
 
     for gpu in tf.config.list_physical_devices("GPU"):
