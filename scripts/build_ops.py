@@ -50,11 +50,15 @@ DRIVER_OUT = os.path.join(BUILD, "sanitize_driver")
 # sm_80 (A100) and sm_90 (H100/H200) machine code plus compute_90 PTX that newer
 # GPUs JIT-compile. CUDA 13 cannot target sm_70 or older.
 ARCHS = ["sm_80", "sm_90", "compute_90"]
-GENCODE = [
-    "-gencode", "arch=compute_80,code=sm_80",
-    "-gencode", "arch=compute_90,code=sm_90",
-    "-gencode", "arch=compute_90,code=compute_90",
-]
+
+
+def gencode(archs):
+    """nvcc's -gencode flags for `archs` (names from ARCHS: sm_XY machine code, compute_XY PTX)."""
+    return [flag for arch in archs
+            for flag in ("-gencode", f"arch=compute_{arch.split('_')[1]},code={arch}")]
+
+
+GENCODE = gencode(ARCHS)
 NVCC_FLAGS = ["-x", "cu", "-std=c++17", "-DGOOGLE_CUDA=1", "--expt-relaxed-constexpr",
               "-Xcompiler", "-fPIC", "-O3", "--threads", "0"]
 CXX_FLAGS = ["-std=c++17", "-O3", "-fPIC", "-DNDEBUG", "-Wno-deprecated-declarations"]
@@ -249,7 +253,7 @@ def installed_tensorflow():
     return None
 
 
-def quick_key(nvcc):
+def quick_key(nvcc, archs=ARCHS):
     """The build key without TensorFlow's flags: sources, compilers and the installed TensorFlow
     (whose version and location fix its flags). A stamp with this key is up to date without
     importing TensorFlow, whose import prints its CUDA and oneDNN notices on every `make`."""
@@ -259,7 +263,7 @@ def quick_key(nvcc):
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     inputs = {"tensorflow": tf_dist, "cxx": tool_version([cxx]) if cxx else None, "cxx_flags": CXX_FLAGS,
               "nvcc": tool_version([nvcc]) if nvcc else None,
-              "nvcc_flags": NVCC_FLAGS + GENCODE if nvcc else None}
+              "nvcc_flags": NVCC_FLAGS + gencode(archs) if nvcc else None}
     return digest(cc_sources() + cu_sources() + headers(), inputs)
 
 
@@ -293,7 +297,7 @@ def build_library(args, tf, nvcc):
         "cxx_flags": CXX_FLAGS,
         "cuda": cuda,
         "nvcc": tool_version([nvcc]) if cuda else None,
-        "nvcc_flags": NVCC_FLAGS + GENCODE if cuda else None,
+        "nvcc_flags": NVCC_FLAGS + gencode(args.arch) if cuda else None,
     }
     cc_files, cu_files = cc_sources(), cu_sources() if cuda else []
     if not cc_files:
@@ -311,7 +315,7 @@ def build_library(args, tf, nvcc):
                 log(f"{os.path.relpath(out, ROOT)} is up to date (TensorFlow {tf.__version__}, "
                     f"{'CPU+CUDA' if cuda else 'CPU only'}); --force rebuilds")
                 if stamp.get("quick_key") is None:  # a stamp from before quick keys: add one
-                    stamp["quick_key"] = quick_key(nvcc)
+                    stamp["quick_key"] = quick_key(nvcc, args.arch)
                     with open(stamp_path + ".tmp", "w") as f:
                         json.dump(stamp, f, indent=2)
                         f.write("\n")
@@ -329,7 +333,7 @@ def build_library(args, tf, nvcc):
     for src in cu_files:
         objects.append(object_path(obj_dir, src))
         commands.append((f"nvcc {os.path.basename(src)}",
-                         [nvcc, *NVCC_FLAGS, *GENCODE, *abi, *(["-Xptxas", "-v"] if args.ptxas_info else []),
+                         [nvcc, *NVCC_FLAGS, *gencode(args.arch), *abi, *(["-Xptxas", "-v"] if args.ptxas_info else []),
                           "-I", OPS, "-c", src, "-o", objects[-1]]))
     for src in cc_files:
         objects.append(object_path(obj_dir, src))
@@ -337,7 +341,7 @@ def build_library(args, tf, nvcc):
                          [cxx, *CXX_FLAGS, *(["-DGOOGLE_CUDA=1"] if cuda else []), *cflags, "-c", src,
                           "-o", objects[-1]]))
     log(f"compiling {len(commands)} sources for TensorFlow {tf.__version__} "
-        f"({'CPU + CUDA ' + ', '.join(ARCHS) if cuda else 'CPU only'})")
+        f"({'CPU + CUDA ' + ', '.join(args.arch) if cuda else 'CPU only'})")
     outputs = run_all(commands)
     if cuda and args.ptxas_info:
         for src in cu_files:
@@ -349,12 +353,12 @@ def build_library(args, tf, nvcc):
     stamp = {
         "tensorflow": tf.__version__,
         "cuda": cuda,
-        "archs": ARCHS if cuda else [],
+        "archs": list(args.arch) if cuda else [],
         "nvcc": key_inputs["nvcc"],
         "cxx": key_inputs["cxx"],
         "built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "key": key,
-        "quick_key": quick_key(nvcc),
+        "quick_key": quick_key(nvcc, args.arch),
     }
     with open(stamp_path + ".tmp", "w") as f:
         json.dump(stamp, f, indent=2)
@@ -387,7 +391,7 @@ def build_driver(nvcc, force):
     log(f"built {os.path.relpath(DRIVER_OUT, ROOT)}")
 
 
-def library_nvcc(nvcc, out, *, require_cuda, force):
+def library_nvcc(nvcc, out, *, require_cuda, force, archs=ARCHS):
     """The nvcc that builds the library at `out`, or None for the CPU-only library.
 
     With nvcc found and no --require-cuda: the CUDA kernels only where gpu_driver() finds a
@@ -395,7 +399,7 @@ def library_nvcc(nvcc, out, *, require_cuda, force):
     so `make ops-cuda` then `make test` does not rebuild it without them)."""
     if nvcc is None or require_cuda:
         return nvcc
-    if not force and stamp_is_current(out, quick_key(nvcc)):
+    if not force and stamp_is_current(out, quick_key(nvcc, archs)):
         return nvcc
     found, what = gpu_driver()
     if found:
@@ -416,7 +420,11 @@ def main(argv=None):
     parser.add_argument("--driver-only", action="store_true", help="only build build/sanitize_driver")
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
     parser.add_argument("--ptxas-info", action="store_true", help="print registers/spills of every CUDA kernel")
+    parser.add_argument("--arch", action="append", choices=ARCHS,
+                        help="compile the CUDA kernels for this target only (repeatable; default: all of "
+                             f"{', '.join(ARCHS)}); one target is enough to check that they compile")
     args = parser.parse_args(argv)
+    args.arch = args.arch or ARCHS
 
     try:
         nvcc = None if args.cpu_only else find_nvcc()
@@ -429,8 +437,8 @@ def main(argv=None):
                 log("no CUDA compiler found ($CUDA_HOME/bin, /usr/local/cuda/bin, site-packages/nvidia/*/bin, "
                     "PATH): building the CPU-only library")
             out = os.path.abspath(args.out)
-            lib_nvcc = library_nvcc(nvcc, out, require_cuda=args.require_cuda, force=args.force)
-            if not args.force and stamp_is_current(out, quick_key(lib_nvcc)):
+            lib_nvcc = library_nvcc(nvcc, out, require_cuda=args.require_cuda, force=args.force, archs=args.arch)
+            if not args.force and stamp_is_current(out, quick_key(lib_nvcc, args.arch)):
                 log(f"{os.path.relpath(out, ROOT)} is up to date ({'CPU+CUDA' if lib_nvcc else 'CPU only'}); "
                     "--force rebuilds")
             else:

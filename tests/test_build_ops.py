@@ -118,3 +118,23 @@ def test_a_current_cpu_only_library_is_up_to_date_without_a_driver(builds, monke
     monkeypatch.setattr(build_ops, "gpu_driver", lambda: (True, "an NVIDIA driver with 1 GPU"))
     run_main(tmp_path)
     assert builds == ["/opt/cuda/bin/nvcc"]
+
+
+def test_arch_picks_the_gencode_targets_and_a_one_target_library_is_not_the_full_one(builds, monkeypatch,
+                                                                                     tmp_path, capsys):
+    assert build_ops.gencode(build_ops.ARCHS) == [
+        "-gencode", "arch=compute_80,code=sm_80",
+        "-gencode", "arch=compute_90,code=sm_90",
+        "-gencode", "arch=compute_90,code=compute_90"]
+    assert build_ops.gencode(["sm_90"]) == ["-gencode", "arch=compute_90,code=sm_90"]
+    # A library built for sm_90 only (CI's compile check) is current for --arch sm_90 ...
+    (tmp_path / "_capsnet_ops.so").write_bytes(b"")
+    stamp = {"cuda": True, "quick_key": build_ops.quick_key("/opt/cuda/bin/nvcc", ["sm_90"])}
+    (tmp_path / "_capsnet_ops.json").write_text(json.dumps(stamp))
+    run_main(tmp_path, "--require-cuda", "--arch", "sm_90")
+    assert builds == [] and "is up to date (CPU+CUDA)" in capsys.readouterr().out
+    # ... but not for the default targets, which an A100 needs.
+    run_main(tmp_path, "--require-cuda")
+    assert builds == ["/opt/cuda/bin/nvcc"]
+    with pytest.raises(SystemExit):
+        build_ops.main(["--arch", "sm_70"])
