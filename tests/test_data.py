@@ -910,3 +910,38 @@ def test_benchmark_input_times_every_image_of_each_epoch(tiny_idx_dir, capsys):
         match = re.fullmatch(r"epoch \d: 320 images in ([\d.]+) s: [\d,]+ images/s "
                              r"\(ready for its first batch after ([\d.]+) s\)", line)
         assert match, line
+
+
+def _rss_mib():
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
+
+
+def test_every_epochs_dataset_reads_one_host_copy_of_the_training_set():
+    """A dataset an epoch around a new tf.constant of the images kept every epoch's copy alive
+    (a 200-epoch CIFAR-10 run was killed for memory past 30 GB): the epochs share one."""
+    import gc
+
+    from capsnet.data import _HOST_TENSORS, host_tensor
+
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (20000, 40, 40, 1), dtype=np.uint8)  # 32 MB
+    labels = rng.integers(0, 10, 20000)
+    assert host_tensor(images) is host_tensor(images)
+    assert host_tensor(labels, np.sort) is not host_tensor(labels)
+    np.testing.assert_array_equal(host_tensor(labels, np.sort).numpy(), np.sort(labels))
+
+    def epoch(e):
+        for _ in make_dataset(images, labels, batch_size=256, training=True, seed=0, epoch=e).take(2):
+            pass
+
+    epoch(0)
+    before = _rss_mib()
+    for e in range(1, 7):
+        epoch(e)
+    # Six more epochs held six more copies (~190 MB) before; now well under one copy.
+    assert _rss_mib() - before < images.nbytes / 2**20, (before, _rss_mib())
+    # The copies go with their arrays.
+    entries = len(_HOST_TENSORS)
+    del images
+    gc.collect()
+    assert len(_HOST_TENSORS) == entries - 1

@@ -140,6 +140,7 @@ class NaturalImages(Task):
         import tensorflow as tf
 
         from capsnet.augment import natural_image_batch
+        from capsnet.data import host_tensor, int32_labels
 
         n = len(data)
         if n == 0:
@@ -147,8 +148,8 @@ class NaturalImages(Task):
         key = tf.constant([seed, epoch], tf.int64)
         with tf.device("/CPU:0"):
             if data.images is not None:
-                images_t = tf.constant(data.images)
-                labels_t = tf.constant(data.labels.astype(np.int32))
+                images_t = host_tensor(data.images)  # once per split: see host_tensor
+                labels_t = host_tensor(data.labels, int32_labels)
                 if training:
                     shuffle_key = tf.random.experimental.stateless_fold_in(key, 0, alg="philox")
                     order = tf.random.experimental.stateless_shuffle(tf.range(n, dtype=tf.int64), seed=shuffle_key,
@@ -159,7 +160,7 @@ class NaturalImages(Task):
                 batches = tf.data.Dataset.from_tensor_slices(order).batch(batch_size, drop_remainder=drop_remainder).map(
                     lambda i: (tf.gather(images_t, i), tf.gather(labels_t, i)))
             else:
-                all_labels = tf.constant(data.source["labels"].astype(np.int32))
+                all_labels = host_tensor(data.source["labels"], int32_labels)
                 examples = data.source["stream"].map(lambda i, image: (image, tf.gather(all_labels, i)))
                 if training:
                     h, w, c = data.shape
