@@ -496,7 +496,7 @@ def worker(spec):
     result = {"variant": spec["variant"], "results": [], "error": None, "tensorflow": tf.__version__}
     try:
         routing = variant_model_cfg(spec["variant"], spec["model"])["routing"]
-        config.check_xla(spec["xla"], routing)
+        config.check_xla(spec["xla"], routing["backend"])
         # Before TensorFlow sets up its devices: it reads the XLA flags then (see set_autoclustering).
         set_autoclustering(spec["xla"] == "autocluster")
         set_tensor_float_32(spec["train"]["tf32"])  # train.tf32 (TensorFlow's default: on), as train.py sets it
