@@ -3,8 +3,9 @@ the fused prediction + dynamic routing op.
 
 - `capsule_prediction(u, W)`: the compiled op (ops/), with a registered gradient.
 - `capsule_prediction_matmul(u, W)`: the plain TensorFlow transpose/matmul/reshape path.
-- `capsule_routing(u, W, iterations)`: the compiled op that predicts and routes in one
-  go, never writing u_hat to memory; its gradient is that of stop-gradient routing.
+- `capsule_routing(u, W, iterations, leaky=False)`: the compiled op that predicts and
+  routes in one go, never writing u_hat to memory; its gradient is that of stop-gradient
+  routing.
 
 All take u (batch, in_caps, in_dim) and W (in_caps, out_caps, out_dim, in_dim); the
 first two return u_hat (batch, in_caps, out_caps, out_dim), so a checkpoint trained
@@ -25,7 +26,7 @@ import warnings
 import tensorflow as tf
 
 from capsnet.errors import OpLibraryError
-from capsnet.validation import positive_int
+from capsnet.validation import boolean, positive_int
 
 # Where the op library and its stamp live: the package's own build, unless
 # CAPSNET_OP_LIBRARY names another (CI runs the op tests against the build variant
@@ -172,11 +173,11 @@ def _capsule_prediction_grad_grad(op, d_grad_u, d_grad_W):
     return d_g, d_u, d_W
 
 
-def capsule_routing(u, W, iterations):
+def capsule_routing(u, W, iterations, leaky=False):
     """Capsule prediction and dynamic routing in one compiled op; returns (s_j, c_ij).
 
-    Computes what `dynamic_routing(capsule_prediction(u, W), iterations)` does
-    (capsnet.routing, Procedure 1 of the paper) without writing u_hat to memory: the
+    Computes what `dynamic_routing(capsule_prediction(u, W), iterations, leaky=leaky)`
+    does (capsnet.routing, Procedure 1 of the paper) without writing u_hat to memory: the
     GPU kernels recompute u_hat = W · u from u and W in every iteration instead of
     reading a (batch, in_caps, out_caps, out_dim) tensor several times. It stops
     before the last squash: v_j = squash(s_j) is left to the caller, so that
@@ -187,21 +188,28 @@ def capsule_routing(u, W, iterations):
     so the loss reaches u and W only through the last s_j = Σ_i c_ij u_hat_j|i; the
     gradient with respect to the c_ij output is therefore dropped (zero), exactly as
     tf.stop_gradient makes it in the TensorFlow path. The gradient op forms
-    c_ij · dL/ds_j on the fly rather than a u_hat-sized gradient.
+    c_ij · dL/ds_j on the fly rather than a u_hat-sized gradient. That holds for leaky
+    routing too: s_j = Σ_i c_ij u_hat_j|i either way, only the c_ij differ.
 
     Args:
       u: (batch, in_caps, in_dim) input capsules.
       W: (in_caps, out_caps, out_dim, in_dim) transformation matrices, same dtype as
         u (float16, bfloat16, float32 or float64; 16-bit types route in float32).
       iterations: routing rounds r ≥ 1 (a Python int: it is compiled into the op).
+      leaky: the authors' CIFAR-10 "none of the above" (capsnet.routing.routing_softmax):
+        every c_ij, the first round's 1 / (out_caps + 1) included, is the softmax over
+        [0, b_i1, ..., b_iJ] with the zero logit's share dropped (a Python bool, the op's
+        `leaky` attr; False, its default, is the op as it was before the attr).
 
     Returns:
       s_j: (batch, out_caps, out_dim) the last iteration's weighted sum, not squashed.
-      c_ij: (batch, in_caps, out_caps) the last iteration's coupling coefficients.
+      c_ij: (batch, in_caps, out_caps) the last iteration's coupling coefficients (rows
+        sum to 1; below 1 with leaky=True).
     """
     iterations = positive_int("capsule_routing: iterations", iterations, expected="an integer >= 1")
+    leaky = boolean("capsule_routing: leaky", leaky, expected="a bool")
     u, W = _check_inputs("capsule_routing", u, W)
-    return tuple(load_op_library().capsnet_capsule_routing(u=u, weights=W, iterations=iterations))
+    return tuple(load_op_library().capsnet_capsule_routing(u=u, weights=W, iterations=iterations, leaky=leaky))
 
 
 @tf.RegisterGradient("Capsnet>CapsuleRouting")

@@ -140,8 +140,16 @@ const char* GpuErrorString(int status);
 //   b_ij = 0; r times: c_ij = softmax_j(b_ij); s_j = sum_i c_ij u_hat_j|i;
 //   v_j = squash(s_j); b_ij += u_hat_j|i . v_j except after the last iteration.
 //
+// leaky = true (the authors' CIFAR-10 routing, capsnet.routing.routing_softmax):
+// every c_ij, the first iteration's included, is the softmax over
+// [0, b_i1, ..., b_iJ] with the extra zero logit ("none of the above") dropped,
+//   c_ij = exp(b_ij - m) / (exp(-m) + sum_k exp(b_ik - m)),  m = max(0, max_k b_ik),
+// so each row sums to below 1 (1 / (J + 1) per entry in the first iteration).
+// leaky = false does exactly the arithmetic it did before the option existed.
+//
 // The gradient is that of stop-gradient routing (capsnet/routing.py): the c_ij
-// are constants, so with g = dL/ds_j the only path is the last s_j, and
+// are constants (leaky or not: the gradient op takes the forward's c_ij as an
+// input), so with g = dL/ds_j the only path is the last s_j, and
 //   grad_u_hat[b, i, j, d] = c_ij[b, i, j] * g[b, j, d]
 // goes through the capsule-prediction gradient kernels (prediction_grad.cuh on
 // the GPU, RunGradUnits in cpu_kernels.h on the CPU), which compute c_ij * g on
@@ -152,7 +160,7 @@ const char* GpuErrorString(int status);
 // with respect to the c_ij output is zero by that same rule.
 //
 // Empty sums follow the math: with in_dim, out_dim or in_caps 0, u_hat is
-// empty or zero, so s_j = 0 and c_ij = 1 / out_caps.
+// empty or zero, so s_j = 0 and c_ij = 1 / out_caps (leaky: 1 / (out_caps + 1)).
 
 // squash's epsilon inside the norm, |s| = sqrt(|s|^2 + epsilon): the default of
 // capsnet.routing.squash (tests check that the two agree).
@@ -173,10 +181,11 @@ std::size_t CapsuleRoutingWorkspaceBytes(const CapsuleDims& dims, int iterations
 // u, W -> s_j (B, J, D), c_ij (B, I, J). kAuto uses the tiled kernels when the
 // shape allows (in_dim <= 16, out_caps * out_dim within one block) and the
 // simple one-thread-per-output kernels otherwise; kGeneric forces the latter.
+// `leaky`: the softmax above with the extra zero logit (the workspace is the same).
 template <typename T>
 int LaunchCapsuleRoutingForward(const T* u, const T* W, T* s_j, T* c_ij,
                                 void* workspace, std::size_t workspace_bytes,
-                                const CapsuleDims& dims, int iterations,
+                                const CapsuleDims& dims, int iterations, bool leaky,
                                 GpuStream stream, GpuAlgo algo = GpuAlgo::kAuto);
 
 // Bytes of device scratch LaunchCapsuleRoutingGrad needs (the prediction

@@ -168,7 +168,7 @@ bool CpuCapsulePredictionGrad(const T* grad, const T* u, const T* W, T* grad_u, 
                               const CapsuleDims& d, int64 max_parts, const PartsRunner& run);
 template <typename T>
 bool CpuCapsuleRouting(const T* u, const T* W, T* s_j, T* c_ij, const CapsuleDims& d,
-                       int iterations, int64 max_parts, const PartsRunner& run);
+                       int iterations, bool leaky, int64 max_parts, const PartsRunner& run);
 template <typename T>
 bool CpuCapsuleRoutingGrad(const T* u, const T* W, const T* c_ij, const T* grad_s, T* grad_u,
                            T* grad_W, const CapsuleDims& d, int64 max_parts,

@@ -96,11 +96,12 @@ int64 RouteScratchSize(const CapsuleDims& d) {
 }
 
 // Routes samples [b_begin, b_end) start to finish, their u_hat in `scratch`
-// (RouteScratchSize(d) values, allocated by the caller).
+// (RouteScratchSize(d) values, allocated by the caller); `leaky`: the softmax with
+// the extra zero logit (capsnet_kernels.h).
 template <typename T>
 void RouteSamples(const T* u, const Accumulator<T>* wt, T* s_out, T* c_out,
-                  const CapsuleDims& d, int iterations, int64 b_begin, int64 b_end,
-                  Accumulator<T>* scratch) {
+                  const CapsuleDims& d, int iterations, bool leaky, int64 b_begin,
+                  int64 b_end, Accumulator<T>* scratch) {
   using A = Accumulator<T>;
   const int64 I = d.in_caps, J = d.out_caps, D = d.out_dim, K = d.in_dim;
   const int64 jd = d.rows_per_cap();
@@ -120,13 +121,14 @@ void RouteSamples(const T* u, const Accumulator<T>* wt, T* s_out, T* c_out,
     }
     std::fill_n(b_ij, I * J, A(0));
     for (int t = 0; t < iterations; ++t) {
-      // c_ij = softmax_j(b_ij), as exp(b - max) / sum.
+      // c_ij = softmax_j(b_ij), as exp(b - max) / sum. Leaky: the softmax over
+      // [0, b_i1..b_iJ], the zero logit in the max and (first) in the sum, not kept.
       for (int64 i = 0; i < I; ++i) {
         const A* bi = b_ij + i * J;
         A* ci = c + i * J;
-        A m = bi[0];
+        A m = leaky ? std::max(A(0), bi[0]) : bi[0];
         for (int64 j = 1; j < J; ++j) m = std::max(m, bi[j]);
-        A sum = A(0);
+        A sum = leaky ? std::exp(-m) : A(0);
         for (int64 j = 0; j < J; ++j) {
           ci[j] = std::exp(bi[j] - m);
           sum += ci[j];
@@ -180,13 +182,14 @@ struct CouplingGradRows {
 // CPU functors below run them.
 template <typename T>
 bool CpuCapsuleRouting(const T* u, const T* W, T* s_j, T* c_ij, const CapsuleDims& d,
-                       int iterations, int64 max_parts, const PartsRunner& run) {
+                       int iterations, bool leaky, int64 max_parts, const PartsRunner& run) {
   using A = Accumulator<T>;
   if (d.u_hat_size() == 0 || d.in_dim == 0) {
-    // u_hat is empty or zero: s_j = 0, every b_ij stays 0, c_ij = 1 / out_caps.
+    // u_hat is empty or zero: s_j = 0, every b_ij stays 0, c_ij = 1 / out_caps
+    // (leaky: 1 / (out_caps + 1), the zero logit's share left out).
     std::fill_n(s_j, d.batch * d.rows_per_cap(), static_cast<T>(A(0)));
     std::fill_n(c_ij, d.batch * d.in_caps * d.out_caps,
-                static_cast<T>(A(1) / static_cast<A>(d.out_caps)));
+                static_cast<T>(A(1) / static_cast<A>(d.out_caps + (leaky ? 1 : 0))));
     return true;
   }
   std::unique_ptr<A[]> wt = TryAllocate<A>(d.w_size());
@@ -198,8 +201,8 @@ bool CpuCapsuleRouting(const T* u, const T* W, T* s_j, T* c_ij, const CapsuleDim
   }
   return RunUnitsInParts<A>(d.batch, RouteScratchSize(d), max_parts, run,
                             [&](A* ws, int64 begin, int64 end) {
-                              RouteSamples(u, wt.get(), s_j, c_ij, d, iterations, begin, end,
-                                           ws);
+                              RouteSamples(u, wt.get(), s_j, c_ij, d, iterations, leaky, begin,
+                                           end, ws);
                             });
 }
 
@@ -213,7 +216,7 @@ bool CpuCapsuleRoutingGrad(const T* u, const T* W, const T* c_ij, const T* grad_
 
 #define CAPSNET_INSTANTIATE_ROUTING(T)                                                        \
   template bool CpuCapsuleRouting<T>(const T*, const T*, T*, T*, const CapsuleDims&, int,     \
-                                     int64, const PartsRunner&);                              \
+                                     bool, int64, const PartsRunner&);                        \
   template bool CpuCapsuleRoutingGrad<T>(const T*, const T*, const T*, const T*, T*, T*,      \
                                          const CapsuleDims&, int64, const PartsRunner&);
 CAPSNET_INSTANTIATE_ROUTING(float)
@@ -279,11 +282,15 @@ REGISTER_OP("Capsnet>CapsuleRouting")
     .Output("s_j: T")
     .Output("c_ij: T")
     .Attr("iterations: int >= 1")
+    .Attr("leaky: bool = false")
     .Attr(CAPSNET_TYPE_ATTR)
     .SetShapeFn(RoutingShape)
     .Doc(R"doc(
 Capsule prediction and `iterations` rounds of dynamic routing, fused: u_hat is
-never written to memory.
+never written to memory. leaky: every c_ij is the softmax over [0, b_i1..b_iJ]
+with the extra zero logit ("none of the above") dropped, so a row sums to < 1
+(the first round's c_ij = 1 / (out_caps + 1)); false (the default, and every
+graph written before the attr existed): softmax_j(b_ij).
 
 u: (batch, in_caps, in_dim) input capsules.
 weights: (in_caps, out_caps, out_dim, in_dim) transformation matrices W.
@@ -302,8 +309,9 @@ REGISTER_OP("Capsnet>CapsuleRoutingGrad")
     .Attr(CAPSNET_TYPE_ATTR)
     .SetShapeFn(RoutingGradShape)
     .Doc(R"doc(
-Gradient of Capsnet>CapsuleRouting under stop-gradient routing (c_ij constant):
-with grad_u_hat[b, i, j, d] = c_ij[b, i, j] * grad_s[b, j, d] (not materialised),
+Gradient of Capsnet>CapsuleRouting under stop-gradient routing (c_ij constant:
+the forward's output, leaky or not): with
+grad_u_hat[b, i, j, d] = c_ij[b, i, j] * grad_s[b, j, d] (not materialised),
 grad_u[b, i, k] = sum_{j,d} weights[i, j, d, k] * grad_u_hat[b, i, j, d] and
 grad_weights[i, j, d, k] = sum_b grad_u_hat[b, i, j, d] * u[b, i, k].
 )doc");
@@ -338,12 +346,15 @@ struct RoutingGradFunctor;  // u, W, c_ij, grad_s -> grad_u, grad_W
 template <typename T>
 struct RoutingFunctor<CPUDevice, T> {
   absl::Status operator()(OpKernelContext* ctx, const CapsuleDims& d, int iterations,
-                          const Tensor& u, const Tensor& w, Tensor* s_j, Tensor* c_ij) const {
+                          bool leaky, const Tensor& u, const Tensor& w, Tensor* s_j,
+                          Tensor* c_ij) const {
     using A = capsnet::Accumulator<T>;
     if (d.u_hat_size() == 0 || d.in_dim == 0) {
-      // u_hat is empty or zero: s_j = 0, every b_ij stays 0, c_ij = 1 / out_caps.
+      // u_hat is empty or zero: s_j = 0, every b_ij stays 0, c_ij = 1 / out_caps
+      // (leaky: 1 / (out_caps + 1)).
       s_j->flat<T>().setZero();
-      c_ij->flat<T>().setConstant(static_cast<T>(A(1) / static_cast<A>(d.out_caps)));
+      c_ij->flat<T>().setConstant(
+          static_cast<T>(A(1) / static_cast<A>(d.out_caps + (leaky ? 1 : 0))));
       return absl::OkStatus();
     }
     // The per-thread scratch first: it is the larger allocation when in_dim is 1.
@@ -368,7 +379,8 @@ struct RoutingFunctor<CPUDevice, T> {
              ShardCost(d.batch, {d.in_caps, d.rows_per_cap(),
                                  capsnet::SizeAdd(2 * d.in_dim, 4 * int64_t{iterations})}),
              [&](A* ws, int64_t begin, int64_t end) {
-               capsnet::RouteSamples(u_ptr, wt_ptr, s_ptr, c_ptr, d, iterations, begin, end, ws);
+               capsnet::RouteSamples(u_ptr, wt_ptr, s_ptr, c_ptr, d, iterations, leaky, begin,
+                                     end, ws);
              });
     return absl::OkStatus();
   }
@@ -390,7 +402,8 @@ struct RoutingGradFunctor<CPUDevice, T> {
 template <typename T>
 struct RoutingFunctor<GPUDevice, T> {
   absl::Status operator()(OpKernelContext* ctx, const CapsuleDims& d, int iterations,
-                          const Tensor& u, const Tensor& w, Tensor* s_j, Tensor* c_ij) const {
+                          bool leaky, const Tensor& u, const Tensor& w, Tensor* s_j,
+                          Tensor* c_ij) const {
     using G = typename GpuType<T>::type;
     const capsnet::GpuAlgo algo = capsnet::RoutingAlgo<G>(tsl::tensor_float_32_execution_enabled());
     const std::size_t ws_bytes = capsnet::CapsuleRoutingWorkspaceBytes<G>(d, iterations, algo);
@@ -398,7 +411,7 @@ struct RoutingFunctor<GPUDevice, T> {
                             [&](void* ws, capsnet::GpuStream stream) {
                               return capsnet::LaunchCapsuleRoutingForward(
                                   DevPtr<T>(u), DevPtr<T>(w), DevPtr<T>(s_j), DevPtr<T>(c_ij),
-                                  ws, ws_bytes, d, iterations, stream, algo);
+                                  ws, ws_bytes, d, iterations, leaky, stream, algo);
                             });
   }
 };
@@ -433,6 +446,7 @@ class CapsuleRoutingOp : public OpKernel {
  public:
   explicit CapsuleRoutingOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("iterations", &iterations_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("leaky", &leaky_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -450,11 +464,13 @@ class CapsuleRoutingOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, s_shape, &s_j));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, c_shape, &c_ij));
     if (s_j->NumElements() == 0 && c_ij->NumElements() == 0) return;
-    OP_REQUIRES_OK(ctx, RoutingFunctor<Device, T>()(ctx, d, iterations_, u, w, s_j, c_ij));
+    OP_REQUIRES_OK(ctx,
+                   RoutingFunctor<Device, T>()(ctx, d, iterations_, leaky_, u, w, s_j, c_ij));
   }
 
  private:
   int iterations_;
+  bool leaky_;
 };
 
 template <typename Device, typename T>

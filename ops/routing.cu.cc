@@ -27,7 +27,8 @@
 //       u_hat_j|i . v_j over its rows (v_j of the previous iteration, from L1);
 //   (2) one thread per (sample, capsule): b_ij (+= the agreement, summed over the
 //       out_dim / vec shares in order), stored for the next iteration; c_ij =
-//       softmax_j; the last iteration writes c_ij out;
+//       softmax_j (leaky: with the extra zero logit, capsnet_kernels.h); the last
+//       iteration writes c_ij out;
 //   (3) per (sample, capsule) the thread recomputes its u_hat rows and adds
 //       c_ij u_hat to its share of s_j, kept in registers over all the block's
 //       capsules.
@@ -227,7 +228,8 @@ __device__ __forceinline__ void LoadURow(const Vec<A, 16 / sizeof(A)>* __restric
 
 // One routing iteration (see the design notes above). v == nullptr at t = 0
 // (no agreement yet); read_b / write_b say whether b_ij is read (t >= 2) and
-// stored (t >= 1 and not last); c_out != nullptr at the last iteration.
+// stored (t >= 1 and not last); c_out != nullptr at the last iteration; leaky:
+// the softmax over [0, b_i1..b_iJ] with the zero logit's share dropped.
 template <typename T, int VEC, int KMAX>
 __global__ void __launch_bounds__(kRouteMaxThreads, RouteBlocksPerSm(KMAX))
     RoutingIterationKernel(const T* __restrict__ u, const T* __restrict__ W,
@@ -235,7 +237,7 @@ __global__ void __launch_bounds__(kRouteMaxThreads, RouteBlocksPerSm(KMAX))
                            T* __restrict__ c_out, Acc<T>* __restrict__ partials,
                            int64 batch, int64 in_caps, int in_dim, int out_caps,
                            int out_dim, int ic, int64 subs, int stage, int agr_stride,
-                           int read_b, int write_b) {
+                           int read_b, int write_b, int leaky) {
   using A = Acc<T>;
   constexpr int kLane = 16 / sizeof(A);  // A values per 16-byte vector
   constexpr int K4 = KMAX / kLane;
@@ -326,7 +328,8 @@ __global__ void __launch_bounds__(kRouteMaxThreads, RouteBlocksPerSm(KMAX))
       __syncthreads();
 
       // (2) b_ij and c_ij = softmax_j(b_ij), one thread per (sample, capsule);
-      // c_ij replaces the row's first out_caps entries in place.
+      // c_ij replaces the row's first out_caps entries in place. Leaky: the zero
+      // logit counts in the max (m starts at 0) and first in the sum.
       for (int pi = threadIdx.x; pi < stage * ic; pi += blockDim.x) {
         const int s = pi / ic;
         const int c = pi - s * ic;
@@ -347,9 +350,9 @@ __global__ void __launch_bounds__(kRouteMaxThreads, RouteBlocksPerSm(KMAX))
           if (write_b) b_ij[bij + j] = logit;
           // Entry j belongs to the shares of capsule j / dv <= j, already read.
           row[j] = logit;
-          m = j == 0 ? logit : max(m, logit);
+          m = (j == 0 && !leaky) ? logit : max(m, logit);
         }
-        A sum = A(0);
+        A sum = leaky ? Exp(-m) : A(0);
         for (int j = 0; j < out_caps; ++j) {
           const A e = Exp(row[j] - m);
           row[j] = e;
@@ -445,14 +448,15 @@ __global__ void RoutingReduceKernel(const Acc<T>* __restrict__ partials, int64 c
 }
 
 // Generic kernels (any shape; one thread per output, 64-bit indices).
-// Logits b_ij (+ agreement with v_j) and c_ij = softmax_j, one thread per (b, i).
+// Logits b_ij (+ agreement with v_j) and c_ij = softmax_j (leaky: with the zero
+// logit, as the tiled kernel), one thread per (b, i).
 template <typename T>
 __global__ void RoutingSoftmaxGenericKernel(const T* __restrict__ u, const T* __restrict__ W,
                                             const Acc<T>* __restrict__ v,
                                             Acc<T>* __restrict__ b_ij, Acc<T>* __restrict__ c,
                                             T* __restrict__ c_out, int64 batch, int64 in_caps,
                                             int64 out_caps, int64 out_dim, int64 in_dim,
-                                            int read_b, int write_b) {
+                                            int read_b, int write_b, int leaky) {
   using A = Acc<T>;
   const int64 jd = out_caps * out_dim;
   for (const int64 x : GridStride(batch * in_caps)) {
@@ -473,9 +477,9 @@ __global__ void RoutingSoftmaxGenericKernel(const T* __restrict__ u, const T* __
       }
       if (write_b) b_ij[x * out_caps + j] = logit;
       cx[j] = logit;
-      m = j == 0 ? logit : max(m, logit);
+      m = (j == 0 && !leaky) ? logit : max(m, logit);
     }
-    A sum = A(0);
+    A sum = leaky ? Exp(-m) : A(0);
     for (int64 j = 0; j < out_caps; ++j) {
       cx[j] = Exp(cx[j] - m);
       sum += cx[j];
@@ -519,7 +523,7 @@ __global__ void FillKernel(T* __restrict__ p, int64 n, Acc<T> value) {
 template <typename T, int VEC, int KMAX>
 cudaError_t LaunchRoutingIteration(const T* u, const T* W, const Acc<T>* v, Acc<T>* b_ij,
                                    T* c_out, Acc<T>* partials, const CapsuleDims& d,
-                                   const RoutePlan& p, bool read_b, bool write_b,
+                                   const RoutePlan& p, bool read_b, bool write_b, bool leaky,
                                    cudaStream_t stream) {
   if constexpr (VEC > MaxVec<T>()) {
     return cudaErrorInvalidValue;  // never planned
@@ -529,7 +533,7 @@ cudaError_t LaunchRoutingIteration(const T* u, const T* W, const Acc<T>* v, Acc<
                   dim3(p.groups * p.qpc), p.smem, stream, u, W, v, b_ij, c_out, partials,
                   d.batch, d.in_caps, static_cast<int>(d.in_dim), static_cast<int>(d.out_caps),
                   static_cast<int>(d.out_dim), p.ic, p.subs, p.stage, p.agr_stride,
-                  read_b ? 1 : 0, write_b ? 1 : 0);
+                  read_b ? 1 : 0, write_b ? 1 : 0, leaky ? 1 : 0);
   }
 }
 
@@ -598,18 +602,19 @@ std::size_t CapsuleRoutingWorkspaceBytes(const CapsuleDims& d, int iterations, G
 template <typename T>
 int LaunchCapsuleRoutingForward(const T* u, const T* W, T* s_j, T* c_ij, void* workspace,
                                 std::size_t workspace_bytes, const CapsuleDims& d,
-                                int iterations, GpuStream stream, GpuAlgo algo) {
+                                int iterations, bool leaky, GpuStream stream, GpuAlgo algo) {
   using A = Acc<T>;
   if (iterations < 1) return cudaErrorInvalidValue;
   if (RoutingIsEmpty(d)) {
-    // u_hat empty or zero: s_j = 0 and c_ij = softmax(0) = 1 / out_caps.
+    // u_hat empty or zero: s_j = 0 and c_ij = softmax(0) = 1 / out_caps (leaky:
+    // 1 / (out_caps + 1), the zero logit's share dropped).
     const int64 s_size = d.batch * d.rows_per_cap();
     const int64 c_size = d.batch * d.in_caps * d.out_caps;
     cudaError_t err = cudaSuccess;
     if (s_size > 0) err = cudaMemsetAsync(s_j, 0, s_size * sizeof(T), stream);
     if (err == cudaSuccess && c_size > 0) {
       err = Launch(FillKernel<T>, GenericGrid(c_size), dim3(kGenericThreads), 0, stream, c_ij,
-                   c_size, A(1) / static_cast<A>(d.out_caps));
+                   c_size, A(1) / static_cast<A>(d.out_caps + (leaky ? 1 : 0)));
     }
     return err;
   }
@@ -660,17 +665,18 @@ int LaunchCapsuleRoutingForward(const T* u, const T* W, T* s_j, T* c_ij, void* w
                      dim3(static_cast<unsigned>(p.mma.cap_blocks), static_cast<unsigned>(p.mma.tiles)),
                      dim3(kMmaThreads), p.mma.smem, stream, u, w_hi, w_lo, v, ws.b_ij, c_out, ws.partials,
                      d.batch, d.in_caps, static_cast<int>(d.out_caps), p.mma.cpb, read_b ? 1 : 0,
-                     write_b ? 1 : 0);
+                     write_b ? 1 : 0, leaky ? 1 : 0);
       }
     } else if (tiled) {
       err = DispatchVecK(p.vec, p.kmax, [&](auto vec, auto kmax) {
         return LaunchRoutingIteration<T, decltype(vec)::value, decltype(kmax)::value>(
-            u, W, v, ws.b_ij, c_out, ws.partials, d, p, read_b, write_b, stream);
+            u, W, v, ws.b_ij, c_out, ws.partials, d, p, read_b, write_b, leaky, stream);
       });
     } else {
       err = Launch(RoutingSoftmaxGenericKernel<T>, GenericGrid(d.batch * d.in_caps),
                    dim3(kGenericThreads), 0, stream, u, W, v, ws.b_ij, ws.c_ij, c_out, d.batch,
-                   d.in_caps, d.out_caps, d.out_dim, d.in_dim, read_b ? 1 : 0, write_b ? 1 : 0);
+                   d.in_caps, d.out_caps, d.out_dim, d.in_dim, read_b ? 1 : 0, write_b ? 1 : 0,
+                   leaky ? 1 : 0);
       if (err == cudaSuccess) {
         err = Launch(RoutingSumGenericKernel<T>, GenericGrid(d.batch * d.rows_per_cap()),
                      dim3(kGenericThreads), 0, stream, u, W, ws.c_ij, ws.partials, d.batch,
@@ -741,7 +747,7 @@ int LaunchCapsuleRoutingGrad(const T* c_ij, const T* grad_s, const T* u, const T
   template std::size_t CapsuleRoutingWorkspaceBytes<T>(const CapsuleDims&, int, GpuAlgo); \
   template std::size_t CapsuleRoutingGradWorkspaceBytes<T>(const CapsuleDims&, GpuAlgo);   \
   template int LaunchCapsuleRoutingForward<T>(const T*, const T*, T*, T*, void*,          \
-                                              std::size_t, const CapsuleDims&, int,      \
+                                              std::size_t, const CapsuleDims&, int, bool, \
                                               GpuStream, GpuAlgo);                       \
   template int LaunchCapsuleRoutingGrad<T>(const T*, const T*, const T*, const T*, T*, T*, \
                                            void*, std::size_t, const CapsuleDims&,       \

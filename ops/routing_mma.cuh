@@ -241,7 +241,8 @@ __global__ void __launch_bounds__(kMmaThreads, MmaIo<T>::kBlocksPerSm)
                               const typename MmaIo<T>::S* __restrict__ W_lo,
                               const float* __restrict__ v, float* __restrict__ b_ij,
                               T* __restrict__ c_out, float* __restrict__ partials, int64 batch,
-                              int64 in_caps, int out_caps, int64 cpb, int read_b, int write_b) {
+                              int64 in_caps, int out_caps, int64 cpb, int read_b, int write_b,
+                              int leaky) {
   using Io = MmaIo<T>;
   using S = typename Io::S;
   using Ops = MmaOps<S>;
@@ -420,13 +421,14 @@ __global__ void __launch_bounds__(kMmaThreads, MmaIo<T>::kBlocksPerSm)
       }
       logit[j] = (read_b && my_ok ? b_ij[my_at + j] : 0.0f) + z;
     }
-    // c_ij = softmax_j of this lane's logits.
-    float m = logit[0];
+    // c_ij = softmax_j of this lane's logits; leaky: over [0, logits], the zero
+    // logit in the max and first in the sum, its share dropped.
+    float m = leaky ? max(0.0f, logit[0]) : logit[0];
 #pragma unroll
     for (int j = 1; j < JM; ++j) {
       if (j < J) m = max(m, logit[j]);
     }
-    float sum = 0.0f;
+    float sum = leaky ? __expf(-m) : 0.0f;
 #pragma unroll
     for (int j = 0; j < JM; ++j) {
       if (j < J) {

@@ -7,12 +7,13 @@
 //                              host reference; exit 1 on any mismatch. Small
 //                              enough to run under compute-sanitizer
 //                              memcheck/racecheck.
-//   sanitize_driver --bench [--iters N] [--repeats N] [--shape NAME] [--routing]
+//   sanitize_driver --bench [--iters N] [--repeats N] [--shape NAME] [--routing] [--leaky]
 //                              time forward/backward at the benchmark shapes
 //                              with CUDA events, next to a device-to-device copy;
 //                              --shape keeps one shape (paper, batch512, large),
 //                              --routing only the fused routing op (e.g. under
-//                              ncu: --iters 1 --repeats 1 keeps the launches few).
+//                              ncu: --iters 1 --repeats 1 keeps the launches few),
+//                              --leaky times the fused routing with leaky routing.
 //
 // Built by `python scripts/build_ops.py --driver` into build/sanitize_driver.
 // Buffers are allocated at their exact size so memcheck sees any overrun, and
@@ -241,7 +242,8 @@ bool CheckShape(const CapsuleDims& d, GpuAlgo algo, std::mt19937& rng) {
 }
 
 // ---------------------------------------------------------------------------
-// Fused routing: host reference in double (Procedure 1, as the CPU kernel), with
+// Fused routing: host reference in double (Procedure 1, as the CPU kernel; leaky:
+// the softmax over [0, b_i1..b_iJ] with the zero logit's share dropped), with
 // error scales for the tolerance. L[b, i] = the absolute sum of the terms of the
 // logits b_i. (rounding them moves c_ij by about eps * L * c_ij, and by at most
 // eps * L); s_j's terms are c_ij u_hat with u_hat itself a sum of K products, so
@@ -253,7 +255,7 @@ struct RoutingReference {
 };
 
 RoutingReference HostRouting(const std::vector<double>& u, const std::vector<double>& w,
-                             const CapsuleDims& d, int iterations) {
+                             const CapsuleDims& d, int iterations, bool leaky) {
   const int64 B = d.batch, I = d.in_caps, J = d.out_caps, D = d.out_dim, K = d.in_dim;
   const int64 JD = J * D;
   RoutingReference ref;
@@ -281,9 +283,9 @@ RoutingReference HostRouting(const std::vector<double>& u, const std::vector<dou
     std::fill(terms.begin(), terms.end(), 0.0);
     for (int t = 0; t < iterations; ++t) {
       for (int64 i = 0; i < I; ++i) {
-        double m = logits[i * J];
+        double m = leaky ? std::max(0.0, logits[i * J]) : logits[i * J];
         for (int64 j = 1; j < J; ++j) m = std::max(m, logits[i * J + j]);
-        double sum = 0;
+        double sum = leaky ? std::exp(-m) : 0.0;
         for (int64 j = 0; j < J; ++j) sum += c[i * J + j] = std::exp(logits[i * J + j] - m);
         for (int64 j = 0; j < J; ++j) c[i * J + j] /= sum;
       }
@@ -358,7 +360,7 @@ bool CompareRouted(const char* what, const std::vector<T>& got, const std::vecto
 }
 
 template <typename T>
-bool CheckRouting(const CapsuleDims& d, int iterations, GpuAlgo algo, std::mt19937& rng) {
+bool CheckRouting(const CapsuleDims& d, int iterations, bool leaky, GpuAlgo algo, std::mt19937& rng) {
   std::uniform_real_distribution<double> dist(-1.0, 1.0);
   const int64 B = d.batch, I = d.in_caps, J = d.out_caps, D = d.out_dim, K = d.in_dim;
   const int64 JD = J * D;
@@ -373,7 +375,7 @@ bool CheckRouting(const CapsuleDims& d, int iterations, GpuAlgo algo, std::mt199
   // The gradient's own inputs: any c_ij in [0, 1] and grad_s.
   for (size_t x = 0; x < hc.size(); ++x) { hc[x] = Host<T>::from(0.5 + 0.5 * dist(rng)); cin[x] = Host<T>::to(hc[x]); }
   for (size_t x = 0; x < hg.size(); ++x) { hg[x] = Host<T>::from(dist(rng)); g[x] = Host<T>::to(hg[x]); }
-  const RoutingReference ref = HostRouting(u, w, d, iterations);
+  const RoutingReference ref = HostRouting(u, w, d, iterations, leaky);
 
   // Gradient reference: grad_u_hat = c ⊗ g, then the prediction gradient.
   std::vector<double> grad_u(hu.size(), 0), s_u(hu.size(), 0), grad_w(hw.size(), 0), s_w(hw.size(), 0);
@@ -422,7 +424,7 @@ bool CheckRouting(const CapsuleDims& d, int iterations, GpuAlgo algo, std::mt199
   CHECK_CUDA(cudaDeviceSynchronize());
   auto forward = [&] {
     CHECK_LAUNCH(capsnet::LaunchCapsuleRoutingForward<T>(du.ptr, dw.ptr, ds.ptr, dco.ptr, fwd_ws,
-                                                         fwd_bytes, d, iterations, stream, algo));
+                                                         fwd_bytes, d, iterations, leaky, stream, algo));
   };
   auto backward = [&] {
     CHECK_LAUNCH(capsnet::LaunchCapsuleRoutingGrad<T>(dc.ptr, dg.ptr, du.ptr, dw.ptr, dgu.ptr,
@@ -505,7 +507,8 @@ int RunChecks() {
   run_all(capsnet::half_t());
   run_all(capsnet::bfloat16_t());
 
-  // Fused routing: (shape, iterations), each line a path of the routing plan.
+  // Fused routing: (shape, iterations), each line a path of the routing plan, each
+  // with and without leaky routing (the softmax with the extra zero logit).
   const std::vector<std::pair<CapsuleDims, int>> routing = {
       {{3, 5, 2, 16, 8}, 3},     // 4 rows per thread, in_dim 8
       {{2, 7, 3, 5, 3}, 3},      // odd out_dim: 1 row per thread, in_dim padded to 4
@@ -530,14 +533,16 @@ int RunChecks() {
   auto run_routing = [&](auto tag) {
     using T = decltype(tag);
     for (const auto& [d, iterations] : routing) {
-      for (GpuAlgo algo : {GpuAlgo::kAuto, GpuAlgo::kCudaCores, GpuAlgo::kGeneric}) {
-        const bool ok = CheckRouting<T>(d, iterations, algo, rng);
-        ++runs;
-        if (!ok) ++failures;
-        std::printf("%-4s %-8s routing r=%d B=%lld I=%lld J=%lld D=%lld K=%lld %s\n", ok ? "ok" : "FAIL",
-                    Host<T>::name(), iterations, (long long)d.batch, (long long)d.in_caps,
-                    (long long)d.out_caps, (long long)d.out_dim, (long long)d.in_dim,
-                    algo == GpuAlgo::kAuto ? "auto" : (algo == GpuAlgo::kCudaCores ? "cuda-cores" : "generic"));
+      for (const bool leaky : {false, true}) {
+        for (GpuAlgo algo : {GpuAlgo::kAuto, GpuAlgo::kCudaCores, GpuAlgo::kGeneric}) {
+          const bool ok = CheckRouting<T>(d, iterations, leaky, algo, rng);
+          ++runs;
+          if (!ok) ++failures;
+          std::printf("%-4s %-8s routing%s r=%d B=%lld I=%lld J=%lld D=%lld K=%lld %s\n", ok ? "ok" : "FAIL",
+                      Host<T>::name(), leaky ? " leaky" : "", iterations, (long long)d.batch,
+                      (long long)d.in_caps, (long long)d.out_caps, (long long)d.out_dim, (long long)d.in_dim,
+                      algo == GpuAlgo::kAuto ? "auto" : (algo == GpuAlgo::kCudaCores ? "cuda-cores" : "generic"));
+        }
       }
     }
   };
@@ -579,6 +584,7 @@ struct BenchOptions {
   int repeats = 7;
   std::string shape;     // empty: every shape
   bool routing = false;  // only the fused routing op
+  bool leaky = false;    // the fused routing with leaky routing
 };
 
 int RunBench(const BenchOptions& opt) {
@@ -668,7 +674,8 @@ int RunBench(const BenchOptions& opt) {
   // type): the forward (prediction + 3 iterations) and the gradient. Bytes: the inputs and outputs once (u, W, s_j, c_ij; backward:
   // u, W, c_ij, grad_s, grad_u, grad_W), for comparison with the unfused path's
   // u_hat of B*I*J*D floats written once and read ~7 times.
-  std::printf("\n| shape (B, I, J, D, K) | fused routing, r=3 | pass | us | bytes in+out (MB) | u_hat (MB) |\n");
+  std::printf("\n| shape (B, I, J, D, K) | fused %srouting, r=3 | pass | us | bytes in+out (MB) | u_hat (MB) |\n",
+              opt.leaky ? "leaky " : "");
   std::printf("|---|---|---|---:|---:|---:|\n");
   auto bench_routing = [&](auto type_tag, const char* type_name, GpuAlgo algo) {
     using T = decltype(type_tag);
@@ -690,7 +697,8 @@ int RunBench(const BenchOptions& opt) {
       if (grad_bytes > 0) CHECK_CUDA(cudaMalloc(&grad_ws, grad_bytes));
       const double fwd_us = TimeUs([&] {
         CHECK_LAUNCH(capsnet::LaunchCapsuleRoutingForward<T>(u.ptr, w.ptr, s_j.ptr, c_ij.ptr, fwd_ws,
-                                                             fwd_bytes, d, iterations, stream, algo));
+                                                             fwd_bytes, d, iterations, opt.leaky, stream,
+                                                             algo));
       }, iters, repeats, stream);
       const double bwd_us = TimeUs([&] {
         CHECK_LAUNCH(capsnet::LaunchCapsuleRoutingGrad<T>(c_ij.ptr, g.ptr, u.ptr, w.ptr, gu.ptr, gw.ptr,
@@ -731,9 +739,11 @@ int main(int argc, char** argv) {
       opt.shape = argv[++a];
     } else if (arg == "--routing") {
       opt.routing = true;
+    } else if (arg == "--leaky") {
+      opt.leaky = true;
     } else {
       std::fprintf(stderr,
-                   "usage: %s [--bench [--iters N] [--repeats N] [--shape NAME] [--routing]]\n",
+                   "usage: %s [--bench [--iters N] [--repeats N] [--shape NAME] [--routing] [--leaky]]\n",
                    argv[0]);
       return 2;
     }

@@ -125,14 +125,14 @@ ffi::Error PredictionGradHost(ffi::AnyBuffer grad, ffi::AnyBuffer u, ffi::AnyBuf
 }
 
 ffi::Error RoutingHost(ffi::AnyBuffer u, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> s_j,
-                       ffi::Result<ffi::AnyBuffer> c_ij, int32_t iterations) {
+                       ffi::Result<ffi::AnyBuffer> c_ij, int32_t iterations, bool leaky) {
   const CapsuleDims d = DimsOf(u, w);
   if (d.batch * d.out_caps == 0) return ffi::Error::Success();  // s_j and c_ij empty
   return ByType<Eigen::half, Eigen::bfloat16>(u.element_type(), "capsule_routing", u,
                                                [&](auto t) {
     using T = decltype(t);
     return CpuCapsuleRouting(In<T>(u), In<T>(w), Out<T>(s_j), Out<T>(c_ij), d, iterations,
-                             HostParts(), RunOnThreads)
+                             leaky, HostParts(), RunOnThreads)
                ? ffi::Error::Success()
                : OutOfMemory("capsule_routing");
   });
@@ -173,7 +173,8 @@ XLA_FFI_DEFINE_HANDLER(kRoutingHost, RoutingHost,
                            .Arg<ffi::AnyBuffer>()  // W
                            .Ret<ffi::AnyBuffer>()  // s_j
                            .Ret<ffi::AnyBuffer>()  // c_ij
-                           .Attr<int32_t>("iterations"));
+                           .Attr<int32_t>("iterations")
+                           .Attr<bool>("leaky"));
 XLA_FFI_DEFINE_HANDLER(kRoutingGradHost, RoutingGradHost,
                        ffi::Ffi::Bind()
                            .Arg<ffi::AnyBuffer>()  // u
@@ -225,7 +226,7 @@ ffi::Error PredictionGradCuda(GpuStream stream, ffi::AnyBuffer grad, ffi::AnyBuf
 
 ffi::Error RoutingCuda(GpuStream stream, ffi::AnyBuffer u, ffi::AnyBuffer w,
                        ffi::Result<ffi::AnyBuffer> s_j, ffi::Result<ffi::AnyBuffer> c_ij,
-                       ffi::Result<ffi::AnyBuffer> workspace, int32_t iterations) {
+                       ffi::Result<ffi::AnyBuffer> workspace, int32_t iterations, bool leaky) {
   const CapsuleDims d = DimsOf(u, w);
   if (d.batch * d.out_caps == 0) return ffi::Error::Success();
   return ByType<half_t, bfloat16_t>(u.element_type(), "capsule_routing", u, [&](auto t) {
@@ -233,7 +234,8 @@ ffi::Error RoutingCuda(GpuStream stream, ffi::AnyBuffer u, ffi::AnyBuffer w,
     return LaunchError(
         LaunchCapsuleRoutingForward(In<T>(u), In<T>(w), Out<T>(s_j), Out<T>(c_ij),
                                     workspace->untyped_data(), workspace->size_bytes(), d,
-                                    iterations, stream, RoutingAlgo<T>(tsl::tensor_float_32_execution_enabled())),
+                                    iterations, leaky, stream,
+                                    RoutingAlgo<T>(tsl::tensor_float_32_execution_enabled())),
         "capsule_routing");
   });
 }
@@ -280,7 +282,8 @@ XLA_FFI_DEFINE_HANDLER(kRoutingCuda, RoutingCuda,
                            .Ret<ffi::AnyBuffer>()  // s_j
                            .Ret<ffi::AnyBuffer>()  // c_ij
                            .Ret<ffi::AnyBuffer>()  // workspace
-                           .Attr<int32_t>("iterations"));
+                           .Attr<int32_t>("iterations")
+                           .Attr<bool>("leaky"));
 XLA_FFI_DEFINE_HANDLER(kRoutingGradCuda, RoutingGradCuda,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<GpuStream>>()

@@ -181,20 +181,26 @@ class CapsuleRoutingXla : public CustomCallKernel {
   explicit CapsuleRoutingXla(OpKernelConstruction* ctx)
       : CustomCallKernel(ctx, kRoutingTarget, Workspace::kRouting) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("iterations", &iterations_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("leaky", &leaky_));
   }
 
   void Compile(XlaOpKernelContext* ctx) override {  // u, W
     ::capsnet::CapsuleDims d;
     OP_REQUIRES_OK(ctx, CheckForwardShapes(ctx->InputShape(0), ctx->InputShape(1), &d,
                                            kRoutingOp));
+    // Both attributes always: the handlers bind both (the workspace does not depend on
+    // leaky).
     Emit(ctx, d,
          {TensorShape({d.batch, d.out_caps, d.out_dim}),
           TensorShape({d.batch, d.in_caps, d.out_caps})},
-         iterations_, "{iterations = " + std::to_string(iterations_) + " : i32}");
+         iterations_,
+         "{iterations = " + std::to_string(iterations_) +
+             " : i32, leaky = " + (leaky_ ? "true" : "false") + "}");
   }
 
  private:
   int iterations_;
+  bool leaky_;
 };
 
 class CapsuleRoutingGradXla : public CustomCallKernel {

@@ -21,7 +21,8 @@ copy bandwidth) and the speed-up over the matmul path. A markdown table goes to
 stdout.
 
 A second table times the whole routing step, u and W to (v_j, c_ij) with
-r = --iterations (3) and stop-gradient routing, as DigitCaps computes it
+r = --iterations (3) and stop-gradient routing, as DigitCaps computes it, with the
+plain softmax or (--leaky) the authors' leaky one, as the CIFAR-10 preset routes
 (--routing-impls; `none` skips it):
     fused            capsnet.ops.capsule_routing + squash (backend fused_op: custom_op=true)
     op+routing       the prediction op, then dynamic_routing as TF ops (custom_op=true)
@@ -63,6 +64,7 @@ SHAPES = {  # name: (batch, in_caps, out_caps, out_dim, in_dim)
     "batch16": (16, 1152, 10, 16, 8),  # small batches, where per-call costs weigh most
     "batch512": (512, 1152, 10, 16, 8),
     "large": (128, 4608, 32, 16, 8),
+    "cifar10": (128, 1024, 10, 16, 8),  # experiment=paper_cifar10's DigitCaps (VALID padding: 4x4x64)
 }
 IMPLS = ("op", "matmul", "einsum", "matmul_xla")
 PASSES = ("forward", "backward", "forward+backward")
@@ -95,18 +97,18 @@ def make_step(impl, pass_name):
     return step
 
 
-def make_routing_step(impl, pass_name, iterations):
+def make_routing_step(impl, pass_name, iterations, leaky=False):
     """A function (u, W, g) -> tuple of result tensors for one routing step; g is dL/dv_j."""
 
     def route(u, W):
         if impl == "fused":
-            s_j, c_ij = ops.capsule_routing(u, W, iterations)
+            s_j, c_ij = ops.capsule_routing(u, W, iterations, leaky=leaky)
             return squash(s_j), c_ij
         if impl == "op+routing":
-            return dynamic_routing(ops.capsule_prediction(u, W), iterations)
+            return dynamic_routing(ops.capsule_prediction(u, W), iterations, leaky=leaky)
         if impl == "op+jit_routing":
-            return _dynamic_routing_xla(ops.capsule_prediction(u, W), iterations, True)
-        return dynamic_routing(ops.capsule_prediction_matmul(u, W), iterations)  # matmul_xla
+            return _dynamic_routing_xla(ops.capsule_prediction(u, W), iterations, True, None, leaky)
+        return dynamic_routing(ops.capsule_prediction_matmul(u, W), iterations, leaky=leaky)  # matmul_xla
 
     def step(u, W, g):
         if pass_name == "forward":
@@ -219,6 +221,8 @@ def main(argv=None):
     parser.add_argument("--routing-passes", default=",".join(ROUTING_PASSES),
                         help=f"routing step: comma-separated from {', '.join(ROUTING_PASSES)}")
     parser.add_argument("--iterations", type=int, default=3, help="routing iterations r (default 3, the paper's)")
+    parser.add_argument("--leaky", action="store_true",
+                        help="routing step with leaky routing (model.routing.leaky=true, the CIFAR-10 preset's)")
     parser.add_argument("--iters", type=int, default=None, help="iterations per timed call (default 40 GPU, 8 CPU)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16", "float64"), default="float32")
@@ -278,7 +282,7 @@ def main(argv=None):
             routing_times = {}
             for impl in routing_impls:
                 for pass_name in routing_passes:
-                    run = make_unrolled(make_routing_step(impl, pass_name, args.iterations), B)
+                    run = make_unrolled(make_routing_step(impl, pass_name, args.iterations, args.leaky), B)
                     routing_times[impl, pass_name] = per_iteration_us(run, (u_buf, W, gv_buf), iters, args.repeats)
             for pass_name in routing_passes:
                 for impl in routing_impls:
@@ -302,7 +306,8 @@ def main(argv=None):
             print(f"| {shape_s} | {impl} | {pass_name} | {us:.1f} | {gbs:.0f} | {pct:.0f} | {floor_x:.2f} | "
                   f"{speedup:.2f} |")
     if routing_rows:
-        print(f"\nRouting step, r = {args.iterations}, stop-gradient routing (u, W → v_j, c_ij):\n")
+        print(f"\nRouting step, r = {args.iterations}, stop-gradient{' leaky' if args.leaky else ''} routing "
+              "(u, W → v_j, c_ij):\n")
         print("| shape (B, I, J, D, K) | impl | pass | µs | u_hat MB | speed-up vs op+routing | "
               "speed-up vs matmul_xla |")
         print("|---|---|---|---:|---:|---:|---:|")

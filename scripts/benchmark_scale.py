@@ -211,7 +211,7 @@ def worker(spec):
 
     try:
         routing = bt.variant_model_cfg(spec["variant"], spec["model"])["routing"]
-        config.check_xla(spec["xla"], routing)
+        config.check_xla(spec["xla"], routing["backend"])
         set_autoclustering(spec["xla"] == "autocluster")  # before TensorFlow sets up its devices
         set_tensor_float_32(spec["train"]["tf32"])  # train.tf32 (default on), as train.py sets it
         most = max(spec["replicas"] or [1])

@@ -121,16 +121,23 @@ def label(variant):
 
 def variant_model_cfg(variant, model_cfg):
     """The config's model section as `variant` builds it: the fused variants
-    model.routing=auto (with custom_op=true: the fused op, capsnet.config.routing_mode),
-    the others model.routing=tf."""
+    model.routing.backend=auto (with custom_op=true: the fused op, capsnet.config.routing_mode),
+    the others model.routing.backend=tf. Only the backend changes: the routing section's
+    other keys (algorithm, leaky: experiment=paper_cifar10's leaky routing) are the config's."""
     if variant in FUSED_VARIANTS:
         if model_cfg.get("digit_caps_bias") is not None:
             fail(f"{variant} times the fused routing op, which has no capsule bias: drop "
                  f"model.digit_caps_bias={model_cfg['digit_caps_bias']} or that variant")
-        return {**model_cfg, "routing": "auto"}
+        return _with_backend(model_cfg, "auto")
     # The other variants time the unfused paths: the op for u_hat alone, TF routing
     # (auto would pick the fused op for custom_op=true).
-    return {**model_cfg, "routing": "tf"}
+    return _with_backend(model_cfg, "tf")
+
+
+def _with_backend(model_cfg, backend):
+    routing = model_cfg.get("routing", {})
+    routing = {} if isinstance(routing, str) else routing  # the old string form names the backend alone
+    return {**model_cfg, "routing": {**routing, "backend": backend}}
 
 
 # --------------------------------------------------------------------------- arguments
@@ -489,7 +496,7 @@ def worker(spec):
     result = {"variant": spec["variant"], "results": [], "error": None, "tensorflow": tf.__version__}
     try:
         routing = variant_model_cfg(spec["variant"], spec["model"])["routing"]
-        config.check_xla(spec["xla"], routing)
+        config.check_xla(spec["xla"], routing["backend"])
         # Before TensorFlow sets up its devices: it reads the XLA flags then (see set_autoclustering).
         set_autoclustering(spec["xla"] == "autocluster")
         set_tensor_float_32(spec["train"]["tf32"])  # train.tf32 (TensorFlow's default: on), as train.py sets it

@@ -99,8 +99,8 @@ op_devices = []
 def spy_on(name):
     real_op = getattr(ops, name)
 
-    def spy(u, W, *args):
-        out = real_op(u, W, *args)
+    def spy(u, W, *args, **kwargs):
+        out = real_op(u, W, *args, **kwargs)
         if not tf.executing_eagerly():  # the train step, traced once per replica (not check_op_library's probe)
             op_devices.append((out[0] if isinstance(out, tuple) else out).device)
         return out

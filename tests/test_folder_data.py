@@ -176,3 +176,33 @@ def test_the_paper_cifar10_preset_trains_a_step_on_a_folder(tmp_path):
     metrics = train(cfg)
     assert metrics["global_step"] == 1 and np.isfinite(metrics["test_loss"])
     assert metrics["history"][0]["train_loss"] > 0
+
+
+@pytest.mark.slow
+def test_the_paper_cifar10_preset_trains_through_the_fused_op(tmp_path):
+    """custom_op=true on experiment=paper_cifar10 routes in the fused op, leaky routing and
+    all (capsnet.config.routing_mode), and its step and test pass give custom_op=false's
+    losses: the same seed, so the same weights and data, through the op's leaky softmax
+    instead of TensorFlow's."""
+    from conftest import TINY_MODEL, TINY_TRAIN, compose_config
+
+    from capsnet import config
+    from capsnet.datasets import DATASETS
+    from capsnet.training import train
+
+    classes = DATASETS["cifar10"].class_names
+    root = tmp_path / "cifar10"
+    make_folder(root, n_per_class=2, classes=classes, size=32, splits=("train",), seed=1)
+    make_folder(root, n_per_class=1, classes=classes, size=32, splits=("test",), seed=2)
+    metrics = {}
+    for custom_op in ("false", "true"):
+        cfg = compose_config("train", ["experiment=paper_cifar10", *TINY_MODEL, *TINY_TRAIN, f"data.dir={root}",
+                                       "train.epochs=1", "train.batch_size=20", f"custom_op={custom_op}",
+                                       f"run_dir={tmp_path / custom_op}"])
+        assert cfg["model"]["routing"]["leaky"]
+        assert config.routing_mode(cfg["custom_op"], cfg["model"]) == ("fused_op" if custom_op == "true" else "matmul")
+        metrics[custom_op] = train(cfg)
+    fused, plain = metrics["true"], metrics["false"]
+    assert fused["global_step"] == plain["global_step"] == 1
+    assert fused["history"][0]["train_loss"] == pytest.approx(plain["history"][0]["train_loss"], rel=1e-4)
+    assert fused["test_loss"] == pytest.approx(plain["test_loss"], rel=1e-4)

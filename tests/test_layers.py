@@ -308,13 +308,15 @@ def test_digit_caps_fused_routing_uses_only_the_fused_op(spy_on_op, monkeypatch)
     routing_calls = []
     real_routing = ops.capsule_routing
 
-    def spy(u, W, iterations):
-        routing_calls.append((tuple(u.shape), tuple(W.shape), iterations))
-        return real_routing(u, W, iterations)
+    def spy(u, W, iterations, leaky=False):
+        routing_calls.append((tuple(u.shape), tuple(W.shape), iterations, leaky))
+        return real_routing(u, W, iterations, leaky=leaky)
 
     monkeypatch.setattr(ops, "capsule_routing", spy)
     legacy_digit_caps(num_caps=5, dim=6, routing_iterations=2, routing="fused_op")(CAPSULES)
-    assert routing_calls == [((2, 18, 4), (18, 5, 6, 4), 2)] and prediction_calls == []
+    assert routing_calls == [((2, 18, 4), (18, 5, 6, 4), 2, False)] and prediction_calls == []
+    DigitCaps(num_caps=5, dim=6, router=DynamicRouting(2, leaky=True, backend="fused_op"))(CAPSULES)
+    assert routing_calls[1:] == [((2, 18, 4), (18, 5, 6, 4), 2, True)] and prediction_calls == []
 
 
 @pytest.mark.parametrize("kwargs, match", [

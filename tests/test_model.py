@@ -368,18 +368,19 @@ def _loss_and_grads(model, x, labels):
     return out, tape.gradient(loss, model.trainable_variables)
 
 
+@pytest.mark.parametrize("leaky", [False, True], ids=["plain", "leaky"])
 @pytest.mark.parametrize("routing_iterations", [1, 3])
-def test_fused_routing_matches_the_matmul_path(routing_iterations, no_tf32):
+def test_fused_routing_matches_the_matmul_path(routing_iterations, leaky, no_tf32):
     """model.fused_routing=true (one op for prediction + routing) against the plain
-    custom_op=false model on the same weights: every output and every gradient.
-    On the GPU where TensorFlow sees one, else on the CPU."""
-    plain = lively(build_model(routing_iterations=routing_iterations, **SMALL))
-    fused = build_model(routing_iterations=routing_iterations, routing="fused_op", **SMALL)
+    custom_op=false model on the same weights: every output and every gradient, with the
+    plain and the leaky softmax. On the GPU where TensorFlow sees one, else on the CPU."""
+    plain = lively(build_model(router=DynamicRouting(routing_iterations, leaky=leaky, backend="matmul"), **SMALL))
+    fused = build_model(router=DynamicRouting(routing_iterations, leaky=leaky, backend="fused_op"), **SMALL)
     fused.set_weights(plain.get_weights())
     x, labels = images(), np.array([3, 1, 4, 1])
     out_plain, grads_plain = _loss_and_grads(plain, x, labels)
     out_fused, grads_fused = _loss_and_grads(fused, x, labels)
-    assert fused.router.backend == "fused_op"
+    assert fused.router.backend == "fused_op" and fused.router.leaky is leaky
     for key in out_plain:
         np.testing.assert_allclose(out_fused[key].numpy(), out_plain[key].numpy(), rtol=1e-4, atol=1e-6,
                                    err_msg=key)
@@ -387,19 +388,28 @@ def test_fused_routing_matches_the_matmul_path(routing_iterations, no_tf32):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-3, atol=1e-6, err_msg=var.path)
 
 
-def test_fused_routing_train_step_matches_the_matmul_path(no_tf32):
-    """The real compiled train step (capsnet.training.steps.make_train_step) of both models
-    from the same weights: the losses of five Adam steps agree."""
+@pytest.mark.parametrize("leaky", [False, True], ids=["plain", "leaky"])
+def test_fused_routing_train_step_matches_the_matmul_path(leaky, no_tf32):
+    """The real compiled train step (capsnet.training.steps.make_train_step) of both models,
+    built from the config with custom_op=false and true, from the same weights: the losses
+    of five Adam steps agree. With model.routing.leaky=true (the CIFAR-10 preset's routing)
+    custom_op=true trains through the fused op too."""
     from capsnet.losses import loss_params
+    from capsnet.training.model_setup import build_capsnet
     from capsnet.training.steps import make_train_step
 
-    train_cfg = config()["train"]
     x, labels = images(batch=8), (np.arange(8) % 10).astype(np.int32)
     losses = {}
-    start = lively(build_model(**SMALL)).get_weights()
-    for name, kwargs in (("plain", {}), ("fused", dict(routing="fused_op"))):
-        model = build_model(**SMALL, **kwargs)
+    start = None
+    for name, custom_op in (("plain", False), ("fused", True)):
+        cfg = config(f"custom_op={str(custom_op).lower()}", f"model.routing.leaky={str(leaky).lower()}",
+                     *CONFIG_SMALL)
+        model = build_capsnet(cfg["model"], cfg["custom_op"])
+        assert model.router.backend == ("fused_op" if custom_op else "matmul") and model.router.leaky is leaky
+        if start is None:  # the first model's start, lively, for both
+            start = lively(model).get_weights()
         model.set_weights(start)
+        train_cfg = cfg["train"]
         step = make_train_step(model, keras.optimizers.Adam(1e-3), input_shape=(28, 28, 1),
                                losses=loss_params(train_cfg))
         losses[name] = [float(step(x, labels)["loss"]) for _ in range(5)]
@@ -460,7 +470,7 @@ def test_fused_routing_from_the_config():
     (["custom_op=true", "model.stop_gradient_routing=false"], False),  # a gradient the op lacks
     (["custom_op=true", "model.routing=tf"], False),                  # forced off (the old string override)
     (["custom_op=true", "model.routing.backend=tf"], False),          # forced off
-    (["custom_op=true", "model.routing.leaky=true"], False),          # the op has no leaky routing
+    (["custom_op=true", "model.routing.leaky=true"], True),           # the op routes leaky too (its attr)
     (["custom_op=true", "model.digit_caps_bias=0.1"], False),         # nor a bias
 ])
 def test_fused_routing_null_turns_on_where_it_applies(overrides, fused):

@@ -213,9 +213,9 @@ def test_the_ops_see_16_bit_inputs_under_a_mixed_policy(tiny_config, monkeypatch
     seen = []
     real = ops.capsule_routing
 
-    def spy(u, W, iterations):
+    def spy(u, W, iterations, leaky=False):
         seen.append((u.dtype, W.dtype))
-        return real(u, W, iterations)
+        return real(u, W, iterations, leaky=leaky)
 
     monkeypatch.setattr(ops, "capsule_routing", spy)
     train(tiny_config("train.precision=mixed_bfloat16", "custom_op=true", "train.epochs=1",

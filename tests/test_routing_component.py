@@ -97,7 +97,7 @@ def test_the_layers_choices_are_the_configs():
     (True, {"backend": "tf"}, {}, "op"),
     (True, {"backend": "xla"}, {}, "op_xla"),
     (False, {"backend": "xla"}, {}, "matmul_xla"),
-    (True, {"backend": "auto", "leaky": True}, {}, "op"),           # the fused op has no leaky mode
+    (True, {"backend": "auto", "leaky": True}, {}, "fused_op"),     # the fused op routes leaky too
     (True, {"backend": "auto"}, {"stop_gradient_routing": False}, "op"),
     (True, {"backend": "auto"}, {"digit_caps_bias": 0.1}, "op"),
     (True, {"algorithm": "self_attention", "backend": "auto"}, {}, "op"),

@@ -1,10 +1,11 @@
 """Tests of the fused prediction + dynamic routing op (capsnet.ops.capsule_routing).
 
 References: the NumPy version of Procedure 1 (test_routing.np_dynamic_routing on
-conftest.np_capsule_prediction, float64), the unfused TensorFlow path
+conftest.np_capsule_prediction, float64; with leaky=True, the authors' "none of the
+above" softmax, test_self_attention.np_leaky_routing), the unfused TensorFlow path
 (capsule_prediction + dynamic_routing with stop_gradient=True, values and
 gradients), and finite differences (tf.test.compute_gradient) of the function the
-gradient claims to differentiate. Every test runs on the CPU; the ones with a
+gradient claims to differentiate. The tests with a `leaky` parameter run both softmaxes. Every test runs on the CPU; the ones with a
 `device` parameter run again on /GPU:0 (marker `gpu`, soft placement off, TF32 off)
 where TensorFlow sees a GPU. The library must be built (`make ops`): a missing one
 fails with OpLibraryError, it does not skip. The CUDA kernels' own checks (every plan
@@ -12,6 +13,7 @@ path and dtype, NaN-filled outputs and workspace, under compute-sanitizer memche
 and racecheck) are in ops/sanitize_driver.cu, run by
 test_ops.py::test_gpu_kernels_under_compute_sanitizer.
 """
+import functools
 import json
 import subprocess
 import sys
@@ -25,6 +27,7 @@ from capsnet.routing import dynamic_routing, squash
 from conftest import REPO, TINY_MODEL, entry_point_env, np_capsule_prediction
 from test_ops import accumulation_dtype, assert_error, assert_scratch_refused, run_cases, run_with_limits
 from test_routing import EPSILON, np_dynamic_routing, np_squash
+from test_self_attention import np_leaky_routing
 
 HAS_GPU = bool(tf.config.list_physical_devices("GPU"))
 DEVICES = [
@@ -51,6 +54,9 @@ SHAPES = [
     (2, 3, 3, 40, 2),      # long output capsules
 ]
 ITERATIONS = [1, 2, 3]
+# The op's `leaky` attr: softmax_j(b_ij), or the softmax over [0, b_i1..b_iJ] with the zero
+# logit's share dropped (the authors' CIFAR-10 routing).
+LEAKY = [pytest.param(False, id="plain"), pytest.param(True, id="leaky")]
 
 
 @pytest.fixture(autouse=True)
@@ -88,21 +94,21 @@ def inputs(shape, dtype=np.float64, seed=0):
     return u.astype(dtype), W.astype(dtype)
 
 
-def np_routing(u, W, iterations):
+def np_routing(u, W, iterations, leaky=False):
     """The NumPy reference: (s_j before the squash, c_ij, v_j) of the last iteration."""
     u_hat = np_capsule_prediction(u, W)
-    v, c = np_dynamic_routing(u_hat, iterations)
+    v, c = np_leaky_routing(u_hat, iterations) if leaky else np_dynamic_routing(u_hat, iterations)
     return np.einsum("bij,bijd->bjd", c, u_hat), c, v
 
 
-def unfused(u, W, iterations):
+def unfused(u, W, iterations, leaky=False):
     """The unfused TensorFlow path the op replaces: (v_j, c_ij)."""
-    return dynamic_routing(ops.capsule_prediction_matmul(u, W), iterations, stop_gradient=True)
+    return dynamic_routing(ops.capsule_prediction_matmul(u, W), iterations, stop_gradient=True, leaky=leaky)
 
 
-def fused(u, W, iterations):
+def fused(u, W, iterations, leaky=False):
     """The op as DigitCaps uses it: (squash(s_j), c_ij)."""
-    s_j, c_ij = ops.capsule_routing(u, W, iterations)
+    s_j, c_ij = ops.capsule_routing(u, W, iterations, leaky=leaky)
     return squash(s_j), c_ij
 
 
@@ -150,43 +156,65 @@ FORWARD_TOLERANCE = {np.float64: (1e-10, 1e-12), np.float32: (2e-5, 2e-6)}
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("leaky", LEAKY)
 @pytest.mark.parametrize("dtype, shape, iterations, seed", cases(
     SHAPES, [(5, 9, 10, 16, 8), (33, 37, 10, 16, 8), (3, 2000, 10, 16, 8), (2, 3, 3, 40, 2), (2, 3, 2, 4, 17)],
     ITERATIONS))
-def test_forward_matches_numpy(device, dtype, shape, iterations, seed):
+def test_forward_matches_numpy(device, dtype, shape, iterations, seed, leaky):
     u, W = inputs(shape, dtype, seed)
-    s_j, c_ij = ops.capsule_routing(tf.constant(u), tf.constant(W), iterations)
+    s_j, c_ij = ops.capsule_routing(tf.constant(u), tf.constant(W), iterations, leaky=leaky)
     on_device(device, s_j, c_ij)
     B, I, J, D, _ = shape
     assert s_j.shape == (B, J, D) and c_ij.shape == (B, I, J)
     assert s_j.dtype == c_ij.dtype == tf.as_dtype(dtype)
-    s_ref, c_ref, v_ref = np_routing(u, W, iterations)
+    s_ref, c_ref, v_ref = np_routing(u, W, iterations, leaky)
     rtol, atol = FORWARD_TOLERANCE[dtype]
     assert_close(s_j, s_ref, rtol, atol, "s_j")
     assert_close(c_ij, c_ref, rtol, atol, "c_ij")
     assert_close(squash(s_j), v_ref, rtol, atol, "squash(s_j)")
+    if leaky:  # "none of the above" keeps a share of every row
+        assert np.all(c_ij.numpy().astype(np.float64).sum(-1) < 1)
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
-def test_more_iterations_keep_matching(device):
+@pytest.mark.parametrize("leaky", LEAKY)
+def test_more_iterations_keep_matching(device, leaky):
     u, W = inputs((4, 6, 3, 5, 4), seed=2)
-    s_j, c_ij = ops.capsule_routing(u, W, 6)
-    s_ref, c_ref, _ = np_routing(u, W, 6)
+    s_j, c_ij = ops.capsule_routing(u, W, 6, leaky=leaky)
+    s_ref, c_ref, _ = np_routing(u, W, 6, leaky)
     assert_close(s_j, s_ref, 1e-10, 1e-12, "s_j")
     assert_close(c_ij, c_ref, 1e-10, 1e-12, "c_ij")
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
+@pytest.mark.parametrize("shape", [(3, 5, 4, 6, 3), (2, 9, 10, 16, 8), (2, 3, 2, 4, 17)])
+def test_leaky_first_round_is_uniform_over_the_parents_and_none_of_the_above(device, dtype, shape):
+    """r = 1 routes with b_ij = 0: c_ij = 1 / (out_caps + 1) (the zero logit takes one
+    share), exactly as the TensorFlow path writes it, and s_j = Σ_i u_hat / (out_caps + 1)."""
+    u, W = inputs(shape, dtype.as_numpy_dtype, seed=19)
+    B, I, J, D, _ = shape
+    s_j, c_ij = ops.capsule_routing(u, W, 1, leaky=True)
+    on_device(device, s_j, c_ij)
+    _, c_tf = dynamic_routing(ops.capsule_prediction_matmul(u, W), 1, leaky=True)
+    np.testing.assert_array_equal(c_ij.numpy(), np.full((B, I, J), 1 / (J + 1), dtype.as_numpy_dtype))
+    np.testing.assert_array_equal(c_ij.numpy(), c_tf.numpy())
+    s_ref = np_capsule_prediction(u.astype(np.float64), W.astype(np.float64)).sum(axis=1) / (J + 1)
+    assert_close(s_j, s_ref, *FORWARD_TOLERANCE[dtype.as_numpy_dtype], "s_j")
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("leaky", LEAKY)
 @pytest.mark.parametrize("dtype,atol", [(tf.float16, 1e-2), (tf.bfloat16, 6e-2)])
-def test_forward_16bit(device, dtype, atol):
+def test_forward_16bit(device, dtype, atol, leaky):
     # Routing runs in float32 on the rounded inputs: only the output rounding (and the
     # propagated input rounding, which the reference sees too) differs.
     u, W = inputs((3, 9, 10, 16, 8), np.float32, seed=3)
     u16, W16 = tf.cast(u, dtype), tf.cast(W, dtype)
-    s_j, c_ij = ops.capsule_routing(u16, W16, 3)
+    s_j, c_ij = ops.capsule_routing(u16, W16, 3, leaky=leaky)
     on_device(device, s_j, c_ij)
     assert s_j.dtype == dtype and c_ij.dtype == dtype
-    s_ref, c_ref, _ = np_routing(tf.cast(u16, tf.float64).numpy(), tf.cast(W16, tf.float64).numpy(), 3)
+    s_ref, c_ref, _ = np_routing(tf.cast(u16, tf.float64).numpy(), tf.cast(W16, tf.float64).numpy(), 3, leaky)
     assert_close(tf.cast(s_j, tf.float64), s_ref, 0, atol, "s_j")
     assert_close(tf.cast(c_ij, tf.float64), c_ref, 0, atol, "c_ij")
 
@@ -212,14 +240,15 @@ UNFUSED_TOLERANCE = {np.float64: (1e-10, 1e-12), np.float32: (1e-4, 1e-5)}
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("leaky", LEAKY)
 @pytest.mark.parametrize("dtype, shape, iterations, seed", cases(
     [(3, 5, 2, 16, 8), (4, 7, 3, 6, 3), (70, 2, 10, 16, 8), (2, 3, 2, 4, 17)],
     [(8, 32, 10, 16, 8), (33, 37, 10, 16, 8), (3, 5, 3, 5, 3)], ITERATIONS))
-def test_values_and_gradients_match_unfused_path(device, dtype, shape, iterations, seed):
+def test_values_and_gradients_match_unfused_path(device, dtype, shape, iterations, seed, leaky):
     u, W = inputs(shape, dtype, seed + 5)  # other draws than the forward test's
     weights_v, weights_c = loss_weights(shape, dtype)
-    got = value_and_grads(fused, u, W, iterations, weights_v, weights_c)
-    want = value_and_grads(unfused, u, W, iterations, weights_v, weights_c)
+    got = value_and_grads(functools.partial(fused, leaky=leaky), u, W, iterations, weights_v, weights_c)
+    want = value_and_grads(functools.partial(unfused, leaky=leaky), u, W, iterations, weights_v, weights_c)
     on_device(device, *got)
     rtol, atol = UNFUSED_TOLERANCE[dtype]
     for name, a, b in zip(("v_j", "c_ij", "grad_u", "grad_W"), got, want):
@@ -228,8 +257,9 @@ def test_values_and_gradients_match_unfused_path(device, dtype, shape, iteration
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU visible to TensorFlow")
+@pytest.mark.parametrize("leaky", LEAKY)
 @pytest.mark.parametrize("batch", [128, 512])
-def test_gpu_paper_shape_matches_unfused_path(no_tf32, batch):
+def test_gpu_paper_shape_matches_unfused_path(no_tf32, batch, leaky):
     """The training shape (1152 -> 10 x 16, in_dim 8), fused on /GPU:0 against the
     unfused op + TF routing on /GPU:0, values and gradients, float32."""
     shape = (batch, 1152, 10, 16, 8)
@@ -240,9 +270,9 @@ def test_gpu_paper_shape_matches_unfused_path(no_tf32, batch):
     tf.config.set_soft_device_placement(False)
     try:
         with tf.device("/GPU:0"):
-            got = value_and_grads(fused, u, W, 3, weights_v, weights_c)
-            want = value_and_grads(
-                lambda u, W, r: dynamic_routing(ops.capsule_prediction(u, W), r), u, W, 3, weights_v, weights_c)
+            got = value_and_grads(functools.partial(fused, leaky=leaky), u, W, 3, weights_v, weights_c)
+            want = value_and_grads(lambda u, W, r: dynamic_routing(ops.capsule_prediction(u, W), r, leaky=leaky),
+                                   u, W, 3, weights_v, weights_c)
     finally:
         tf.config.set_soft_device_placement(soft)
     on_device("gpu", *got)
@@ -254,9 +284,10 @@ def test_gpu_paper_shape_matches_unfused_path(no_tf32, batch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU visible to TensorFlow")
+@pytest.mark.parametrize("leaky", LEAKY)
 @pytest.mark.parametrize("dtype", [tf.bfloat16, tf.float16])
 @pytest.mark.parametrize("batch", [100, 512])
-def test_gpu_16bit_tensor_cores_keep_float32_sums(no_tf32, dtype, batch):
+def test_gpu_16bit_tensor_cores_keep_float32_sums(no_tf32, dtype, batch, leaky):
     """At the paper shape the 16-bit op runs on tensor cores (ops/routing_mma.cuh), with
     v_j and c_ij u split into two 16-bit parts so that its sums stay float32-accurate.
     Against the float32 op on the same 16-bit values (CUDA cores with TF32 off, float32 sums), forward
@@ -273,8 +304,8 @@ def test_gpu_16bit_tensor_cores_keep_float32_sums(no_tf32, dtype, batch):
     lib = ops.load_op_library()
     f32 = lambda x: tf.cast(x, tf.float32)
     with tf.device("/GPU:0"):
-        s16, c16 = ops.capsule_routing(u16, W16, 3)
-        s32, c32 = ops.capsule_routing(f32(u16), f32(W16), 3)
+        s16, c16 = ops.capsule_routing(u16, W16, 3, leaky=leaky)
+        s32, c32 = ops.capsule_routing(f32(u16), f32(W16), 3, leaky=leaky)
         gu16, gw16 = lib.capsnet_capsule_routing_grad(u=u16, weights=W16, c_ij=c16, grad_s=grad_s16)
         gu32, gw32 = lib.capsnet_capsule_routing_grad(u=f32(u16), weights=f32(W16), c_ij=f32(c16),
                                                       grad_s=f32(grad_s16))
@@ -292,9 +323,10 @@ def test_gpu_16bit_tensor_cores_keep_float32_sums(no_tf32, dtype, batch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU visible to TensorFlow")
+@pytest.mark.parametrize("leaky", LEAKY)
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("shape", [(40, 6, 10, 16, 8), (33, 37, 7, 16, 8), (512, 1152, 10, 16, 8)])
-def test_gpu_float32_tensor_cores_follow_tf32(shape, jit):
+def test_gpu_float32_tensor_cores_follow_tf32(shape, jit, leaky):
     """With TensorFloat-32 on (TensorFlow's default) the float32 op runs on tensor cores
     at these shapes, W and grad_s split into two bfloat16 parts (ops/routing_mma.cuh):
     products within ~3·2^-16 instead of float32's 2^-24. With TF32 off it keeps the
@@ -307,12 +339,12 @@ def test_gpu_float32_tensor_cores_follow_tf32(shape, jit):
     u, W = inputs(shape, np.float32, seed=13)
     W *= 0.3
     grad_s = np.random.default_rng(14).standard_normal((B, J, D)).astype(np.float32)
-    _, c_ref, _ = np_routing(u.astype(np.float64), W.astype(np.float64), 3)
+    _, c_ref, _ = np_routing(u.astype(np.float64), W.astype(np.float64), 3, leaky)
     c_in = c_ref.astype(np.float32)
     lib = ops.load_op_library()
 
     def route(u, W, c_ij, grad_s):
-        s_j, c_out = ops.capsule_routing(u, W, 3)
+        s_j, c_out = ops.capsule_routing(u, W, 3, leaky=leaky)
         grad_u, grad_W = lib.capsnet_capsule_routing_grad(u=u, weights=W, c_ij=c_ij, grad_s=grad_s)
         return s_j, c_out, grad_u, grad_W
 
@@ -345,8 +377,9 @@ def test_gpu_float32_tensor_cores_follow_tf32(shape, jit):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU visible to TensorFlow")
+@pytest.mark.parametrize("leaky", LEAKY)
 @pytest.mark.parametrize("shape", SHAPES + [(2, 1, 5, 820, 4), (3, 2000, 10, 16, 8), (129, 1152, 10, 16, 8)])
-def test_gpu_matches_cpu_op(no_tf32, shape):
+def test_gpu_matches_cpu_op(no_tf32, shape, leaky):
     """The CUDA kernels against the C++ ones, forward and gradient, float64 (so any
     difference beyond rounding is a kernel bug, not float32 noise)."""
     u, W = inputs(shape, seed=8)
@@ -354,7 +387,7 @@ def test_gpu_matches_cpu_op(no_tf32, shape):
     results = {}
     for where in ("CPU", "GPU"):
         with tf.device(f"/{where}:0"):
-            results[where] = value_and_grads(fused, u, W, 3, weights_v, weights_c)
+            results[where] = value_and_grads(functools.partial(fused, leaky=leaky), u, W, 3, weights_v, weights_c)
     on_device("gpu", *results["GPU"])
     for name, a, b in zip(("v_j", "c_ij", "grad_u", "grad_W"), results["GPU"], results["CPU"]):
         assert_close(a, b, 1e-10, 1e-12, name)
@@ -365,27 +398,33 @@ def test_gpu_matches_cpu_op(no_tf32, shape):
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("leaky", LEAKY)
 @pytest.mark.parametrize("shape", [(1, 1, 1, 1, 1), (2, 3, 2, 4, 5), (3, 2, 3, 3, 3), (2, 4, 1, 2, 7)])
-def test_one_iteration_gradient_matches_finite_differences(device, shape):
-    # With r = 1, c_ij = 1/J is constant, so the op's gradient is the full derivative.
+def test_one_iteration_gradient_matches_finite_differences(device, shape, leaky):
+    # With r = 1, c_ij = 1/J (leaky: 1/(J+1)) is constant, so the op's gradient is the full
+    # derivative.
     u, W = inputs(shape, seed=9)
-    theoretical, numerical = tf.test.compute_gradient(lambda u, W: ops.capsule_routing(u, W, 1)[0], [u, W])
+    theoretical, numerical = tf.test.compute_gradient(
+        lambda u, W: ops.capsule_routing(u, W, 1, leaky=leaky)[0], [u, W])
     for t, n in zip(theoretical, numerical):
         np.testing.assert_allclose(t, n, rtol=1e-6, atol=1e-8)
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("leaky", LEAKY)
 @pytest.mark.parametrize("iterations", [2, 3])
-def test_gradient_is_the_derivative_with_coupling_frozen(device, iterations):
+def test_gradient_is_the_derivative_with_coupling_frozen(device, iterations, leaky):
     """For r > 1 the op differentiates s_j = Σ_i c_ij W_ij u_i with c_ij held at its
-    routed value (stop-gradient routing): finite differences of exactly that function."""
+    routed value (stop-gradient routing): finite differences of exactly that function.
+    Leaky routing changes the c_ij, not that rule (the gradient op reads the c_ij output)."""
     u, W = inputs((2, 3, 3, 4, 3), seed=10)
-    _, c_routed = ops.capsule_routing(u, W, iterations)
+    _, c_routed = ops.capsule_routing(u, W, iterations, leaky=leaky)
 
     def frozen(u, W):  # s_j with the coupling coefficients as constants
         return tf.einsum("bij,bijd->bjd", c_routed, ops.capsule_prediction_matmul(u, W))
 
-    theoretical, full = tf.test.compute_gradient(lambda u, W: ops.capsule_routing(u, W, iterations)[0], [u, W])
+    theoretical, full = tf.test.compute_gradient(
+        lambda u, W: ops.capsule_routing(u, W, iterations, leaky=leaky)[0], [u, W])
     _, numerical = tf.test.compute_gradient(frozen, [u, W])
     for t, n in zip(theoretical, numerical):
         np.testing.assert_allclose(t, n, rtol=1e-6, atol=1e-8)
@@ -411,7 +450,8 @@ def test_second_order_gradients_match_finite_differences(device):
         np.testing.assert_allclose(t, n, rtol=1e-5, atol=1e-6)
 
 
-def test_second_order_gradients_match_unfused_path():
+@pytest.mark.parametrize("leaky", LEAKY)
+def test_second_order_gradients_match_unfused_path(leaky):
     # r = 3: both paths hold the coupling constant, so their second derivatives agree.
     u, W = inputs((2, 4, 3, 3, 4), seed=12)
     weights_v, _ = loss_weights((2, 4, 3, 3, 4), np.float64)
@@ -428,7 +468,8 @@ def test_second_order_gradients_match_unfused_path():
             total = tf.reduce_sum(grad_u ** 2) + tf.reduce_sum(grad_W ** 2)
         return outer.gradient(total, [u_t, W_t])
 
-    for name, a, b in zip(("d/du", "d/dW"), hessian_vector(fused), hessian_vector(unfused)):
+    for name, a, b in zip(("d/du", "d/dW"), hessian_vector(functools.partial(fused, leaky=leaky)),
+                          hessian_vector(functools.partial(unfused, leaky=leaky))):
         assert_close(a, b, 1e-9, 1e-11, name)
 
 
@@ -471,21 +512,23 @@ def test_batch_of_one_and_empty_batch(device):
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("leaky", LEAKY)
 @pytest.mark.parametrize("shape", [(2, 3, 4, 5, 0), (2, 3, 4, 0, 5), (2, 0, 4, 5, 3)],
                          ids=["in_dim0", "out_dim0", "in_caps0"])
-def test_empty_sums_follow_the_math(device, shape):
-    # u_hat is zero or empty: s_j = 0, every agreement 0, so c_ij = softmax(0) = 1/J;
-    # the same as the unfused path, and the gradients are zero.
+def test_empty_sums_follow_the_math(device, shape, leaky):
+    # u_hat is zero or empty: s_j = 0, every agreement 0, so c_ij = softmax(0) = 1/J (leaky:
+    # 1/(J+1)); the same as the unfused path, and the gradients are zero.
     u, W = inputs(shape)
     B, I, J, D, _ = shape
-    s_j, c_ij = ops.capsule_routing(u, W, 3)
+    s_j, c_ij = ops.capsule_routing(u, W, 3, leaky=leaky)
     # (einsum, not the matmul path: its reshape(-1, ...) cannot recover the batch of an
     # empty u_hat)
-    _, c_ref = dynamic_routing(tf.einsum("bik,ijdk->bijd", u, W), 3)
+    _, c_ref = dynamic_routing(tf.einsum("bik,ijdk->bijd", u, W), 3, leaky=leaky)
     np.testing.assert_array_equal(s_j.numpy(), np.zeros((B, J, D)))
-    np.testing.assert_array_equal(c_ij.numpy(), np.full((B, I, J), 1 / J))
+    np.testing.assert_array_equal(c_ij.numpy(), np.full((B, I, J), 1 / (J + 1 if leaky else J)))
     np.testing.assert_array_equal(c_ij.numpy(), c_ref.numpy())
-    _, _, grad_u, grad_W = value_and_grads(fused, u, W, 3, *loss_weights(shape, np.float64))
+    _, _, grad_u, grad_W = value_and_grads(functools.partial(fused, leaky=leaky), u, W, 3,
+                                           *loss_weights(shape, np.float64))
     np.testing.assert_array_equal(grad_u.numpy(), np.zeros(u.shape))
     np.testing.assert_array_equal(grad_W.numpy(), np.zeros(W.shape))
 
@@ -500,12 +543,14 @@ def test_no_output_capsules(device):
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("leaky", LEAKY)
 @pytest.mark.parametrize("shape", [(70, 2, 10, 16, 8), (33, 37, 10, 16, 8)])
-def test_forward_and_gradient_are_deterministic(device, shape):
+def test_forward_and_gradient_are_deterministic(device, shape, leaky):
     u, W = inputs(shape, np.float32, seed=15)
     weights_v, weights_c = loss_weights(shape, np.float32)
-    first = value_and_grads(fused, u, W, 3, weights_v, weights_c)
-    second = value_and_grads(fused, u, W, 3, weights_v, weights_c)
+    route = functools.partial(fused, leaky=leaky)
+    first = value_and_grads(route, u, W, 3, weights_v, weights_c)
+    second = value_and_grads(route, u, W, 3, weights_v, weights_c)
     for name, a, b in zip(("v_j", "c_ij", "grad_u", "grad_W"), first, second):
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=name)
 
@@ -583,6 +628,40 @@ def test_rejects_bad_iterations(iterations):
     u, W = inputs((2, 3, 4, 5, 6))
     with pytest.raises(ValueError, match="capsule_routing: iterations must be an integer >= 1"):
         ops.capsule_routing(u, W, iterations)
+
+
+@pytest.mark.parametrize("leaky", [1, "true", None, np.bool_(True)])
+def test_rejects_a_leaky_that_is_not_a_bool(leaky):
+    u, W = inputs((2, 3, 4, 5, 6))
+    with pytest.raises(ValueError, match="capsule_routing: leaky must be a bool"):
+        ops.capsule_routing(u, W, 3, leaky=leaky)
+
+
+def test_a_graph_written_before_the_leaky_attr_runs_as_before():
+    """Graphs and SavedModels written before the op had `leaky` have nodes without it:
+    the attr's default (false) fills in when they are imported, so they route with the
+    plain softmax, to the bit."""
+    u, W = (tf.constant(x, tf.float32) for x in inputs((3, 5, 4, 6, 3), np.float32, seed=20))
+    graph = tf.function(lambda u, W: ops.capsule_routing(u, W, 3)).get_concrete_function(u, W).graph
+    op_def = next(op.op_def for op in graph.get_operations() if op.type == "Capsnet>CapsuleRouting")
+    attr = next(a for a in op_def.attr if a.name == "leaky")
+    assert attr.type == "bool" and attr.default_value.b is False
+    graph_def = graph.as_graph_def()
+    routing = [node for node in graph_def.node if node.op == "Capsnet>CapsuleRouting"]
+    assert len(routing) == 1 and routing[0].attr["leaky"].b is False
+    del routing[0].attr["leaky"]  # as the node was written before the attr existed
+
+    def imported(u, W):
+        s_j, c_ij = tf.graph_util.import_graph_def(graph_def, input_map={"u:0": u, "W:0": W},
+                                                   return_elements=[f"{routing[0].name}:0", f"{routing[0].name}:1"])
+        return s_j, c_ij
+
+    s_old, c_old = tf.compat.v1.wrap_function(imported, [tf.TensorSpec(u.shape), tf.TensorSpec(W.shape)])(u, W)
+    s_new, c_new = ops.capsule_routing(u, W, 3)
+    np.testing.assert_array_equal(s_old.numpy(), s_new.numpy())
+    np.testing.assert_array_equal(c_old.numpy(), c_new.numpy())
+    s_leaky, _ = ops.capsule_routing(u, W, 3, leaky=True)
+    assert np.any(s_leaky.numpy() != s_new.numpy())
 
 
 def test_dtype_errors_are_clear():

@@ -878,6 +878,22 @@ def test_custom_op_without_the_library_is_one_line_error(tiny_config, tmp_path, 
 
 # --------------------------------------------------------------------------- scripts/benchmark_train.py
 
+def test_benchmark_train_variants_change_only_the_routing_backend():
+    """A variant sets model.routing.backend and keeps the section's other keys: the CIFAR-10
+    preset's leaky routing is timed as leaky routing, on the fused op and off it."""
+    from capsnet import config
+
+    bt = load_script("benchmark_train")
+    model_cfg = compose_config("train", ["run_dir=unused", "experiment=paper_cifar10"])["model"]
+    assert model_cfg["routing"]["leaky"] is True
+    for variant, custom_op, backend, mode in (("op+fused", True, "auto", "fused_op"), ("op", True, "tf", "op"),
+                                             ("matmul", False, "tf", "matmul")):
+        cfg = bt.variant_model_cfg(variant, model_cfg)
+        assert cfg["routing"] == {**model_cfg["routing"], "backend": backend}, variant
+        assert config.router_spec(custom_op, cfg)["leaky"] is True and config.routing_mode(custom_op, cfg) == mode
+    assert bt.variant_model_cfg("op", {**model_cfg, "routing": "auto"})["routing"] == {"backend": "tf"}
+
+
 def test_benchmark_train_script_times_both_paths_on_the_same_model(tmp_path):
     """A CPU smoke run of the benchmark on the tiny model (the op library must be built)."""
     from conftest import TINY_MODEL

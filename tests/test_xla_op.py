@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from capsnet import ops
 from conftest import REPO, entry_point_env, np_capsule_prediction
-from test_routing_op import DEVICES, device, inputs, np_routing  # noqa: F401  (device: a fixture)
+from test_routing_op import LEAKY, DEVICES, device, inputs, np_routing  # noqa: F401  (device: a fixture)
 
 
 # (B, I, J, D, K): the paper's DigitCaps in small, odd sizes, a batch of one.
@@ -46,11 +46,11 @@ def prediction_and_grads(u, W, g):
     return (u_hat, *tape.gradient(loss, [u, W]))
 
 
-def routing_and_grads(u, W, g, iterations):
+def routing_and_grads(u, W, g, iterations, leaky=False):
     """(s_j, c_ij, dL/du, dL/dW) of L = Σ s_j · g through the fused routing op."""
     with tf.GradientTape() as tape:
         tape.watch([u, W])
-        s_j, c_ij = ops.capsule_routing(u, W, iterations)
+        s_j, c_ij = ops.capsule_routing(u, W, iterations, leaky=leaky)
         loss = tf.reduce_sum(tf.cast(s_j, tf.float64) * g)
     return (s_j, c_ij, *tape.gradient(loss, [u, W]))
 
@@ -79,14 +79,16 @@ def test_prediction_under_jit_matches_numpy(device, shape, dtype, rtol):
 @pytest.mark.parametrize("dtype, rtol", DTYPES, ids=lambda v: getattr(v, "name", ""))
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("iterations", [1, 3])
+@pytest.mark.parametrize("leaky", LEAKY)
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
-def test_routing_under_jit_matches_numpy(device, shape, dtype, rtol, iterations):
+def test_routing_under_jit_matches_numpy(device, leaky, shape, dtype, rtol, iterations):
     u, W = inputs(shape, seed=3)
     u, W = tf.cast(u, dtype), tf.cast(W, dtype)
     u64, W64 = u.numpy().astype(np.float64), W.numpy().astype(np.float64)
     g = np.random.default_rng(4).normal(size=(shape[0], shape[2], shape[3]))
-    s_j, c_ij, grad_u, grad_W = jit(lambda u, W, g: routing_and_grads(u, W, g, iterations))(u, W, tf.constant(g))
-    want_s, want_c, _ = np_routing(u64, W64, iterations)
+    s_j, c_ij, grad_u, grad_W = jit(lambda u, W, g: routing_and_grads(u, W, g, iterations, leaky))(
+        u, W, tf.constant(g))
+    want_s, want_c, _ = np_routing(u64, W64, iterations, leaky)
     # 16-bit: the routing's logits come from rounded u_hat-sized sums; looser by 3x.
     tol = rtol if dtype in (tf.float64, tf.float32) else 3 * rtol
     assert_close(s_j, want_s, tol, "s_j")
@@ -99,14 +101,15 @@ def test_routing_under_jit_matches_numpy(device, shape, dtype, rtol, iterations)
 
 
 @pytest.mark.parametrize("dtype", [tf.float32, tf.bfloat16])
+@pytest.mark.parametrize("leaky", LEAKY)
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
-def test_jit_runs_the_same_kernels_as_tensorflow(device, dtype):
+def test_jit_runs_the_same_kernels_as_tensorflow(device, leaky, dtype):
     """Inside XLA the op runs the OpKernel's code and units: the same bits as eager, and the
-    same bits on every call (deterministic)."""
+    same bits on every call (deterministic); the custom call gets the op's `leaky` attr."""
     u, W = inputs((5, 11, 10, 16, 8), seed=5)
     u, W = tf.cast(u, dtype), tf.cast(W, dtype)
     g = tf.constant(np.random.default_rng(6).normal(size=(5, 10, 16)))
-    fn = lambda u, W, g: routing_and_grads(u, W, g, 3)  # noqa: E731
+    fn = lambda u, W, g: routing_and_grads(u, W, g, 3, leaky)  # noqa: E731
     eager, compiled, again = fn(u, W, g), jit(fn)(u, W, g), jit(fn)(u, W, g)
     for name, a, b, c in zip(("s_j", "c_ij", "grad_u", "grad_W"), eager, compiled, again):
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=name)
@@ -135,7 +138,13 @@ def test_compiled_step_calls_our_kernels():
     for target in ("capsnet_capsule_prediction", "capsnet_capsule_prediction_grad", "capsnet_capsule_routing",
                    "capsnet_capsule_routing_grad"):
         assert f'custom_call_target="{target}"' in hlo, target
-    assert "iterations = 2" in hlo
+    assert "iterations = 2" in hlo and "leaky = false" in hlo
+
+    # the op's leaky attr reaches the custom call's attributes
+    leaky = jit(lambda u, W: ops.capsule_routing(u, W, 3, leaky=True)).experimental_get_compiler_ir(
+        tf.constant(u), tf.constant(W))(stage="hlo")
+    assert 'custom_call_target="capsnet_capsule_routing"' in leaky
+    assert "iterations = 3" in leaky and "leaky = true" in leaky
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)

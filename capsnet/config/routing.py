@@ -11,15 +11,15 @@ def routing_mode(custom_op, model_cfg):
     custom_op picks the prediction (the compiled op or a TF matmul), model.routing.backend
     how the routing runs (auto | tf | xla). auto is the fused prediction + routing op
     wherever it applies, the fastest setting (docs/benchmarks.md): custom_op=true, dynamic
-    routing with stop-gradient (the gradient the op implements), no capsule bias (the op
-    adds none) and not leaky (the op has no "none of the above"); elsewhere the
-    prediction (op or matmul) and TF routing."""
+    routing with stop-gradient (the gradient the op implements) and no capsule bias (the
+    op adds none), leaky or not (the op's `leaky` attr); elsewhere the prediction (op or
+    matmul) and TF routing."""
     custom_op = _boolean("custom_op", custom_op)
     routing = _routing("model.routing", model_cfg.get("routing", "auto"))
     prediction = "op" if custom_op else "matmul"
     if routing["backend"] == "xla":
         return prediction + "_xla"
-    fused_applies = (routing["algorithm"] == "dynamic" and not routing.get("leaky", False)
+    fused_applies = (routing["algorithm"] == "dynamic"
                      and _boolean("model.stop_gradient_routing", model_cfg.get("stop_gradient_routing", True))
                      and model_cfg.get("digit_caps_bias") is None)
     if routing["backend"] == "auto" and custom_op and fused_applies:

@@ -3,8 +3,8 @@
 `DynamicRouting(iterations, stop_gradient, leaky, backend)`: the math is
 capsnet.routing.functional.dynamic_routing (its docstring: stop_gradient, the bias, the
 leaky "none of the above" softmax); backend fused_op runs prediction and every iteration
-in the compiled op capsnet.ops.capsule_routing (stop-gradient routing only, no bias, not
-leaky: the op implements none of those). Config: configs/model/routing/dynamic.yaml.
+in the compiled op capsnet.ops.capsule_routing, leaky or not (stop-gradient routing only
+and no bias: the op implements neither of those). Config: configs/model/routing/dynamic.yaml.
 """
 from capsnet import ops
 from capsnet.precision import float32_math
@@ -30,8 +30,6 @@ class DynamicRouting(Router):
         if backend == "fused_op" and not self.stop_gradient:
             raise ValueError(f"{owner}: backend fused_op needs stop_gradient=True (the op's gradient is that of "
                              "stop-gradient routing), got stop_gradient=False")
-        if backend == "fused_op" and self.leaky:
-            raise ValueError(f"{owner}: backend fused_op has no leaky routing: use backend op or op_xla")
 
     def route(self, u_hat, bias=None):
         if self.leaky:
@@ -43,7 +41,7 @@ class DynamicRouting(Router):
             raise ValueError("DynamicRouting: backend fused_op routes without a capsule bias: use backend op or op_xla")
         # s_j (B, num_caps, dim) before the last squash, c_ij (B, in_caps, num_caps);
         # 16-bit under mixed precision (the op sums in float32), v_j and c_ij float32.
-        s_j, c_ij = ops.capsule_routing(u, W, self.iterations)
+        s_j, c_ij = ops.capsule_routing(u, W, self.iterations, leaky=self.leaky)
         return squash(float32_math(s_j)), float32_math(c_ij)
 
     def get_config(self):

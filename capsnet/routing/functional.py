@@ -89,7 +89,7 @@ def dynamic_routing(u_hat, iterations=3, stop_gradient=True, bias=None, leaky=Fa
     With iterations = 1 there are no inner iterations and the flag changes nothing.
     Pass stop_gradient=False for the fully differentiable variant.
     `capsnet.ops.capsule_routing` computes the same from u and W in one compiled op
-    (stop_gradient=True, no bias, not leaky), without materialising u_hat.
+    (stop_gradient=True, no bias; leaky or not), without materialising u_hat.
     leaky=True: every c_ij is routing_softmax(b_ij, leaky=True), the first round's too
     (1 / (out_caps + 1), as the authors' code, whose b_ij also start at 0).
 
