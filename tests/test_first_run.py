@@ -291,6 +291,19 @@ def test_help_lists_no_schema_option():
     assert "schema" not in groups
 
 
+@pytest.mark.parametrize("script, config_file", [("evaluate.py", "eval.yaml"), ("export.py", "export.yaml"),
+                                                 ("predict.py", "predict.yaml")])
+def test_help_of_a_checkpoint_command_lists_its_own_keys_only(script, config_file):
+    """train.py's config groups (data=, model=, experiment=, ...) are refused by these commands
+    (no match in their defaults list): their --help shows their own keys instead."""
+    result = run_entry_point(script, "--help", cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"== Keys (configs/{config_file}) ==" in result.stdout
+    assert "checkpoint: ???" in result.stdout
+    assert "Configuration groups" not in result.stdout
+    assert "experiment:" not in result.stdout and "paper_mnist" not in result.stdout
+
+
 def test_a_shadowing_capsnet_folder_is_named_in_one_line(tmp_path):
     """A folder `capsnet` without __init__.py in the current directory imported as `capsnet`, a
     namespace package, while its modules come from the package (as with an editable install,
