@@ -20,9 +20,11 @@
 """
 import contextlib
 import hashlib
+import io
 import logging
 import os
 import socket
+import sys
 import weakref
 
 import numpy as np
@@ -180,7 +182,8 @@ def _load_tfds_or_sample(name, spec, split, tfds_data_dir):
     key = (spec.tfds_name, tfds_data_dir)
     if key not in _TFDS_UNAVAILABLE:
         try:
-            return _load_tfds(name, spec, split, tfds_data_dir)
+            with _quiet_tfds() if name in SAMPLES else contextlib.nullcontext():
+                return _load_tfds(name, spec, split, tfds_data_dir)
         except DataError as err:
             if name not in SAMPLES:
                 raise
@@ -191,6 +194,25 @@ def _load_tfds_or_sample(name, spec, split, tfds_data_dir):
     if name not in SAMPLES:
         raise _TFDS_UNAVAILABLE[key]
     return load_sample(name, split)
+
+
+@contextlib.contextmanager
+def _quiet_tfds():
+    """For the duration of an attempt that falls back to a bundled sample: tfds' own lines
+    kept off the terminal (its "Downloading and preparing dataset ..." print on stdout, absl's
+    warnings such as "Variant folder ... has no dataset_info.json"), which offline came before
+    the sample's notice and said nothing it does not. What tfds printed is said after a
+    success (online, the download it made); after a failure it is dropped."""
+    absl_log = logging.getLogger("absl")
+    level = absl_log.level
+    absl_log.setLevel(logging.ERROR)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            yield
+    finally:
+        absl_log.setLevel(level)
+    sys.stdout.write(printed.getvalue())
 
 
 def load_sample(name, split):

@@ -177,7 +177,9 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
             its in-run test score exactly.
         output: JSON path; None = the run's `evaluations/<checkpoint>.json` (report_path:
             `evaluations/best-ckpt-7.json`; another dataset than the run's:
-            `evaluations/<checkpoint>.<dataset>.json`; an ensemble or tta: the first member's
+            `evaluations/<checkpoint>.<dataset>.json`; settings other than the run's test
+            pass: `evaluations/<checkpoint>.custom_op-true.json` (other_settings: custom_op,
+            weights, precision, tf32, xla, data.limit_test); an ensemble or tta: the first member's
             run's `evaluations/<first checkpoint>.ensemble-<hash of the passes>.json`),
             replaced if it exists. A path given is refused before the pass if it exists
             (unless `overwrite`) or is a run's own file (check_output).
@@ -245,7 +247,8 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
             results.append(result)
             reports.append(member_report(result, member, view if len(views) > 1 else None, **shared))
     report, variant = final_report(reports, results, first, model.num_classes, ensemble=ensemble,
-                                   tta=args["tta"], names=names, test_pairs=test_pairs, other_pairs=other_pairs)
+                                   tta=args["tta"], names=names, test_pairs=test_pairs, other_pairs=other_pairs,
+                                   settings=other_settings(first, data_cfg["limit_test"]))
     output = Path(args["output"]) if args["output"] is not None else report_path(first, variant)
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -395,12 +398,14 @@ def rate_text(images_per_sec):
     return f"{images_per_sec:.1f} images/s" if images_per_sec is not None else "images/s not measured (one batch)"
 
 
-def final_report(reports, results, first, num_classes, *, ensemble, tta, names, test_pairs, other_pairs):
+def final_report(reports, results, first, num_classes, *, ensemble, tta, names, test_pairs, other_pairs,
+                 settings=None):
     """(report, variant for report_path): the one pass's report, or the ensemble's over all
     the passes (its variant "ensemble-<hash of the passes>", named after the first checkpoint);
-    test pairs other than the run's ("pairs-shift<s>-pad<p>"), or another dataset than the
-    run's ("affnist" for an expanded_mnist run), go to their own file, not over the run's
-    report (None: compare_runs reads that one as the run's final)."""
+    test pairs other than the run's ("pairs-shift<s>-pad<p>"), another dataset than the
+    run's ("affnist" for an expanded_mnist run), or settings other than the run's own test
+    pass (`settings`, other_settings': "custom_op-true") go to their own file, not over the
+    run's report (None: compare_runs reads that one as the run's final)."""
     dataset = reports[0]["dataset"]
     other_dataset = dataset if dataset != first["cfg"]["data"]["name"] else None
     if ensemble:
@@ -418,11 +423,8 @@ def final_report(reports, results, first, num_classes, *, ensemble, tta, names, 
             passes.append(["dataset", other_dataset])
         digest = hashlib.sha1(json.dumps(passes).encode()).hexdigest()[:8]
         return report, f"ensemble-{digest}"
-    if other_pairs:
-        return reports[0], f"pairs-shift{test_pairs['shift_pixels']}-pad{test_pairs['pad_pixels']}"
-    if other_dataset:
-        return reports[0], other_dataset
-    return reports[0], None
+    test_set = f"pairs-shift{test_pairs['shift_pixels']}-pad{test_pairs['pad_pixels']}" if other_pairs else other_dataset
+    return reports[0], "+".join(part for part in (test_set, settings) if part) or None
 
 
 def load_run_test_split(task, *, from_run, run_dir):
@@ -454,25 +456,44 @@ def resolve_member(checkpoint, *, which, custom_op, weights, precision=None, tf3
     prefix, run_dir, saved = resolve_checkpoint(checkpoint, which)
     prefix, run_dir = str(Path(prefix).resolve()), Path(run_dir).resolve()
     cfg = check_run_config(saved, run_dir)
-    if custom_op is None:
-        custom_op = cfg["custom_op"]
-    kept_average = cfg["train"]["ema_decay"] > 0
-    if weights is None:
-        weights = "ema" if kept_average else "raw"
-    if weights == "ema" and not kept_average:
+    own = own_settings(cfg)
+    custom_op = own["custom_op"] if custom_op is None else custom_op
+    weights = own["weights"] if weights is None else weights
+    xla = own["xla"] if xla is None else xla
+    if weights == "ema" and cfg["train"]["ema_decay"] <= 0:
         raise ConfigError(f"weights=ema: the run {run_dir} kept no average of its weights (train.ema_decay was 0); "
                           "use weights=raw (an ensemble: weights=null, each member's own)")
-    if xla is None:
-        # The run's test pass: compiled with the step under train.xla=jit (autocluster is a
-        # process-wide setting, not the eval step's, so such runs are evaluated without XLA).
-        xla = "jit" if cfg["train"]["xla"] == "jit" else "none"
     if xla == "jit" and cfg["model"]["routing"]["backend"] == "xla":
         raise ConfigError(f"xla=jit: the run {run_dir} routes with model.routing=xla, an XLA computation of its own "
                           "that cannot be nested in a compiled test pass: use xla=none")
     return {"prefix": prefix, "run_dir": run_dir, "cfg": cfg, "custom_op": custom_op,
             "losses": loss_params(cfg["train"]), "weights": weights,
-            "precision": cfg["train"]["precision"] if precision is None else precision,
-            "tf32": cfg["train"]["tf32"] if tf32 is None else tf32, "xla": xla}
+            "precision": own["precision"] if precision is None else precision,
+            "tf32": own["tf32"] if tf32 is None else tf32, "xla": xla}
+
+
+def own_settings(cfg):
+    """The settings of the test pass of the run whose config is `cfg` (config.check's): what
+    evaluate's keys left null stand for."""
+    return {"custom_op": cfg["custom_op"],
+            "weights": "ema" if cfg["train"]["ema_decay"] > 0 else "raw",  # the average, where the run kept one
+            # Compiled with the step under train.xla=jit (autocluster is a process-wide setting,
+            # not the eval step's, so such runs are evaluated without XLA).
+            "xla": "jit" if cfg["train"]["xla"] == "jit" else "none",
+            "precision": cfg["train"]["precision"], "tf32": cfg["train"]["tf32"]}
+
+
+def other_settings(member, limit_test):
+    """The settings of `member`'s pass (resolve_member's) that differ from its run's own test
+    pass, and a data.limit_test other than the run's, as a report name's variant:
+    "custom_op-true", "weights-raw+xla-jit", "limit_test-100" (key-value joined by +, as run
+    names are); None where the pass is the run's own."""
+    own = own_settings(member["cfg"])
+    given = {key: member[key] for key in own}
+    own["limit_test"], given["limit_test"] = member["cfg"]["data"]["limit_test"], limit_test
+    differ = [f"{key}-{str(value).lower() if isinstance(value, bool) else value}"
+              for key, value in given.items() if value != own[key]]
+    return "+".join(differ) or None
 
 
 def check_run_config(saved, run_dir):

@@ -218,18 +218,40 @@ def _lengths_chart(figure, lengths, titles, names, capsules):
                  fontsize=8)
 
 
+# The confusion matrix's axes: a cell's side, about the width of a character of the 7-point
+# class names, and how many characters of a name are written (a folder's classes can be long).
+_CELL_INCHES = 0.45
+_CHAR_INCHES = 0.06
+_TICK_CHARS = 24
+
+
+def _short_name(name, limit=_TICK_CHARS):
+    """`name` cut in the middle to `limit` characters (… marks the cut): classes that differ
+    only at the end ("..._017", "... number 12") stay apart."""
+    if len(name) <= limit:
+        return name
+    head = (limit - 1) // 2
+    return name[:head] + "…" + name[len(name) - (limit - 1 - head):]
+
+
 def _confusion_chart(figure, confusion, names):
-    """The confusion matrix with its counts written in."""
+    """The confusion matrix with its counts written in. The class names are cut to _TICK_CHARS,
+    the figure grows by the longest one's width, and the predicted ones are written upright
+    where one is wider than a cell (side by side they would run into each other)."""
     k = len(names)
-    figure.set_size_inches(1.2 + 0.45 * k, 1.0 + 0.45 * k)
+    labels = [_short_name(name) for name in names]
+    label_inches = _CHAR_INCHES * max(map(len, labels))
+    upright = label_inches > _CELL_INCHES
+    figure.set_size_inches(1.2 + _CELL_INCHES * k + label_inches,
+                           1.0 + _CELL_INCHES * k + (label_inches if upright else 0))
     ax = figure.subplots()
     ax.imshow(confusion, cmap="Blues")
     for (r, c), count in np.ndenumerate(confusion):
         if count:
             ax.text(c, r, str(count), ha="center", va="center", fontsize=6,
                     color="white" if count > confusion.max() / 2 else "black")
-    ax.set_xticks(range(k), names, fontsize=7)
-    ax.set_yticks(range(k), names, fontsize=7)
+    ax.set_xticks(range(k), labels, fontsize=7, rotation=90 if upright else 0)
+    ax.set_yticks(range(k), labels, fontsize=7)
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     ax.set_title(f"confusion ({int(confusion.sum())} test examples)", fontsize=9)

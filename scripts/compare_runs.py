@@ -21,10 +21,11 @@ What a run contributes, read from its own files (no TensorFlow is imported):
   float32 the same number. A run stopped before train.epochs is marked `*` and still counts:
   the note under its table says so;
 - evaluate.py: the accuracy in the report evaluate.py left at its default place,
-  `evaluations/latest-ckpt-<last epoch>.json`, if there is one (the last path evaluated with
-  the default output; a report of another epoch is not this run's final); a run dir evaluated
-  by an older version has it beside the checkpoint, `checkpoints/latest/ckpt-<last epoch>.eval.json`,
-  read where the first is missing;
+  `evaluations/latest-ckpt-<last epoch>.json`, if there is one (evaluated with the default output
+  and the run's own settings: one with others, e.g. custom_op switched, is named after them,
+  `latest-ckpt-<epoch>.custom_op-true.json`, and not read; a report of another epoch is not this
+  run's final); a run dir evaluated by an older version has it beside the checkpoint,
+  `checkpoints/latest/ckpt-<last epoch>.eval.json`, read where the first is missing;
 - best epoch, first epoch at or above --threshold, the last epoch's training accuracy;
 - images/s: the mean of its epochs' training speeds in history.jsonl (train_images_per_sec),
   as metrics.json's images_per_sec and TensorBoard's HParams images/s have it; a group's is the

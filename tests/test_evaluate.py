@@ -110,6 +110,26 @@ def test_the_default_report_is_outside_checkpoints_and_outlives_their_rotation(t
     assert json.loads(old.read_text())["accuracy"] == best["accuracy"]
 
 
+def test_a_pass_with_other_settings_is_reported_beside_the_run_s_own(trained_run, tmp_path):
+    """evaluate.py rerun with custom_op switched (or another limit_test) writes its own report,
+    named after what differs, and leaves the run's own where compare_runs reads it; a setting
+    said as the run had it is the run's own pass."""
+    from conftest import load_script
+
+    run_dir = shutil.copytree(trained_run[0], tmp_path / "run").resolve()
+    shutil.rmtree(run_dir / "evaluations", ignore_errors=True)  # other tests' reports of the shared run
+    reports = run_dir / "evaluations"
+    own = evaluate(run_dir, which="latest")
+    assert own["custom_op"] is False and own["output"] == str(reports / "latest-ckpt-4.json")
+    op = evaluate(run_dir, which="latest", custom_op=True)
+    assert op["output"] == str(reports / "latest-ckpt-4.custom_op-true.json")
+    few = evaluate(run_dir, which="latest", custom_op=True, limit_test=40)
+    assert few["output"] == str(reports / "latest-ckpt-4.custom_op-true+limit_test-40.json")
+    assert json.loads((reports / "latest-ckpt-4.json").read_text())["custom_op"] is False
+    assert evaluate(run_dir, which="latest", custom_op=False)["output"] == own["output"]
+    assert load_script("compare_runs").evaluated_accuracy(run_dir, 4) == own["accuracy"]
+
+
 def test_evaluate_batches_as_the_run_tested_unless_told(trained_run, tmp_path):
     """batch_size=None is the run's test pass batch: train.test_batch_size where the run set
     one, else train.batch_size; an explicit batch_size wins. The scores do not depend on it."""

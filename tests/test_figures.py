@@ -98,6 +98,34 @@ def test_confusion_counts_are_a_loop_count():
     np.testing.assert_array_equal(confusion_counts(labels, predictions, 10), expected)
 
 
+@pytest.mark.parametrize("names", [
+    [str(k) for k in range(10)],                                                  # MNIST's digits
+    ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"],
+    [f"a folder of images named at length, number {k}" for k in range(12)],       # data=folder's own classes
+    [f"class_{k:03d}" for k in range(40)],
+])
+def test_the_confusion_matrix_s_class_names_stay_apart_and_inside(names):
+    """Its tick labels, drawn: none overlaps another, all inside the figure, and no two alike."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from capsnet.figures import _confusion_chart
+
+    figure = Figure(dpi=80)
+    canvas = FigureCanvasAgg(figure)
+    _confusion_chart(figure, np.diag(np.arange(1, len(names) + 1)), names)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    ax = figure.axes[0]
+    for labels in (ax.get_xticklabels(), ax.get_yticklabels()):
+        boxes = [label.get_window_extent(renderer) for label in labels]
+        assert len({label.get_text() for label in labels}) == len(names)
+        for i, box in enumerate(boxes):
+            assert figure.bbox.x0 <= box.x0 and box.x1 <= figure.bbox.x1 + 0.5, labels[i].get_text()
+            assert figure.bbox.y0 <= box.y0 and box.y1 <= figure.bbox.y1 + 0.5, labels[i].get_text()
+            assert not any(box.overlaps(other) for other in boxes[i + 1:]), labels[i].get_text()
+
+
 def test_no_decoder_and_the_cnn_leave_figures_out_with_a_reason():
     from capsnet.baseline import build_baseline
     from capsnet.figures import model_figures

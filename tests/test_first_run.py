@@ -96,6 +96,50 @@ def test_offline_mnist_is_the_sample_with_one_notice(offline_tfds, capsys):
     assert "data.dir=" in lines[0] and "online" in lines[0] and "no network" in lines[0]
 
 
+@pytest.mark.timeout(120)
+def test_offline_mnist_prints_the_notice_alone(tmp_path, monkeypatch, capsys, caplog):
+    """tensorflow-datasets' own attempt, failing as offline (a proxy on a closed local port, as in
+    test_data.py), prints its "Downloading and preparing dataset ..." line and logs absl warnings
+    ("Variant folder ... has no dataset_info.json"): nothing of it comes before the notice."""
+    pytest.importorskip("tensorflow_datasets")
+    import logging
+
+    from capsnet import data
+
+    for var in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
+        monkeypatch.setenv(var, "http://127.0.0.1:9")
+    monkeypatch.setattr(data, "_TFDS_UNAVAILABLE", {})
+    monkeypatch.setattr(logging.getLogger("urllib3"), "level", logging.getLogger("urllib3").level)
+    caplog.set_level(logging.DEBUG)
+    absl_level = logging.getLogger("absl").level
+    images, _ = data.load_split("mnist", "test", tfds_data_dir=str(tmp_path))
+    assert len(images) == 1000  # the sample
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.strip()] == [line for line in out.splitlines()
+                                                                    if line.startswith("notice:")], out
+    assert "Downloading" not in out
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("absl")] == []
+    assert logging.getLogger("absl").level == absl_level  # restored: only tfds' attempt is quiet
+
+
+def test_online_mnist_keeps_what_tfds_printed(monkeypatch, capsys):
+    """Quiet only while it may fail: a download made says so, after it."""
+    tfds = pytest.importorskip("tensorflow_datasets")
+    from capsnet import data
+
+    def downloaded(name, **kwargs):
+        print(f"Dataset {name} downloaded and prepared to /somewhere.")
+        images, labels = data.load_sample("mnist", kwargs["split"])[:2]
+        return images[..., None], labels
+
+    monkeypatch.setattr(tfds, "load", downloaded)
+    monkeypatch.setattr(data, "_TFDS_UNAVAILABLE", {})
+    assert len(data.load_split("mnist", "test")[1]) == 1000
+    assert capsys.readouterr().out == "Dataset mnist downloaded and prepared to /somewhere.\n"
+
+
 def test_offline_fashion_mnist_still_fails_in_one_line(offline_tfds):
     from capsnet.data import load_split
     from capsnet.errors import DataError
@@ -289,6 +333,19 @@ def test_help_lists_no_schema_option():
     groups = result.stdout.split("== Config ==")[0]
     assert "data: " + ", ".join(sorted(p.stem for p in (REPO / "configs" / "data").glob("*.yaml"))) in groups
     assert "schema" not in groups
+
+
+@pytest.mark.parametrize("script, config_file", [("evaluate.py", "eval.yaml"), ("export.py", "export.yaml"),
+                                                 ("predict.py", "predict.yaml")])
+def test_help_of_a_checkpoint_command_lists_its_own_keys_only(script, config_file):
+    """train.py's config groups (data=, model=, experiment=, ...) are refused by these commands
+    (no match in their defaults list): their --help shows their own keys instead."""
+    result = run_entry_point(script, "--help", cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"== Keys (configs/{config_file}) ==" in result.stdout
+    assert "checkpoint: ???" in result.stdout
+    assert "Configuration groups" not in result.stdout
+    assert "experiment:" not in result.stdout and "paper_mnist" not in result.stdout
 
 
 def test_a_shadowing_capsnet_folder_is_named_in_one_line(tmp_path):

@@ -79,7 +79,9 @@ def test_a_terminal_shows_the_runs_eta_in_the_live_bar_and_no_progress_lines(tin
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
     train(cfg)
     out = capsys.readouterr().out
-    assert re.search(r"run ETA min: [\d.]+", out), out
+    # In the progress lines' words (format_duration), not a float of minutes.
+    assert re.search(r" - run ETA: (\d+ s|\d+ min \d\d s|\d+ h \d\d min)( |\r|\n|$)", out), out
+    assert not re.search(r"run ETA[^:]*: [\d.]+ *(\r|\n|$)", out), out
     assert not re.search(r"^epoch 1: step ", out, re.MULTILINE)
 
 

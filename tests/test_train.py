@@ -428,6 +428,25 @@ def test_resume_with_a_config_that_changes_the_run_says_what_differs(trained_run
     assert (run_dir / "history.jsonl").read_text() == (trained_run[0] / "history.jsonl").read_text()  # untouched
 
 
+def test_the_refusal_and_the_readme_name_the_keys_a_resume_may_change(trained_run, tiny_config, tmp_path):
+    """What the refusal says may change is what the README's Resume paragraph says, and so it is:
+    a larger train.epochs and another train.learning_rate (a notice) continue the run."""
+    import re
+
+    from capsnet.training.checkpoints import check_resumable
+
+    run_dir = tmp_path / "other"
+    shutil.copytree(trained_run[0], run_dir)
+    with pytest.raises(CheckpointError) as err:
+        train(tiny_config("seed=1", run_dir=run_dir))
+    said = re.findall(r"([\w.]+) may (?:grow|change)", str(err.value))
+    readme = (REPO / "README.md").read_text()
+    resume = readme[readme.index("**Resume.**"):].split("\n\n")[0]
+    assert said == re.findall(r"`([\w.]+)` may (?:grow|change)", resume) == ["train.epochs", "train.learning_rate"]
+    changed = tiny_config("train.epochs=9", "train.learning_rate=0.005", run_dir=run_dir)
+    assert check_resumable(run_dir, changed) == ["train.learning_rate: 0.01 -> 0.005"]
+
+
 @pytest.mark.parametrize("saved, current, differences", [
     # The exponential schedule: its decay keys are kept, train.epochs may grow.
     ({}, {"epochs": 9}, []),

@@ -531,11 +531,12 @@ def check_resumable(run_dir, cfg):
     differences = _config_differences(saved, cfg)
     refused = [line for key, line in differences.items() if key not in RESUME_NOTICE_KEYS]
     if refused:
-        epochs = ("" if "epochs" in SCHEDULE_RESUME_KEYS.get(saved["train"].get("lr_schedule"), ())
-                  else "train.epochs may grow; ")
+        # Of the keys compared, those that may change: train.epochs where the run's schedule has no end
+        # (SCHEDULE_RESUME_KEYS), and RESUME_NOTICE_KEYS.
+        extends = "epochs" not in SCHEDULE_RESUME_KEYS.get(saved["train"].get("lr_schedule"), ())
+        may_change = ["train.epochs may grow"] * extends + [f"{key} may change" for key in RESUME_NOTICE_KEYS]
         raise CheckpointError(f"run dir {run_dir} was trained with a different config ({'; '.join(refused)}): "
-                              f"resume with the run's values ({epochs}train.learning_rate may change) "
-                              "or use a new hydra.run.dir")
+                              f"resume with the run's values ({'; '.join(may_change)}) or use a new hydra.run.dir")
     return [line for key, line in differences.items() if key in RESUME_NOTICE_KEYS]
 
 

@@ -728,8 +728,8 @@ def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size,
     """
     steps_per_epoch = math.ceil(num_examples / batch_size)
     live = live_progress_bar(progress_bar)
-    bar = keras.utils.Progbar(steps_per_epoch, verbose=1 if live else 2,
-                              stateful_metrics=["loss", "accuracy", "images/s", "run ETA min"]) if progress_bar else None
+    bar = Progbar(steps_per_epoch, verbose=1 if live else 2,
+                  stateful_metrics=["loss", "accuracy", "images/s", "run ETA"]) if progress_bar else None
     per_call = steps_per_call(steps_per_epoch, steps_per_execution, progress_bar)
     epoch_window, log_window = MetricWindow(), MetricWindow()
     pending = []  # (per-step outputs still on the device, their batch sizes)
@@ -780,8 +780,8 @@ def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size,
                 if "images_per_sec" in means:  # none yet after the epoch's first (untimed) step
                     shown.append(("images/s", means["images_per_sec"]))
                 if live and report is not None and report.run_eta is not None:
-                    # Minutes: the bar shows numbers only (a value of its own: the bar's ETA is the epoch's).
-                    shown.append(("run ETA min", report.run_eta / 60.0))
+                    # A value of its own: the bar's ETA is the epoch's.
+                    shown.append(("run ETA", format_duration(report.run_eta)))
                 bar.update(step_in_epoch, shown)
                 console.bar_line_open(live and not last)  # at the epoch's end the bar ends its line
             if report is not None and seconds_per_step is not None:
@@ -793,6 +793,23 @@ def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size,
     if log_window.examples:
         write_train_scalars(writer, log_window, learning_rate(), global_step, loss_scale)
     return epoch_window.means(), global_step, stopped_at
+
+
+class Progbar(keras.utils.Progbar):
+    """keras' progress bar, where a value given as text is shown as it is in the live bar
+    (verbose=1): the run's ETA in format_duration's words, as the progress lines say it
+    ("run ETA: 3 min 28 s"), not a float of minutes: keras' own update takes numbers only."""
+
+    def update(self, current, values=None, finalize=None):
+        numbers = []
+        for name, value in values or []:
+            if name not in self._values_order:  # in the order given, texts among numbers
+                self._values_order.append(name)
+            if isinstance(value, str):
+                self._values[name] = value  # not a [sum, count] list: the live bar writes it as it is
+            else:
+                numbers.append((name, value))
+        super().update(current, numbers, finalize)
 
 
 class NonFiniteStep(Exception):
