@@ -170,10 +170,16 @@ def profile(args, cfg):
             optimizer, _ = build_optimizer(train_cfg, math.ceil(bt.MNIST_TRAIN_EXAMPLES / batch), model)
             step = make_train_step(model, optimizer, input_shape=tuple(model_cfg["input_shape"]),
                                    losses=loss_params(train_cfg), xla=xla)
-            iterator = bt.step_input({"input": args.input},
-                                     bt.synthetic_batches({"seed": cfg["seed"]}, batch, tuple(model_cfg["input_shape"]),
-                                                          int(model_cfg["num_classes"])), device="/GPU:0")
-            run = bt.runner(make_train_loop(step), iterator, batch, per_call)
+            input_shape, num_classes = tuple(model_cfg["input_shape"]), int(model_cfg["num_classes"])
+            if args.input == "on_device":  # train.data_on_device=true's loop: a call's steps one XLA program
+                train_steps, iterator = bt.device_train_loop(cfg, step, batch, input_shape, num_classes, per_call,
+                                                             "/GPU:0")
+            else:
+                train_steps = make_train_loop(step)
+                iterator = bt.step_input({"input": args.input}, bt.synthetic_batches({"seed": cfg["seed"]}, batch,
+                                                                                     input_shape, num_classes),
+                                         device="/GPU:0")
+            run = bt.runner(train_steps, iterator, batch, per_call)
     steps = max(1, args.steps // per_call) * per_call
     run(args.warmup * per_call)  # reading its loss waits for the warm-up's steps
     trace_place = contextlib.nullcontext(str(args.trace_dir)) if args.trace_dir else tempfile.TemporaryDirectory()
@@ -215,7 +221,9 @@ def format_report(report):
     replicas = report["replicas"]
     where = f" per GPU · mirrored ×{replicas}" if replicas > 1 else ""
     busy = ", ".join(f"{gpu} {ms:.2f}" for gpu, ms in report["gpu_busy_ms_per_step_by_gpu"].items())
-    source = " · input: one batch on the device (--input device)" if report["input"] == "device" else ""
+    source = {"device": " · input: one batch on the device (--input device)",
+              "on_device": " · input: the training set on the device, a call's steps one XLA program "
+                           "(--input on_device)"}.get(report["input"], "")
     lines = [f"### {report['label']} · {report['precision']} · batch {report['batch_size']}{where}{source}",
              "",
              f"wall {report['wall_ms_per_step']:.2f} ms/step (profiler on: "
@@ -258,8 +266,9 @@ def main(argv=None):
     parser.add_argument("--steps", type=bt._positive_int, default=100, help="profiled steps (default 100)")
     parser.add_argument("--warmup", type=bt._positive_int, default=3, help="untimed calls first (default 3)")
     parser.add_argument("--top", type=bt._positive_int, default=15, help="kernels listed (default 15)")
-    parser.add_argument("--input", choices=bt.INPUTS, default="pipeline",
-                        help="as benchmark_train.py's: pipeline (default, as train()) or device (no copy a step)")
+    parser.add_argument("--input", choices=bt.TRAIN_INPUTS, default="pipeline",
+                        help="as benchmark_train.py's: pipeline (default, as train()), device (no copy a step) or "
+                             "on_device (train.data_on_device=true's loop; one GPU, the +jit variants)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH")
     parser.add_argument("--trace-dir", type=Path, default=None, metavar="DIR",
                         help="keep the profiler's trace here (TensorBoard's profile tab reads it; default: a temporary "
@@ -272,6 +281,8 @@ def main(argv=None):
     if args.all_reduce is not None and args.replicas == 1:
         parser.error("--all-reduce: with --replicas > 1 only (one device has no all-reduce)")
     args.all_reduce = args.all_reduce or "auto"
+    if args.input == "on_device" and (args.replicas > 1 or bt.VARIANTS[args.variant][1] != "jit"):
+        parser.error("--input on_device (train.data_on_device=true) profiles one GPU and a +jit variant")
     bt.reject_reserved_overrides(parser, args.overrides, bt.RESERVED_KEYS, "the arguments")
     cfg = bt.compose_config(args.overrides)
     bt.augmentation_set(cfg["data"], args.input)  # none applies here: a set option fails

@@ -33,3 +33,13 @@ def test_each_gap_is_charged_to_the_kernel_that_ends_it(profile_train):
 def test_busy_plus_idle_is_the_span_of_the_kernels(profile_train):
     idle = sum(ps for ps, _ in profile_train.idle_gaps(KERNELS).values())
     assert profile_train.union_length([(s, e) for s, e, _ in KERNELS]) + idle == 30 - 0
+
+
+@pytest.mark.parametrize("argv", [["--input", "on_device", "--variant", "op+fused"],
+                                  ["--input", "on_device", "--variant", "op+fused+jit", "--replicas", "2"]],
+                         ids=["not_jit", "two_gpus"])
+def test_on_device_input_takes_one_gpu_and_a_jit_variant(profile_train, argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        profile_train.main(argv)
+    assert exit_info.value.code == 2
+    assert "--input on_device (train.data_on_device=true) profiles one GPU and a +jit variant" in capsys.readouterr().err
