@@ -280,7 +280,8 @@ def test_data_on_device_trains_the_same_steps_as_the_pipeline(tiny_config, tmp_p
 
 @pytest.mark.parametrize("overrides, message", [
     (["train.xla=none"], r"^train\.data_on_device=true runs each call's steps as one XLA program: set train\.xla=jit"),
-    (["distribute=mirrored"], r"^train\.data_on_device=true trains on one device: set distribute=none"),
+    (["distribute=multi_worker"], r"^train\.data_on_device=true trains on the devices of one machine: set "
+                                  r"distribute=none or distribute=mirrored \(got multi_worker\)"),
     (["data.rotate_degrees=5", "data.zoom=0.1", "data.elastic_alpha=30"],
      r"data\.rotate_degrees=5, data\.zoom=0\.1 runs per example in tf\.data"),
 ])
@@ -289,3 +290,11 @@ def test_data_on_device_refuses_what_it_cannot_do_in_one_line(tiny_config, overr
     with pytest.raises(ConfigError, match=message) as error:
         config.check(cfg)
     assert "\n" not in str(error.value)
+
+
+def test_data_on_device_is_accepted_under_distribute_mirrored(tiny_config):
+    """distribute=mirrored keeps the device loop (each replica's slice gathered on its device:
+    tests/test_distribute.py); the global batch's split over the replicas is checked where the
+    replicas are known (check_global_batch, at the start of train())."""
+    checked = config.check(tiny_config("train.data_on_device=true", "train.xla=jit", "distribute=mirrored"))
+    assert checked["train"]["data_on_device"] and checked["distribute"]["strategy"] == "mirrored"

@@ -896,3 +896,112 @@ def test_benchmark_scale_script_rejects_bad_arguments(tmp_path):
         result = run_entry_point("scripts/benchmark_scale.py", *args, cwd=tmp_path, timeout=120)
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
         assert "Traceback" not in result.stderr
+
+
+# --------------------------------------------------------------------------- train.data_on_device
+
+# In a fresh process over two logical CPU devices: each replica's slice of every batch of
+# two epochs (the last one short), gathered on its device by MirroredTrainingSet, and the
+# slices distribute_dataset gives the replicas of make_dataset's batches, as lists.
+ON_DEVICE_SPLIT_SCRIPT = r"""
+import json
+import numpy as np
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+from capsnet.data import make_dataset
+from capsnet.training.device_input import MirroredTrainingSet
+from capsnet.training.distribute import distribute_dataset
+
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+rng = np.random.default_rng(3)
+images, labels = rng.integers(1, 256, (29, 12, 12, 1), dtype=np.uint8), rng.integers(0, 10, 29)
+augmentation = {"shift_pixels": 2, "flip": True, "erase_probability": 0.5}
+training_set = MirroredTrainingSet(strategy, images, labels, batch_size=8, seed=11, **augmentation)
+traced = set()
+
+def replica_batch(draws, step, size):
+    positions = training_set.positions(step, size)
+    images, labels = training_set.examples(draws, positions)
+    traced.add((images.device, str(training_set.sets[int(tf.get_static_value(
+        tf.distribute.get_replica_context().replica_id_in_sync_group))].images.device)))
+    return images, labels
+
+def local(values):
+    return [[part.numpy().tolist() for part in strategy.experimental_local_results(v)] for v in values]
+
+got, want = [], []
+for epoch in (0, 2):
+    draws = training_set.epoch(epoch).draws
+    for step, size in enumerate([8, 8, 8, 5]):
+        got.append(local(strategy.run(lambda d: replica_batch(d, step, size), args=(draws,))))
+    dataset = make_dataset(images, labels, batch_size=8, training=True, seed=11, epoch=epoch, **augmentation)
+    want += [local(batch) for batch in distribute_dataset(strategy, dataset)]
+print(json.dumps({"got": got, "want": want, "traced": sorted(traced)}))
+"""
+
+
+@pytest.mark.slow
+def test_mirrored_on_device_replicas_gather_the_slices_the_pipeline_gives_them():
+    """train.data_on_device under the strategy: every replica's (images, labels) of every
+    step equal what distribute_dataset gives that replica of make_dataset's batch of the
+    same (seed, epoch), flips, shifts and erased boxes included, the short last batch of 5
+    split 3 + 2; each replica gathers from the copy on its own device."""
+    env = repo_env()
+    env["CUDA_VISIBLE_DEVICES"] = "-1"
+    result = subprocess.run([sys.executable, "-c", ON_DEVICE_SPLIT_SCRIPT], env=env, capture_output=True, text=True,
+                            timeout=SUBPROCESS_TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    got, want = report["got"], report["want"]
+    assert len(got) == len(want) == 8
+    assert [[len(replica) for replica in labels] for _, labels in want[:4]] == [[4, 4]] * 3 + [[3, 2]]
+    for got_step, want_step in zip(got, want):
+        for got_part, want_part in zip(got_step, want_step):  # images, labels: [replica 0, replica 1]
+            for got_replica, want_replica in zip(got_part, want_part, strict=True):
+                np.testing.assert_array_equal(np.array(got_replica), np.array(want_replica))
+    # (the device of each replica's batch, of the copy it gathered from)
+    assert [[device.split("/")[-1] for device in pair] for pair in report["traced"]] == [["device:CPU:0"] * 2,
+                                                                                          ["device:CPU:1"] * 2]
+
+
+@pytest.mark.slow
+def test_mirrored_on_device_trains_the_steps_of_the_pipeline(tiny_idx_dir, tmp_path):
+    """train.data_on_device=true under distribute=mirrored over two CPU devices (train.xla=jit,
+    TensorFlow's all-reduce) against one device fed by the tf.data pipeline (xla=none: the
+    same batches, tests/test_device_input.py) on the same data (flips, shifts and erasing
+    on; 53 = 3 × 16 + 5, the short batch split 3 + 2): the same logged losses and
+    checkpoint (weights, Adam's moments); calls of 1, 1 and 2 steps, the last call's two
+    steps of two sizes. With distribute.all_reduce=xla's replica step too (uncompiled: XLA
+    compiles no collective for a CPU), and a global batch of 15 refused in one line before
+    the run dir."""
+    common = [*DATA, "train.epochs=1", "train.log_every_steps=2", "train.steps_per_execution=2", "data.flip=true",
+              "data.erase_probability=0.5"]
+    on_device = ["distribute=mirrored", "distribute.devices=[/cpu:0,/cpu:1]", "train.xla=jit",
+                 "train.data_on_device=true"]
+
+    def cfg(name, *extra):
+        return compose_config("train", tiny_overrides(tiny_idx_dir, tmp_path / name, *common, *extra))
+
+    configs = [("pipeline", cfg("pipeline")), ("mirrored", cfg("mirrored", *on_device)),
+               ("uncompiled_xla", cfg("uncompiled_xla", *on_device, "distribute.all_reduce=xla")),
+               ("indivisible", cfg("indivisible", *on_device, "train.batch_size=15"))]
+    env = repo_env()
+    env.pop("TF_CONFIG", None)
+    env["CUDA_VISIBLE_DEVICES"] = "-1"
+    result = subprocess.run([sys.executable, "-c", MIRRORED_SCRIPT, json.dumps(configs)], env=env,
+                            capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    reference = step_losses(tmp_path / "pipeline")
+    assert [s for s, _ in reference] == [2, 4]
+    for name in ("mirrored", "uncompiled_xla"):
+        assert (report[name]["replicas"], report[name]["global_step"]) == (2, STEPS_PER_EPOCH), report[name]
+        ours = step_losses(tmp_path / name)
+        assert [s for s, _ in ours] == [2, 4]
+        np.testing.assert_allclose([v for _, v in ours], [v for _, v in reference], rtol=LOSS_RTOL)
+        assert_checkpoints_match(tmp_path / name / "checkpoints" / "latest" / "ckpt-1",
+                                 tmp_path / "pipeline" / "checkpoints" / "latest" / "ckpt-1")
+    message = report["indivisible"]["error"]
+    assert message.startswith("train.batch_size=15 is the global batch and must divide evenly over the 2 replicas")
+    assert "\n" not in message and not (tmp_path / "indivisible").exists()

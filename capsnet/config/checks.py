@@ -206,14 +206,15 @@ OVERLAY_AUGMENTATION = ("elastic_alpha", "elastic_sigma")
 
 def check_data_on_device(cfg):
     """train.data_on_device=true's needs (capsnet.training.device_input): the call's steps
-    are one XLA program (train.xla=jit) on one device, over a dataset augmented a batch at
-    a time (flip, shift, elastic, erase; MultiMNIST's pairs)."""
+    are one XLA program (train.xla=jit) on one device, or the mirrored step's on the
+    devices of one machine (distribute=mirrored), over a dataset augmented a batch at a
+    time (flip, shift, elastic, erase; MultiMNIST's pairs)."""
     if cfg["train"]["xla"] != "jit":
         raise ConfigError(f"train.data_on_device=true runs each call's steps as one XLA program: set train.xla=jit "
                           f"(got {cfg['train']['xla']}) or train.data_on_device=false")
-    if cfg["distribute"]["strategy"] != "none":
-        raise ConfigError(f"train.data_on_device=true trains on one device: set distribute=none "
-                          f"(got {cfg['distribute']['strategy']}) or train.data_on_device=false")
+    if cfg["distribute"]["strategy"] not in ("none", "mirrored"):
+        raise ConfigError(f"train.data_on_device=true trains on the devices of one machine: set distribute=none or "
+                          f"distribute=mirrored (got {cfg['distribute']['strategy']}) or train.data_on_device=false")
     on = [f"data.{key}={cfg['data'][key]}" for key in PER_EXAMPLE_AUGMENTATION if cfg["data"][key]]
     if on:
         raise ConfigError(f"train.data_on_device=true augments whole batches on the device (flip, shift, elastic, "

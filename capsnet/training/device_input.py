@@ -21,8 +21,18 @@ floats an example) is drawn there too, from the seed and the example's index, bi
 bit; the distortion's convolutions and sums, compiled by XLA, round apart from
 TensorFlow's kernels (within 1e-5; tests/test_device_input.py). MultiMNIST's pairs
 (DevicePairSet) likewise: multimnist_draws on the host, pairs_from_draws in the step, the
-same pairs as make_multimnist_dataset's. What the mode needs (one device, train.xla=jit,
-no per-example augmentation: rotation and zoom) is config.check_data_on_device's.
+same pairs as make_multimnist_dataset's. What the mode needs (one device or
+distribute=mirrored, train.xla=jit, no per-example augmentation: rotation and zoom) is
+config.check_data_on_device's.
+
+Under distribute=mirrored (MirroredTrainingSet): every replica holds the split on its own
+device, an epoch's draws are made once on the host and copied to each, and each replica
+gathers its slice of every global batch inside its compiled step (make_train_step's
+`examples`), the slice distribute_dataset gives it of make_dataset's batch; the gradients'
+all-reduce is the mirrored step's. A call's steps are then a TensorFlow loop over that
+step (strategy.run is not an XLA op), each step one XLA program a replica where
+distribute.all_reduce=xla compiles the all-reduce into it, else the step's programs with
+TensorFlow's all-reduce between them.
 """
 import itertools
 
@@ -33,6 +43,7 @@ from capsnet.data import (batch_from_draws, check_pair_elastic, check_pair_shift
                           pairs_from_draws, uint8_levels)
 from capsnet.config import AUGMENTATION_OFF, PER_EXAMPLE_AUGMENTATION
 from capsnet.errors import ConfigError
+from capsnet.training.distribute import check_global_batch
 from capsnet.training.steps import STEP_VALUES, steps_until_non_finite
 from capsnet.validation import integer
 
@@ -78,9 +89,15 @@ class DeviceTrainingSet:
 
     def epoch(self, index):
         """Epoch `index`'s draws (epoch_draws', keyed by (seed, index)) on the device."""
+        return DeviceEpoch(self.on_device(self.host_draws(index)))
+
+    def host_draws(self, index):
+        """Epoch `index`'s draws where they are drawn (the host), before on_device."""
+        return self._draws(index, self.shape)
+
+    def on_device(self, draws):
         with tf.device(self.device):
-            return DeviceEpoch({key: tf.identity(tf.cast(value, _on_device(value.dtype)))
-                                for key, value in self._draws(index, self.shape).items()})
+            return {key: tf.identity(tf.cast(value, _on_device(value.dtype))) for key, value in draws.items()}
 
     def draws_signature(self):
         """The TensorSpecs of an epoch's draws (DeviceEpoch.draws), what epoch() makes: those
@@ -96,11 +113,60 @@ class DeviceTrainingSet:
     def batch(self, draws, step, size):
         """(images float32 (size, H, W, C), labels int32 (size,)): the examples at positions
         step · batch_size ... + size of the epoch (`draws`: DeviceEpoch.draws)."""
-        positions = tf.cast(step, tf.int64) * self.batch_size + tf.range(size, dtype=tf.int64)
+        return self.examples(draws, tf.cast(step, tf.int64) * self.batch_size + tf.range(size, dtype=tf.int64))
+
+    def examples(self, draws, positions):
+        """`batch`'s (images, labels) of the examples at `positions` (int64) of the epoch."""
         picked = {key: tf.gather(value, positions) for key, value in draws.items()}
         images, labels = batch_from_draws(self.images, self.labels, picked, shift_pixels=self.shift_pixels,
                                           shift_fill=self.shift_fill, levels=self.levels, **self.elastic)
         return images, tf.cast(labels, tf.int32)
+
+
+class MirroredTrainingSet:
+    """train.data_on_device under a MirroredStrategy: a DeviceTrainingSet (its keywords) on
+    every replica's device, the split copied to each once.
+
+    `epoch(index)` → a DeviceEpoch whose draws are per-replica values: drawn once on the
+    host (DeviceTrainingSet.host_draws), copied to every replica. In replica context,
+    `positions(step, size)` → the replica's positions in global batch `step` of `size`
+    examples, and `examples(draws, positions)` → its (images, labels), gathered from its own
+    device's copy: make_train_step's `examples`. Replica r of R takes the examples
+    [r·c, min((r + 1)·c, size)) of the batch, c = ⌈size / R⌉: distribute_dataset's split of
+    make_dataset's batch (a full batch in R equal slices, check_global_batch; a short last
+    batch of 5 over 2 replicas: 3 and 2, of 1: 1 and none), so the replicas train on the
+    examples they would with the tf.data pipeline."""
+
+    def __init__(self, strategy, images, labels, **keywords):
+        if not isinstance(strategy, tf.distribute.MirroredStrategy):  # replica ids here are this process's
+            raise ConfigError(f"train.data_on_device=true trains on the devices of one machine: distribute=none or "
+                              f"mirrored, not {type(strategy).__name__}")
+        check_global_batch(int(keywords["batch_size"]), strategy)
+        self.strategy, self.replicas = strategy, strategy.num_replicas_in_sync
+        self.sets = [DeviceTrainingSet(images, labels, device=device, **keywords)
+                     for device in strategy.extended.worker_devices]
+        self.batch_size, self.shape = self.sets[0].batch_size, self.sets[0].shape
+
+    def epoch(self, index):
+        draws = self.sets[0].host_draws(index)
+        copies = [training_set.on_device(draws) for training_set in self.sets]
+        return DeviceEpoch(self.strategy.experimental_distribute_values_from_function(
+            lambda context: copies[context.replica_id_in_sync_group]))
+
+    def positions(self, step, size):
+        share = -(-size // self.replicas)
+        start = min(_replica() * share, size)
+        return (tf.cast(step, tf.int64) * self.batch_size + start
+                + tf.range(min(share, size - start), dtype=tf.int64))
+
+    def examples(self, draws, positions):
+        # The replica's own copy: one on another device would be copied over at every step.
+        return self.sets[_replica()].examples(draws, positions)
+
+
+def _replica():
+    """The replica whose step is being traced (a constant under MirroredStrategy)."""
+    return int(tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group))
 
 
 class DevicePairSet:
@@ -189,10 +255,20 @@ def make_device_train_loop(train_step, training_set, *, steps_per_execution, tra
     computation differed from run to run and train.xla_cache_dir never had it (seen on an
     H200: while_body_1165 in one run, while_body_1149 in the next). Other sizes are traced
     at their first call.
+
+    `training_set` a MirroredTrainingSet (`train_step` then the mirrored step made with its
+    `examples`): each call's steps are a TensorFlow loop over the mirrored step
+    (mirrored_program), one program for every call of a size: its trip count is the loop's
+    own, read on the host either way. Its programs are traced at their first call.
     """
     programs = {}
+    mirrored = isinstance(training_set, MirroredTrainingSet)
 
     def program(size, steps=None):
+        if mirrored:
+            if (size, None) not in programs:
+                programs[size, None] = mirrored_program(train_step, training_set, size, steps_per_execution)
+            return programs[size, None]
         # One per (batch size, steps: None or static_steps), compiled at its first call;
         # where the steps start is a tensor, and so is their number (count) where `steps`
         # is None, so no other value compiles another.
@@ -218,6 +294,8 @@ def make_device_train_loop(train_step, training_set, *, steps_per_execution, tra
 
     if static_steps == "full":
         static_steps = steps_per_execution
+    if mirrored:
+        static_steps, trace_sizes = None, ()
     if static_steps is not None:
         static_steps = integer("static_steps", static_steps, minimum=1, maximum=steps_per_execution)
     for size in sorted(set(trace_sizes)):
@@ -251,6 +329,29 @@ def make_device_train_loop(train_step, training_set, *, steps_per_execution, tra
 
     train_steps.programs = programs
     return train_steps
+
+
+def mirrored_program(train_step, training_set, size, steps_per_execution):
+    """make_device_train_loop's program of global batches of `size` under a MirroredTrainingSet:
+    (per-replica draws, first step, count) → {name: (steps_per_execution,) values}, the first
+    `count` those of steps first_step, first_step + 1, ... . Not one XLA program: each step is
+    strategy.run's (the mirrored `train_step`), given each replica's positions in the batch."""
+    strategy = training_set.strategy
+
+    @tf.function(autograph=False)
+    def run(draws, first_step, count):
+        def body(i, values):
+            step = first_step + tf.cast(i, tf.int64)
+            positions = strategy.run(lambda: training_set.positions(step, size))
+            out = train_step(draws, positions, size)
+            at = tf.range(steps_per_execution) == i
+            return i + 1, {name: tf.where(at, tf.cast(out[name], tf.float32), values[name]) for name in STEP_VALUES}
+
+        empty = {name: tf.zeros([steps_per_execution], tf.float32) for name in STEP_VALUES}
+        _, values = tf.while_loop(lambda i, _: i < count, body, (tf.constant(0), empty))
+        return values
+
+    return run
 
 
 def _can_call(size, steps, batch_size, static_steps):

@@ -35,7 +35,8 @@ from capsnet.errors import CapsnetError, ConfigError, Interrupted, Terminated, T
 from capsnet.losses import loss_params
 from capsnet.precision import set_tensor_float_32
 from capsnet.training.checkpoints import checkpoint_numbers, checkpoint_weights
-from capsnet.training.device_input import DevicePairSet, DeviceTrainingSet, make_device_train_loop
+from capsnet.training.device_input import (DevicePairSet, DeviceTrainingSet, MirroredTrainingSet,
+                                           make_device_train_loop)
 from capsnet.training.distribute import (check_all_reduce, check_global_batch, check_tf_config, check_workers_agree,
                                          input_iterator, is_chief, make_strategy, resolve_all_reduce,
                                          trains_on_gpu, without_autotune_thread)
@@ -398,16 +399,20 @@ class CompiledSteps:
         self.model, self.state, self.data, self.tcfg, self.strategy = model, state, data, tcfg, strategy
         self.seed, self.batch_size = int(cfg["seed"]), int(tcfg["batch_size"])
         losses = loss_params(tcfg)
+        done = int(state.epoch)
+        # (a finished run rerun: nothing to copy)
+        on_device = tcfg["data_on_device"] and done < tcfg["epochs"]
+        self.training_set = device_training_set(data, tcfg, self.seed, strategy) if on_device else None
+        # Under a strategy each replica gathers its slice of the batch inside its step.
+        examples = self.training_set.examples if on_device and strategy is not None else None
         train_step = make_train_step(model, state.optimizer, input_shape=model.image_shape, losses=losses,
                                      xla=tcfg["xla"], strategy=strategy, all_reduce=all_reduce,
-                                     two_digits=data.two_digits, weight_average=state.average)
+                                     two_digits=data.two_digits, weight_average=state.average, examples=examples)
         # The compiled programs are traced here, before the thread that builds the next epoch's
         # input starts (its traces move the same uid counter), each from an aligned uid
         # (align_trace_names): a rerun or resumed run finds them in train.xla_cache_dir.
         align_trace_names()
-        done = int(state.epoch)
-        if tcfg["data_on_device"] and done < tcfg["epochs"]:  # (a finished run rerun: nothing to copy)
-            self.training_set = device_training_set(data, tcfg, self.seed)
+        if on_device:
             last_batch = data.examples_per_epoch - (data.steps_per_epoch - 1) * self.batch_size
             # The longest call train_epoch makes in the epochs left runs a loop of constant length
             # (make_device_train_loop says why).
@@ -418,7 +423,6 @@ class CompiledSteps:
                                                       steps_per_execution=tcfg["steps_per_execution"],
                                                       trace_sizes=(self.batch_size, last_batch), static_steps=longest)
         else:
-            self.training_set = None
             self.train_steps = make_train_loop(train_step, strategy=strategy)  # (traces nothing until called)
             if strategy is None and done < tcfg["epochs"]:
                 train_step.get_concrete_function()  # the loop's trace then calls this one
@@ -516,10 +520,14 @@ class CompiledSteps:
 FIGURE_EXAMPLES = 500
 
 
-def device_training_set(data, tcfg, seed):
-    """train.data_on_device: the training split copied to the device once; each epoch only its draws."""
+def device_training_set(data, tcfg, seed, strategy=None):
+    """train.data_on_device: the training split copied to the device once (under a strategy, to
+    every replica's device); each epoch only its draws."""
     batch_size, split, task = int(tcfg["batch_size"]), data.train_split, data.task
     augmentation = task.augmentation()  # the MNIST family's (natural images refuse the device loop in config)
+    if strategy is not None:  # (two-digit data trains on one device: config.check)
+        return MirroredTrainingSet(strategy, split.images, split.labels, batch_size=batch_size, seed=seed,
+                                   **augmentation)
     if data.two_digits:
         return DevicePairSet(split.images, split.labels, batch_size=batch_size, seed=seed,
                              shift_pixels=augmentation["shift_pixels"], pad_pixels=task.cfg.get("pad_pixels"),

@@ -119,7 +119,7 @@ def set_determinism(enabled):
 
 
 def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strategy=None, all_reduce="collective",
-                    two_digits=False, weight_average=None, guard=True):
+                    two_digits=False, weight_average=None, guard=True, examples=None):
     """The compiled training step: (images, labels) → {loss, margin_loss, reconstruction_loss, accuracy,
     grad_norm} (STEP_VALUES).
 
@@ -156,6 +156,10 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strate
         guard: False leaves out what the non-finite guard costs the step (the gradients'
             global norm: grad_norm is then 0), only to measure that cost
             (scripts/benchmark_train.py --guard); train() always guards.
+        examples: under a strategy, what makes a replica's (images, labels) of the step's
+            per-replica inputs, in replica context, inside the replica's compiled step:
+            train.data_on_device's MirroredTrainingSet.examples (its inputs: the epoch's draws
+            and the replica's positions in it). None: the inputs are (images, labels).
     """
     if xla not in config.XLA_MODES:
         raise ValueError(f"make_train_step: xla must be one of {', '.join(config.XLA_MODES)}, got {xla!r}")
@@ -170,7 +174,7 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strate
             raise ValueError("make_train_step: guard=False is for one device only")
         config.check_all_reduce_in_step(all_reduce, xla, loss_scale(optimizer) is not None)
         return _make_distributed_train_step(model, optimizer, losses=losses, xla=xla, strategy=strategy,
-                                            all_reduce=all_reduce, weight_average=weight_average)
+                                            all_reduce=all_reduce, weight_average=weight_average, examples=examples)
     image_spec = tf.TensorSpec([None, *input_shape], tf.float32)
     signature = [image_spec, tf.TensorSpec([None], tf.int32)]
     if two_digits:
@@ -284,7 +288,7 @@ STEP_VALUES = (*_STEP_SUMS, "grad_norm")
 def _all_reduce_in_compiled_step(forward_backward, model, optimizer, strategy):
     """distribute.all_reduce=xla: one replica's whole step — forward, backward, the
     gradients' all-reduce and Adam's update of its own copy of every variable — as ONE XLA
-    computation, for strategy.run in replica context: (images, labels, global batch size)
+    computation, for strategy.run in replica context: (the step's inputs, global batch size)
     → (sums, grad_norm), forward_backward's.
 
     MirroredStrategy lowers an all-reduce inside an XLA function over GPUs to a
@@ -318,8 +322,8 @@ def _all_reduce_in_compiled_step(forward_backward, model, optimizer, strategy):
         local = [strategy.experimental_local_results(v.value)[replica] for v in model.trainable_variables]
         counter = strategy.experimental_local_results(optimizer.iterations.value)[replica]
 
-        def step(images, labels, global_batch_size):
-            grads, sums, grad_norm, _ = forward_backward(images, labels, global_batch_size)
+        def step(inputs, global_batch_size):
+            grads, sums, grad_norm, _ = forward_backward(inputs, global_batch_size)
             present = [(g, v) for g, v in zip(grads, local) if g is not None]
             summed = [g for g, _ in present]
             if strategy.num_replicas_in_sync > 1:  # (one replica: nothing to sum, and no GPU needed)
@@ -336,18 +340,21 @@ def _all_reduce_in_compiled_step(forward_backward, model, optimizer, strategy):
 
 
 def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, all_reduce="collective",
-                                 weight_average=None):
+                                 weight_average=None, examples=None):
     """make_train_step under a strategy: strategy.run of one replica's step on its slice
     of the global batch, then the batch means over all replicas (and workers).
 
     The returned function takes the per-replica images and labels of a distributed
-    dataset (distribute_dataset) and the global batch size of the step (an int; the last
-    batch of an epoch may be short, so it is passed rather than assumed).
+    dataset (distribute_dataset), or with `examples` the per-replica inputs it takes, and
+    the global batch size of the step (an int; the last batch of an epoch may be short, so
+    it is passed rather than assumed).
     """
 
     scaled = loss_scale(optimizer) is not None
 
-    def forward_backward(images, labels, global_batch_size):
+    def forward_backward(inputs, global_batch_size):
+        # train.data_on_device: the replica's slice gathered here, inside its compiled pass.
+        images, labels = inputs if examples is None else examples(*inputs)
         with tf.GradientTape() as tape:
             # Labels mask the decoder input: reconstruct the TRUE class in training.
             outputs = model(images, labels=labels, training=True)
@@ -369,7 +376,7 @@ def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, all
         return grads, sums, gradient_norm(grads, optimizer), finite
 
     if all_reduce == "xla":
-        # (images, labels, global batch size) → (sums, grad_norm), the update included.
+        # (inputs, global batch size) → (sums, grad_norm), the update included.
         train_replica = _all_reduce_in_compiled_step(forward_backward, model, optimizer, strategy)
     else:
         if xla == "jit":
@@ -382,15 +389,15 @@ def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, all
             forward_backward = tf.function(forward_backward, jit_compile=True, autograph=False)
             compile_replica_updates(optimizer)
 
-        def train_replica(images, labels, global_batch_size):
-            grads, sums, grad_norm, finite = forward_backward(images, labels, global_batch_size)
+        def train_replica(inputs, global_batch_size):
+            grads, sums, grad_norm, finite = forward_backward(inputs, global_batch_size)
             if scaled:
                 grads = overflow_on_every_replica(grads, finite)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             return sums, grad_norm
 
-    def replica_step(images, labels, global_batch_size):
-        sums, grad_norm = train_replica(images, labels, global_batch_size)
+    def replica_step(inputs, global_batch_size):
+        sums, grad_norm = train_replica(inputs, global_batch_size)
         if weight_average is not None:
             weight_average.update()
         return sums, grad_norm
@@ -398,17 +405,18 @@ def _make_distributed_train_step(model, optimizer, *, losses, xla, strategy, all
     # reduce_retracing: a short last batch changes the per-replica shapes; the second
     # trace generalises the batch dimension, so there is no third.
     @tf.function(reduce_retracing=True, autograph=False)  # as make_train_step's
-    def distributed_step(images, labels, global_batch_size):
-        sums, grad_norms = strategy.run(replica_step, args=(images, labels, global_batch_size))
+    def distributed_step(inputs, global_batch_size):
+        sums, grad_norms = strategy.run(replica_step, args=(inputs, global_batch_size))
         means = strategy.reduce(tf.distribute.ReduceOp.SUM, sums, axis=None) / tf.cast(global_batch_size, tf.float32)
         # The sum of the replicas' norms of their own gradients (before the all-reduce): an
         # upper bound of the global norm that is not finite iff one replica's gradients are not.
         grad_norm = strategy.reduce(tf.distribute.ReduceOp.SUM, grad_norms, axis=None)
         return {**dict(zip(_STEP_SUMS, tf.unstack(means))), "grad_norm": grad_norm}
 
-    def train_step(images, labels, global_batch_size):
+    def train_step(*inputs_and_global_batch_size):
+        *inputs, global_batch_size = inputs_and_global_batch_size  # (images, labels, size) without `examples`
         # A tensor, not a Python int: an int would trace the step once per distinct value.
-        return distributed_step(images, labels, tf.convert_to_tensor(global_batch_size, tf.int32))
+        return distributed_step(tuple(inputs), tf.convert_to_tensor(global_batch_size, tf.int32))
 
     return train_step
 
