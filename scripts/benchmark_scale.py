@@ -34,7 +34,10 @@ How (as benchmark_train, from which the timing protocol and helpers come):
   the sums); the steps run in train()'s loop,
   `--steps-per-execution` steps per compiled call (each value of the list measured;
   `--input device`: each replica's slice on its device once, no input pipeline a step;
-  scaling compares the same value). `--warmup` untimed steps, at least 1 + `--steps`
+  `--input on_device`: train.data_on_device=true's loop over benchmark_train's synthetic
+  training set, each replica gathering its slice of every global batch, so a mirrored
+  row trains on other examples than its 1-device row and its losses follow that row's
+  only roughly; scaling compares the same value). `--warmup` untimed steps, at least 1 + `--steps`
   (tracing, compiling, autotuning, NCCL setup; benchmark_train's time_steps), then
   `--repeats` × `--steps` steps with one device sync per repeat; the median counts.
 
@@ -97,10 +100,12 @@ def parse_args(argv):
                              "applies, else collective), xla (in each replica's compiled step: jit variants on GPUs, "
                              "no mixed_float16), collective (TensorFlow's, NCCL across GPUs), nccl, one_device "
                              "(default auto)")
-    bt.add_run_arguments(parser, default_variants=DEFAULT_VARIANTS)
+    bt.add_run_arguments(parser, default_variants=DEFAULT_VARIANTS, inputs=bt.TRAIN_INPUTS)
     parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
                         help="gpu (default) or cpu: GPUs hidden, the CPU split into logical devices (smoke runs)")
     args = parser.parse_args(argv)
+    if args.input == "on_device" and any(bt.VARIANTS[variant][1] != "jit" for variant in args.variants):
+        parser.error("--input on_device (train.data_on_device=true) needs train.xla=jit: pick the +jit variants")
     if len(args.precision) != 1:
         parser.error("--precision: one value here (the scaling compares configurations of one precision)")
     bt.reject_reserved_overrides(parser, args.overrides, RESERVED_KEYS,
@@ -157,11 +162,20 @@ def mirrored_runner(spec, batch_size, devices, all_reduce, per_call=1):
     # As train() does: timing an all-reduce that does not sum would time no training.
     check_all_reduce(strategy, [variable.shape for variable in model.trainable_variables],
                      compiled=all_reduce == "xla")
-    step = make_train_step(model, optimizer, input_shape=input_shape, losses=loss_params(train_cfg),
-                           xla=spec["xla"], strategy=strategy, all_reduce=all_reduce)
     # Each replica gets time_training's batch (the global batch: it, `replicas` times over),
     # split over the replicas as train() splits it: the 1-device row's task and losses.
-    batches = bt.synthetic_batches(spec, batch_size, input_shape, int(model_cfg["num_classes"]), copies=replicas)
+    num_classes = int(model_cfg["num_classes"])
+    if spec["input"] == "on_device":  # train.data_on_device=true: the replicas gather their slices of the global batch
+        training_set = bt.synthetic_training_set(spec, global_batch, input_shape, num_classes, strategy=strategy)
+        step = make_train_step(model, optimizer, input_shape=input_shape, losses=loss_params(train_cfg),
+                               xla=spec["xla"], strategy=strategy, all_reduce=all_reduce,
+                               examples=training_set.examples)
+        train_steps, iterator = bt.device_train_loop(spec, step, global_batch, input_shape, num_classes, per_call,
+                                                     None, training_set=training_set)
+        return bt.runner(train_steps, iterator, global_batch, per_call), strategy, all_reduce
+    step = make_train_step(model, optimizer, input_shape=input_shape, losses=loss_params(train_cfg),
+                           xla=spec["xla"], strategy=strategy, all_reduce=all_reduce)
+    batches = bt.synthetic_batches(spec, batch_size, input_shape, num_classes, copies=replicas)
     iterator = bt.step_input(spec, batches, strategy=strategy)
     return bt.runner(make_train_loop(step, strategy=strategy), iterator, global_batch, per_call), strategy, all_reduce
 

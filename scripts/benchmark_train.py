@@ -336,23 +336,39 @@ def step_input(spec, dataset, *, device=None, strategy=None):
         return itertools.repeat(tuple(tf.identity(t) for t in next(iter(dataset))))
 
 
-def device_train_loop(spec, step, batch_size, input_shape, num_classes, per_call, tf_device):
-    """--input on_device: (train_steps, its first argument) as train() makes them with
-    train.data_on_device=true, over a synthetic uint8 training set of MNIST's size (drawn
-    from spec's seed), augmented as the config's data section says (train()'s arguments:
-    the paper's MNIST shifts by 2 pixels; data.elastic_alpha etc. as set). Epochs 0 and 1 are drawn
-    up front and taken in turn, so no step waits for an epoch's draws (train() draws the
-    next epoch's while this one trains)."""
+def synthetic_training_set(spec, batch_size, input_shape, num_classes, tf_device=None, strategy=None):
+    """--input on_device's training set: a synthetic uint8 one of MNIST's size (drawn from
+    spec's seed) on `tf_device` (a DeviceTrainingSet), or under `strategy` on every
+    replica's device (a MirroredTrainingSet of global batches of `batch_size`), augmented as
+    the config's data section says (train()'s arguments: the paper's MNIST shifts by 2
+    pixels; data.elastic_alpha etc. as set)."""
     import numpy as np
 
     from capsnet.config import augmentation_options
-    from capsnet.training.device_input import DeviceTrainingSet, make_device_train_loop
+    from capsnet.training.device_input import DeviceTrainingSet, MirroredTrainingSet
 
     rng = np.random.default_rng(spec["seed"])
     images = rng.integers(0, 256, (MNIST_TRAIN_EXAMPLES, *input_shape), dtype=np.uint8)
     labels = rng.integers(0, num_classes, MNIST_TRAIN_EXAMPLES)
-    training_set = DeviceTrainingSet(images, labels, batch_size=batch_size, seed=spec["seed"], device=tf_device,
-                                     shift_pixels=spec["data"]["shift_pixels"], **augmentation_options(spec["data"]))
+    keywords = {"batch_size": batch_size, "seed": spec["seed"], "shift_pixels": spec["data"]["shift_pixels"],
+                **augmentation_options(spec["data"])}
+    if strategy is not None:
+        return MirroredTrainingSet(strategy, images, labels, **keywords)
+    return DeviceTrainingSet(images, labels, device=tf_device, **keywords)
+
+
+def device_train_loop(spec, step, batch_size, input_shape, num_classes, per_call, tf_device, training_set=None):
+    """--input on_device: (train_steps, its first argument) as train() makes them with
+    train.data_on_device=true, over `training_set` (default: synthetic_training_set's on
+    `tf_device`; a mirrored one needs `step` made with its `examples`). Epochs 0 and 1 are drawn
+    up front and taken in turn, so no step waits for an epoch's draws (train() draws the
+    next epoch's while this one trains)."""
+    import numpy as np
+
+    from capsnet.training.device_input import make_device_train_loop
+
+    if training_set is None:
+        training_set = synthetic_training_set(spec, batch_size, input_shape, num_classes, tf_device)
     device_steps = make_device_train_loop(step, training_set, steps_per_execution=per_call)
     epochs = [training_set.epoch(0), training_set.epoch(1)]
     steps_per_epoch = MNIST_TRAIN_EXAMPLES // batch_size

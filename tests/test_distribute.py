@@ -866,6 +866,32 @@ def test_benchmark_scale_script_times_one_device_and_mirrored_on_the_same_data(t
         assert f"| {row['first_loss']:.4f} → {row['last_loss']:.4f} |" in result.stdout
 
 
+
+@pytest.mark.slow
+def test_benchmark_scale_script_times_the_device_loop_under_mirrored(tmp_path):
+    """--input on_device (train.data_on_device=true's loop over a synthetic training set): the
+    mirrored ×1 row trains on the 1-device row's batches (one replica's slice is the whole
+    global batch), so it follows that row's losses; mirrored ×2, on global batches of 8
+    split over two CPU devices, trains."""
+    from conftest import TINY_MODEL
+
+    output = tmp_path / "scale.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "benchmark_scale.py"), "--device", "cpu", "--replicas", "1,2",
+         "--batch-sizes", "4", "--steps", "2", "--repeats", "1", "--warmup", "3", "--variants", "op+jit",
+         "--input", "on_device", "--json", str(output), *TINY_MODEL],
+        env=entry_point_env(), capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(output.read_text())
+    assert report["errors"] == [] and report["failures"] == [] and report["input"] == "on_device"
+    rows = {row["config"]: row for row in report["results"]}
+    assert sorted(rows) == ["1 device", "mirrored ×1", "mirrored ×2"]
+    assert rows["mirrored ×2"]["global_batch_size"] == 8
+    for loss in ("first_loss", "last_loss"):
+        assert rows["mirrored ×1"][loss] == pytest.approx(rows["1 device"][loss], rel=LOSS_RTOL)
+    assert rows["mirrored ×2"]["last_loss"] < rows["mirrored ×2"]["first_loss"]
+
+
 def test_benchmark_scale_flags_a_mirrored_row_whose_loss_did_not_fall():
     from conftest import load_script
 
