@@ -273,9 +273,11 @@ def is_chief(strategy):
 def distribute_dataset(strategy, dataset):
     """`dataset`'s batches (global batches) split over the strategy's replicas, in order.
 
-    Each global batch is cut into one contiguous slice per replica (sizes differ by at
-    most one example; a short last batch as well), so step k of every replica together
-    sees global batch k of a one-device run. Every worker builds the whole (seed,
+    Each global batch is cut into one contiguous slice per replica, in replica order, of
+    ⌈size / replicas⌉ examples each but the last ones (a full batch: equal slices,
+    check_global_batch; a short last batch of 5 over 4 replicas: 2, 2, 1 and 0, seen on
+    TensorFlow 2.21), so step k of every replica together sees global batch k of a
+    one-device run (MirroredTrainingSet gathers the same slices). Every worker builds the whole (seed,
     epoch)-ordered dataset and keeps its replicas' slices (DATA sharding: the examples
     are tensors in memory, not files, so there are no files to split, and its
     augmentation is keyed by the example, not by the worker).
