@@ -32,7 +32,9 @@ gathers its slice of every global batch inside its compiled step (make_train_ste
 all-reduce is the mirrored step's. A call's steps are then a TensorFlow loop over that
 step (strategy.run is not an XLA op), each step one XLA program a replica where
 distribute.all_reduce=xla compiles the all-reduce into it, else the step's programs with
-TensorFlow's all-reduce between them.
+TensorFlow's all-reduce between them. (A call as one XLA program a replica would put
+that all-reduce inside an XLA while loop, which XLA compiles for GPUs only, and which has
+not run on GPUs here.)
 """
 import itertools
 
