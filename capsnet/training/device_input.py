@@ -34,7 +34,7 @@ step (strategy.run is not an XLA op), each step one XLA program a replica where
 distribute.all_reduce=xla compiles the all-reduce into it, else the step's programs with
 TensorFlow's all-reduce between them. (A call as one XLA program a replica would put
 that all-reduce inside an XLA while loop, which XLA compiles for GPUs only, and which has
-not run on GPUs here.)
+not been run on a GPU yet.)
 """
 import itertools
 
