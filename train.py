@@ -1,7 +1,7 @@
 """Train CapsNet: `python train.py [key=value ...]` (configs/train.yaml; `--help` lists the groups).
 
 Examples:
-    python train.py data.dir=../shared/data/mnist train.epochs=50
+    python train.py data.dir=/data/mnist train.epochs=50
     python train.py -m custom_op=true,false          # a sweep: outputs/multirun/...
     python train.py -m seed=0,1,2,3 hydra/launcher=gpus  # its jobs in parallel, one GPU each
     python train.py hydra.run.dir=outputs/my-run     # rerun the same command to resume it
