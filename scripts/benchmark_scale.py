@@ -165,16 +165,16 @@ def mirrored_runner(spec, batch_size, devices, all_reduce, per_call=1):
     # Each replica gets time_training's batch (the global batch: it, `replicas` times over),
     # split over the replicas as train() splits it: the 1-device row's task and losses.
     num_classes = int(model_cfg["num_classes"])
-    if spec["input"] == "on_device":  # train.data_on_device=true: the replicas gather their slices of the global batch
-        training_set = bt.synthetic_training_set(spec, global_batch, input_shape, num_classes, strategy=strategy)
-        step = make_train_step(model, optimizer, input_shape=input_shape, losses=loss_params(train_cfg),
-                               xla=spec["xla"], strategy=strategy, all_reduce=all_reduce,
-                               examples=training_set.examples)
+    on_device = spec["input"] == "on_device"  # train.data_on_device=true: the replicas gather their slices of the global batch
+    training_set = (bt.synthetic_training_set(spec, global_batch, input_shape, num_classes, strategy=strategy)
+                    if on_device else None)
+    step = make_train_step(model, optimizer, input_shape=input_shape, losses=loss_params(train_cfg),
+                           xla=spec["xla"], strategy=strategy, all_reduce=all_reduce,
+                           examples=training_set.examples if on_device else None)
+    if on_device:
         train_steps, iterator = bt.device_train_loop(spec, step, global_batch, input_shape, num_classes, per_call,
                                                      None, training_set=training_set)
         return bt.runner(train_steps, iterator, global_batch, per_call), strategy, all_reduce
-    step = make_train_step(model, optimizer, input_shape=input_shape, losses=loss_params(train_cfg),
-                           xla=spec["xla"], strategy=strategy, all_reduce=all_reduce)
     batches = bt.synthetic_batches(spec, batch_size, input_shape, num_classes, copies=replicas)
     iterator = bt.step_input(spec, batches, strategy=strategy)
     return bt.runner(make_train_loop(step, strategy=strategy), iterator, global_batch, per_call), strategy, all_reduce

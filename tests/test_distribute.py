@@ -44,6 +44,19 @@ CHECKPOINT_TOL = 1e-3  # × the tensor's largest |value|
 SUBPROCESS_TIMEOUT = 600  # seconds: a hang (a collective waiting for a peer) fails instead of blocking CI
 
 
+def run_json_script(script, *args):
+    """Run `script` (Python source) in a fresh interpreter with the repository importable,
+    without TF_CONFIG and with no GPU visible (logical CPUs stand for the devices, also on a
+    machine with a GPU); its last stdout line parsed as JSON. A failure shows its stderr."""
+    env = repo_env()
+    env.pop("TF_CONFIG", None)
+    env["CUDA_VISIBLE_DEVICES"] = "-1"
+    result = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                            timeout=SUBPROCESS_TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def step_losses(run_dir):
     """The per-step training losses of a run (all its event files): [(step, loss)]."""
     return [(step, float(tf.make_ndarray(value.tensor))) for step, value in read_events(run_dir)["train/loss"]]
@@ -216,13 +229,7 @@ def mirrored(tiny_idx_dir, tmp_path_factory):
             tiny_idx_dir, root / "xla_one", *DATA, "distribute=mirrored", "distribute.devices=[/cpu:0]",
             "train.epochs=3", "train.xla=jit", "distribute.all_reduce=xla", "custom_op=true"))),
     ]
-    env = repo_env()
-    env.pop("TF_CONFIG", None)
-    env["CUDA_VISIBLE_DEVICES"] = "-1"  # CPU devices only, also on a machine with a GPU
-    result = subprocess.run([sys.executable, "-c", MIRRORED_SCRIPT, json.dumps(configs)], env=env,
-                            capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return root, json.loads(result.stdout.strip().splitlines()[-1])
+    return root, run_json_script(MIRRORED_SCRIPT, json.dumps(configs))
 
 
 @pytest.mark.slow
@@ -326,12 +333,7 @@ print(json.dumps({"out": out, "made": made, "copies": [float(c) for c in strateg
 
 
 def test_compiled_per_replica_gives_each_replica_its_own_compiled_function():
-    env = repo_env()
-    env["CUDA_VISIBLE_DEVICES"] = "-1"
-    result = subprocess.run([sys.executable, "-c", PER_REPLICA_SCRIPT], env=env, capture_output=True, text=True,
-                            timeout=SUBPROCESS_TIMEOUT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_json_script(PER_REPLICA_SCRIPT)
     assert sorted(report["made"]) == [0, 1]  # once each, not again on the second call
     assert report["out"] == [[22.0, 42.0], [24.0, 44.0]]  # each its own copy, + 1 a call, × 2
     assert report["copies"] == [12.0, 22.0]
@@ -454,12 +456,7 @@ def test_an_all_reduce_that_does_not_sum_is_refused_before_training(tiny_idx_dir
     run_dir = tmp_path / "run"
     cfg = compose_config("train", tiny_overrides(tiny_idx_dir, run_dir, *DATA, "train.epochs=1", "distribute=mirrored",
                                                  "distribute.devices=[/cpu:0,/cpu:1]"))
-    env = repo_env()
-    env["CUDA_VISIBLE_DEVICES"] = "-1"
-    result = subprocess.run([sys.executable, "-c", ALL_REDUCE_SCRIPT, json.dumps(cfg)], env=env, capture_output=True,
-                            text=True, timeout=SUBPROCESS_TIMEOUT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_json_script(ALL_REDUCE_SCRIPT, json.dumps(cfg))
     assert report["sums"] is None
     assert report["zeros"] is not None, "an all-reduce that returns zeros passed the check"
     assert report["zeros"].startswith("distribute: the gradient all-reduce over /job:localhost/replica:0/task:0/"
@@ -567,10 +564,7 @@ def test_each_devices_adam_update_compiled_matches_numpy_adam_on_every_copy(tmp_
     (Keras passes its LR variable), and under a LossScaleOptimizer whose second step
     overflows on one replica alone (overflow_on_every_replica: skipped on every copy, the
     scale halves from 32768; without it Keras applied the step and every weight was NaN)."""
-    result = subprocess.run([sys.executable, "-c", REPLICA_UPDATES_SCRIPT], env=repo_env(), capture_output=True,
-                            text=True, timeout=SUBPROCESS_TIMEOUT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_json_script(REPLICA_UPDATES_SCRIPT)
     assert report["calls"] >= 3, "Keras did not call the replaced _distributed_tf_update_step"
     rng = np.random.default_rng(0)
     weights = [rng.normal(size=(3, 4)).astype("float32"), rng.normal(size=(4,)).astype("float32")]
@@ -973,12 +967,7 @@ def test_mirrored_on_device_replicas_gather_the_slices_the_pipeline_gives_them()
     step equal what distribute_dataset gives that replica of make_dataset's batch of the
     same (seed, epoch), flips, shifts and erased boxes included, the short last batch of 5
     split 3 + 2; each replica gathers from the copy on its own device."""
-    env = repo_env()
-    env["CUDA_VISIBLE_DEVICES"] = "-1"
-    result = subprocess.run([sys.executable, "-c", ON_DEVICE_SPLIT_SCRIPT], env=env, capture_output=True, text=True,
-                            timeout=SUBPROCESS_TIMEOUT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_json_script(ON_DEVICE_SPLIT_SCRIPT)
     got, want = report["got"], report["want"]
     assert len(got) == len(want) == 8
     assert [[len(replica) for replica in labels] for _, labels in want[:4]] == [[4, 4]] * 3 + [[3, 2]]
@@ -1012,13 +1001,7 @@ def test_mirrored_on_device_trains_the_steps_of_the_pipeline(tiny_idx_dir, tmp_p
     configs = [("pipeline", cfg("pipeline")), ("mirrored", cfg("mirrored", *on_device)),
                ("uncompiled_xla", cfg("uncompiled_xla", *on_device, "distribute.all_reduce=xla")),
                ("indivisible", cfg("indivisible", *on_device, "train.batch_size=15"))]
-    env = repo_env()
-    env.pop("TF_CONFIG", None)
-    env["CUDA_VISIBLE_DEVICES"] = "-1"
-    result = subprocess.run([sys.executable, "-c", MIRRORED_SCRIPT, json.dumps(configs)], env=env,
-                            capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_json_script(MIRRORED_SCRIPT, json.dumps(configs))
     reference = step_losses(tmp_path / "pipeline")
     assert [s for s, _ in reference] == [2, 4]
     for name in ("mirrored", "uncompiled_xla"):
