@@ -769,6 +769,55 @@ def test_train_with_xla_jit_matches_the_plain_run(trained_run, tiny_config, caps
     assert abs(ours["test_accuracy"] - theirs["test_accuracy"]) <= 0.02  # 100 test images: 2 at most
 
 
+def test_the_compiled_test_step_is_compiled_beside_the_first_epoch(tiny_config, monkeypatch):
+    """train.xla=jit: the test step is called on zeros of each test batch shape (32, and the
+    last batch's 100 % 32 = 4) in a thread of its own before the first test pass, which waits
+    for it; the run's test scores are the test split's through the trained weights (the
+    zeros' outputs are kept nowhere)."""
+    from capsnet.evaluation import evaluate
+    from capsnet.training import loop
+
+    calls, real = [], loop.compile_eval_step
+
+    def spy(eval_step, element_spec, sizes):
+        shapes = []
+
+        def recording(*inputs):
+            shapes.append([(tuple(x.shape), x.dtype, float(tf.reduce_max(tf.abs(tf.cast(x, tf.float32)))))
+                           for x in inputs])
+            return eval_step(*inputs)
+
+        calls.append((sizes, shapes, real(recording, element_spec, sizes)))
+        return calls[-1][2]
+
+    monkeypatch.setattr(loop, "compile_eval_step", spy)
+    cfg = tiny_config("data.limit_train=40", "train.epochs=1", "train.xla=jit", "train.test_batch_size=32")
+    metrics = train(cfg)
+    [(sizes, shapes, future)] = calls
+    assert sizes == [4, 32] and future.done() and future.result() is None
+    assert shapes == [[((n, 28, 28, 1), tf.float32, 0.0), ((n,), tf.int32, 0.0)] for n in (4, 32)]
+    report = evaluate(cfg["run_dir"], which="latest")
+    assert metrics["test_accuracy"] == report["accuracy"]
+
+
+def test_compiling_the_test_step_leaves_its_errors_to_the_test_pass():
+    """compile_eval_step: an op's error (the call ran out of memory beside the training, say)
+    is dropped, the test pass making the same call alone; anything else is a bug, raised."""
+    from capsnet.training.steps import compile_eval_step
+
+    spec = (tf.TensorSpec([None, 2], tf.float32),)
+
+    def out_of_memory(x):
+        raise tf.errors.ResourceExhaustedError(None, None, "OOM")
+
+    def broken(x):
+        raise TypeError("not a step")
+
+    assert compile_eval_step(out_of_memory, spec, [3]).result(timeout=60) is None
+    with pytest.raises(TypeError, match="not a step"):
+        compile_eval_step(broken, spec, [3]).result(timeout=60)
+
+
 @pytest.mark.parametrize("routing", ["auto", "tf"], ids=["fused_op", "op"])
 def test_custom_op_under_xla_jit_trains_as_the_matmul_path(tiny_config, tmp_path, routing):
     """custom_op=true train.xla=jit compiles the whole step with our kernels in it (XLA

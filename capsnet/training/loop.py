@@ -44,9 +44,9 @@ from capsnet.tasks import task_for
 from capsnet.training.model_setup import build_capsnet, check_op_library
 from capsnet.training.optimizer import build_optimizer, checkpoint_nodes, loss_scale, scaled_learning_rate, steps_done
 from capsnet.training.run_dir import RunDir, last_epoch_was_best  # noqa: F401  (last_epoch_was_best: loop's rule)
-from capsnet.training.steps import (align_trace_names, eval_batch_size, evaluate_model, execution_lengths,
-                                    make_eval_step, make_train_loop, make_train_step, next_execution_length,
-                                    set_autoclustering, set_determinism, set_xla_cache)
+from capsnet.training.steps import (align_trace_names, compile_eval_step, eval_batch_size, evaluate_model,
+                                    execution_lengths, make_eval_step, make_train_loop, make_train_step,
+                                    next_execution_length, set_autoclustering, set_determinism, set_xla_cache)
 from capsnet.training.summaries import MetricWindow, RunSummaries, mean_images_per_sec, write_train_scalars
 from capsnet.training.weight_average import WeightAverage
 
@@ -430,6 +430,13 @@ class CompiledSteps:
                                         two_digits=data.two_digits, **losses)
         align_trace_names()
         self.eval_step.get_concrete_function()
+        # Under XLA the test step compiles beside the first epoch (compile_eval_step says why);
+        # one device only: under a strategy the replicas' steps have the devices to themselves.
+        self.eval_compiled = None
+        if tcfg["xla"] == "jit" and strategy is None and done < tcfg["epochs"]:
+            test_batch = eval_batch_size(tcfg)
+            sizes = sorted({min(test_batch, data.test_examples), data.test_examples % test_batch} - {0})
+            self.eval_compiled = compile_eval_step(self.eval_step, data.test_ds.element_spec, sizes)
 
     def epoch_input(self, epoch_index, first_step, resumed_epoch):
         """The epoch's batches on the training devices ahead of the steps (under a strategy: the
@@ -487,6 +494,9 @@ class CompiledSteps:
         weight average, the average's; raw_test then the trained weights', else None); with
         `summaries`, the epoch's test summaries at `step` too."""
         average, model, data = self.state.average, self.model, self.data
+        if self.eval_compiled is not None:  # the test step's compilation, started beside the training
+            self.eval_compiled.result()
+            self.eval_compiled = None
         raw_test = evaluate_model(self.eval_step, data.test_ds, model.num_classes) if average is not None else None
         with average.in_model() if average is not None else contextlib.nullcontext():
             test = evaluate_model(self.eval_step, data.test_ds, model.num_classes, keep_lengths=True)
