@@ -692,6 +692,35 @@ def test_set_xla_cache_adds_the_flag_and_replaces_another_directory_with_a_notic
         set_xla_cache(tmp_path / "file" / "d")
 
 
+def test_set_xla_compile_threads_adds_flags_this_xla_knows_unless_the_user_set_them(monkeypatch):
+    """Both flags go into XLA_FLAGS, after the user's others; a user's setting of either is
+    left as it is. XLA aborts the process on a flag it does not know (at its first
+    compilation): a subprocess compiles a function with the flags set."""
+    from capsnet.training.steps import set_xla_compile_threads
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    assert set_xla_compile_threads(3) == ("--xla_gpu_force_compilation_parallelism=3 "
+                                          "--xla_gpu_enable_llvm_module_compilation_parallelism=true")
+    assert os.environ["XLA_FLAGS"] == ("--xla_dump_to=/tmp/x --xla_gpu_force_compilation_parallelism=3 "
+                                       "--xla_gpu_enable_llvm_module_compilation_parallelism=true")
+    for user in ("--xla_gpu_force_compilation_parallelism=1",
+                 "--xla_gpu_enable_llvm_module_compilation_parallelism=false"):
+        monkeypatch.setenv("XLA_FLAGS", user)
+        assert set_xla_compile_threads() == "" and os.environ["XLA_FLAGS"] == user
+    monkeypatch.delenv("XLA_FLAGS")
+    code = ("import os, tensorflow as tf\n"
+            "from capsnet.training.steps import set_xla_compile_threads\n"
+            "print(set_xla_compile_threads())\n"
+            "print(float(tf.function(lambda x: x * 2, jit_compile=True)(tf.ones(3))[0]))")
+    result = subprocess.run([sys.executable, "-c", code], env=entry_point_env(), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    threads = len(os.sched_getaffinity(0))
+    assert result.stdout.split("\n")[:2] == [
+        f"--xla_gpu_force_compilation_parallelism={threads} --xla_gpu_enable_llvm_module_compilation_parallelism=true",
+        "2.0"]
+
+
 @pytest.mark.parametrize("steps_per_epoch, start, per_call, log_every, lengths", [
     (10, 0, 1, 50, [1] * 10),        # one step a call: as before the option
     (10, 0, 4, 50, [1, 4, 4, 1]),    # the first call of an epoch is one step; the epoch's end
