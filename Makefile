@@ -5,7 +5,7 @@
 #   make ops-cuda  build it with the CUDA kernels, GPU driver or not (needs nvcc; `docker build`)
 #   make ops-cpu   build it without them
 #   make test      install, then run the test suite (in parallel, one worker per core)
-#   make train     install, then a first training in minutes on a CPU (experiment=quickstart, offline
+#   make train     install, then a first training of about a minute on a CPU (experiment=quickstart, offline
 #                  on the MNIST sample in the package); ARGS="..." trains with those Hydra overrides
 #                  instead, e.g. ARGS="data.dir=/data/mnist" for the full 50-epoch recipe
 SHELL := /bin/bash
