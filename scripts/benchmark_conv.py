@@ -16,7 +16,9 @@ group's mean counts. Shapes: Conv1 9x9, 1 -> 256, stride 1 on
 `--form` says how PrimaryCaps' strided convolution is computed: `strided` as it is,
 `cropped` without the input row and column no window reaches (conv_form="strided" under XLA),
 `space_to_depth` as a stride-1 5x5 convolution on 2x2 blocks (capsnet/conv.py,
-model.primary_caps_conv). `--framework torch` times the strided rows in PyTorch
+model.primary_caps_conv); `col2im` the same with its input gradient as a matrix product
+and a scatter-add of its patches (col2im_input_grad: none of the padded transposed
+convolution's zero multiply-adds; a candidate, not a form the model has). `--framework torch` times the strided rows in PyTorch
 instead (its own process: cuDNN in benchmark mode, channels_last, TF32 for float32 as
 TensorFlow's default): what the same GPU's best-known kernels do with the same shapes.
 """
@@ -32,7 +34,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # (name, input NHWC, filter HWIO, stride)
 CONVS = [("conv1", (28, 28, 1), (9, 9, 1, 256), 1), ("primary_caps", (20, 20, 256), (9, 9, 256, 256), 2)]
 PARTS = ("forward", "filter_grad", "input_grad")
-FORMS = ("strided", "cropped", "space_to_depth")
+FORMS = ("strided", "cropped", "space_to_depth", "col2im")
 
 
 def conv_parts(tf, batch, in_shape, filter_shape, stride, dtype, form="strided"):
@@ -46,7 +48,7 @@ def conv_parts(tf, batch, in_shape, filter_shape, stride, dtype, form="strided")
     if form == "cropped":
         used = (out_hw - 1) * stride + filter_shape[0]
         x, in_shape = x[:, :used, :used], (used, used, in_shape[2])
-    elif form == "space_to_depth":
+    elif form in ("space_to_depth", "col2im"):
         from capsnet.conv import space_to_depth_conv2d
 
         def gradient(x, w, dy, wrt):
@@ -57,7 +59,8 @@ def conv_parts(tf, batch, in_shape, filter_shape, stride, dtype, form="strided")
         return {
             "forward": (lambda x, w, dy: space_to_depth_conv2d(x, w, (stride, stride)), (x, w, dy)),
             "filter_grad": (lambda x, w, dy: gradient(x, w, dy, 1), (x, w, dy)),
-            "input_grad": (lambda x, w, dy: gradient(x, w, dy, 0), (x, w, dy)),
+            "input_grad": ((lambda x, w, dy: gradient(x, w, dy, 0)) if form == "space_to_depth" else
+                           (lambda x, w, dy: col2im_input_grad(tf, x.shape, w, dy, stride)), (x, w, dy)),
         }
     elif form != "strided":
         raise ValueError(f"unknown form {form!r}; choose from {', '.join(FORMS)}")
@@ -68,6 +71,28 @@ def conv_parts(tf, batch, in_shape, filter_shape, stride, dtype, form="strided")
         "input_grad": (lambda x, w, dy: tf.raw_ops.Conv2DBackpropInput(
             input_sizes=[batch, *in_shape], filter=w, out_backprop=dy, strides=strides, padding="VALID"), (x, w, dy)),
     }
+
+
+def col2im_input_grad(tf, x_shape, w, dy, stride):
+    """The input gradient of the blocks form (space_to_depth) without its zero padding: one
+    matrix product gives every output position's patch of the blocks' gradient
+    (B, H', W', kh, kw, C), each patch tap is added into the blocks' gradient at its offset,
+    and the blocks go back to the (B, H, W, C) map. The padded transposed convolution does
+    (kh + H' - 1)(kw + W' - 1) / (H' W') times the product's multiply-adds (PrimaryCaps:
+    100/36); this form moves the patches (kh kw C values a position) through memory instead."""
+    from capsnet.conv import block_kernel
+
+    kernel = block_kernel(w, (stride, stride))                  # (kh, kw, s·s·C, O)
+    kh, kw = int(kernel.shape[0]), int(kernel.shape[1])
+    _, oh, ow, _ = dy.shape
+    patches = tf.einsum("byxo,ijco->byxijc", dy, kernel)
+    blocks = tf.add_n([tf.pad(patches[:, :, :, i, j, :], [[0, 0], [i, kh - 1 - i], [j, kw - 1 - j], [0, 0]])
+                       for i in range(kh) for j in range(kw)])  # (B, oh + kh - 1, ow + kw - 1, s·s·C)
+    _, bh, bw, _ = blocks.shape
+    c = int(x_shape[3])
+    image = tf.reshape(tf.transpose(tf.reshape(blocks, (-1, bh, bw, stride, stride, c)), (0, 1, 3, 2, 4, 5)),
+                       (-1, bh * stride, bw * stride, c))       # depth_to_space, capsnet.conv's channel order
+    return image[:, :x_shape[1], :x_shape[2], :]
 
 
 def torch_time(batch, in_shape, filter_shape, stride, dtype, part, repeats):
