@@ -18,9 +18,10 @@ group's mean counts. Shapes: Conv1 9x9, 1 -> 256, stride 1 on
 `space_to_depth` as a stride-1 5x5 convolution on 2x2 blocks (capsnet/conv.py,
 model.primary_caps_conv); `col2im` the same with its input gradient as a matrix product
 and a scatter-add of its patches (col2im_input_grad: none of the padded transposed
-convolution's zero multiply-adds; a candidate, not a form the model has). `--framework torch` times the strided rows in PyTorch
-instead (its own process: cuDNN in benchmark mode, channels_last, TF32 for float32 as
-TensorFlow's default): what the same GPU's best-known kernels do with the same shapes.
+convolution's zero multiply-adds; a candidate, not a form the model has).
+`--framework torch` times the strided rows in PyTorch instead (its own process: cuDNN in
+benchmark mode, channels_last, TF32 for float32 as TensorFlow's default): what the same
+GPU's best-known kernels do with the same shapes.
 """
 import argparse
 import json

@@ -170,7 +170,7 @@ def mirrored_runner(spec, batch_size, devices, all_reduce, per_call=1):
                     if on_device else None)
     step = make_train_step(model, optimizer, input_shape=input_shape, losses=loss_params(train_cfg),
                            xla=spec["xla"], strategy=strategy, all_reduce=all_reduce,
-                           examples=training_set.examples if on_device else None)
+                           examples=training_set and training_set.examples)
     if on_device:
         train_steps, iterator = bt.device_train_loop(spec, step, global_batch, input_shape, num_classes, per_call,
                                                      None, training_set=training_set)

@@ -47,13 +47,18 @@ def set_autoclustering(enabled):
     tf.config.optimizer.set_jit("autoclustering" if enabled else False)
 
 
+def _flag_pattern(flag):
+    """`flag` as a whole word of a flags variable, alone or as `flag=value`."""
+    return re.compile(r"(?<!\S)" + re.escape(flag) + r"(=\S*)?(?=\s|$)")
+
+
 def set_tf_xla_flag(flag, value=None):
     """Put `flag` (`flag=value` if a value is given) into TF_XLA_FLAGS once, in place of
     the flag's earlier setting if there is one. Returns that earlier setting as written
     ("--flag" or "--flag=value"), or None if the flag was absent. TensorFlow reads the
     variable once (see set_autoclustering)."""
     flags = os.environ.get("TF_XLA_FLAGS", "")
-    pattern = re.compile(r"(?<!\S)" + re.escape(flag) + r"(=\S*)?(?=\s|$)")
+    pattern = _flag_pattern(flag)
     existing = pattern.search(flags)
     setting = flag if value is None else f"{flag}={value}"
     if existing is None:
@@ -79,7 +84,7 @@ def set_xla_compile_threads(threads=None):
     XLA reads XLA_FLAGS once, at its first compilation: call this before it. A CPU-only run
     ignores both flags."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if XLA_THREADS_FLAG in flags or XLA_SPLIT_FLAG in flags:
+    if any(_flag_pattern(flag).search(flags) for flag in (XLA_THREADS_FLAG, XLA_SPLIT_FLAG)):
         return ""
     if threads is None:
         threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
