@@ -800,15 +800,23 @@ def test_train_with_xla_jit_matches_the_plain_run(trained_run, tiny_config, caps
 
 def test_the_compiled_test_step_is_compiled_beside_the_first_epoch(tiny_config, monkeypatch):
     """train.xla=jit: the test step is called on zeros of each test batch shape (32, and the
-    last batch's 100 % 32 = 4) in a thread of its own before the first test pass, which waits
-    for it; the run's test scores are the test split's through the trained weights (the
-    zeros' outputs are kept nowhere)."""
+    last batch's 100 % 32 = 4) in a thread of its own once the first training call has
+    returned, before the first test pass, which waits for it; the run's test scores are the
+    test split's through the trained weights (the zeros' outputs are kept nowhere)."""
     from capsnet.evaluation import evaluate
     from capsnet.training import loop
 
-    calls, real = [], loop.compile_eval_step
+    calls, real, returned, real_epoch = [], loop.compile_eval_step, [], loop.train_epoch
+
+    def counting_epoch(train_steps, *args, **kwargs):
+        def counted(*inputs):
+            out = train_steps(*inputs)
+            returned.append(1)
+            return out
+        return real_epoch(counted, *args, **kwargs)
 
     def spy(eval_step, element_spec, sizes):
+        assert returned, "the test step's compilation started before the first training call returned"
         shapes = []
 
         def recording(*inputs):
@@ -820,6 +828,7 @@ def test_the_compiled_test_step_is_compiled_beside_the_first_epoch(tiny_config, 
         return calls[-1][2]
 
     monkeypatch.setattr(loop, "compile_eval_step", spy)
+    monkeypatch.setattr(loop, "train_epoch", counting_epoch)
     cfg = tiny_config("data.limit_train=40", "train.epochs=1", "train.xla=jit", "train.test_batch_size=32")
     metrics = train(cfg)
     [(sizes, shapes, future)] = calls

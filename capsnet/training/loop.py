@@ -433,13 +433,16 @@ class CompiledSteps:
                                         two_digits=data.two_digits, **losses)
         align_trace_names()
         self.eval_step.get_concrete_function()
-        # Under XLA the test step compiles beside the first epoch (compile_eval_step says why);
-        # one device only: under a strategy the replicas' steps have the devices to themselves.
-        self.eval_compiled = None
+        # Under XLA the test step compiles beside the first epoch (compile_eval_step says why),
+        # started once the first training call has returned (train): beside that call's own
+        # compilation the two autotune on the GPU at once and the first call takes seconds longer.
+        # One device only: under a strategy the replicas' steps have the devices to themselves.
+        self.eval_compile, self.eval_compiled = None, None
         if tcfg["xla"] == "jit" and strategy is None and done < tcfg["epochs"]:
             test_batch = eval_batch_size(tcfg)
             sizes = sorted({min(test_batch, data.test_examples), data.test_examples % test_batch} - {0})
-            self.eval_compiled = compile_eval_step(self.eval_step, data.test_ds.element_spec, sizes)
+            self.eval_compile = functools.partial(compile_eval_step, self.eval_step, data.test_ds.element_spec,
+                                                  sizes)
 
     def epoch_input(self, epoch_index, first_step, resumed_epoch):
         """The epoch's batches on the training devices ahead of the steps (under a strategy: the
@@ -463,6 +466,12 @@ class CompiledSteps:
         """One epoch (train_epoch) → (train means, global step); Ctrl-C's save and Interrupted, a
         non-finite step's TrainingDiverged, a device out of memory in one line."""
         tcfg, epoch_number = self.tcfg, int(self.state.epoch) + 1
+
+        def reporting(*args):  # called after a fetch of timed steps: the first call has returned
+            if self.eval_compile is not None:
+                self.eval_compiled, self.eval_compile = self.eval_compile(), None
+            report(*args)
+
         try:
             means, global_step, stopped_at = train_epoch(
                 self.train_steps, iterator, global_step=global_step, num_examples=self.data.examples_per_epoch,
@@ -471,7 +480,7 @@ class CompiledSteps:
                 learning_rate=self.next_learning_rate, progress_bar=tcfg["progress_bar"],
                 loss_scale=loss_scale(self.state.optimizer), first_step=start_step,
                 # train.data_on_device's epochs cannot start mid-way: a Ctrl-C there stops at the epoch's end.
-                stop=(lambda: progress["interrupt"]) if self.training_set is None else None, report=report)
+                stop=(lambda: progress["interrupt"]) if self.training_set is None else None, report=reporting)
         except NonFiniteStep as stop:
             # Nothing of this epoch is saved (the weights in memory are diverged): the
             # checkpoints, best/ and history.jsonl keep what the last good epoch left.
@@ -499,7 +508,7 @@ class CompiledSteps:
         average, model, data = self.state.average, self.model, self.data
         if self.eval_compiled is not None:  # the test step's compilation, started beside the training
             self.eval_compiled.result()
-            self.eval_compiled = None
+        self.eval_compile = self.eval_compiled = None  # (an epoch of one call: compiled here)
         raw_test = evaluate_model(self.eval_step, data.test_ds, model.num_classes) if average is not None else None
         with average.in_model() if average is not None else contextlib.nullcontext():
             test = evaluate_model(self.eval_step, data.test_ds, model.num_classes, keep_lengths=True)
