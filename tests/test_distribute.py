@@ -759,7 +759,9 @@ CPUS = ["/job:localhost/replica:0/task:0/device:CPU:0", "/job:localhost/replica:
     ("auto", "mirrored", "jit", "float32", CPUS, "collective"),        # XLA compiles no collective for CPUs
     ("auto", "mirrored", "jit", "float32", GPUS[:1], "collective"),    # one replica: nothing to all-reduce
     ("auto", "mirrored", "jit", "float32", [GPUS[0], CPUS[0]], "collective"),
-    ("auto", "multi_worker", "jit", "float32", GPUS, "auto"),          # TensorFlow's pick across workers
+    ("auto", "multi_worker", "jit", "float32", GPUS[:1], "nccl"),      # TensorFlow's auto would sum through the hosts
+    ("auto", "multi_worker", "jit", "float32", CPUS[:1], "auto"),      # TensorFlow's pick: its ring
+    ("ring", "multi_worker", "jit", "float32", GPUS, "ring"),
     ("collective", "mirrored", "jit", "float32", GPUS, "collective"),  # an explicit value is kept
     ("nccl", "mirrored", "jit", "float32", GPUS, "nccl"),
     ("xla", "mirrored", "jit", "float32", GPUS, "xla"),
