@@ -148,8 +148,8 @@ def multi_worker_all_reduce(all_reduce, gpus):
     """What distribute.all_reduce=auto means under multi_worker: "nccl" when the worker's
     devices are GPUs (`gpus`), else "auto" (TensorFlow's pick, its ring). TensorFlow's own
     auto takes the ring, which sums through the hosts: two workers of one H200 each trained
-    paper_mnist's epoch (batch 1024) in 5.1-5.2 s with it and in 0.39 s with NCCL, the same
-    losses (docs/multi_gpu.md)."""
+    paper_mnist's epoch (batch 1024) in 5.1-5.3 s with it and in 0.39 s with NCCL, the same
+    losses (docs/benchmarks.md, "Multi-GPU scaling")."""
     if all_reduce != "auto":
         return all_reduce
     return "nccl" if gpus else "auto"
