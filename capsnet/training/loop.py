@@ -434,8 +434,9 @@ class CompiledSteps:
         align_trace_names()
         self.eval_step.get_concrete_function()
         # Under XLA the test step compiles beside the first epoch (compile_eval_step says why),
-        # started once the first training call has returned (train): beside that call's own
-        # compilation the two autotune on the GPU at once and the first call takes seconds longer.
+        # started once the training calls that compile have returned (train_epoch's after_compile):
+        # beside the first call's compilation the two autotune on the GPU at once and that call
+        # takes seconds longer.
         # One device only: under a strategy the replicas' steps have the devices to themselves.
         self.eval_compile, self.eval_compiled = None, None
         if tcfg["xla"] == "jit" and strategy is None and done < tcfg["epochs"]:
@@ -467,10 +468,9 @@ class CompiledSteps:
         non-finite step's TrainingDiverged, a device out of memory in one line."""
         tcfg, epoch_number = self.tcfg, int(self.state.epoch) + 1
 
-        def reporting(*args):  # called after a fetch of timed steps: the first call has returned
+        def start_eval_compile():
             if self.eval_compile is not None:
                 self.eval_compiled, self.eval_compile = self.eval_compile(), None
-            report(*args)
 
         try:
             means, global_step, stopped_at = train_epoch(
@@ -480,7 +480,8 @@ class CompiledSteps:
                 learning_rate=self.next_learning_rate, progress_bar=tcfg["progress_bar"],
                 loss_scale=loss_scale(self.state.optimizer), first_step=start_step,
                 # train.data_on_device's epochs cannot start mid-way: a Ctrl-C there stops at the epoch's end.
-                stop=(lambda: progress["interrupt"]) if self.training_set is None else None, report=reporting)
+                stop=(lambda: progress["interrupt"]) if self.training_set is None else None, report=report,
+                after_compile=start_eval_compile)
         except NonFiniteStep as stop:
             # Nothing of this epoch is saved (the weights in memory are diverged): the
             # checkpoints, best/ and history.jsonl keep what the last good epoch left.
@@ -736,7 +737,7 @@ CALL_SECONDS = 1.0
 
 def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size, steps_per_execution,
                 log_every_steps, writer, learning_rate, progress_bar=True, loss_scale=None, first_step=0,
-                stop=None, report=None):
+                stop=None, report=None, after_compile=None):
     """One epoch of `train_steps` calls (make_train_loop, or make_device_train_loop with a
     DeviceEpoch as `iterator`) over `iterator`'s batches, from step `first_step` of the
     epoch on (a resumed epoch: `iterator` then starts at that step's batch).
@@ -750,7 +751,9 @@ def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size,
     with the LR of the next update (`learning_rate()`, read after the steps are fetched) and
     the dynamic loss scale (a variable, mixed_float16) if `loss_scale` is one.
     `report(step_in_epoch, seconds_per_step)`, if given, is called after each fetch of timed
-    steps (the progress lines and the run's ETA: capsnet.training.loop.Progress).
+    steps (the progress lines and the run's ETA: capsnet.training.loop.Progress);
+    `after_compile()`, if given, once the epoch's first timed steps are fetched: the calls that
+    compile (the first, of one step, and the first of full length) have returned by then.
 
     The calls run on a worker thread while this (the main) thread waits for them: Python
     runs a signal handler only between bytecodes of the main thread, so Ctrl-C's handler
@@ -799,6 +802,8 @@ def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size,
                 if not first:
                     window.add_time(len(fetched), sum(size for _, size in fetched), now - tick)
             if not first:
+                if seconds_per_step is None and after_compile is not None:
+                    after_compile()
                 seconds_per_step = (now - tick) / len(fetched)
             pending, tick = [], now
             if log_now or (stopping and log_window.examples):
