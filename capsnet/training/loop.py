@@ -467,11 +467,6 @@ class CompiledSteps:
         """One epoch (train_epoch) → (train means, global step); Ctrl-C's save and Interrupted, a
         non-finite step's TrainingDiverged, a device out of memory in one line."""
         tcfg, epoch_number = self.tcfg, int(self.state.epoch) + 1
-
-        def start_eval_compile():
-            if self.eval_compile is not None:
-                self.eval_compiled, self.eval_compile = self.eval_compile(), None
-
         try:
             means, global_step, stopped_at = train_epoch(
                 self.train_steps, iterator, global_step=global_step, num_examples=self.data.examples_per_epoch,
@@ -481,7 +476,7 @@ class CompiledSteps:
                 loss_scale=loss_scale(self.state.optimizer), first_step=start_step,
                 # train.data_on_device's epochs cannot start mid-way: a Ctrl-C there stops at the epoch's end.
                 stop=(lambda: progress["interrupt"]) if self.training_set is None else None, report=report,
-                after_compile=start_eval_compile)
+                after_compile=self.start_eval_compile)
         except NonFiniteStep as stop:
             # Nothing of this epoch is saved (the weights in memory are diverged): the
             # checkpoints, best/ and history.jsonl keep what the last good epoch left.
@@ -501,6 +496,11 @@ class CompiledSteps:
             raise Interrupted(f"interrupted at step {stopped_at} of {self.data.steps_per_epoch} in epoch "
                               f"{epoch_number}: saved; {resume_hint(progress)} from there")
         return means, global_step
+
+    def start_eval_compile(self):
+        """The test step's compilation, in its thread (compile_eval_step), if it is still to start."""
+        if self.eval_compile is not None:
+            self.eval_compiled, self.eval_compile = self.eval_compile(), None
 
     def test_pass(self, summaries=None, step=None):
         """(test, raw_test): the test split through eval_step with the run's weights (with a
