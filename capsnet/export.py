@@ -26,14 +26,18 @@
 
 The export is written to a temporary directory beside `output` and renamed at the end:
 an error leaves nothing behind, and an existing `output` is never overwritten, nor is one
-made inside a run's checkpoints/. One left by a killed export (`.<name>.partial-<pid>-<hex>`,
-its process gone) is removed by the next export of the same output.
+made inside a run's checkpoints/. One left by a killed export (`.<name>.partial-<pid>-<hex>`
+holding the marker file `PARTIAL_MARKER`, its process gone) is removed by the next export of
+the same output; a folder that merely looks like one (no marker, another pattern) is the
+user's and is never touched.
 Next to the graph, `assets.extra/` (the SavedModel place for files the graph does not
 read) holds `capsnet_export.json` (where the weights came from, the signatures, the ops
 needed) and a `README.txt` with how to load it.
 """
+import glob
 import json
 import os
+import re
 import secrets
 import shutil
 from pathlib import Path
@@ -47,6 +51,9 @@ from capsnet.errors import CheckpointError, ConfigError, OpLibraryError
 # of these needs capsnet.ops.load_op_library() before it loads.
 OP_PREFIX = "Capsnet>"
 METADATA = "capsnet_export.json"
+# Written first into an export's scratch folder (and removed before the rename): only a
+# folder holding it was made by export(), so only such a folder is ever deleted as stale.
+PARTIAL_MARKER = ".capsnet-export-partial"
 _LOAD_OPS = "call capsnet.ops.load_op_library() first (or export with custom_op=false for a portable graph)"
 
 
@@ -218,12 +225,14 @@ def export(checkpoint, output, *, which="best", weights=None, custom_op=False):
         remove_stale_partials(output)
         partial = output.parent / f".{output.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
         partial.mkdir()
+        (partial / PARTIAL_MARKER).write_text(f"{os.getpid()}\n")
         archive.write_out(str(partial), verbose=False)
         report["op_library_ops"] = sorted(t for t in graph_op_types(partial) if t.startswith(OP_PREFIX))
         extra = partial / "assets.extra"
         extra.mkdir(exist_ok=True)
         (extra / METADATA).write_text(json.dumps({k: v for k, v in report.items() if k != "output"}, indent=2) + "\n")
         (extra / "README.txt").write_text(readme_text(report))
+        (partial / PARTIAL_MARKER).unlink()
         os.rename(partial, output)
     except BaseException as exc:  # KeyboardInterrupt included: nothing half-written stays
         if partial is not None:
@@ -243,15 +252,17 @@ def export(checkpoint, output, *, which="best", weights=None, custom_op=False):
 
 def remove_stale_partials(output):
     """Remove what an earlier export of `output` killed mid-write (SIGKILL, power loss: no
-    cleanup ran) left beside it: `.<name>.partial-<pid>-<hex>` folders whose process is gone
-    (and the older `.<name>.partial-<hex>` ones, which name no process). A folder of an export
-    of the same output still running in another process is kept."""
-    for stale in output.parent.glob(f".{output.name}.partial-*"):
-        pid = stale.name[len(f".{output.name}.partial-"):].split("-")[0]
-        if "-" in stale.name[len(f".{output.name}.partial-"):] and pid.isdigit() and process_alive(int(pid)):
+    cleanup ran) left beside it: folders named exactly `.<name>.partial-<pid>-<8 hex>` that
+    hold PARTIAL_MARKER and whose process is gone. A folder of an export of the same output
+    still running in another process is kept, and so is anything export() did not make (a
+    user's `.<name>.partial-keep`, a symlink, a folder without the marker)."""
+    pattern = re.compile(rf"\.{re.escape(output.name)}\.partial-(\d+)-[0-9a-f]{{8}}")
+    for stale in output.parent.glob(f".{glob.escape(output.name)}.partial-*"):
+        match = pattern.fullmatch(stale.name)
+        if (match is None or stale.is_symlink() or not stale.is_dir() or not (stale / PARTIAL_MARKER).is_file()
+                or process_alive(int(match.group(1)))):
             continue
-        if stale.is_dir() and not stale.is_symlink():
-            shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def process_alive(pid):

@@ -4,7 +4,7 @@ fresh process so that an abort shows as its return code. A wrong rank, size or c
 is an InvalidArgumentError naming the expected and received shapes, so is a wrong dtype; an
 empty batch returns empty outputs. The op export (custom_op=true) refuses a 3-D batch the
 same way. Also: a killed export's partial folder is removed by the next export of the same
-output."""
+output, and nothing else that looks like one."""
 import json
 import os
 import subprocess
@@ -107,11 +107,34 @@ def test_a_killed_exports_partial_folder_is_removed_by_the_next_export(trained_r
     run_dir, _ = trained_run
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = [tmp_path / f".model.partial-{dead.pid}-0badc0de", tmp_path / ".model.partial-deadbeef"]
+    stale = tmp_path / f".model.partial-{dead.pid}-0badc0de"
     running = tmp_path / f".model.partial-{os.getpid()}-00c0ffee"  # an export of this process still writing
-    other = tmp_path / ".other.partial-1-deadbeef"                     # another output's
-    for folder in (*stale, running, other):
+    other = tmp_path / f".other.partial-{dead.pid}-deadbeef"          # another output's
+    for folder in (stale, running, other):
         folder.mkdir()
+        (folder / capsnet_export.PARTIAL_MARKER).write_text("1\n")
         (folder / "saved_model.pb").write_bytes(b"half")
     capsnet_export.export(run_dir, tmp_path / "model")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([running.name, other.name, "model"])
+    assert not (tmp_path / "model" / capsnet_export.PARTIAL_MARKER).exists()  # the marker is the scratch folder's only
+
+
+def test_only_a_folder_export_made_is_removed_as_stale(tmp_path):
+    """A folder is removed only with export's exact name pattern, its marker inside and its
+    process gone: a user's look-alike folders and their files stay."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    made = tmp_path / f".mymodel.partial-{dead.pid}-0badc0de"
+    kept = {tmp_path / ".mymodel.partial-keep": True,                   # the user's, with the marker's name in it
+            tmp_path / f".mymodel.partial-{dead.pid}-0badc0de-x": True,  # not the exact pattern
+            tmp_path / f".mymodel.partial-{dead.pid}-c0ffee00": False,   # the pattern, no marker
+            tmp_path / ".mymodel.partial-deadbeef": False}               # no process named
+    for folder, with_marker in [(made, True), *kept.items()]:
+        folder.mkdir()
+        (folder / "notes.txt").write_text("precious")
+        if with_marker:
+            (folder / capsnet_export.PARTIAL_MARKER).write_text("1\n")
+    capsnet_export.remove_stale_partials(tmp_path / "mymodel")
+    assert not made.exists()
+    for folder in kept:
+        assert (folder / "notes.txt").read_text() == "precious", folder
