@@ -215,7 +215,7 @@ def worker(spec):
     from capsnet.training.model_setup import check_op_library
     from capsnet import config
     from capsnet.precision import set_tensor_float_32
-    from capsnet.training.steps import set_autoclustering
+    from capsnet.training.xla_flags import set_autoclustering
 
     result = {"variant": spec["variant"], "results": [], "error": None, "failures": [],
               "tensorflow": tf.__version__}

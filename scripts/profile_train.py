@@ -142,7 +142,8 @@ def profile(args, cfg):
     from capsnet.training.model_setup import build_capsnet
     from capsnet.training.optimizer import build_optimizer
     from capsnet.precision import set_tensor_float_32
-    from capsnet.training.steps import make_train_loop, make_train_step, set_autoclustering
+    from capsnet.training.steps import make_train_loop, make_train_step
+    from capsnet.training.xla_flags import set_autoclustering
 
     custom_op, xla = bt.VARIANTS[args.variant]
     set_autoclustering(xla == "autocluster")

@@ -615,7 +615,8 @@ import keras, tensorflow as tf
 from capsnet.losses import loss_params
 from capsnet.training.model_setup import build_capsnet
 from capsnet.training.optimizer import build_optimizer
-from capsnet.training.steps import make_train_step, set_autoclustering
+from capsnet.training.steps import make_train_step
+from capsnet.training.xla_flags import set_autoclustering
 from conftest import synthetic_digits
 
 mode, cfg = sys.argv[1], json.loads(sys.argv[2])
@@ -661,7 +662,7 @@ def test_xla_train_step_compiles_and_trains_like_none(tiny_idx_dir, tmp_path, mo
 
 
 def test_set_tf_xla_flag_sets_each_flag_once_and_returns_the_earlier_setting(monkeypatch):
-    from capsnet.training.steps import set_tf_xla_flag
+    from capsnet.training.xla_flags import set_tf_xla_flag
 
     monkeypatch.setenv("TF_XLA_FLAGS", "--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit_x")
     assert set_tf_xla_flag("--tf_xla_cpu_global_jit") is None  # a longer flag is another flag
@@ -673,7 +674,7 @@ def test_set_tf_xla_flag_sets_each_flag_once_and_returns_the_earlier_setting(mon
 
 
 def test_set_xla_cache_adds_the_flag_and_replaces_another_directory_with_a_notice(tmp_path, monkeypatch):
-    from capsnet.training.steps import set_xla_cache
+    from capsnet.training.xla_flags import set_xla_cache
 
     monkeypatch.setenv("TF_XLA_FLAGS", "--tf_xla_cpu_global_jit")
     assert set_xla_cache(None) is None
@@ -696,7 +697,7 @@ def test_set_xla_compile_threads_adds_flags_this_xla_knows_unless_the_user_set_t
     """Both flags go into XLA_FLAGS, after the user's others; a user's setting of either is
     left as it is. XLA aborts the process on a flag it does not know (at its first
     compilation): a subprocess compiles a function with the flags set."""
-    from capsnet.training.steps import set_xla_compile_threads
+    from capsnet.training.xla_flags import set_xla_compile_threads
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
     assert set_xla_compile_threads(3) == ("--xla_gpu_force_compilation_parallelism=3 "
@@ -709,7 +710,7 @@ def test_set_xla_compile_threads_adds_flags_this_xla_knows_unless_the_user_set_t
         assert set_xla_compile_threads() == "" and os.environ["XLA_FLAGS"] == user
     monkeypatch.delenv("XLA_FLAGS")
     code = ("import os, tensorflow as tf\n"
-            "from capsnet.training.steps import set_xla_compile_threads\n"
+            "from capsnet.training.xla_flags import set_xla_compile_threads\n"
             "print(set_xla_compile_threads())\n"
             "print(float(tf.function(lambda x: x * 2, jit_compile=True)(tf.ones(3))[0]))")
     result = subprocess.run([sys.executable, "-c", code], env=entry_point_env(), capture_output=True, text=True,

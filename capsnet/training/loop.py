@@ -46,10 +46,10 @@ from capsnet.training.optimizer import build_optimizer, checkpoint_nodes, loss_s
 from capsnet.training.run_dir import RunDir, last_epoch_was_best  # noqa: F401  (last_epoch_was_best: loop's rule)
 from capsnet.training.steps import (align_trace_names, compile_eval_step, eval_batch_size, evaluate_model,
                                     execution_lengths, make_eval_step, make_train_loop, make_train_step,
-                                    next_execution_length, set_autoclustering, set_determinism, set_xla_cache,
-                                    set_xla_compile_threads)
+                                    next_execution_length, set_determinism)
 from capsnet.training.summaries import MetricWindow, RunSummaries, mean_images_per_sec, write_train_scalars
 from capsnet.training.weight_average import WeightAverage
+from capsnet.training.xla_flags import set_xla_flags
 
 log = logging.getLogger(__name__)
 
@@ -253,12 +253,7 @@ def set_up_devices(cfg):
     """Process-wide TensorFlow settings, before anything touches a device, then the strategy
     (None = one device; multi_worker configures the process's collective ops then)."""
     tcfg, dcfg = cfg["train"], cfg["distribute"]
-    # On a CPU-only machine autoclustering needs a TF_XLA_FLAGS flag, and the XLA cache is one;
-    # TensorFlow reads them once, when it sets up its devices.
-    set_autoclustering(tcfg["xla"] == "autocluster")
-    if tcfg["xla"] != "none":
-        set_xla_compile_threads()
-    replaced = set_xla_cache(tcfg["xla_cache_dir"])
+    replaced = set_xla_flags(tcfg["xla"], tcfg["xla_cache_dir"])
     if replaced:
         say(f"notice: {replaced}")
     set_memory_growth()

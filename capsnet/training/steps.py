@@ -1,7 +1,8 @@
 """The compiled steps: what train() and evaluate() run on the device.
 
 - `make_train_step(model, optimizer, input_shape=..., losses=..., xla=...)`: one Adam
-  step, with xla none | jit | autocluster (train.xla; `set_autoclustering`),
+  step, with xla none | jit | autocluster (train.xla; the process flags it needs:
+  capsnet.training.xla_flags),
   on one device or under a tf.distribute strategy.
 - `make_train_loop(train_step)`: train.steps_per_execution steps per compiled call over
   `input_iterator(dataset)` (capsnet.training.distribute: the batches prefetched to the
@@ -13,10 +14,7 @@
 scripts/benchmark_train.py times these same steps.
 """
 import concurrent.futures
-import os
-import re
 import time
-from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
@@ -29,68 +27,7 @@ from capsnet.losses import capsnet_losses
 from capsnet.scoring import correct_predictions, label_order, predict, score
 from capsnet.training.distribute import check_compiled_all_reduce_devices, compiled_per_replica
 from capsnet.training.optimizer import compile_replica_updates, loss_scale
-
-
-def set_autoclustering(enabled):
-    """Turn XLA autoclustering on or off for this PROCESS: it applies to every tf.function
-    run afterwards (the train step, the eval step, and anything else).
-
-    TensorFlow autoclusters only GPU ops unless --tf_xla_cpu_global_jit is in
-    TF_XLA_FLAGS; enabling adds it, so that `autocluster` also works on a CPU-only
-    machine. TensorFlow reads TF_XLA_FLAGS once per process, when it first sets up its
-    devices (the first tensor, variable or device query): call this before that for
-    the flag to count. Once read, the flag stays; set_jit alone then decides whether
-    functions instantiated later are clustered.
-    """
-    if enabled:
-        set_tf_xla_flag("--tf_xla_cpu_global_jit")
-    tf.config.optimizer.set_jit("autoclustering" if enabled else False)
-
-
-def _flag_pattern(flag):
-    """`flag` as a whole word of a flags variable, alone or as `flag=value`."""
-    return re.compile(r"(?<!\S)" + re.escape(flag) + r"(=\S*)?(?=\s|$)")
-
-
-def set_tf_xla_flag(flag, value=None):
-    """Put `flag` (`flag=value` if a value is given) into TF_XLA_FLAGS once, in place of
-    the flag's earlier setting if there is one. Returns that earlier setting as written
-    ("--flag" or "--flag=value"), or None if the flag was absent. TensorFlow reads the
-    variable once (see set_autoclustering)."""
-    flags = os.environ.get("TF_XLA_FLAGS", "")
-    pattern = _flag_pattern(flag)
-    existing = pattern.search(flags)
-    setting = flag if value is None else f"{flag}={value}"
-    if existing is None:
-        os.environ["TF_XLA_FLAGS"] = " ".join([*flags.split(), setting])
-    elif existing.group(0) != setting:
-        os.environ["TF_XLA_FLAGS"] = " ".join(pattern.sub(setting, flags, count=1).split())
-    return None if existing is None else existing.group(0)
-
-
-# XLA_FLAGS that let XLA's GPU compiler compile a program's kernels on several threads.
-XLA_THREADS_FLAG = "--xla_gpu_force_compilation_parallelism"
-XLA_SPLIT_FLAG = "--xla_gpu_enable_llvm_module_compilation_parallelism"
-
-
-def set_xla_compile_threads(threads=None):
-    """Let XLA's GPU compiler compile each program's kernels (LLVM, then ptxas) on `threads`
-    threads (default: the cores this process may run on), for this PROCESS, unless XLA_FLAGS
-    already names either flag (the user's choice stands). Returns the flags set ("" if none).
-
-    Why: TensorFlow hands XLA no thread pool, so it compiles a program's kernels one after
-    another. On an H200 (16 cores) the flags cut fast_mnist's first epoch of training, which
-    is mostly compiling, from 27.3-30.4 s to 24.1-25.4 s (docs/benchmarks.md, "Start-up").
-    XLA reads XLA_FLAGS once, at its first compilation: call this before it. A CPU-only run
-    ignores both flags."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if any(_flag_pattern(flag).search(flags) for flag in (XLA_THREADS_FLAG, XLA_SPLIT_FLAG)):
-        return ""
-    if threads is None:
-        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    added = f"{XLA_THREADS_FLAG}={int(threads)} {XLA_SPLIT_FLAG}=true"
-    os.environ["XLA_FLAGS"] = " ".join([*flags.split(), added])
-    return added
+from capsnet.training.xla_flags import set_autoclustering
 
 
 # align_trace_names: the uid a compiled program's trace starts from is moved up to a multiple of this.
@@ -113,31 +50,6 @@ def align_trace_names():
     Costs at most UID_ALIGNMENT counter steps (~10 ms)."""
     while tf_ops.uid() % UID_ALIGNMENT:
         pass
-
-
-XLA_CACHE_FLAG = "--tf_xla_persistent_cache_directory"
-
-
-def set_xla_cache(directory):
-    """XLA's persistent compilation cache (train.xla_cache_dir) for this PROCESS: every
-    XLA computation compiled afterwards is written into `directory`, and one that is
-    there already (the same computation, e.g. the same run config rerun) is loaded
-    instead of compiled and autotuned. None: no cache. TensorFlow reads the flag with the
-    others in TF_XLA_FLAGS, once (see set_autoclustering): call this before the first
-    tensor. Returns the notice to show if the flag replaced another directory, else None.
-    A directory that cannot be made is a ConfigError."""
-    if directory is None:
-        return None
-    path = Path(directory).expanduser().resolve()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise ConfigError(f"train.xla_cache_dir={directory}: cannot make the directory "
-                          f"({error.strerror or error})") from None
-    earlier = set_tf_xla_flag(XLA_CACHE_FLAG, path)
-    if earlier is not None and earlier != f"{XLA_CACHE_FLAG}={path}":
-        return f"train.xla_cache_dir={path} replaces TF_XLA_FLAGS' {earlier}"
-    return None
 
 
 def set_determinism(enabled):

@@ -1,0 +1,115 @@
+"""The XLA process flags: TF_XLA_FLAGS and XLA_FLAGS, read once per process by TensorFlow
+and XLA, so set before the first tensor (set_xla_flags, from train()'s set-up).
+
+- `set_autoclustering`: train.xla=autocluster (the flag that lets it run on a CPU too);
+- `set_xla_compile_threads`: XLA's GPU compiler on several threads (any XLA mode);
+- `set_xla_cache`: train.xla_cache_dir, XLA's persistent compilation cache.
+"""
+import os
+import re
+from pathlib import Path
+
+import tensorflow as tf
+
+from capsnet.errors import ConfigError
+
+
+def set_xla_flags(xla, cache_dir):
+    """The flags a run of train.xla=`xla` with train.xla_cache_dir=`cache_dir` sets for
+    this process, before TensorFlow sets up its devices (it reads them then: on a CPU-only
+    machine autoclustering needs a TF_XLA_FLAGS flag, and the XLA cache is one). Returns
+    the notice to show if the cache flag replaced another directory, else None."""
+    set_autoclustering(xla == "autocluster")
+    if xla != "none":
+        set_xla_compile_threads()
+    return set_xla_cache(cache_dir)
+
+
+def set_autoclustering(enabled):
+    """Turn XLA autoclustering on or off for this PROCESS: it applies to every tf.function
+    run afterwards (the train step, the eval step, and anything else).
+
+    TensorFlow autoclusters only GPU ops unless --tf_xla_cpu_global_jit is in
+    TF_XLA_FLAGS; enabling adds it, so that `autocluster` also works on a CPU-only
+    machine. TensorFlow reads TF_XLA_FLAGS once per process, when it first sets up its
+    devices (the first tensor, variable or device query): call this before that for
+    the flag to count. Once read, the flag stays; set_jit alone then decides whether
+    functions instantiated later are clustered.
+    """
+    if enabled:
+        set_tf_xla_flag("--tf_xla_cpu_global_jit")
+    tf.config.optimizer.set_jit("autoclustering" if enabled else False)
+
+
+def _flag_pattern(flag):
+    """`flag` as a whole word of a flags variable, alone or as `flag=value`."""
+    return re.compile(r"(?<!\S)" + re.escape(flag) + r"(=\S*)?(?=\s|$)")
+
+
+def set_tf_xla_flag(flag, value=None):
+    """Put `flag` (`flag=value` if a value is given) into TF_XLA_FLAGS once, in place of
+    the flag's earlier setting if there is one. Returns that earlier setting as written
+    ("--flag" or "--flag=value"), or None if the flag was absent. TensorFlow reads the
+    variable once (see set_autoclustering)."""
+    flags = os.environ.get("TF_XLA_FLAGS", "")
+    pattern = _flag_pattern(flag)
+    existing = pattern.search(flags)
+    setting = flag if value is None else f"{flag}={value}"
+    if existing is None:
+        os.environ["TF_XLA_FLAGS"] = " ".join([*flags.split(), setting])
+    elif existing.group(0) != setting:
+        os.environ["TF_XLA_FLAGS"] = " ".join(pattern.sub(setting, flags, count=1).split())
+    return None if existing is None else existing.group(0)
+
+
+# XLA_FLAGS that let XLA's GPU compiler compile a program's kernels on several threads.
+XLA_THREADS_FLAG = "--xla_gpu_force_compilation_parallelism"
+XLA_SPLIT_FLAG = "--xla_gpu_enable_llvm_module_compilation_parallelism"
+
+
+def set_xla_compile_threads(threads=None):
+    """Let XLA's GPU compiler compile each program's kernels (LLVM, then ptxas) on `threads`
+    threads (default: the cores this process may run on), for this PROCESS, unless XLA_FLAGS
+    already names either flag (the user's choice stands). Returns the flags set ("" if none).
+
+    Why: TensorFlow hands XLA no thread pool, so it compiles a program's kernels one after
+    another. On an H200 (16 cores) the flags cut fast_mnist's first epoch of training, which
+    is mostly compiling, from 27.3-30.4 s to 24.1-25.4 s (docs/benchmarks.md, "Start-up").
+    XLA reads XLA_FLAGS once, at its first compilation: call this before it. A CPU-only run
+    ignores both flags."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if any(_flag_pattern(flag).search(flags) for flag in (XLA_THREADS_FLAG, XLA_SPLIT_FLAG)):
+        return ""
+    if threads is None:
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    added = f"{XLA_THREADS_FLAG}={int(threads)} {XLA_SPLIT_FLAG}=true"
+    os.environ["XLA_FLAGS"] = " ".join([*flags.split(), added])
+    return added
+
+
+
+
+XLA_CACHE_FLAG = "--tf_xla_persistent_cache_directory"
+
+
+def set_xla_cache(directory):
+    """XLA's persistent compilation cache (train.xla_cache_dir) for this PROCESS: every
+    XLA computation compiled afterwards is written into `directory`, and one that is
+    there already (the same computation, e.g. the same run config rerun) is loaded
+    instead of compiled and autotuned. None: no cache. TensorFlow reads the flag with the
+    others in TF_XLA_FLAGS, once (see set_autoclustering): call this before the first
+    tensor. Returns the notice to show if the flag replaced another directory, else None.
+    A directory that cannot be made is a ConfigError."""
+    if directory is None:
+        return None
+    path = Path(directory).expanduser().resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"train.xla_cache_dir={directory}: cannot make the directory "
+                          f"({error.strerror or error})") from None
+    earlier = set_tf_xla_flag(XLA_CACHE_FLAG, path)
+    if earlier is not None and earlier != f"{XLA_CACHE_FLAG}={path}":
+        return f"train.xla_cache_dir={path} replaces TF_XLA_FLAGS' {earlier}"
+    return None
+
