@@ -47,7 +47,7 @@ class TrainingDiverged(CapsnetError):
 
 
 class TrainingCollapsed(CapsnetError):
-    """The test results looked collapsed (training.loop.collapse_reason) for
+    """The test results looked collapsed (training.health.collapse_reason) for
     train.collapse_patience epochs in a row: training stopped, that epoch saved."""
 
 

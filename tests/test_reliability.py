@@ -591,7 +591,7 @@ def test_a_collapsed_run_is_flagged_in_the_log_tensorboard_and_history(tiny_conf
 
 
 def test_collapse_rules():
-    from capsnet.training.loop import collapse_reason
+    from capsnet.training.health import collapse_reason
 
     healthy = {"max_length": 0.93, "accuracy": 0.97}
     assert all(collapse_reason(healthy, epoch, 10) is None for epoch in (1, 2, 3, 50))
@@ -606,7 +606,7 @@ def test_collapse_rules():
 
 
 def test_collapse_patience_counts_flagged_epochs_in_a_row():
-    from capsnet.training.loop import collapsed_for
+    from capsnet.training.health import collapsed_for
 
     def history(*flags, first=1):
         return [{"epoch": first + i, "collapsed": flag} for i, flag in enumerate(flags)]
@@ -737,7 +737,7 @@ def test_benchmark_checkpoint_script_times_the_three_kinds(tmp_path):
 
 
 def test_last_epoch_was_best_is_the_strict_rule():
-    from capsnet.training.loop import last_epoch_was_best
+    from capsnet.training.run_dir import last_epoch_was_best
 
     history = [{"epoch": 1, "test_accuracy": 0.5}, {"epoch": 2, "test_accuracy": 0.7}, {"epoch": 3, "test_accuracy": 0.7}]
     assert last_epoch_was_best(history[:2], 2) and last_epoch_was_best(history[:1], 1)
@@ -873,7 +873,8 @@ def test_the_interrupt_line_names_every_epoch_lost():
                                            "checkpointed); rerun the same command to resume from epoch 6")
 
 def test_collapse_patience_and_best_count_only_the_epochs_tested():
-    from capsnet.training.loop import collapsed_for, last_epoch_was_best
+    from capsnet.training.health import collapsed_for
+    from capsnet.training.run_dir import last_epoch_was_best
 
     untested = lambda e: {"epoch": e}  # noqa: E731 (history_entry's line of an epoch without a test pass)
     tested = lambda e, flag, acc=0.5: {"epoch": e, "collapsed": flag, "test_accuracy": acc}  # noqa: E731

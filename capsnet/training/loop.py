@@ -31,12 +31,13 @@ import tensorflow as tf
 from capsnet import config, console
 from capsnet.cli import complete_run_notice, set_memory_growth
 from capsnet.console import say
-from capsnet.errors import CapsnetError, ConfigError, Interrupted, Terminated, TrainingCollapsed, TrainingDiverged
+from capsnet.errors import CapsnetError, ConfigError, Interrupted, Terminated
 from capsnet.losses import loss_params
 from capsnet.precision import set_tensor_float_32
 from capsnet.training.checkpoints import checkpoint_numbers, checkpoint_weights
 from capsnet.training.device_input import (DevicePairSet, DeviceTrainingSet, MirroredTrainingSet,
                                            make_device_train_loop)
+from capsnet.training.health import NonFiniteStep, collapse_reason, collapsed, collapsed_for, diverged
 from capsnet.training.distribute import (check_all_reduce, check_global_batch, check_tf_config, check_workers_agree,
                                          input_iterator, is_chief, make_strategy, resolve_all_reduce,
                                          trains_on_gpu, without_autotune_thread)
@@ -476,7 +477,8 @@ class CompiledSteps:
             # Nothing of this epoch is saved (the weights in memory are diverged): the
             # checkpoints, best/ and history.jsonl keep what the last good epoch left.
             summaries.close()
-            raise diverged(stop, epoch_number, run.last_good(), tcfg, self.state.learning_rate) from None
+            raise diverged(stop, epoch_number, run.last_good(), configured_rate=tcfg["learning_rate"],
+                           learning_rate=self.state.learning_rate, precision=tcfg["precision"]) from None
         except tf.errors.OpError as exc:
             if summaries.write_failed(exc) is not None:  # the train/ scalars' event file
                 raise summaries.write_failed(exc) from None
@@ -587,12 +589,7 @@ def stop_if_asked(number, tcfg, interrupting, terminating, stopping, collapse, r
                          f"{number + 1}")
     if stopping:
         summaries.close()
-        patience = tcfg["collapse_patience"]
-        passes = (f"{patience} epoch{'s' if patience > 1 else ''}" if tcfg["test_every_epochs"] == 1 else
-                  f"{patience} test pass{'es' if patience > 1 else ''} (one every {tcfg['test_every_epochs']} epochs)")
-        raise TrainingCollapsed(f"training stopped at epoch {number}: the test results looked collapsed for "
-                                f"{passes} in a row ({collapse}); the epoch is saved in {run.path}; "
-                                "train.collapse_patience=null trains on regardless")
+        raise collapsed(number, collapse, run.path, tcfg["collapse_patience"], tcfg["test_every_epochs"])
 
 
 def final_metrics(test, raw_test, run, state, global_step, strategy, dcfg):
@@ -842,22 +839,6 @@ class Progbar(keras.utils.Progbar):
         super().update(current, numbers, finalize)
 
 
-class NonFiniteStep(Exception):
-    """The non-finite guard stopped training: `step` (the global step number, 1-based)
-    had a loss or gradient norm that is not finite; `values` are its step values."""
-
-    def __init__(self, step, values):
-        super().__init__(f"step {step}: {values}")
-        self.step, self.values = step, values
-
-    def describe(self):
-        """'the loss is nan' or 'the gradient norm is inf (loss 0.31)'."""
-        loss, norm = self.values.get("loss", math.nan), self.values.get("grad_norm", math.nan)
-        if not math.isfinite(loss):
-            return f"the loss is {loss}" + (f" (gradient norm {norm:g})" if "grad_norm" in self.values else "")
-        return f"the gradient norm is {norm} (loss {loss:g})"
-
-
 def _fetch(pending):
     """[(one step's values, its batch size)] of the train_steps calls in `pending`, in
     order: [(outputs, batch sizes, global step before the call)], each output a dict of
@@ -878,65 +859,11 @@ def _fetch(pending):
     return fetched
 
 
-def diverged(stop, epoch_number, last_good, tcfg, learning_rate):
-    """The one-line TrainingDiverged for a NonFiniteStep in epoch `epoch_number`."""
-    where = (f"the last good checkpoint is {last_good} (epoch {epoch_number - 1}, untouched); "
-             if last_good else "no checkpoint was saved yet; ")
-    lower = (f"try a lower train.learning_rate (now {tcfg['learning_rate']:g}"
-             + (f", {learning_rate:g} as scaled" if learning_rate != tcfg["learning_rate"] else "")
-             + ("; rerunning with a lower one resumes from that checkpoint)" if last_good else ")"))
-    if tcfg.get("precision", "float32") != "float32":
-        lower += f" or train.precision=float32 (now {tcfg['precision']})"
-    return TrainingDiverged(f"training diverged at epoch {epoch_number}, step {stop.step}: {stop.describe()}; "
-                            f"{where}{lower}")
-
-
-# A collapsed epoch (collapse_reason): every test capsule shorter than this (no class is
-# ever "present": the margin loss's m_minus side has won), or, after the first epochs,
-# a test accuracy within this factor of chance (one guess among the label sets).
-COLLAPSE_MAX_LENGTH = 0.05
-COLLAPSE_CHANCE_FACTOR = 1.5
-COLLAPSE_AFTER_EPOCHS = 2
-
-
-def collapse_reason(test, epoch_number, num_classes, labels_per_example=1):
-    """Why the epoch's test results look collapsed, in words, or None.
-
-    A run can go wrong without a NaN: every capsule length shrinks to ~0, or the
-    predictions stop depending on the input, and the loss curve alone can look calm.
-    The accuracy test waits COLLAPSE_AFTER_EPOCHS epochs: a run may start at chance.
-    Chance is one guess among the label sets: 1 / num_classes for one label per example,
-    1 / C(num_classes, 2) = 1/45 for MultiMNIST's two (both digits right)."""
-    if test.get("max_length") is not None and test["max_length"] < COLLAPSE_MAX_LENGTH:
-        return f"every test capsule length is below {COLLAPSE_MAX_LENGTH} (longest {test['max_length']:.4f})"
-    chance = 1.0 / math.comb(num_classes, labels_per_example)
-    if epoch_number > COLLAPSE_AFTER_EPOCHS and test["accuracy"] <= COLLAPSE_CHANCE_FACTOR * chance:
-        labels = f"{num_classes} classes" if labels_per_example == 1 else \
-            f"{labels_per_example} of {num_classes} classes"
-        return f"test accuracy {test['accuracy']:.4f} is at chance ({chance:.4f} for {labels})"
-    return None
-
-
 def on_schedule(epoch_number, every, epochs):
     """Whether epoch `epoch_number` (1-based) is one of every `every`th epochs or the last of
     the `epochs`: when train.test_every_epochs tests (the last: the run's final metrics)
     and train.save_every_epochs saves (the last: the run's final checkpoint)."""
     return epoch_number % every == 0 or epoch_number == epochs
-
-
-def collapsed_for(history, patience):
-    """Whether the last `patience` test passes of `history` (history_entry lines, in epoch
-    order; an epoch without a test pass has no `collapsed`) were all flagged collapsed, with
-    no epoch missing from the history since the first of them; False for patience None
-    (train on)."""
-    if not patience:
-        return False
-    tested = [i for i, h in enumerate(history) if "collapsed" in h]
-    if len(tested) < patience:
-        return False
-    since = history[tested[-patience]:]
-    return (all(history[i]["collapsed"] for i in tested[-patience:])
-            and since[-1]["epoch"] - since[0]["epoch"] == len(since) - 1)
 
 
 def history_entry(epoch, global_step, learning_rate, train_means, test=None, raw_test=None, collapse=None):

@@ -223,7 +223,7 @@ class RunSummaries:
             self.writer.flush()
 
     def collapse(self, step, test, collapse, epoch_number):
-        """The collapse check's values (training.loop.collapse_reason): the longest capsule, whether collapsed, why."""
+        """The collapse check's values (training.health.collapse_reason): the longest capsule, whether collapsed, why."""
         with self._writing(), self.writer.as_default(step=step):
             tf.summary.scalar("test/max_capsule_length", test["max_length"])
             tf.summary.scalar("test/collapsed", float(collapse is not None))
