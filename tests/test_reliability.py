@@ -863,9 +863,16 @@ def test_train_py_stops_on_sigterm_with_one_line_and_exit_143(tiny_idx_dir, tmp_
 
 
 def test_the_interrupt_line_names_every_epoch_lost():
-    from capsnet.training.loop import interrupted
+    from capsnet.training.control import RunControl
 
-    state = lambda done, trained, epoch: {"done": done, "trained": trained, "epoch": epoch}  # noqa: E731
+    def interrupted(control):
+        return control.interrupted()
+
+    def state(done, trained, epoch):
+        control = RunControl()
+        control.done, control.trained, control.epoch = done, trained, epoch
+        return control
+
     assert interrupted(state(5, 5, None)) == "interrupted after epoch 5; rerun the same command to resume from epoch 6"
     assert interrupted(state(5, 5, 6)).startswith("interrupted in epoch 6 (its progress is lost: ")
     assert interrupted(state(5, 7, None)).startswith("interrupted after epoch 7 (epochs 6-7 are lost: ")

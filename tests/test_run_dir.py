@@ -401,7 +401,13 @@ def test_a_failed_write_of_each_run_file_is_one_line_and_the_run_resumes(tiny_co
 def test_the_ctrl_c_line_right_after_a_save_counts_the_saved_epoch(tmp_path):
     from types import SimpleNamespace
 
-    from capsnet.training.loop import interrupted
+    from capsnet.training.control import RunControl
+
+    def interrupted(state):
+        control = RunControl(state.pop("resume", None))
+        for key, value in state.items():
+            setattr(control, key, value)
+        return control.interrupted()
 
     latest = tmp_path / "checkpoints" / "latest"
     latest.mkdir(parents=True)

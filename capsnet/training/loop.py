@@ -18,9 +18,7 @@ import contextlib
 import functools
 import logging
 import math
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -31,10 +29,11 @@ import tensorflow as tf
 from capsnet import config, console
 from capsnet.cli import complete_run_notice, set_memory_growth
 from capsnet.console import say
-from capsnet.errors import CapsnetError, ConfigError, Interrupted, Terminated
+from capsnet.errors import CapsnetError, ConfigError, Interrupted
 from capsnet.losses import loss_params
 from capsnet.precision import set_tensor_float_32
-from capsnet.training.checkpoints import checkpoint_numbers, checkpoint_weights
+from capsnet.training.control import RunControl, on_schedule
+from capsnet.training.checkpoints import checkpoint_weights
 from capsnet.training.device_input import (DevicePairSet, DeviceTrainingSet, MirroredTrainingSet,
                                            make_device_train_loop)
 from capsnet.training.health import NonFiniteStep, collapse_reason, collapsed, collapsed_for, diverged
@@ -67,91 +66,36 @@ def train(cfg, *, checked=False, hydra_files=None, resume_command=None):
     per run dir), released however train() ends. SIGTERM (a job's time limit, a preemption)
     stops the run at the end of the epoch it is in, saved (errors.Terminated); a second
     SIGTERM stops it at once. Ctrl-C (SIGINT) stops it after the steps running, saved
-    (checkpoints/interrupted/, errors.Interrupted naming the step); a second Ctrl-C at once.
-    Python runs a handler between bytecodes of the main thread: the training steps run on a
-    worker thread while it waits (train_epoch), so the handlers run at once there; a signal
-    that lands inside another TensorFlow call (a test pass's step) acts when that call returns."""
-    progress = {"run": None, "epoch": None, "done": None, "trained": None, "terminate": False, "interrupt": False,
-                "resume": resume_command}
+    (checkpoints/interrupted/, errors.Interrupted naming the step); a second Ctrl-C at once
+    (capsnet.training.control.RunControl)."""
+    control = RunControl(resume_command)
     try:
-        return _train(cfg if checked else config.check(cfg), progress, hydra_files)
+        return _train(cfg if checked else config.check(cfg), control, hydra_files)
     except KeyboardInterrupt as interrupt:
         if isinstance(interrupt, Interrupted):
             raise
-        raise Interrupted(interrupted(progress)) from None
+        raise Interrupted(control.interrupted()) from None
     finally:
-        if "sigterm" in progress:  # the handler _train set, and the one it replaced
-            signal.signal(signal.SIGTERM, progress.pop("sigterm"))
-        if "sigint" in progress:
-            signal.signal(signal.SIGINT, progress.pop("sigint"))
-        if progress["run"] is not None:
-            progress["run"].close()
+        control.restore_signals()
+        if control.run is not None:
+            control.run.close()
 
 
-def _on_sigterm(progress, signum, frame):
-    if progress["terminate"]:
-        raise KeyboardInterrupt  # the second SIGTERM: stop now (train() names what is lost)
-    progress["terminate"] = True
-    say("SIGTERM: the run stops, saved, at the end of the epoch it is in (a second SIGTERM stops it at once)",
-        stream=sys.stderr)
-
-
-def _on_sigint(progress, signum, frame):
-    if progress["interrupt"]:
-        raise KeyboardInterrupt  # the second Ctrl-C: stop now (train() names what is lost)
-    progress["interrupt"] = True
-    where = f"in epoch {progress['epoch']}" if progress["epoch"] is not None else "between epochs"
-    try:
-        say(f"Ctrl-C {where}: stopping after the steps running, saving them (Ctrl-C again stops at once, unsaved)")
-    except RuntimeError:  # the handler ran inside a write to stdout (a reentrant call): the stop goes on unsaid
-        pass
-
-
-def resume_hint(progress):
-    """How to go on: 'rerun <the command> to resume' (train.py's command names the run dir)."""
-    command = progress.get("resume")
-    return f"rerun `{command}` to resume" if command else "rerun the same command to resume"
-
-
-def interrupted(progress):
-    """The line for Ctrl-C: where the run stopped (`progress`, kept by _train) and how to go on.
-    An epoch counts as done once its checkpoint is on disk: progress["done"] is raised to the
-    newest epoch checkpoint there (a stop right after a save, before train() noted it)."""
-    run = progress.get("run")
-    if run is not None and progress["done"] is not None and run.chief:
-        saved = checkpoint_numbers(run.path / "checkpoints" / "latest")
-        progress["done"] = max([progress["done"], *saved])
-    if progress["done"] is None:
-        return f"interrupted before training started; {resume_hint(progress).replace('to resume', 'to start')}"
-    done, running = progress["done"], progress["epoch"]
-    if running is not None and running <= done:
-        running = None  # the epoch running was saved
-    trained = max(progress["trained"] or 0, done)
-    resume = f"{resume_hint(progress)} from epoch {done + 1}"
-    if running is None and trained == done:
-        return f"interrupted after epoch {done}; {resume}"
-    # Lost: the epoch running, and with train.save_every_epochs > 1 the ones trained since the last save.
-    last = running if running is not None else trained
-    where = f"in epoch {running}" if running is not None else f"after epoch {last}"
-    lost = "its progress is lost" if last == done + 1 else f"epochs {done + 1}-{last} are lost"
-    return f"interrupted {where} ({lost}: an epoch counts once checkpointed); {resume}"
-
-
-def _train(cfg, progress, hydra_files):
-    """train()'s body: set-up, then the epoch loop; keeps progress["done"] (epochs
-    checkpointed), progress["trained"] (epochs finished) and progress["epoch"] (the one
-    running), and the RunDir in progress["run"] (closed by train())."""
+def _train(cfg, control, hydra_files):
+    """train()'s body: set-up, then the epoch loop; keeps `control` (RunControl) told where
+    the run is, its RunDir in control.run (closed by train())."""
     marks = [("start", time.perf_counter())]  # where the set-up's seconds go, logged before the first epoch
     model_cfg, data_cfg, tcfg, dcfg = (dict(cfg[section]) for section in ("model", "data", "train", "distribute"))
     check_tf_config(dcfg["strategy"])
     if data_cfg.get("dir") is not None:  # absolute, so evaluate.py finds the data from any working directory
         data_cfg["dir"] = str(Path(data_cfg["dir"]).expanduser().resolve())
     cfg = {**cfg, "data": data_cfg}
-    run = progress["run"] = RunDir.open(cfg)  # ours? resumable with this config? before any work
+    run = control.run = RunDir.open(cfg)  # ours? resumable with this config? before any work
     seed, batch_size = int(cfg["seed"]), int(tcfg["batch_size"])
     strategy = set_up_devices(cfg)
     scope = strategy.scope if strategy is not None else contextlib.nullcontext
     run.take(is_chief(strategy), hydra_files)  # locked before the data is read
+    control.handle_signals(multi_worker=dcfg["strategy"] == "multi_worker")  # a SIGTERM in the load: one line
     say(f"run dir: {run.path}")  # where evaluate.py, TensorBoard and a resume find this run
     all_reduce = distribution(strategy, dcfg, tcfg)
     keras.utils.set_random_seed(seed)  # Python, NumPy and TF seeds: the initial weights
@@ -189,8 +133,7 @@ def _train(cfg, progress, hydra_files):
     # The steps run, counted on the host (reading Adam's counter would wait for the device, and
     # with mixed_float16 it leaves out the steps skipped for overflow).
     global_step = resumed_epoch * data.steps_per_epoch + first_step
-    progress["done"] = progress["trained"] = resumed_epoch
-    handle_signals(progress, dcfg)
+    control.start(resumed_epoch)
     report = Progress(epochs=tcfg["epochs"], steps_per_epoch=data.steps_per_epoch, batch_size=batch_size,
                       test_examples=data.test_examples, test_every_epochs=tcfg["test_every_epochs"],
                       every=tcfg["progress_every_seconds"], live=live_progress_bar(tcfg["progress_bar"]))
@@ -198,12 +141,12 @@ def _train(cfg, progress, hydra_files):
     epochs = range(resumed_epoch, tcfg["epochs"])
     for epoch_index, iterator in built_ahead(lambda e: steps.epoch_input(e, first_step, resumed_epoch), epochs):
         number = epoch_index + 1
-        progress["epoch"] = number
+        control.epoch = number
         start_step = first_step if epoch_index == resumed_epoch else 0
         say(f"epoch {number}/{tcfg['epochs']}" + (f" (from step {start_step})" if start_step else ""))
         clock = [time.perf_counter()]  # the epoch's phases end: train, test (with its summaries), save
         report.start_epoch(number)
-        train_means, global_step = steps.train(iterator, global_step, start_step, summaries, report, progress, run)
+        train_means, global_step = steps.train(iterator, global_step, start_step, summaries, report, control)
         state.step_in_epoch.assign(0)  # the epochs' checkpoints start their next epoch at its first step
         clock.append(time.perf_counter())
         test = raw_test = collapse = None
@@ -220,24 +163,29 @@ def _train(cfg, progress, hydra_files):
                                          raw_test, collapse))
         clock.append(time.perf_counter())
         stopping = collapse is not None and collapsed_for(run.history, tcfg["collapse_patience"])
-        terminating = progress["terminate"]  # read once: a SIGTERM from here on stops at the next epoch's end
-        interrupting = progress["interrupt"]  # a Ctrl-C during the test pass: saved, then stopped
+        terminating = control.terminate  # read once: a SIGTERM from here on stops at the next epoch's end
+        interrupting = control.interrupt  # a Ctrl-C during the test pass: saved, then stopped
         # The commit point: until a checkpoint of this epoch exists, a restart redoes it (and the
         # epochs since the last one saved: train.save_every_epochs > 1 saves only every Nth and the
         # last; a new best is always saved, best/ being links to its files, and so is a stop).
         if is_best or stopping or terminating or interrupting or on_schedule(number, tcfg["save_every_epochs"],
                                                                              tcfg["epochs"]):
             run.save_epoch(number, is_best)
-            progress["done"] = number
+            control.done = number
             if epoch_index == resumed_epoch and first_step:
                 run.drop_interrupted()  # superseded (after the commit)
-        progress["trained"] = number
+        control.trained = number
         clock.append(time.perf_counter())
         phases = dict(zip(("train", "test", "save"), np.diff(clock)))  # where the epoch's wall time went
         summaries.epoch_end(global_step, phases, run.history)
-        progress["epoch"] = None
+        control.epoch = None
         say(epoch_line(number, train_means, test, raw_test, is_best, collapse, clock[-1] - clock[0], phases))
-        stop_if_asked(number, tcfg, interrupting, terminating, stopping, collapse, run, summaries, progress)
+        if (interrupting or terminating) and number < tcfg["epochs"]:
+            summaries.close()
+            raise control.stopped_after(number, terminating)
+        if stopping:
+            summaries.close()
+            raise collapsed(number, collapse, run.path, tcfg["collapse_patience"], tcfg["test_every_epochs"])
 
     # ---- final metrics
     if test is None:  # nothing left to train (a finished run rerun): measure the checkpoint as it is
@@ -459,7 +407,7 @@ class CompiledSteps:
         the steps were just fetched, so it waits for nothing."""
         return float(self.state.schedule(steps_done(self.state.optimizer)))
 
-    def train(self, iterator, global_step, start_step, summaries, report, progress, run):
+    def train(self, iterator, global_step, start_step, summaries, report, control):
         """One epoch (train_epoch) → (train means, global step); Ctrl-C's save and Interrupted, a
         non-finite step's TrainingDiverged, a device out of memory in one line."""
         tcfg, epoch_number = self.tcfg, int(self.state.epoch) + 1
@@ -471,13 +419,13 @@ class CompiledSteps:
                 learning_rate=self.next_learning_rate, progress_bar=tcfg["progress_bar"],
                 loss_scale=loss_scale(self.state.optimizer), first_step=start_step,
                 # train.data_on_device's epochs cannot start mid-way: a Ctrl-C there stops at the epoch's end.
-                stop=(lambda: progress["interrupt"]) if self.training_set is None else None, report=report,
+                stop=control.stop_asked if self.training_set is None else None, report=report,
                 after_compile=self.start_eval_compile)
         except NonFiniteStep as stop:
             # Nothing of this epoch is saved (the weights in memory are diverged): the
             # checkpoints, best/ and history.jsonl keep what the last good epoch left.
             summaries.close()
-            raise diverged(stop, epoch_number, run.last_good(), configured_rate=tcfg["learning_rate"],
+            raise diverged(stop, epoch_number, control.run.last_good(), configured_rate=tcfg["learning_rate"],
                            learning_rate=self.state.learning_rate, precision=tcfg["precision"]) from None
         except tf.errors.OpError as exc:
             if summaries.write_failed(exc) is not None:  # the train/ scalars' event file
@@ -488,10 +436,10 @@ class CompiledSteps:
         if stopped_at is not None:
             # Ctrl-C: the steps run so far saved (interrupted/), this epoch unfinished.
             self.state.step_in_epoch.assign(stopped_at)
-            run.save_interrupted(global_step)
+            control.run.save_interrupted(global_step)
             summaries.close()
             raise Interrupted(f"interrupted at step {stopped_at} of {self.data.steps_per_epoch} in epoch "
-                              f"{epoch_number}: saved; {resume_hint(progress)} from there")
+                              f"{epoch_number}: saved; {control.resume_hint()} from there")
         return means, global_step
 
     def start_eval_compile(self):
@@ -555,18 +503,6 @@ def device_training_set(data, tcfg, seed, strategy=None):
     return DeviceTrainingSet(split.images, split.labels, batch_size=batch_size, seed=seed, **augmentation)
 
 
-def handle_signals(progress, dcfg):
-    """From here SIGTERM ends the run at an epoch's end, saved, and Ctrl-C at the step running,
-    saved there (train_epoch); a second one of either stops at once. Only the main thread may
-    set a handler; a multi-worker run keeps the default (its workers save together, and a
-    signal reaches one of them). Before here a signal loses nothing trained."""
-    if threading.current_thread() is threading.main_thread() and dcfg["strategy"] != "multi_worker":
-        replaced = signal.signal(signal.SIGTERM, functools.partial(_on_sigterm, progress))
-        progress["sigterm"] = signal.SIG_DFL if replaced is None else replaced
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where SIGINT is ignored
-            progress["sigint"] = signal.signal(signal.SIGINT, functools.partial(_on_sigint, progress))
-
-
 def epoch_line(number, train_means, test, raw_test, is_best, collapse, seconds, phases):
     """The epoch's line: its train and test results, and where its wall time went."""
     test_line = ""
@@ -576,20 +512,6 @@ def epoch_line(number, train_means, test, raw_test, is_best, collapse, seconds, 
                      f"{' (best)' if is_best else ''}{f' [COLLAPSED: {collapse}]' if collapse else ''}")
     return (f"epoch {number}: train loss {train_means['loss']:.4f} acc {train_means['accuracy']:.4f}{test_line} | "
             f"{seconds:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
-
-
-def stop_if_asked(number, tcfg, interrupting, terminating, stopping, collapse, run, summaries, progress):
-    """After epoch `number` (saved if any of these asks): Ctrl-C, SIGTERM, a collapse."""
-    if (interrupting or terminating) and number < tcfg["epochs"]:
-        summaries.close()
-        if interrupting:
-            raise Interrupted(f"interrupted after epoch {number}: saved; {resume_hint(progress)} from epoch "
-                              f"{number + 1}")
-        raise Terminated(f"stopped by SIGTERM after epoch {number} (saved); {resume_hint(progress)} from epoch "
-                         f"{number + 1}")
-    if stopping:
-        summaries.close()
-        raise collapsed(number, collapse, run.path, tcfg["collapse_patience"], tcfg["test_every_epochs"])
 
 
 def final_metrics(test, raw_test, run, state, global_step, strategy, dcfg):
@@ -857,13 +779,6 @@ def _fetch(pending):
                                                 for k in ("loss", "grad_norm"))):
             raise NonFiniteStep(start + ran, fetched[-1][0] if ran else {})
     return fetched
-
-
-def on_schedule(epoch_number, every, epochs):
-    """Whether epoch `epoch_number` (1-based) is one of every `every`th epochs or the last of
-    the `epochs`: when train.test_every_epochs tests (the last: the run's final metrics)
-    and train.save_every_epochs saves (the last: the run's final checkpoint)."""
-    return epoch_number % every == 0 or epoch_number == epochs
 
 
 def history_entry(epoch, global_step, learning_rate, train_means, test=None, raw_test=None, collapse=None):
