@@ -11,7 +11,7 @@ import tensorflow as tf
 from capsnet import config
 from capsnet.data import make_dataset, make_multimnist_dataset
 from capsnet.errors import ConfigError
-from capsnet.training import loop, train
+from capsnet.training import epoch, train
 from capsnet.training.device_input import DevicePairSet, DeviceTrainingSet, make_device_train_loop
 from conftest import assert_checkpoint_tensors_close, compose_config, read_events, tiny_overrides
 
@@ -244,7 +244,7 @@ def test_data_on_device_trains_the_same_steps_as_the_pipeline(tiny_config, tmp_p
         made.append((kwargs["static_steps"], record_calls(train_steps)))
         return train_steps
 
-    monkeypatch.setattr(loop, "make_device_train_loop", recording)
+    monkeypatch.setattr(epoch, "make_device_train_loop", recording)
     runs = {}
     for on_device in (False, True):
         run_dir = tmp_path / f"on_device_{on_device}"
@@ -273,7 +273,7 @@ def test_data_on_device_trains_the_same_steps_as_the_pipeline(tiny_config, tmp_p
     def refused(*args, **kwargs):
         raise AssertionError("a finished run copied its training set to the device")
 
-    monkeypatch.setattr(loop, "DeviceTrainingSet", refused)
+    monkeypatch.setattr(epoch, "DeviceTrainingSet", refused)
     rerun = train(tiny_config(*common, "train.data_on_device=true", run_dir=dev_dir))
     assert rerun["global_step"] == 10 and rerun["test_accuracy"] == dev["test_accuracy"]
 

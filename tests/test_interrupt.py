@@ -17,9 +17,9 @@ OVERRIDES = ("data.limit_train=320", "data.limit_test=64", "train.epochs=3", "de
 def ctrl_c_in(monkeypatch, epoch, after_step):
     """A SIGINT to this process once epoch `epoch` has run `after_step` steps (at the report
     after them), as Ctrl-C in a terminal sends it."""
-    from capsnet.training import loop
+    from capsnet.training.progress import Progress
 
-    real = loop.Progress.__call__
+    real = Progress.__call__
     sent = []
 
     def report(self, step_in_epoch, *args):
@@ -28,7 +28,7 @@ def ctrl_c_in(monkeypatch, epoch, after_step):
             os.kill(os.getpid(), signal.SIGINT)
         return real(self, step_in_epoch, *args)
 
-    monkeypatch.setattr(loop.Progress, "__call__", report)
+    monkeypatch.setattr(Progress, "__call__", report)
     return sent
 
 

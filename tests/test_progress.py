@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from capsnet.training import loop, train
+from capsnet.training import epoch, loop, progress, train
 
 # The tiny data: 320 training examples at batch 16, 20 steps an epoch.
 OVERRIDES = ("data.limit_train=320", "data.limit_test=64")
@@ -50,7 +50,7 @@ def test_a_log_file_gets_progress_lines_inside_an_epoch_and_the_runs_estimate(ti
     the epoch, images/s and the ETAs of the epoch and the run; once, the estimated time of the
     whole run after the first timed steps."""
     cfg = with_progress_every(tiny_config, monkeypatch, 0.05, *OVERRIDES, "train.epochs=2")
-    slow = loop.train_epoch
+    slow = epoch.train_epoch
 
     def slowed(train_steps, *args, **kwargs):  # ~10 ms a call: a few lines an epoch on any machine
         def steps(*a):
@@ -58,7 +58,7 @@ def test_a_log_file_gets_progress_lines_inside_an_epoch_and_the_runs_estimate(ti
             return train_steps(*a)
         return slow(steps, *args, **kwargs)
 
-    monkeypatch.setattr(loop, "train_epoch", slowed)
+    monkeypatch.setattr(epoch, "train_epoch", slowed)
     train(cfg)
     out = capsys.readouterr().out
     assert not sys.stdout.isatty()
@@ -87,4 +87,4 @@ def test_a_terminal_shows_the_runs_eta_in_the_live_bar_and_no_progress_lines(tin
 
 @pytest.mark.parametrize("seconds, text", [(0, "0 s"), (59.4, "59 s"), (61, "1 min 01 s"), (7322, "2 h 02 min")])
 def test_format_duration(seconds, text):
-    assert loop.format_duration(seconds) == text
+    assert progress.format_duration(seconds) == text

@@ -748,7 +748,7 @@ def test_last_epoch_was_best_is_the_strict_rule():
 # --------------------------------------------------------------------------- train.test_every_epochs
 
 def test_the_test_and_save_schedules_take_every_nth_and_the_last_epoch():
-    from capsnet.training.loop import on_schedule
+    from capsnet.training.control import on_schedule
 
     assert [e for e in range(1, 11) if on_schedule(e, 3, 10)] == [3, 6, 9, 10]
     assert [e for e in range(1, 5) if on_schedule(e, 1, 4)] == [1, 2, 3, 4]
@@ -764,10 +764,10 @@ def saved_epochs(run_dir, which="latest"):
 
 def before_epoch(monkeypatch, number, action):
     """`action()` just before the loop trains epoch `number` of this process's next run
-    (training.loop.train_epoch wrapped; monkeypatch.undo() unwraps it)."""
-    from capsnet.training import loop
+    (training.epoch.train_epoch wrapped; monkeypatch.undo() unwraps it)."""
+    from capsnet.training import epoch
 
-    calls, real = [], loop.train_epoch
+    calls, real = [], epoch.train_epoch
 
     def wrapped(*args, **kwargs):
         calls.append(None)
@@ -775,7 +775,7 @@ def before_epoch(monkeypatch, number, action):
             action()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(loop, "train_epoch", wrapped)
+    monkeypatch.setattr(epoch, "train_epoch", wrapped)
 
 
 def test_a_run_saving_every_third_epoch_trains_the_same_and_saves_on_schedule(trained_run, tiny_config, tmp_path):

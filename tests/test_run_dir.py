@@ -439,12 +439,12 @@ def test_a_device_out_of_memory_in_the_first_steps_is_one_line(tiny_config, monk
     import tensorflow as tf
 
     from capsnet.errors import CapsnetError
-    from capsnet.training import loop, train
+    from capsnet.training import epoch, train
 
     def busy(*args, **kwargs):
         raise tf.errors.InternalError(None, None, "No valid config found for convolution (autotuning)")
 
-    monkeypatch.setattr(loop, "train_epoch", busy)
+    monkeypatch.setattr(epoch, "train_epoch", busy)
     with pytest.raises(CapsnetError, match="ran out of memory in the first steps .* another process") as error:
         train(tiny_config("train.epochs=1"))
     assert "\n" not in str(error.value)

@@ -741,7 +741,7 @@ def test_progress_bar_moves_at_any_steps_per_execution(monkeypatch, capsys, tty)
     """On a terminal the bar moves ~20 times an epoch even with 50 steps per call (calls of
     at most 1/20 of the epoch) and never shows images/s as nan; in a log file the calls stay
     as long as steps_per_execution allows (the bar prints one line per epoch there)."""
-    from capsnet.training.loop import train_epoch
+    from capsnet.training.epoch import EpochShape, TrainScalars, train_epoch
 
     monkeypatch.setattr(sys.stdout, "isatty", lambda: tty)
     calls = []
@@ -754,9 +754,9 @@ def test_progress_bar_moves_at_any_steps_per_execution(monkeypatch, capsys, tty)
                 "reconstruction_loss": tf.fill([ran], 0.1), "accuracy": tf.fill([ran], 1.0),
                 "grad_norm": tf.ones([ran])}
 
-    means, step, stopped_at = train_epoch(train_steps, None, global_step=0, num_examples=100, batch_size=1,
-                                          steps_per_execution=50, log_every_steps=1000,
-                                          writer=tf.summary.create_noop_writer(), learning_rate=lambda: 0.001)
+    shape = EpochShape(num_examples=100, batch_size=1, steps_per_execution=50, log_every_steps=1000)
+    means, step, stopped_at = train_epoch(train_steps, None, shape, global_step=0,
+                                          scalars=TrainScalars(tf.summary.create_noop_writer(), lambda: 0.001))
     assert step == 100 and sum(calls) == 100 and means["loss"] == pytest.approx(0.5) and stopped_at is None
     assert calls == ([1] + [5] * 19 + [4] if tty else [1, 50, 49])
     assert "nan" not in capsys.readouterr().out
@@ -805,9 +805,9 @@ def test_the_compiled_test_step_is_compiled_beside_the_first_epoch(tiny_config, 
     returned, before the first test pass, which waits for it; the run's test scores are the
     test split's through the trained weights (the zeros' outputs are kept nowhere)."""
     from capsnet.evaluation import evaluate
-    from capsnet.training import loop
+    from capsnet.training import epoch
 
-    calls, real, returned, real_epoch = [], loop.compile_eval_step, [], loop.train_epoch
+    calls, real, returned, real_epoch = [], epoch.compile_eval_step, [], epoch.train_epoch
 
     def counting_epoch(train_steps, *args, **kwargs):
         def counted(*inputs):
@@ -828,8 +828,8 @@ def test_the_compiled_test_step_is_compiled_beside_the_first_epoch(tiny_config, 
         calls.append((sizes, shapes, real(recording, element_spec, sizes)))
         return calls[-1][2]
 
-    monkeypatch.setattr(loop, "compile_eval_step", spy)
-    monkeypatch.setattr(loop, "train_epoch", counting_epoch)
+    monkeypatch.setattr(epoch, "compile_eval_step", spy)
+    monkeypatch.setattr(epoch, "train_epoch", counting_epoch)
     cfg = tiny_config("data.limit_train=40", "train.epochs=1", "train.xla=jit", "train.test_batch_size=32")
     metrics = train(cfg)
     [(sizes, shapes, future)] = calls

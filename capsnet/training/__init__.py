@@ -3,7 +3,14 @@
 One module per concern; import each piece from its module (the config's checks, before
 any of these: capsnet.config.check, which train() calls first):
     loop            train(cfg): set-up (devices, data, model, optimizer, checkpoints) and the
-                    epoch loop; train_epoch, the progress lines, the collapse and divergence rules
+                    epoch loop
+    epoch           CompiledSteps (the run's compiled steps, each epoch's input, its training
+                    and test pass), train_epoch (one epoch's calls, fetched and timed)
+    control         RunControl: Ctrl-C and SIGTERM, where the run stands, the resume line;
+                    on_schedule (which epochs test and save)
+    progress        the progress bar (keras' Progbar), the progress lines, the run's ETA
+    health          non-finite steps (NonFiniteStep, diverged), collapsed test results
+    xla_flags       TF_XLA_FLAGS and XLA_FLAGS, set once per process before TensorFlow starts
     run_dir         RunDir: the run dir's files, lock, checkpoints (latest, best, interrupted),
                     resume, history.jsonl, config.yaml and metrics.json
     run_lock        RunLock (one training per run dir), check_ours (a run dir of this app),

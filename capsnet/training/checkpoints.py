@@ -15,7 +15,7 @@ with deterministic=true a resumed run ends bitwise equal to an uninterrupted one
 A run killed mid-epoch loses that epoch only (with train.save_every_epochs=N > 1, also the
 epochs trained since the last one saved); Ctrl-C instead saves the steps run into
 checkpoints/interrupted/ (the epoch counter, and step_in_epoch: the steps of the next epoch
-done), and the rerun skips that epoch's first step_in_epoch batches (capsnet.training.loop). TensorBoard's step is the global step
+done), and the rerun skips that epoch's first step_in_epoch batches (capsnet.training.epoch). TensorBoard's step is the global step
 (optimizer.iterations), so the curves continue where the checkpoint left them.
 
 An epoch ends with: its history line, then checkpoints/latest/ckpt-N (every epoch, or on

@@ -1,24 +1,23 @@
 """Train CapsNet: `train(cfg) -> metrics`, the body of `python train.py`.
 
-Reads top to bottom like the loop it is: config → setup → data → model and optimizer
-(new, or resumed from the run dir's last checkpoint) → compiled steps → epochs →
-final metrics. `cfg` is a plain dict shaped like configs/train.yaml (train.py converts
-Hydra's config at the boundary); nothing here sees a Hydra object. `train_epoch` runs
-one epoch's compiled calls, fetching and timing them.
+Reads top to bottom like the loop it is: config → set-up (devices, the run dir locked,
+the model, the data, optimizer and checkpoint: new, or resumed from the run dir's last
+checkpoint; the compiled steps) → epochs → final metrics. `cfg` is a plain dict shaped
+like configs/train.yaml (train.py converts Hydra's config at the boundary); nothing here
+sees a Hydra object.
 
-The run dir (what it holds, who writes it, how a failed write ends): RunDir
-(capsnet.training.run_dir); TensorBoard: RunSummaries (capsnet.training.summaries).
-Rerunning with the same run dir resumes it; how, what an epoch commits and which config
-changes a resume refuses: capsnet.training.checkpoints. Several devices (the chief
-alone writes the run dir): capsnet.training.distribute. The weight average:
-capsnet.training.weight_average.
+Each piece has its module in capsnet.training: one epoch's steps (epoch), the signals and
+where the run is (control), the progress bar, lines and ETA (progress), non-finite steps
+and collapse (health), the process's XLA flags (xla_flags). The run dir (what it holds,
+who writes it, how a failed write ends): RunDir (run_dir); TensorBoard: RunSummaries
+(summaries). Rerunning with the same run dir resumes it; how, what an epoch commits and
+which config changes a resume refuses: checkpoints. Several devices (the chief alone
+writes the run dir): distribute.
 """
 import concurrent.futures
 import contextlib
-import functools
 import logging
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -26,28 +25,25 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from capsnet import config, console
+from capsnet import config
 from capsnet.cli import complete_run_notice, set_memory_growth
 from capsnet.console import say
-from capsnet.errors import CapsnetError, ConfigError, Interrupted
-from capsnet.losses import loss_params
+from capsnet.errors import ConfigError, Interrupted
 from capsnet.precision import set_tensor_float_32
-from capsnet.training.control import RunControl, on_schedule
-from capsnet.training.checkpoints import checkpoint_weights
-from capsnet.training.device_input import (DevicePairSet, DeviceTrainingSet, MirroredTrainingSet,
-                                           make_device_train_loop)
-from capsnet.training.health import NonFiniteStep, collapse_reason, collapsed, collapsed_for, diverged
-from capsnet.training.distribute import (check_all_reduce, check_global_batch, check_tf_config, check_workers_agree,
-                                         input_iterator, is_chief, make_strategy, resolve_all_reduce,
-                                         trains_on_gpu, without_autotune_thread)
 from capsnet.tasks import task_for
+from capsnet.training.checkpoints import checkpoint_weights
+from capsnet.training.control import RunControl, on_schedule
+from capsnet.training.distribute import (check_all_reduce, check_global_batch, check_tf_config, check_workers_agree,
+                                         is_chief, make_strategy, resolve_all_reduce, trains_on_gpu,
+                                         without_autotune_thread)
+from capsnet.training.epoch import CompiledSteps
+from capsnet.training.health import collapse_reason, collapsed, collapsed_for
 from capsnet.training.model_setup import build_capsnet, check_op_library
-from capsnet.training.optimizer import build_optimizer, checkpoint_nodes, loss_scale, scaled_learning_rate, steps_done
-from capsnet.training.run_dir import RunDir, last_epoch_was_best  # noqa: F401  (last_epoch_was_best: loop's rule)
-from capsnet.training.steps import (align_trace_names, compile_eval_step, eval_batch_size, evaluate_model,
-                                    execution_lengths, make_eval_step, make_train_loop, make_train_step,
-                                    next_execution_length, set_determinism)
-from capsnet.training.summaries import MetricWindow, RunSummaries, mean_images_per_sec, write_train_scalars
+from capsnet.training.optimizer import build_optimizer, checkpoint_nodes, scaled_learning_rate, steps_done
+from capsnet.training.progress import Progress, live_progress_bar
+from capsnet.training.run_dir import RunDir, history_entry
+from capsnet.training.steps import eval_batch_size, set_determinism
+from capsnet.training.summaries import RunSummaries, mean_images_per_sec
 from capsnet.training.weight_average import WeightAverage
 from capsnet.training.xla_flags import set_xla_flags
 
@@ -226,20 +222,6 @@ def set_up_devices(cfg):
     return strategy
 
 
-def device_memory_error(exc):
-    """The one line for a device that ran out of memory in the first steps (another process
-    holds it), or None for another error."""
-    text = str(exc)
-    if isinstance(exc, tf.errors.ResourceExhaustedError) or "No valid config found" in text or \
-            "out of memory" in text.lower():
-        first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-        return CapsnetError(
-            f"the device ran out of memory in the first steps ({first[:200]}): another process may hold the GPU's "
-            "memory (nvidia-smi shows it); wait for it, use another GPU (CUDA_VISIBLE_DEVICES), or a smaller "
-            "train.batch_size")
-    return None
-
-
 def distribution(strategy, dcfg, tcfg):
     """The all-reduce of a strategy's gradients (checked against the batch), logged; dcfg's for one device."""
     if strategy is None:
@@ -337,172 +319,6 @@ class TrainingState:
         self.checkpoint = tf.train.Checkpoint(**self.required, **optimizer_nodes, step_in_epoch=self.step_in_epoch)
 
 
-class CompiledSteps:
-    """The run's compiled train and test steps (xla=autocluster switches XLA on for the whole
-    process), each epoch's input, and the epoch's training (`train`) and test pass (`test_pass`)."""
-
-    def __init__(self, model, state, data, cfg, strategy, all_reduce):
-        tcfg = cfg["train"]
-        self.model, self.state, self.data, self.tcfg, self.strategy = model, state, data, tcfg, strategy
-        self.seed, self.batch_size = int(cfg["seed"]), int(tcfg["batch_size"])
-        losses = loss_params(tcfg)
-        done = int(state.epoch)
-        # (a finished run rerun: nothing to copy)
-        on_device = tcfg["data_on_device"] and done < tcfg["epochs"]
-        self.training_set = device_training_set(data, tcfg, self.seed, strategy) if on_device else None
-        # Under a strategy each replica gathers its slice of the batch inside its step.
-        examples = self.training_set.examples if on_device and strategy is not None else None
-        train_step = make_train_step(model, state.optimizer, input_shape=model.image_shape, losses=losses,
-                                     xla=tcfg["xla"], strategy=strategy, all_reduce=all_reduce,
-                                     two_digits=data.two_digits, weight_average=state.average, examples=examples)
-        # The compiled programs are traced here, before the thread that builds the next epoch's
-        # input starts (its traces move the same uid counter), each from an aligned uid
-        # (align_trace_names): a rerun or resumed run finds them in train.xla_cache_dir.
-        align_trace_names()
-        if on_device:
-            last_batch = data.examples_per_epoch - (data.steps_per_epoch - 1) * self.batch_size
-            # The longest call train_epoch makes in the epochs left runs a loop of constant length
-            # (make_device_train_loop says why).
-            per_call = steps_per_call(data.steps_per_epoch, tcfg["steps_per_execution"], tcfg["progress_bar"])
-            longest = max(max(execution_lengths(data.steps_per_epoch, d * data.steps_per_epoch, per_call,
-                                                tcfg["log_every_steps"])) for d in range(done, tcfg["epochs"]))
-            self.train_steps = make_device_train_loop(train_step, self.training_set,
-                                                      steps_per_execution=tcfg["steps_per_execution"],
-                                                      trace_sizes=(self.batch_size, last_batch), static_steps=longest)
-        else:
-            self.train_steps = make_train_loop(train_step, strategy=strategy)  # (traces nothing until called)
-            if strategy is None and done < tcfg["epochs"]:
-                train_step.get_concrete_function()  # the loop's trace then calls this one
-        self.eval_step = make_eval_step(model, model.image_shape, jit_compile=tcfg["xla"] == "jit",
-                                        two_digits=data.two_digits, **losses)
-        align_trace_names()
-        self.eval_step.get_concrete_function()
-        # Under XLA the test step compiles beside the first epoch (compile_eval_step says why),
-        # started once the training calls that compile have returned (train_epoch's after_compile):
-        # beside the first call's compilation the two autotune on the GPU at once and that call
-        # takes seconds longer.
-        # One device only: under a strategy the replicas' steps have the devices to themselves.
-        self.eval_compile, self.eval_compiled = None, None
-        if tcfg["xla"] == "jit" and strategy is None and done < tcfg["epochs"]:
-            test_batch = eval_batch_size(tcfg)
-            sizes = sorted({min(test_batch, data.test_examples), data.test_examples % test_batch} - {0})
-            self.eval_compile = functools.partial(compile_eval_step, self.eval_step, data.test_ds.element_spec,
-                                                  sizes)
-
-    def epoch_input(self, epoch_index, first_step, resumed_epoch):
-        """The epoch's batches on the training devices ahead of the steps (under a strategy: the
-        same global batches, split over the replicas); train.data_on_device: its draws there."""
-        if self.training_set is not None:
-            return self.training_set.epoch(epoch_index)
-        train_ds = self.data.train_dataset(batch_size=self.batch_size, seed=self.seed, epoch=epoch_index,
-                                           drop_remainder=self.tcfg["drop_remainder"])
-        if epoch_index == resumed_epoch and first_step:
-            # The epoch's order is a function of (seed, epoch): its batches from the step it stopped at.
-            train_ds = train_ds.skip(first_step)
-        return input_iterator(train_ds, self.strategy)
-
-    def next_learning_rate(self):
-        """The rate of the optimizer's next update: its schedule at Adam's step counter, not at the
-        steps run (with mixed_float16 a step skipped for overflow does not advance it). Read where
-        the steps were just fetched, so it waits for nothing."""
-        return float(self.state.schedule(steps_done(self.state.optimizer)))
-
-    def train(self, iterator, global_step, start_step, summaries, report, control):
-        """One epoch (train_epoch) → (train means, global step); Ctrl-C's save and Interrupted, a
-        non-finite step's TrainingDiverged, a device out of memory in one line."""
-        tcfg, epoch_number = self.tcfg, int(self.state.epoch) + 1
-        try:
-            means, global_step, stopped_at = train_epoch(
-                self.train_steps, iterator, global_step=global_step, num_examples=self.data.examples_per_epoch,
-                batch_size=self.batch_size, steps_per_execution=tcfg["steps_per_execution"],
-                log_every_steps=tcfg["log_every_steps"], writer=summaries.writer,
-                learning_rate=self.next_learning_rate, progress_bar=tcfg["progress_bar"],
-                loss_scale=loss_scale(self.state.optimizer), first_step=start_step,
-                # train.data_on_device's epochs cannot start mid-way: a Ctrl-C there stops at the epoch's end.
-                stop=control.stop_asked if self.training_set is None else None, report=report,
-                after_compile=self.start_eval_compile)
-        except NonFiniteStep as stop:
-            # Nothing of this epoch is saved (the weights in memory are diverged): the
-            # checkpoints, best/ and history.jsonl keep what the last good epoch left.
-            summaries.close()
-            raise diverged(stop, epoch_number, control.run.last_good(), configured_rate=tcfg["learning_rate"],
-                           learning_rate=self.state.learning_rate, precision=tcfg["precision"]) from None
-        except tf.errors.OpError as exc:
-            if summaries.write_failed(exc) is not None:  # the train/ scalars' event file
-                raise summaries.write_failed(exc) from None
-            if report.announced or device_memory_error(exc) is None:  # past the first steps: not the start's
-                raise
-            raise device_memory_error(exc) from None
-        if stopped_at is not None:
-            # Ctrl-C: the steps run so far saved (interrupted/), this epoch unfinished.
-            self.state.step_in_epoch.assign(stopped_at)
-            control.run.save_interrupted(global_step)
-            summaries.close()
-            raise Interrupted(f"interrupted at step {stopped_at} of {self.data.steps_per_epoch} in epoch "
-                              f"{epoch_number}: saved; {control.resume_hint()} from there")
-        return means, global_step
-
-    def start_eval_compile(self):
-        """The test step's compilation, in its thread (compile_eval_step), if it is still to start."""
-        if self.eval_compile is not None:
-            self.eval_compiled, self.eval_compile = self.eval_compile(), None
-
-    def test_pass(self, summaries=None, step=None):
-        """(test, raw_test): the test split through eval_step with the run's weights (with a
-        weight average, the average's; raw_test then the trained weights', else None); with
-        `summaries`, the epoch's test summaries at `step` too."""
-        average, model, data = self.state.average, self.model, self.data
-        if self.eval_compiled is not None:  # the test step's compilation, started beside the training
-            self.eval_compiled.result()
-        self.eval_compile = self.eval_compiled = None  # (an epoch of one call: compiled here)
-        raw_test = evaluate_model(self.eval_step, data.test_ds, model.num_classes) if average is not None else None
-        with average.in_model() if average is not None else contextlib.nullcontext():
-            test = evaluate_model(self.eval_step, data.test_ds, model.num_classes, keep_lengths=True)
-            # The longest capsule over the test set (collapse_reason), not the (N, classes) lengths.
-            test["max_length"] = float(test.pop("lengths").max())
-            test.pop("labels")
-            if summaries is not None:
-                summaries.epoch(model, test, data.show_images, self.tcfg, step, raw_test,
-                                class_names=data.task.class_names(model.num_classes))
-        return test, raw_test
-
-    def figures(self, summaries, step):
-        """train.figures: capsnet.figures' pictures of the run's weights (the test pass's: with a
-        weight average, the average's) on the first FIGURE_EXAMPLES test examples, in TensorBoard
-        (RunSummaries.figures). Not for two-digit data (its examples have two labels)."""
-        if not self.tcfg["figures"] or self.data.two_digits or not summaries.chief:
-            return
-        batches, count = [], 0
-        for images, labels, *_ in self.data.test_ds:
-            batches.append((images.numpy(), labels.numpy()))
-            count += len(batches[-1][1])
-            if count >= FIGURE_EXAMPLES:
-                break
-        images, labels = (np.concatenate(part)[:FIGURE_EXAMPLES] for part in zip(*batches))
-        average, model = self.state.average, self.model
-        with average.in_model() if average is not None else contextlib.nullcontext():
-            summaries.figures(model, images, labels, step, class_names=self.data.task.class_names(model.num_classes))
-
-
-# Test examples the end-of-training figures are drawn from (their confusion matrix counts them all).
-FIGURE_EXAMPLES = 500
-
-
-def device_training_set(data, tcfg, seed, strategy=None):
-    """train.data_on_device: the training split copied to the device once (under a strategy, to
-    every replica's device); each epoch only its draws."""
-    batch_size, split, task = int(tcfg["batch_size"]), data.train_split, data.task
-    augmentation = task.augmentation()  # the MNIST family's (natural images refuse the device loop in config)
-    if strategy is not None:  # (two-digit data trains on one device: config.check)
-        return MirroredTrainingSet(strategy, split.images, split.labels, batch_size=batch_size, seed=seed,
-                                   **augmentation)
-    if data.two_digits:
-        return DevicePairSet(split.images, split.labels, batch_size=batch_size, seed=seed,
-                             shift_pixels=augmentation["shift_pixels"], pad_pixels=task.cfg.get("pad_pixels"),
-                             **{key: augmentation[key] for key in config.OVERLAY_AUGMENTATION})
-    return DeviceTrainingSet(split.images, split.labels, batch_size=batch_size, seed=seed, **augmentation)
-
-
 def epoch_line(number, train_means, test, raw_test, is_best, collapse, seconds, phases):
     """The epoch's line: its train and test results, and where its wall time went."""
     test_line = ""
@@ -560,239 +376,3 @@ def built_ahead(build, items):
             built = upcoming.result()
             upcoming = ahead.submit(build, items[i + 1]) if i + 1 < len(items) else None
             yield item, built
-
-
-def live_progress_bar(progress_bar):
-    """Whether train.progress_bar draws a live bar (on a terminal; in a log file: one line
-    per epoch instead)."""
-    return bool(progress_bar) and sys.stdout.isatty()
-
-
-def steps_per_call(steps_per_epoch, steps_per_execution, progress_bar):
-    """The most steps train_epoch runs in one call: steps_per_execution, or with a live
-    progress bar (train.progress_bar on a terminal) at most 1/20 of the epoch: the bar moves
-    only when a call's values are fetched, so it then moves ~20 times an epoch whatever
-    steps_per_execution is (the same steps and values; at 469 steps an epoch, 24-step
-    calls, whose host overhead is negligible)."""
-    if live_progress_bar(progress_bar):
-        return min(steps_per_execution, max(1, math.ceil(steps_per_epoch / 20)))
-    return steps_per_execution
-
-
-def format_duration(seconds):
-    """'42 s', '7 min 05 s', '2 h 13 min'."""
-    seconds = max(0, int(round(seconds)))
-    if seconds < 60:
-        return f"{seconds} s"
-    if seconds < 3600:
-        return f"{seconds // 60} min {seconds % 60:02d} s"
-    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
-
-
-class Progress:
-    """The progress of a run inside its epochs: train_epoch's `report`.
-
-    Estimates the run's time left from the step time measured (the steps left of this and
-    the later epochs) and the test passes left (the last one's time; before the first, the
-    test split at the training's images/s), prints once, after the first timed steps of
-    this process, the estimated time of the whole run, and, when stdout is not a terminal
-    (a log file, a job scheduler: no live bar), a line every `every` seconds inside an
-    epoch: steps done, images/s, the ETA of the epoch and of the run. `run_eta`: the
-    latest estimate of the run's seconds left (the live bar shows it)."""
-
-    def __init__(self, *, epochs, steps_per_epoch, batch_size, test_examples, test_every_epochs, every, live):
-        self.epochs, self.steps_per_epoch, self.batch_size = epochs, steps_per_epoch, batch_size
-        self.test_examples, self.test_every_epochs = test_examples, test_every_epochs
-        self.every, self.live = every, live
-        self.epoch = None  # 1-based, the epoch training
-        self.test_seconds = None  # the last test pass's
-        self.run_eta = None
-        self.announced = False
-        self.last_line = None
-
-    def start_epoch(self, epoch_number):
-        self.epoch = epoch_number
-        self.last_line = time.perf_counter()
-
-    def tested(self, seconds):
-        self.test_seconds = seconds
-
-    def __call__(self, step_in_epoch, seconds_per_step, images_per_sec=None):
-        epoch_left = (self.steps_per_epoch - step_in_epoch) * seconds_per_step
-        later_epochs = self.epochs - self.epoch
-        tests_left = sum(1 for e in range(self.epoch, self.epochs + 1) if on_schedule(e, self.test_every_epochs,
-                                                                                        self.epochs))
-        test_seconds = (self.test_seconds if self.test_seconds is not None else
-                        self.test_examples * seconds_per_step / self.batch_size)
-        self.run_eta = epoch_left + later_epochs * self.steps_per_epoch * seconds_per_step + tests_left * test_seconds
-        if not self.announced:
-            self.announced = True
-            total = self.epochs * self.steps_per_epoch * seconds_per_step + self.test_passes() * test_seconds
-            say(f"estimated time of the run: {format_duration(total)} for {self.epochs} epochs "
-                f"({format_duration(self.run_eta)} left; {seconds_per_step:.3g} s a step, "
-                f"{self.steps_per_epoch} steps an epoch)")
-        now = time.perf_counter()
-        if not self.live and self.every and now - self.last_line >= self.every and step_in_epoch < self.steps_per_epoch:
-            self.last_line = now
-            speed = f", {images_per_sec:.1f} images/s" if images_per_sec else ""
-            say(f"epoch {self.epoch}: step {step_in_epoch}/{self.steps_per_epoch}{speed}, epoch ETA "
-                f"{format_duration(epoch_left)}, run ETA {format_duration(self.run_eta)}")
-
-    def test_passes(self):
-        return sum(1 for e in range(1, self.epochs + 1) if on_schedule(e, self.test_every_epochs, self.epochs))
-
-
-# The longest a train_steps call may take, as far as the step time allows (at least one
-# step a call): Ctrl-C acts between calls, so on a CPU, where a paper-model step takes
-# ~1.2 s, a call of steps_per_execution=50 steps kept it waiting ~60 s. On a GPU a call of
-# 50 steps takes well under this: steps_per_execution decides there.
-CALL_SECONDS = 1.0
-
-
-def train_epoch(train_steps, iterator, *, global_step, num_examples, batch_size, steps_per_execution,
-                log_every_steps, writer, learning_rate, progress_bar=True, loss_scale=None, first_step=0,
-                stop=None, report=None, after_compile=None):
-    """One epoch of `train_steps` calls (make_train_loop, or make_device_train_loop with a
-    DeviceEpoch as `iterator`) over `iterator`'s batches, from step `first_step` of the
-    epoch on (a resumed epoch: `iterator` then starts at that step's batch).
-
-    Returns (means, global_step, stopped_at): the epoch's example-weighted step values (loss,
-    margin_loss, reconstruction_loss, accuracy; images_per_sec and step_time_ms of the
-    timed steps) of the steps run here, the global step after them (`global_step`: before
-    them), and None, or, if `stop()` turned true (Ctrl-C), the step of the epoch that the
-    steps ran up to (the epoch unfinished; every step run is fetched and checked).
-    The train/ scalars go to `writer` every log_every_steps steps and at the epoch's end,
-    with the LR of the next update (`learning_rate()`, read after the steps are fetched) and
-    the dynamic loss scale (a variable, mixed_float16) if `loss_scale` is one.
-    `report(step_in_epoch, seconds_per_step)`, if given, is called after each fetch of timed
-    steps (the progress lines and the run's ETA: capsnet.training.loop.Progress);
-    `after_compile()`, if given, once the epoch's first timed steps are fetched: the calls that
-    compile (the first, of one step, and the first of full length) have returned by then.
-
-    The calls run on a worker thread while this (the main) thread waits for them: Python
-    runs a signal handler only between bytecodes of the main thread, so Ctrl-C's handler
-    runs at once, not when a call of several seconds returns.
-    """
-    steps_per_epoch = math.ceil(num_examples / batch_size)
-    live = live_progress_bar(progress_bar)
-    bar = Progbar(steps_per_epoch, verbose=1 if live else 2,
-                  stateful_metrics=["loss", "accuracy", "images/s", "run ETA"]) if progress_bar else None
-    per_call = steps_per_call(steps_per_epoch, steps_per_execution, progress_bar)
-    epoch_window, log_window = MetricWindow(), MetricWindow()
-    pending = []  # (per-step outputs still on the device, their batch sizes)
-    tick = time.perf_counter()
-    step_in_epoch = first_step
-    seconds_per_step = None  # of the timed steps so far: bounds a call's length (CALL_SECONDS)
-    stopped_at = None
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="capsnet-steps") as worker:
-        while step_in_epoch < steps_per_epoch:
-            first = step_in_epoch == first_step
-            length = 1 if first else next_execution_length(steps_per_epoch - step_in_epoch, global_step, per_call,
-                                                           log_every_steps)
-            if seconds_per_step:
-                length = max(1, min(length, int(CALL_SECONDS / seconds_per_step)))
-            # The global batch of each step: full but for an epoch's last (counted here: under
-            # a strategy, a replica's batch holds only its slice of it).
-            sizes = [min(batch_size, num_examples - (step_in_epoch + i) * batch_size) for i in range(length)]
-            batch_sizes = tf.constant(sizes + [0] * (steps_per_execution - length), tf.int32)  # (steps_per_execution,)
-            pending.append((worker.submit(train_steps, iterator, batch_sizes).result(), sizes, global_step))
-            step_in_epoch += length
-            global_step += length
-            log_now = global_step % log_every_steps == 0
-            last = step_in_epoch == steps_per_epoch
-            stopping = stop is not None and stop()
-            if not (first or log_now or last or stopping or time.perf_counter() - tick > 1.0):
-                continue  # no fetch: the host queues the next call while the device runs this one
-            # Fetching the values waits for the device, so the clock now measures finished
-            # steps. That happens after the epoch's first step (it traces/compiles the steps or
-            # refills the shuffle buffer: left out of images/s and step time), at log steps,
-            # at the epoch's end and about once a second; not every call, which would make
-            # the device idle while the host dispatches the next one.
-            fetched = worker.submit(_fetch, pending).result()  # NonFiniteStep at the first non-finite step
-            now = time.perf_counter()
-            for window in (epoch_window, log_window):
-                for values, size in fetched:
-                    window.add(values, size)
-                if not first:
-                    window.add_time(len(fetched), sum(size for _, size in fetched), now - tick)
-            if not first:
-                if seconds_per_step is None and after_compile is not None:
-                    after_compile()
-                seconds_per_step = (now - tick) / len(fetched)
-            pending, tick = [], now
-            if log_now or (stopping and log_window.examples):
-                write_train_scalars(writer, log_window, learning_rate(), global_step, loss_scale)
-                log_window = MetricWindow()
-            if bar is not None:
-                means = epoch_window.means()
-                shown = [("loss", means["loss"]), ("accuracy", means["accuracy"])]
-                if "images_per_sec" in means:  # none yet after the epoch's first (untimed) step
-                    shown.append(("images/s", means["images_per_sec"]))
-                if live and report is not None and report.run_eta is not None:
-                    # A value of its own: the bar's ETA is the epoch's.
-                    shown.append(("run ETA", format_duration(report.run_eta)))
-                bar.update(step_in_epoch, shown)
-                console.bar_line_open(live and not last)  # at the epoch's end the bar ends its line
-            if report is not None and seconds_per_step is not None:
-                report(step_in_epoch, seconds_per_step, epoch_window.means().get("images_per_sec"))
-            if stopping and not last:
-                stopped_at = step_in_epoch
-                break
-    assert not pending, "the last step run is always fetched"
-    if log_window.examples:
-        write_train_scalars(writer, log_window, learning_rate(), global_step, loss_scale)
-    return epoch_window.means(), global_step, stopped_at
-
-
-class Progbar(keras.utils.Progbar):
-    """keras' progress bar, where a value given as text is shown as it is in the live bar
-    (verbose=1): the run's ETA in format_duration's words, as the progress lines say it
-    ("run ETA: 3 min 28 s"), not a float of minutes: keras' own update takes numbers only."""
-
-    def update(self, current, values=None, finalize=None):
-        numbers = []
-        for name, value in values or []:
-            if name not in self._values_order:  # in the order given, texts among numbers
-                self._values_order.append(name)
-            if isinstance(value, str):
-                self._values[name] = value  # not a [sum, count] list: the live bar writes it as it is
-            else:
-                numbers.append((name, value))
-        super().update(current, numbers, finalize)
-
-
-def _fetch(pending):
-    """[(one step's values, its batch size)] of the train_steps calls in `pending`, in
-    order: [(outputs, batch sizes, global step before the call)], each output a dict of
-    (K,) tensors for the K steps the call ran.
-
-    A call that returned fewer values than it was given steps, or whose last value is not
-    finite, met a non-finite step (make_train_loop cuts its values there): NonFiniteStep
-    names that step (the steps and calls after it ran on diverged weights: they are not
-    looked at)."""
-    fetched = []
-    for out, sizes, start in pending:
-        values = {k: v.numpy() for k, v in out.items()}  # (K,) each: one copy per tensor
-        ran = len(values["loss"])
-        fetched += [({k: float(v[i]) for k, v in values.items()}, size) for i, size in enumerate(sizes[:ran])]
-        if ran < len(sizes) or (ran and not all(math.isfinite(fetched[-1][0].get(k, 0.0))
-                                                for k in ("loss", "grad_norm"))):
-            raise NonFiniteStep(start + ran, fetched[-1][0] if ran else {})
-    return fetched
-
-
-def history_entry(epoch, global_step, learning_rate, train_means, test=None, raw_test=None, collapse=None):
-    """The epoch's line of history.jsonl: train_* means, and for an epoch with a test pass
-    (test not None) its test_* results (and the trained weights' test_raw_* beside a weight
-    average's test) and whether it looked collapsed (collapse_reason: `collapsed`, and the
-    reason as `collapse`)."""
-    entry = {"epoch": epoch, "global_step": global_step, "learning_rate": learning_rate,
-             **{f"train_{k}": v for k, v in train_means.items()}}
-    if test is None:
-        return entry
-    return {**entry,
-            **{f"test_{k}": test[k] for k in ("loss", "margin_loss", "reconstruction_loss", "accuracy",
-                                              "images_per_sec")},
-            "test_max_length": test.get("max_length"), "collapsed": collapse is not None,
-            **({"collapse": collapse} if collapse is not None else {}),
-            **({f"test_raw_{k}": raw_test[k] for k in ("loss", "accuracy")} if raw_test is not None else {})}

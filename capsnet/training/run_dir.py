@@ -279,6 +279,23 @@ class RunDir:
 
 # --------------------------------------------------------------------------- the history
 
+def history_entry(epoch, global_step, learning_rate, train_means, test=None, raw_test=None, collapse=None):
+    """The epoch's line of history.jsonl: train_* means, and for an epoch with a test pass
+    (test not None) its test_* results (and the trained weights' test_raw_* beside a weight
+    average's test) and whether it looked collapsed (collapse_reason: `collapsed`, and the
+    reason as `collapse`)."""
+    entry = {"epoch": epoch, "global_step": global_step, "learning_rate": learning_rate,
+             **{f"train_{k}": v for k, v in train_means.items()}}
+    if test is None:
+        return entry
+    return {**entry,
+            **{f"test_{k}": test[k] for k in ("loss", "margin_loss", "reconstruction_loss", "accuracy",
+                                              "images_per_sec")},
+            "test_max_length": test.get("max_length"), "collapsed": collapse is not None,
+            **({"collapse": collapse} if collapse is not None else {}),
+            **({f"test_raw_{k}": raw_test[k] for k in ("loss", "accuracy")} if raw_test is not None else {})}
+
+
 def read_history(path, epochs_done, *, repair=False):
     """The history lines of the `epochs_done` epochs the checkpoint covers, checked: one line
     per epoch, epochs 1..epochs_done in order (a line missing, out of order or not JSON is a

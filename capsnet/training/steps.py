@@ -383,7 +383,7 @@ def make_train_loop(train_step, *, strategy=None):
 
     The non-finite guard: the values returned stop at the first step whose loss or
     grad_norm is not finite (that step included: fewer than K values, or K whose last is
-    not finite); the host sees it when it fetches them (loop.train_epoch's _fetch), and
+    not finite); the host sees it when it fetches them (epoch.train_epoch's _fetch), and
     train() stops without saving. The loop itself runs all K steps: its condition reads
     nothing the device computes, so the host never waits for a step to finish before
     dispatching the next one. (A loop that stopped at the bad step needs its finiteness

@@ -1,0 +1,125 @@
+"""Progress display: what a training shows while an epoch runs.
+
+- `EpochBar` (train.progress_bar): keras' Progbar of the epoch's steps, through its public
+  API: on a terminal a live bar, with the run's ETA after it; in a log file one line at
+  the epoch's end.
+- `Progress` (train.progress_every_seconds): the run's ETA, the estimate of the whole run
+  said once, and in a log file a line every few seconds inside an epoch.
+"""
+import math
+import sys
+import time
+
+import keras
+
+from capsnet import console
+from capsnet.console import say
+from capsnet.training.control import on_schedule
+
+
+def live_progress_bar(progress_bar):
+    """Whether train.progress_bar draws a live bar (on a terminal; in a log file: one line
+    per epoch instead)."""
+    return bool(progress_bar) and sys.stdout.isatty()
+
+
+def steps_per_call(steps_per_epoch, steps_per_execution, progress_bar):
+    """The most steps train_epoch runs in one call: steps_per_execution, or with a live
+    progress bar (train.progress_bar on a terminal) at most 1/20 of the epoch: the bar moves
+    only when a call's values are fetched, so it then moves ~20 times an epoch whatever
+    steps_per_execution is (the same steps and values; at 469 steps an epoch, 24-step
+    calls, whose host overhead is negligible)."""
+    if live_progress_bar(progress_bar):
+        return min(steps_per_execution, max(1, math.ceil(steps_per_epoch / 20)))
+    return steps_per_execution
+
+
+def format_duration(seconds):
+    """'42 s', '7 min 05 s', '2 h 13 min'."""
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
+class Progress:
+    """The progress of a run inside its epochs: train_epoch's `report`.
+
+    Estimates the run's time left from the step time measured (the steps left of this and
+    the later epochs) and the test passes left (the last one's time; before the first, the
+    test split at the training's images/s), prints once, after the first timed steps of
+    this process, the estimated time of the whole run, and, when stdout is not a terminal
+    (a log file, a job scheduler: no live bar), a line every `every` seconds inside an
+    epoch: steps done, images/s, the ETA of the epoch and of the run. `run_eta`: the
+    latest estimate of the run's seconds left (the live bar shows it)."""
+
+    def __init__(self, *, epochs, steps_per_epoch, batch_size, test_examples, test_every_epochs, every, live):
+        self.epochs, self.steps_per_epoch, self.batch_size = epochs, steps_per_epoch, batch_size
+        self.test_examples, self.test_every_epochs = test_examples, test_every_epochs
+        self.every, self.live = every, live
+        self.epoch = None  # 1-based, the epoch training
+        self.test_seconds = None  # the last test pass's
+        self.run_eta = None
+        self.announced = False
+        self.last_line = None
+
+    def start_epoch(self, epoch_number):
+        self.epoch = epoch_number
+        self.last_line = time.perf_counter()
+
+    def tested(self, seconds):
+        self.test_seconds = seconds
+
+    def __call__(self, step_in_epoch, seconds_per_step, images_per_sec=None):
+        epoch_left = (self.steps_per_epoch - step_in_epoch) * seconds_per_step
+        later_epochs = self.epochs - self.epoch
+        tests_left = sum(1 for e in range(self.epoch, self.epochs + 1) if on_schedule(e, self.test_every_epochs,
+                                                                                        self.epochs))
+        test_seconds = (self.test_seconds if self.test_seconds is not None else
+                        self.test_examples * seconds_per_step / self.batch_size)
+        self.run_eta = epoch_left + later_epochs * self.steps_per_epoch * seconds_per_step + tests_left * test_seconds
+        if not self.announced:
+            self.announced = True
+            total = self.epochs * self.steps_per_epoch * seconds_per_step + self.test_passes() * test_seconds
+            say(f"estimated time of the run: {format_duration(total)} for {self.epochs} epochs "
+                f"({format_duration(self.run_eta)} left; {seconds_per_step:.3g} s a step, "
+                f"{self.steps_per_epoch} steps an epoch)")
+        now = time.perf_counter()
+        if not self.live and self.every and now - self.last_line >= self.every and step_in_epoch < self.steps_per_epoch:
+            self.last_line = now
+            speed = f", {images_per_sec:.1f} images/s" if images_per_sec else ""
+            say(f"epoch {self.epoch}: step {step_in_epoch}/{self.steps_per_epoch}{speed}, epoch ETA "
+                f"{format_duration(epoch_left)}, run ETA {format_duration(self.run_eta)}")
+
+    def test_passes(self):
+        return sum(1 for e in range(1, self.epochs + 1) if on_schedule(e, self.test_every_epochs, self.epochs))
+
+
+
+class EpochBar:
+    """keras' Progbar of an epoch's `steps_per_epoch` steps. `live` (a terminal): redrawn in
+    place at every update, the run's ETA after it in format_duration's words, as the
+    progress lines say it ("run ETA: 3 min 28 s"; Progbar's values are numbers only); else
+    (a log file) Progbar's one line at the epoch's end."""
+
+    def __init__(self, steps_per_epoch, live):
+        self.steps_per_epoch, self.live = steps_per_epoch, live
+        # interval=0: every update draws, so the ETA written after it follows the bar's line.
+        self.bar = keras.utils.Progbar(steps_per_epoch, verbose=1 if live else 2, interval=0,
+                                       stateful_metrics=["loss", "accuracy", "images/s"])
+
+    def update(self, step_in_epoch, means, run_eta=None):
+        """The bar at `step_in_epoch`, showing the epoch's `means` (loss, accuracy, images/s)."""
+        shown = [("loss", means["loss"]), ("accuracy", means["accuracy"])]
+        if "images_per_sec" in means:  # none yet after the epoch's first (untimed) step
+            shown.append(("images/s", means["images_per_sec"]))
+        last = step_in_epoch == self.steps_per_epoch
+        if self.live:
+            sys.stdout.write("\r\x1b[2K")  # the line cleared: the last ETA written after the bar goes too
+        self.bar.update(step_in_epoch, shown)
+        if self.live and not last and run_eta is not None:
+            sys.stdout.write(f" - run ETA: {format_duration(run_eta)}")
+            sys.stdout.flush()
+        console.bar_line_open(self.live and not last)  # at the epoch's end the bar ends its line
