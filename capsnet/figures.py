@@ -80,6 +80,8 @@ def tile(images):
 def primary_grid(model):
     """(H', W', types): where each of the model's primary capsules sits (PrimaryCaps' order:
     i = (h·W' + w)·types + t)."""
+    if hasattr(model, "primary_grid"):  # capsnet.deep.DeepCapsNet: its stem's map, a 'same' PrimaryCaps
+        return model.primary_grid()
     conv1_shape = model.conv1.compute_output_shape((None, *model.image_shape))   # (B, H1, W1, filters)
     # The capsules' grid is PrimaryCaps' 'valid' conv output: (H1 - k) // s + 1 per side.
     k, s = model.primary_caps_kernel_size, model.primary_caps_strides

@@ -40,6 +40,7 @@ def test_importing_config_does_not_import_tensorflow():
     ["distribute=none"], ["distribute=mirrored"], ["distribute=multi_worker"],
     ["experiment=paper_mnist"], ["experiment=paper_fashion_mnist"], ["experiment=paper_multimnist"],
     ["experiment=fast_mnist"], ["experiment=tuned_mnist"], ["model=capsnet", "train=default"], ["custom_op=true"],
+    ["model=deep_capsnet"], ["model=deep_cnn"], ["model=deep_capsnet", "custom_op=true"],
     ["speed=none"], ["speed=gpu"], ["experiment=paper_multimnist", "speed=none"],
     ["model.routing.backend=xla"], ["model.routing.backend=tf"], ["model/routing=self_attention"],
 ])
@@ -52,7 +53,7 @@ def test_every_config_group_composes_and_checks(overrides):
     assert set(checked["data"]) == {"name", "dir", "limit_train", "limit_test", "shift_pixels", "pad_pixels",
                                    "image_size", "channels", "crop", "validation_fraction", "cache", "cache_memory_mb",
                                    "cache_dir", "class_names", "standardize", "brightness", "contrast",
-                                   *config.AUGMENTATION_OFF}
+                                   "crop_padding", "cutout", *config.AUGMENTATION_OFF}
     assert set(checked["distribute"]) == {"strategy", "devices", "all_reduce", "scale_lr", "lr_base_batch_size"}
 
 

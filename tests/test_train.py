@@ -70,6 +70,24 @@ def test_cosine_decay_matches_the_formula(warmup):
         cosine_decay(0.002, 300, 300)
 
 
+def test_exponential_decay_stops_at_its_floor():
+    """train.lr_decay_floor (the authors' 1e-6): max(0.001 · 0.96^(step / 2000), floor),
+    smooth; the floor is kept through Keras' serialisation of the schedule."""
+    import keras
+
+    from capsnet.training.optimizer import exponential_decay, learning_rate_schedule
+
+    schedule = exponential_decay(0.001, 0.96, 2000, floor=1e-6)
+    for step in (0, 1000, 2000, 300_000, 338_000, 600_000):
+        assert float(schedule(step)) == pytest.approx(max(0.001 * 0.96 ** (step / 2000), 1e-6), rel=1e-5)
+    assert float(schedule(600_000)) == pytest.approx(1e-6)  # 0.001 · 0.96^300 = 4.9e-9 without it
+    clone = keras.optimizers.schedules.deserialize(keras.optimizers.schedules.serialize(schedule))
+    assert float(clone(600_000)) == pytest.approx(1e-6)
+    unfloored = learning_rate_schedule({"lr_schedule": "exponential", "learning_rate": 0.001, "lr_decay_rate": 0.96,
+                                        "lr_decay_steps": 2000, "lr_staircase": False}, 391)
+    assert float(unfloored(600_000)) == pytest.approx(0.001 * 0.96 ** 300, rel=1e-4)
+
+
 def test_a_cosine_run_follows_its_schedule_and_cannot_be_extended(tiny_config, tmp_path):
     """train.lr_schedule=cosine: the learning rate each epoch's line records is the
     formula's at that step (after half an epoch of warm-up, down to 0 at the last step),

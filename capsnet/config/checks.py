@@ -7,7 +7,8 @@ import math
 from omegaconf import MISSING
 
 from capsnet.config.schemas import (AUGMENTATION_OFF, ALL_REDUCE, AugmentationConfig, DataConfig, DistributeConfig,
-                                    EvalAppConfig, ModelConfig, PredictAppConfig, TrainAppConfig, TrainConfig)
+                                    EvalAppConfig, ModelConfig, PredictAppConfig, ROUTED_KINDS, TrainAppConfig,
+                                    TrainConfig)
 from capsnet.datasets import is_overlay
 from capsnet.errors import ConfigError
 
@@ -154,7 +155,7 @@ def check_all_reduce_in_step(all_reduce, xla, loss_scaling, weight_decay=0.0):
                           f"distribute.all_reduce=collective or train.weight_decay=0 (got {weight_decay})")
 
 
-# custom_op runs capsule routing, which only model.kind=capsnet has (also build_capsnet's words).
+# custom_op runs capsule routing, which only the ROUTED_KINDS have (also build_capsnet's words).
 CUSTOM_OP_CAPSNET_ONLY = ("custom_op=true: model.kind={kind} has no capsule routing for the op to run: "
                           "set custom_op=false")
 
@@ -169,7 +170,7 @@ def check(cfg):
     (check_data_on_device); run_dir set."""
     checked = check_section(TrainAppConfig, cfg)
     check_xla(checked["train"]["xla"], checked["model"]["routing"]["backend"])
-    if checked["custom_op"] and checked["model"]["kind"] != "capsnet":
+    if checked["custom_op"] and checked["model"]["kind"] not in ROUTED_KINDS:
         raise ConfigError(CUSTOM_OP_CAPSNET_ONLY.format(kind=checked["model"]["kind"]))
     data_name, strategy = checked["data"]["name"], checked["distribute"]["strategy"]
     from capsnet.tasks import task_class

@@ -15,7 +15,8 @@ from capsnet.errors import ConfigError
 # end-of-training figures were drawn). Any other key missing from a marked run's config.yaml
 # means the file was edited, and reading it as today's default could evaluate another model.
 ADDED_SINCE_MARKER = ("model.kind", "model.cnn_filters", "model.cnn_kernel_size", "model.cnn_dense_units",
-                      "model.cnn_dropout", "model.padding", "train.figures")
+                      "model.cnn_dropout", "model.padding", "train.figures", "model.deep_widths",
+                      "data.crop_padding", "data.cutout", "train.lr_decay_floor")
 
 
 def migrate(saved):

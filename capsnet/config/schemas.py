@@ -28,7 +28,8 @@ EVAL_XLA = ("none", "jit")                                              # evalua
 CONV_FORMS = ("auto", "strided", "space_to_depth")                      # model.primary_caps_conv
 PADDINGS = ("valid", "same")                                            # model.padding
 INITIALIZERS = ("keras", "authors")                                     # model.initializers
-MODEL_KINDS = ("capsnet", "baseline_cnn")                              # model.kind
+MODEL_KINDS = ("capsnet", "baseline_cnn", "deep_capsnet", "deep_cnn")  # model.kind
+ROUTED_KINDS = ("capsnet", "deep_capsnet")                             # the model kinds with capsule routing
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")            # train.precision (Keras policy names)
 STRATEGIES = ("none", "mirrored", "multi_worker")                       # distribute.strategy
 ALL_REDUCE = {                                                          # distribute.all_reduce, per strategy
@@ -280,13 +281,16 @@ class ModelConfig:
     digit_caps_bias: Optional[float] = _checked(None, _optional_finite_float)
     primary_caps_scale: float = _checked(1.0, _positive_float)
     primary_caps_bias: float = _checked(0.0, _finite_float)
-    # Which network (capsnet.training.model_setup.build_capsnet): capsnet, or the paper's CNN
-    # baseline (capsnet.baseline.BaselineCNN), which reads only input_shape, num_classes and cnn_*.
+    # Which network (capsnet.training.model_setup.build_capsnet): capsnet, the paper's CNN
+    # baseline (capsnet.baseline.BaselineCNN), which reads only input_shape, num_classes and cnn_*,
+    # or the ResNet-9 stem with capsules or a dense head (capsnet.deep.DeepCapsNet: deep_capsnet, deep_cnn).
     kind: str = _checked("capsnet", _one_of(MODEL_KINDS))
     cnn_filters: List[int] = _checked(check=_int_list, factory=lambda: [256, 256, 128])
     cnn_kernel_size: int = _checked(5, _positive_int)
     cnn_dense_units: List[int] = _checked(check=_int_list, factory=lambda: [328, 192])
     cnn_dropout: float = _checked(0.5, _in_range(0, 0.99))
+    # deep_capsnet / deep_cnn (capsnet.deep.DeepCapsNet): the ResNet-9 stem's four widths.
+    deep_widths: List[int] = _checked(check=_int_list, factory=lambda: [64, 128, 256, 512])
 
 
 @dataclass
@@ -312,6 +316,8 @@ class DataSourceConfig:
     standardize: bool = _checked(False, _boolean)  # per-image standardisation (tf.image.per_image_standardization)
     brightness: Any = _checked(0.0, _in_range(0, 1))  # training: random brightness delta in +-brightness
     contrast: Any = _checked(0.0, _in_range(0, 0.9))  # training: random contrast factor in [1 - c, 1 + c]
+    crop_padding: int = _checked(0, _integer)  # training: the image's border reflected by this many pixels before the random crop
+    cutout: int = _checked(0, _integer)  # training: a cutout x cutout square (clipped at the edges) zeroed at a random centre
 
 
 @dataclass
@@ -352,6 +358,7 @@ class TrainConfig:
     lr_decay_rate: float = _checked(0.9, _positive_float)
     lr_decay_steps: Optional[int] = _checked(None, _optional_positive_int)
     lr_staircase: bool = _checked(False, _boolean)
+    lr_decay_floor: float = _checked(0.0, _in_range(0, 1))  # exponential: the rate stops falling at it
     warmup_epochs: float = _checked(0.0, _warmup_epochs)
     xla: str = _checked("none", _one_of(XLA_MODES))
     precision: str = _checked("float32", _one_of(PRECISIONS))

@@ -7,7 +7,8 @@ from capsnet.errors import ConfigError
 # The data keys of natural images (capsnet.tasks.images) and their off values: the other
 # kinds refuse them set, so that a key given to the wrong dataset is not silently ignored.
 IMAGE_KEYS_OFF = {"image_size": None, "channels": None, "crop": None, "validation_fraction": 0.0,
-                  "class_names": None, "standardize": False, "brightness": 0.0, "contrast": 0.0}
+                  "class_names": None, "standardize": False, "brightness": 0.0, "contrast": 0.0, "crop_padding": 0,
+                  "cutout": 0}
 
 
 @dataclasses.dataclass

@@ -15,11 +15,13 @@ Pipeline (`dataset`): training shuffles (an in-memory split by a stateless permu
 (seed, epoch), as capsnet.data.make_dataset; a streamed one through a shuffle buffer seeded
 by (seed, epoch)), then a batch at a time (capsnet.augment.natural_image_batch), each
 example's draws keyed by (seed, epoch, position in the epoch): a random
-data.crop x data.crop crop (the centre at test), a left-right flip (data.flip), a random
+data.crop x data.crop crop (the centre at test) of the image with its border reflected by
+data.crop_padding pixels (training only), a left-right flip (data.flip), a random
 brightness delta in ±data.brightness and contrast factor in [1 - c, 1 + c]
 (data.contrast), then data.standardize's per-image standardisation (else pixels clipped
 to [0, 1]): the authors' CIFAR-10 input (Sarasra/models, research/capsules,
-input_data/cifar10/cifar10_input.py)."""
+input_data/cifar10/cifar10_input.py); then data.cutout's zeroed square (DeVries & Taylor
+2017). Padding, crop, flip and cutout are the ResNet CIFAR-10 recipe (experiment=deep_cifar10)."""
 import atexit
 import hashlib
 import shutil
@@ -62,6 +64,10 @@ class NaturalImages(Task):
         crop = dcfg.get("crop")
         if crop and crop > min(h, w):
             raise ConfigError(f"{prefix}crop={crop} is larger than the images ({h}x{w}): at most {min(h, w)}")
+        for key in ("crop_padding", "cutout"):  # reflected padding needs fewer pixels than the image has
+            value = dcfg.get(key) or 0
+            if not 0 <= value < min(h, w):
+                raise ConfigError(f"{prefix}{key}={value}: must lie in [0, {min(h, w) - 1}] for images of {h}x{w}")
         if dcfg["name"] != "folder" and dcfg.get("channels") not in (None, c):
             raise ConfigError(f"{prefix}channels={dcfg['channels']}: {dcfg['name']} has {c} (set it to null)")
 
@@ -183,7 +189,9 @@ class NaturalImages(Task):
         return {"training": training, "crop": cfg.get("crop"), "flip": bool(cfg.get("flip")) and training,
                 "brightness": float(cfg.get("brightness") or 0) if training else 0.0,
                 "contrast": float(cfg.get("contrast") or 0) if training else 0.0,
-                "standardize": bool(cfg.get("standardize"))}
+                "standardize": bool(cfg.get("standardize")),
+                "padding": int(cfg.get("crop_padding") or 0) if training else 0,
+                "cutout": int(cfg.get("cutout") or 0) if training else 0}
 
     def serving_images(self, images):
         """The export's and predict's images (float32 [0, 1], resized to the model's input):

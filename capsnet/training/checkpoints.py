@@ -460,7 +460,7 @@ RESUME_FREE_MODEL_KEYS = ("routing", "primary_caps_conv")  # how, not what, it c
 # What each train.lr_schedule reads besides the learning rate: a resume keeps the keys of the
 # run's schedule and may change the other's. The cosine schedule ends at train.epochs (moving
 # the end would jump the rate); the exponential one has no end, so its run may be extended.
-SCHEDULE_RESUME_KEYS = {"exponential": ("lr_decay_rate", "lr_decay_steps", "lr_staircase"),
+SCHEDULE_RESUME_KEYS = {"exponential": ("lr_decay_rate", "lr_decay_steps", "lr_staircase", "lr_decay_floor"),
                         "cosine": ("warmup_epochs", "epochs")}
 # Of RESUME_KEYS, what a resume may change with a notice: lowering the learning rate is
 # how a run that diverged (TrainingDiverged) continues from its last good checkpoint.

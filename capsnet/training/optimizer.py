@@ -17,12 +17,28 @@ import keras
 from capsnet.precision import needs_loss_scaling
 
 
-def exponential_decay(learning_rate, decay_rate, decay_steps, staircase=False):
-    """lr(step) = learning_rate · decay_rate^(step / decay_steps) (the exponent floored
-    with staircase): the paper's schedule."""
-    return keras.optimizers.schedules.ExponentialDecay(
+def exponential_decay(learning_rate, decay_rate, decay_steps, staircase=False, floor=0.0):
+    """lr(step) = max(learning_rate · decay_rate^(step / decay_steps), floor) (the exponent
+    floored with staircase): the paper's schedule; the authors' code floors it at 1e-6."""
+    schedule = keras.optimizers.schedules.ExponentialDecay(
         initial_learning_rate=learning_rate, decay_steps=decay_steps, decay_rate=decay_rate,
         staircase=staircase)
+    return FlooredSchedule(schedule, floor) if floor else schedule
+
+
+@keras.saving.register_keras_serializable(package="capsnet")
+class FlooredSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """max(schedule(step), floor): a decay that stops at `floor` (train.lr_decay_floor)."""
+
+    def __init__(self, schedule, floor):
+        self.schedule = keras.optimizers.schedules.deserialize(schedule) if isinstance(schedule, dict) else schedule
+        self.floor = float(floor)
+
+    def __call__(self, step):
+        return keras.ops.maximum(self.schedule(step), self.floor)
+
+    def get_config(self):
+        return {"schedule": keras.optimizers.schedules.serialize(self.schedule), "floor": self.floor}
 
 
 def cosine_decay(learning_rate, total_steps, warmup_steps=0):
@@ -50,7 +66,8 @@ def learning_rate_schedule(train_cfg, steps_per_epoch):
         return cosine_decay(train_cfg["learning_rate"], train_cfg["epochs"] * steps_per_epoch,
                             math.floor(train_cfg["warmup_epochs"] * steps_per_epoch))
     return exponential_decay(train_cfg["learning_rate"], train_cfg["lr_decay_rate"],
-                             train_cfg["lr_decay_steps"] or steps_per_epoch, train_cfg["lr_staircase"])
+                             train_cfg["lr_decay_steps"] or steps_per_epoch, train_cfg["lr_staircase"],
+                             train_cfg.get("lr_decay_floor", 0.0))
 
 
 def scaled_learning_rate(learning_rate, batch_size, scale_lr, base_batch_size):

@@ -19,11 +19,13 @@ import numpy as np
 import tensorflow as tf
 
 from capsnet import config
+from capsnet.config.schemas import ROUTED_KINDS
 
 # Values shown side by side in TensorBoard's HParams dashboard, and the metrics they explain.
 HPARAMS = ("model", "custom_op", "routing", "xla", "precision", "tf32", "dataset", "limit_train", "limit_test",
            "epochs", "batch_size", "routing_iterations", "seed", "learning_rate", "lr_schedule", "weight_decay", "decoder")
-HPARAM_DESCRIPTIONS = {"model": "model.kind: capsnet or the paper's CNN baseline (baseline_cnn)",
+HPARAM_DESCRIPTIONS = {"model": "model.kind: capsnet, the paper's CNN baseline (baseline_cnn), deep_capsnet or "
+                                "deep_cnn",
                        "limit_train": "data.limit_train: training examples used (0: all)",
                        "limit_test": "data.limit_test: test examples used (0: all)",
                        "epochs": "train.epochs: the epochs the run was started for"}
@@ -73,7 +75,7 @@ class MetricWindow:
 def write_hparams(writer, run_dir, cfg, data_cfg):
     from tensorboard.plugins.hparams import api as hp  # noqa: PLC0415  (only needed once)
 
-    capsnet = cfg["model"].get("kind", "capsnet") == "capsnet"
+    capsnet = cfg["model"].get("kind", "capsnet") in ROUTED_KINDS
     values = {
         "model": str(cfg["model"].get("kind", "capsnet")),
         "custom_op": bool(cfg["custom_op"]),
