@@ -451,6 +451,65 @@ def test_a_second_train_py_on_a_running_run_dir_fails_at_once(tiny_idx_dir, tmp_
     assert f"taking over the lock of run dir {run_dir} from pid {first.pid}" in third.stdout
 
 
+# The data load of a folder run made slow (a large folder on a slow disk): its disk cache
+# begun (capsnet.tasks.images._cache_file: the folder made and removed at exit), then a wait.
+SLOW_LOAD = """
+import time
+
+import capsnet.tasks.images as images
+
+_cache_file = images._cache_file
+
+
+def slow_cache_file(*args, **kwargs):
+    path = _cache_file(*args, **kwargs)
+    print("loading into the cache", flush=True)
+    time.sleep(300)
+    return path
+
+
+images._cache_file = slow_cache_file
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_data_load_says_so_exits_143_and_removes_the_partial_cache(tiny_idx_dir, tmp_path):
+    """SIGTERM while train.py loads a folder into its disk cache: the run stops at once (nothing
+    trained), says so in one line naming how to start it again, exits 143 as a terminated run
+    does, and leaves no capsnet-cache-* folder behind (no -15 death with the cache left)."""
+    from conftest import TINY_MODEL, TINY_TRAIN
+    from test_folder_data import make_folder
+
+    root = make_folder(tmp_path / "images", n_per_class=2, size=32)
+    cache, hook = tmp_path / "cache", tmp_path / "hook"
+    cache.mkdir()
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_LOAD)
+    overrides = [*TINY_MODEL, *TINY_TRAIN, "data=folder", f"data.dir={root}", "data.cache=disk",
+                 f"data.cache_dir={cache}", f"hydra.run.dir={tmp_path / 'run'}"]
+    log = tmp_path / "out.log"
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, str(REPO / "train.py"), *overrides], cwd=tmp_path,
+                                   env=entry_point_env(hook), stdout=out, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 180
+            while "loading into the cache" not in log.read_text() and process.poll() is None and \
+                    time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert process.poll() is None, log.read_text()[-2000:]
+            assert len(list(cache.glob("capsnet-cache-*"))) == 1  # the load's cache, begun
+            process.send_signal(signal.SIGTERM)
+            _, stderr = process.communicate(timeout=60)
+        finally:
+            process.kill()
+    assert process.returncode == 143, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr
+    assert stderr.splitlines()[-1].startswith("stopped by SIGTERM before training started (nothing trained); "
+                                              "rerun `python train.py "), stderr
+    assert stderr.splitlines()[-1].endswith(f"hydra.run.dir={tmp_path / 'run'}` to start"), stderr
+    assert not list(cache.glob("capsnet-cache-*"))
+
+
 # --------------------------------------------------------------------------- 5. the smaller items
 
 def test_resume_without_the_runs_config_yaml_is_refused(trained_run, tiny_config, tmp_path):
