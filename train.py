@@ -36,6 +36,10 @@ def main(cfg: DictConfig):
     # Before anything is written into the run dir, and before this job's first log line
     # (which would create train.log there): a directory that is not ours is left untouched.
     cli.check_run_dir(checked["run_dir"], given=hydra_cfg.run.dir if hydra_cfg.mode.name == "RUN" else None)
+    # Locked before this job's first log line: its train.log is the run dir's, and a second
+    # training refused there writes nothing into it. (Under multi_worker train() locks it, in
+    # the chief alone.)
+    lock = None if checked["distribute"]["strategy"] == "multi_worker" else cli.lock_run_dir(checked["run_dir"])
     if "CUDA_VISIBLE_DEVICES" in os.environ:
         # The GPU a sweep job was pinned to (hydra/launcher=gpus), in its train.log.
         log.info("CUDA_VISIBLE_DEVICES=%s", os.environ["CUDA_VISIBLE_DEVICES"])
@@ -50,7 +54,7 @@ def main(cfg: DictConfig):
     overrides = [o for o in hydra_cfg.overrides.task if not o.startswith(("hydra.run.dir=", "run_dir="))]
     resume = " ".join(["python", os.path.basename(sys.argv[0]), *map(shlex.quote, overrides),
                        shlex.quote(f"hydra.run.dir={checked['run_dir']}")])
-    metrics = train(checked, checked=True, resume_command=resume,
+    metrics = train(checked, checked=True, resume_command=resume, lock=lock,
                     hydra_files=hydra_snapshot(cfg, hydra_cfg, hydra_cfg.overrides.task))
     # Returned so that a Hydra sweeper (e.g. Optuna) can optimise it.
     return metrics["test_accuracy"]

@@ -174,6 +174,21 @@ def check_run_dir(run_dir, given=None):
         raise
 
 
+def lock_run_dir(run_dir):
+    """train.py, before its first log line: the run dir's lock (run_lock.RunLock), or
+    CheckpointError (one line) for a run dir in use by another training, with the job's log
+    files closed first, as check_run_dir does: that run's train.log is this job's too, and
+    nothing may be written there by a training that does not hold the lock."""
+    from capsnet.errors import CheckpointError
+    from capsnet.training.run_lock import RunLock
+
+    try:
+        return RunLock.acquire(run_dir, announce=say)
+    except CheckpointError:
+        _close_log_files()
+        raise
+
+
 def _close_log_files():
     """Detach and close the root logger's file handlers (the job's train.log)."""
     import logging

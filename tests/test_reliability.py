@@ -451,6 +451,31 @@ def test_a_second_train_py_on_a_running_run_dir_fails_at_once(tiny_idx_dir, tmp_
     assert f"taking over the lock of run dir {run_dir} from pid {first.pid}" in third.stdout
 
 
+@pytest.mark.slow
+def test_a_refused_second_train_py_writes_and_says_nothing_of_the_running_run(trained_run, tiny_idx_dir, tmp_path):
+    """A second train.py into a run dir another training holds, with another learning rate,
+    is refused in one line before anything else: no "resuming ... learning_rate" notice of a
+    resume that never happens, and not a byte written into the run dir (its train.log is
+    the running run's)."""
+    from conftest import TINY_MODEL, TINY_TRAIN
+
+    run_dir = copied_run(trained_run, tmp_path)
+    (run_dir / "train.log").write_text("the running run's log\n")
+    with (run_dir / "train.lock").open("a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("pid 4242 on otherhost since 2026-11-23T23:00:00+00:00\n")
+        held.flush()
+        before = tree_bytes(run_dir)
+        second = run_entry_point("train.py", *TINY_MODEL, *TINY_TRAIN, f"data.dir={tiny_idx_dir}",
+                                 "train.learning_rate=0.005", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+        after = tree_bytes(run_dir)
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert second.stderr.count("\n") == 1, second.stderr
+    assert second.stderr.startswith(f"error: run dir {run_dir} is in use by another training (pid 4242 on otherhost")
+    assert "resuming" not in second.stdout + second.stderr and "notice" not in second.stdout, second.stdout
+    assert after == before
+
+
 # The data load of a folder run made slow (a large folder on a slow disk): its disk cache
 # begun (capsnet.tasks.images._cache_file: the folder made and removed at exit), then a wait.
 SLOW_LOAD = """

@@ -50,23 +50,24 @@ from capsnet.training.xla_flags import set_xla_flags
 log = logging.getLogger(__name__)
 
 
-def train(cfg, *, checked=False, hydra_files=None, resume_command=None):
+def train(cfg, *, checked=False, hydra_files=None, resume_command=None, lock=None):
     """Train (or resume) the run in cfg["run_dir"]; returns the final metrics (also metrics.json).
 
     `checked`: cfg is config.check's result already (train.py checks it before importing
     TensorFlow); else it is checked here. `hydra_files`: Hydra's .hydra/ snapshot, written
     once the run dir is locked (RunDir.take). `resume_command`: the command that resumes
-    the run, named in the Ctrl-C and SIGTERM lines (train.py's, with hydra.run.dir).
+    the run, named in the Ctrl-C and SIGTERM lines (train.py's, with hydra.run.dir). `lock`:
+    the run dir's RunLock if the caller took it (train.py, before its first log line).
 
     The run dir (capsnet.training.run_dir.RunDir) is locked for the run's life (one training
-    per run dir), released however train() ends. SIGTERM (a job's time limit, a preemption)
+    per run dir) before anything is said, released however train() ends. SIGTERM (a job's time limit, a preemption)
     stops the run at the end of the epoch it is in, saved (errors.Terminated); a second
     SIGTERM stops it at once. Ctrl-C (SIGINT) stops it after the steps running, saved
     (checkpoints/interrupted/, errors.Interrupted naming the step); a second Ctrl-C at once
     (capsnet.training.control.RunControl)."""
     control = RunControl(resume_command)
     try:
-        return _train(cfg if checked else config.check(cfg), control, hydra_files)
+        return _train(cfg if checked else config.check(cfg), control, hydra_files, lock)
     except KeyboardInterrupt as interrupt:
         if isinstance(interrupt, Interrupted):
             raise
@@ -75,9 +76,11 @@ def train(cfg, *, checked=False, hydra_files=None, resume_command=None):
         control.restore_signals()
         if control.run is not None:
             control.run.close()
+        elif lock is not None:
+            lock.release()
 
 
-def _train(cfg, control, hydra_files):
+def _train(cfg, control, hydra_files, lock):
     """train()'s body: set-up, then the epoch loop; keeps `control` (RunControl) told where
     the run is, its RunDir in control.run (closed by train())."""
     marks = [("start", time.perf_counter())]  # where the set-up's seconds go, logged before the first epoch
@@ -86,12 +89,14 @@ def _train(cfg, control, hydra_files):
     if data_cfg.get("dir") is not None:  # absolute, so evaluate.py finds the data from any working directory
         data_cfg["dir"] = str(Path(data_cfg["dir"]).expanduser().resolve())
     cfg = {**cfg, "data": data_cfg}
-    run = control.run = RunDir.open(cfg)  # ours? resumable with this config? before any work
+    run = control.run = RunDir.open(cfg, lock)  # ours? resumable with this config? before any work
     seed, batch_size = int(cfg["seed"]), int(tcfg["batch_size"])
-    strategy = set_up_devices(cfg)
+    strategy, notices = set_up_devices(cfg)
     scope = strategy.scope if strategy is not None else contextlib.nullcontext
-    run.take(is_chief(strategy), hydra_files)  # locked before the data is read
+    run.take(is_chief(strategy), hydra_files)  # locked before anything is said or the data read
     control.handle_signals(multi_worker=dcfg["strategy"] == "multi_worker")  # a SIGTERM in the load: one line
+    for notice in notices:
+        say(notice)
     say(f"run dir: {run.path}")  # where evaluate.py, TensorBoard and a resume find this run
     all_reduce = distribution(strategy, dcfg, tcfg)
     keras.utils.set_random_seed(seed)  # Python, NumPy and TF seeds: the initial weights
@@ -196,11 +201,11 @@ def _train(cfg, control, hydra_files):
 
 def set_up_devices(cfg):
     """Process-wide TensorFlow settings, before anything touches a device, then the strategy
-    (None = one device; multi_worker configures the process's collective ops then)."""
+    (None = one device; multi_worker configures the process's collective ops then): (strategy,
+    the notices to say once the run dir is locked)."""
     tcfg, dcfg = cfg["train"], cfg["distribute"]
     replaced = set_xla_flags(tcfg["xla"], tcfg["xla_cache_dir"])
-    if replaced:
-        say(f"notice: {replaced}")
+    notices = [f"notice: {replaced}"] if replaced else []
     set_memory_growth()
     set_determinism(cfg["deterministic"])
     set_tensor_float_32(tcfg["tf32"])
@@ -211,15 +216,15 @@ def set_up_devices(cfg):
         # after 5 minutes, against ~10 s with the tf.data pipeline. In the device loop's optimized
         # HLO XLA's CPU compiler leaves the convolution gradients in the dimension orders it does
         # not hand to Eigen; the single jit step has none.
-        say("notice: train.data_on_device=true on a CPU: the paper model's steps take minutes each "
-            "(docs/benchmarks.md); it is for GPUs (on a CPU: speed=none, or train.data_on_device=false)")
+        notices.append("notice: train.data_on_device=true on a CPU: the paper model's steps take minutes each "
+                       "(docs/benchmarks.md); it is for GPUs (on a CPU: speed=none, or train.data_on_device=false)")
     elif tcfg["xla"] == "jit" and not trains_on_gpu(strategy):
         # Measured (docs/benchmarks.md, paper model, batch 100, 2 cores): 1,274-1,433 ms a step
         # against 1,203 with train.xla=none (with PrimaryCaps on blocks under jit; with its
         # strided convolution XLA's CPU input gradient made it ~20x).
-        say("notice: train.xla=jit on a CPU: each step is slower than with train.xla=none "
-            "(1.06-1.19x measured, docs/benchmarks.md); jit is for GPUs")
-    return strategy
+        notices.append("notice: train.xla=jit on a CPU: each step is slower than with train.xla=none "
+                       "(1.06-1.19x measured, docs/benchmarks.md); jit is for GPUs")
+    return strategy, notices
 
 
 def distribution(strategy, dcfg, tcfg):

@@ -87,26 +87,31 @@ class RunDir:
     restarts the run; `restore` resumes its checkpoints; then `append_history`, `save_epoch`,
     `save_interrupted` and `finish` (metrics.json) as the run goes; `close` at the end."""
 
-    def __init__(self, path, cfg):
+    def __init__(self, path, cfg, lock=None):
         self.path, self.cfg = path, cfg
-        self.chief, self.lock, self.scratch = True, None, None
+        self.chief, self.lock, self.scratch = True, lock, None
         self.history, self.resumed_from, self.history_size = [], None, 0
+        self.notices = []  # said by take, once the run dir is locked
 
     @classmethod
-    def open(cls, cfg):
+    def open(cls, cfg, lock=None):
         """The run dir of `cfg` (data.dir resolved), checked: CheckpointError if it is not
         ours (run_lock.check_ours), or if its checkpoints are of a run this config would not
-        continue (check_resumable: the notices of what may change are said here)."""
+        continue (check_resumable: the notices of what may change are said by take, once the
+        lock is held: a second training refused there says nothing of a resume). `lock`: the
+        run dir's RunLock, if the caller holds it already (train.py)."""
         if not str(cfg["run_dir"]).strip():
             raise CheckpointError("the run dir is empty (hydra.run.dir= or run_dir=): name a directory, or leave "
                                   "it out for a new one under outputs/")
-        run = cls(Path(cfg["run_dir"]).expanduser().resolve(), cfg)
-        # This job's own log (train.py's train.log, opened before train() starts) is no sign of another's.
-        check_ours(run.path, ignore={Path(h.baseFilename).name for h in logging.getLogger().handlers
-                                     if isinstance(h, logging.FileHandler) and Path(h.baseFilename).parent == run.path})
+        run = cls(Path(cfg["run_dir"]).expanduser().resolve(), cfg, lock)
+        # This job's own log (train.py's train.log, opened before train() starts) is no sign of
+        # another's, nor is the lock it holds (train.py's, taken before its first log line).
+        own = {Path(h.baseFilename).name for h in logging.getLogger().handlers
+               if isinstance(h, logging.FileHandler) and Path(h.baseFilename).parent == run.path}
+        check_ours(run.path, ignore=own | ({LOCK_NAME} if lock is not None else set()))
         if run.has_checkpoints() and not cfg["train"]["restart"]:
-            for change in check_resumable(run.path, cfg):  # before the data is read
-                say(f"notice: resuming {run.path} with {change} (from the next step on)")
+            run.notices = [f"notice: resuming {run.path} with {change} (from the next step on)"
+                           for change in check_resumable(run.path, cfg)]  # before the data is read
         return run
 
     def has_checkpoints(self):
@@ -118,7 +123,7 @@ class RunDir:
         """Lock the run dir for this training (the chief; RunLock: one training per run dir),
         mark it ours, start over where train.restart=true asks (the old files kept aside),
         refuse a run with a history but no checkpoint, and write Hydra's snapshot
-        (`hydra_files`: {name: text} for .hydra/)."""
+        (`hydra_files`: {name: text} for .hydra/); then says open's notices."""
         self.chief, self.hydra_files = chief, hydra_files
         if not chief:
             self.scratch = tempfile.TemporaryDirectory(prefix="capsnet-worker-")
@@ -127,10 +132,13 @@ class RunDir:
             # before it reads the data. A new one is made and locked by restore(), so that a
             # config or data error before it leaves no run dir behind.
             self._take_now()
+        for notice in self.notices:
+            say(notice)
 
     def _take_now(self):
         hydra_files = self.hydra_files
-        self.lock = RunLock.acquire(self.path, announce=say)
+        if self.lock is None:
+            self.lock = RunLock.acquire(self.path, announce=say)
         if not (self.path / "config.yaml").is_file():
             # A run dir written before the marker gets it once its config.yaml is rewritten in
             # today's shape (restore): the marker makes read_run_config strict.
