@@ -18,6 +18,7 @@ epoch), the scoring (capsnet.scoring: `predict`, `score`, `confusion_report`,
 `pair_report`), the model (capsnet.training.model_setup) and the checkpoints
 (capsnet.training.checkpoints: `resolve_checkpoint`, `restore_model`).
 """
+import errno
 import hashlib
 import json
 import math
@@ -250,13 +251,24 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
                                    tta=args["tta"], names=names, test_pairs=test_pairs, other_pairs=other_pairs,
                                    settings=other_settings(first, data_cfg["limit_test"]))
     output = Path(args["output"]) if args["output"] is not None else report_path(first, variant)
-    try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(json_safe(report), indent=2) + "\n")
-    except OSError as exc:
-        raise CheckpointError(f"cannot write the evaluation report {output}: {exc.strerror}") from exc
+    write_report(output, report)
     report["output"] = str(output)
     return report
+
+
+def write_report(output, report):
+    """`report` as JSON at `output`, whole or not at all: written to a temporary file beside
+    it and renamed, so that a failed write (a full disk) leaves no empty or truncated report
+    that a rerun would refuse to overwrite (CheckpointError, one line)."""
+    temporary = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        temporary.write_text(json.dumps(json_safe(report), indent=2) + "\n")
+        os.replace(temporary, output)
+    except OSError as exc:
+        temporary.unlink(missing_ok=True)
+        full = " (is the disk full?)" if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else ""
+        raise CheckpointError(f"cannot write the evaluation report {output}: {exc.strerror or exc}{full}") from exc
 
 
 def check_writable(directory):

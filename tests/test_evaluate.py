@@ -164,6 +164,33 @@ def test_missing_checkpoints_name_the_path(trained_run, tmp_path):
         evaluate(trained_run[0], which="worst")
 
 
+@pytest.mark.slow
+def test_a_report_that_cannot_be_written_leaves_no_file_blocking_the_rerun(trained_run, tmp_path):
+    """evaluate.py under a file-size limit of 512 bytes (a full disk for the report, larger
+    than that): one line, exit 2, no empty or truncated report.json; the same command without
+    the limit then writes it (a file left behind would be refused: "exists: overwrite=true")."""
+    import resource
+    import subprocess
+    import sys
+
+    from conftest import REPO, entry_point_env
+
+    output = tmp_path / "report.json"
+    command = [sys.executable, str(REPO / "evaluate.py"), f"checkpoint={trained_run[0]}", f"output={output}"]
+
+    def full_disk():  # Python ignores SIGXFSZ: a write past the limit fails with EFBIG, as on a full disk
+        resource.setrlimit(resource.RLIMIT_FSIZE, (512, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    failed = subprocess.run(command, cwd=tmp_path, env=entry_point_env(), capture_output=True, text=True,
+                            timeout=300, preexec_fn=full_disk)
+    assert failed.returncode == 2, failed.stderr[-2000:]
+    assert f"cannot write the evaluation report {output}: File too large (is the disk full?)" in failed.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither the report nor its temporary file
+    rerun = subprocess.run(command, cwd=tmp_path, env=entry_point_env(), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert json.loads(output.read_text())["accuracy"] == trained_run[1]["test_accuracy"]
+
+
 def test_a_config_that_does_not_match_the_checkpoint_is_reported(trained_run, tmp_path):
     run_dir = tmp_path / "edited"
     shutil.copytree(trained_run[0], run_dir)
