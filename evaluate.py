@@ -37,8 +37,11 @@ def main(cfg: DictConfig):
     cfg = config.check_eval(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
     cli.check_checkpoints_exist(cfg["checkpoint"])  # at once, not after the TensorFlow import
     cli.import_tensorflow_quietly()
-    cli.set_memory_growth()  # beside a training on the same GPU
+    # TensorFlow's modules, imported once the config and the checkpoint paths are checked.
     from capsnet.evaluation import evaluate, format_report, to_json_line
+    from capsnet.training.distribute import set_memory_growth
+
+    set_memory_growth()  # beside a training on the same GPU
 
     report = evaluate(cfg["checkpoint"], which=cfg["which"], data_name=cfg["data"]["name"],
                       data_dir=cfg["data"]["dir"], limit_test=cfg["data"]["limit_test"],

@@ -29,9 +29,12 @@ def main(cfg: DictConfig):
     cfg = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     cli.check_checkpoints_exist(cfg["checkpoint"])  # at once, not after the TensorFlow import
     cli.import_tensorflow_quietly()
-    cli.set_memory_growth()  # beside a training on the same GPU
+    # TensorFlow's modules, imported once the checkpoint paths are checked.
     from capsnet.export import export, format_summary
     from capsnet.evaluation import to_json_line
+    from capsnet.training.distribute import set_memory_growth
+
+    set_memory_growth()  # beside a training on the same GPU
 
     report = export(cfg["checkpoint"], cfg["output"], which=cfg["which"], weights=cfg["weights"],
                     custom_op=cfg["custom_op"])

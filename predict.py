@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from capsnet import cli, config
 from capsnet.console import say
 from capsnet.errors import DataError
+from capsnet.prediction import check_inputs, iter_predictions  # no TensorFlow: it loads the model's modules itself
 
 # The schemas configs/ extends (capsnet/config/schemas.py) are registered with Hydra by the import of
 # capsnet.config above (config.register: ~0.07 s a call on a 2-core CPU, once is enough), before it composes.
@@ -35,11 +36,12 @@ from capsnet.errors import DataError
 def main(cfg: DictConfig):
     config.check_overrides(HydraConfig.get().overrides.task, config.PredictAppConfig)
     cfg = config.check_predict(OmegaConf.to_container(cfg, resolve=True))
-    from capsnet.prediction import check_inputs, iter_predictions
-
     check_inputs(cfg["checkpoint"], cfg["images"], cfg["reconstruct"])  # the paths, before TensorFlow
     cli.import_tensorflow_quietly()
-    cli.set_memory_growth()  # beside a training on the same GPU
+    # TensorFlow's module, imported once the paths are checked (predict's own import it as they need).
+    from capsnet.training.distribute import set_memory_growth
+
+    set_memory_growth()  # beside a training on the same GPU
     total = failed = 0
     for record in iter_predictions(cfg["checkpoint"], cfg["images"], top_k=cfg["top_k"],
                                    reconstruct=cfg["reconstruct"], which=cfg["which"], weights=cfg["weights"],

@@ -45,7 +45,8 @@ def main(cfg: DictConfig):
         log.info("CUDA_VISIBLE_DEVICES=%s", os.environ["CUDA_VISIBLE_DEVICES"])
     started = time.perf_counter()
     cli.import_tensorflow_quietly()
-    from capsnet.training import train
+    # TensorFlow's modules, imported once the config and the run dir are checked.
+    from capsnet.training.loop import train
     from capsnet.training.run_dir import hydra_snapshot
     log.info("TensorFlow and capsnet.training imported in %.2f s", time.perf_counter() - started)
 

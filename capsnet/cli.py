@@ -1,4 +1,6 @@
-"""What train.py and evaluate.py share: one-line errors and a quiet TensorFlow import.
+"""What the entry points (train.py, evaluate.py, export.py, predict.py) share: one-line errors,
+the run dir checked and made before Hydra writes into it (`check_run_dir`, `RunDirCallback`),
+and a quiet TensorFlow import.
 
 A user error (a `CapsnetError`, or a Hydra/OmegaConf config error such as an unknown
 key) ends the program with ONE line on stderr, `error: <message>`, and exit status 2.
@@ -19,11 +21,14 @@ import tempfile
 from pathlib import Path
 
 from hydra.errors import HydraException
+from hydra.experimental.callback import Callback
 from omegaconf.errors import OmegaConfBaseException
 
+import capsnet
 from capsnet import config
 from capsnet.console import say
-from capsnet.errors import CapsnetError, Interrupted, Terminated
+from capsnet.errors import CapsnetError, CheckpointError, Interrupted, Terminated
+from capsnet.training.run_lock import RunLock, check_ours, make_run_dir
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a program stopped by Ctrl-C
@@ -161,9 +166,6 @@ def check_run_dir(run_dir, given=None):
     current directory), or a directory that holds something other than a run of this app
     (capsnet.training.run_lock.check_ours). A refused run dir gets no train.log either: the
     job's log files are closed before the error is reported."""
-    from capsnet.errors import CheckpointError
-    from capsnet.training.run_lock import check_ours
-
     try:
         if given is not None and not str(given).strip():
             raise CheckpointError("hydra.run.dir is empty: it would train into the current directory; name a "
@@ -179,14 +181,33 @@ def lock_run_dir(run_dir):
     CheckpointError (one line) for a run dir in use by another training, with the job's log
     files closed first, as check_run_dir does: that run's train.log is this job's too, and
     nothing may be written there by a training that does not hold the lock."""
-    from capsnet.errors import CheckpointError
-    from capsnet.training.run_lock import RunLock
-
     try:
         return RunLock.acquire(run_dir, announce=say)
     except CheckpointError:
         _close_log_files()
         raise
+
+
+class RunDirCallback(Callback):
+    """Hydra callback (configs/hydra/default.yaml): the run dir (a sweep's dir) made by
+    capsnet.training.run_lock.make_run_dir before Hydra's own mkdir and log files, a failure
+    one `error:` line and exit status 2 (an exception raised by a callback Hydra turns into
+    a warning)."""
+
+    def on_run_start(self, config, **kwargs):
+        given = config.hydra.run.dir
+        if str(given).strip():  # empty: train.py's check_run_dir says so, in its words
+            self._make(given, "run dir", "hydra.run.dir")
+
+    def on_multirun_start(self, config, **kwargs):
+        self._make(config.hydra.sweep.dir, "sweep dir", "hydra.sweep.dir")
+
+    @staticmethod
+    def _make(path, what, key):
+        try:
+            make_run_dir(path, what, key)
+        except CheckpointError as exc:
+            fail(exc)
 
 
 def _close_log_files():
@@ -261,21 +282,12 @@ def check_checkpoints_exist(checkpoint):
     """evaluate.py, export.py: a checkpoint path that does not exist → CheckpointError (the
     wording of capsnet.training.checkpoints.resolve_checkpoint), before the seconds-long
     TensorFlow import that resolving it needs. `checkpoint`: a path or a list of them."""
-    from capsnet.errors import CheckpointError
-
     for item in checkpoint if isinstance(checkpoint, (list, tuple)) else [checkpoint]:
         path = os.path.expanduser(str(item))
         # A checkpoint prefix (.../ckpt-3) is no file itself: its .index is.
         if not (os.path.exists(path) or os.path.isfile(path + ".index")):
             raise CheckpointError(f"checkpoint not found: {item} (expected a run dir or a checkpoint path like "
                                   ".../checkpoints/latest/ckpt-3)")
-
-
-def complete_run_notice(run_dir, epochs):
-    """The line for a finished run started again (its train.epochs all done): nothing to
-    train, and how to train it further."""
-    return (f"notice: the run {run_dir} is complete ({epochs} of {epochs} epochs done): nothing to train; to "
-            f"train it further, rerun with a larger train.epochs=N and the same hydra.run.dir={run_dir}")
 
 
 def _check_not_shadowed():
@@ -285,8 +297,6 @@ def _check_not_shadowed():
     editable install's finder comes after the current directory), and its modules then
     come from here while `capsnet` itself is that folder: errors deep in Keras, far from
     the cause."""
-    import capsnet
-
     here = Path(__file__).resolve().parent
     found = getattr(capsnet, "__file__", None)
     if found is not None and Path(found).resolve().parent == here:
@@ -349,22 +359,6 @@ def _without_matplotlib():
     finally:
         if "matplotlib" in sys.modules and sys.modules["matplotlib"] is None:
             del sys.modules["matplotlib"]
-
-
-def set_memory_growth():
-    """Every GPU's memory taken as needed, not all at the start (before the first op: TensorFlow
-    fixes it when it sets up its devices): a second training or an evaluation on the same GPU,
-    or XLA's autotuning of a convolution, then finds room. A process that has set up its
-    devices already keeps them. Called by each entry point after its own device settings:
-    listing the GPUs makes TensorFlow read TF_XLA_FLAGS, which train.py sets first (the XLA
-    cache)."""
-    import tensorflow as tf
-
-    for gpu in tf.config.list_physical_devices("GPU"):
-        try:
-            tf.config.experimental.set_memory_growth(gpu, True)
-        except (RuntimeError, ValueError):  # devices set up already (train() run twice in one process)
-            pass
 
 
 _check_not_shadowed()

@@ -6,7 +6,7 @@ import dataclasses
 from capsnet.errors import ConfigError
 
 __all__ = ["DatasetSpec", "DATASETS", "KINDS", "is_overlay", "has_canvas", "check_canvas_border", "example_shape",
-           "spec_class_names"]
+           "source_shape", "spec_class_names", "test_set_refusal"]
 
 DIGITS = tuple(str(d) for d in range(10))
 
@@ -64,6 +64,9 @@ DATASETS = {
                            class_names=DIGITS, dark_background=True, canvas=True, test_only=True),
 }
 KINDS = ("single_label", "multimnist", "images", "canvas", "affine")
+# A folder's images (data.image_size, data.channels null): decoded to 32x32 RGB.
+DEFAULT_IMAGE_SIZE = 32
+DEFAULT_CHANNELS = 3
 
 
 def is_overlay(name):
@@ -82,6 +85,12 @@ def spec_class_names(name, num_classes):
     them, else None."""
     names = DATASETS[name].class_names if name in DATASETS else None
     return tuple(names) if names is not None and len(names) == num_classes else None
+
+
+def test_set_refusal(name, prefix="data."):
+    """The one line refusing to train on a test-only dataset `name` (DatasetSpec.test_only)."""
+    return (f"{prefix}name={name} is a test set only (no training split): train with data=expanded_mnist and "
+            f"score the run with evaluate.py checkpoint=<run dir> data.name={name}")
 
 
 def check_canvas_border(name, pad_pixels, prefix="data."):
@@ -105,3 +114,17 @@ def example_shape(name, source_shape, shift_pixels, pad_pixels=None, *, crop=Non
     if crop:
         return (crop, crop, c)
     return (h, w, c)
+
+
+def source_shape(dcfg):
+    """The stored (decoded) images' (H, W, C) of a natural-image data section (a dict with
+    name, and image_size and channels where set): a folder's at data.image_size and
+    data.channels (DEFAULT_IMAGE_SIZE, DEFAULT_CHANNELS where null), a tensorflow-datasets
+    dataset's own, resized to data.image_size where set."""
+    spec = DATASETS[dcfg["name"]]
+    size = dcfg.get("image_size")
+    if spec.image_shape is None:  # a folder
+        size = size or DEFAULT_IMAGE_SIZE
+        return (size, size, dcfg.get("channels") or DEFAULT_CHANNELS)
+    h, w, c = spec.image_shape
+    return (size, size, c) if size else (h, w, c)

@@ -46,6 +46,10 @@ import keras
 import tensorflow as tf
 
 from capsnet.errors import CheckpointError, ConfigError, OpLibraryError
+from capsnet.evaluation import in_run_checkpoints, resolve_member
+from capsnet.tasks import task_for
+from capsnet.training.checkpoints import restore_model
+from capsnet.training.model_setup import build_capsnet, check_op_library
 
 # The compiled op's graph names (ops/, REGISTER_OP "Capsnet>..."): a graph holding one
 # of these needs capsnet.ops.load_op_library() before it loads.
@@ -163,12 +167,6 @@ def export(checkpoint, output, *, which="best", weights=None, custom_op=False):
         input_shape, num_classes, two_digits, signatures, op_library_ops (the
         Capsnet> ops in the graph; [] = portable).
     """
-    # Imported here, as in capsnet.evaluation: capsnet.training imports that module.
-    from capsnet.evaluation import in_run_checkpoints, resolve_member
-    from capsnet.tasks import task_for
-    from capsnet.training.checkpoints import restore_model
-    from capsnet.training.model_setup import build_capsnet, check_op_library
-
     if output is None or str(output).strip() == "":
         raise ConfigError("output=... is required: the SavedModel directory to create")
     output = Path(os.path.expanduser(str(output))).absolute()

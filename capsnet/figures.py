@@ -4,7 +4,7 @@ RunSummaries.figures puts them into TensorBoard at the end of training.
 - `perturbation_images`: the paper's Fig. 4 (Sabour et al. 2017, sec. 5.1): each of a
   digit capsule's dimensions moved by PERTURBATIONS (-0.25 to 0.25 by 0.05), the others
   kept, reconstructed through the decoder; `tile` lays them out, a row per dimension.
-- `image_grid` (capsnet.training.summaries): inputs over their reconstructions.
+- `image_grid`: inputs over their reconstructions (TensorBoard's test/reconstructions, every epoch).
 - `routing_maps`: the final coupling coefficients c_ij of an example laid out on the
   primary-capsule grid, one map per class (the mean over the capsule types at a position).
 - `model_figures`: all of them for a model and a batch of labelled test examples, each an
@@ -17,10 +17,10 @@ import io
 import numpy as np
 import tensorflow as tf
 
-from capsnet.training.summaries import image_grid
+from capsnet.scoring import score
 
 __all__ = ["PERTURBATIONS", "FigureSet", "model_figures", "perturbed_capsules", "perturbation_images", "displayable", "tile",
-           "routing_maps", "class_examples", "confusion_counts", "encode_png"]
+           "routing_maps", "class_examples", "confusion_counts", "encode_png", "image_grid"]
 
 # The added amounts, one column each: -0.25, -0.20, ..., 0.25 (11 steps; the paper's range and interval).
 PERTURBATIONS = np.round(np.arange(-5, 6) * 0.05, 2)
@@ -32,11 +32,22 @@ def class_examples(labels, num_classes):
     return [int(np.argmax(labels == k)) if np.any(labels == k) else None for k in range(num_classes)]
 
 
+def image_grid(images, reconstructions):
+    """Inputs over reconstructions: two rows of N tiles, (N, H, W, C) x 2 → (1, 2H, N·W, C)."""
+    images = np.asarray(images, np.float32)
+    reconstructions = np.asarray(reconstructions, np.float32)
+    if images.ndim != 4 or images.shape != reconstructions.shape:
+        raise ValueError(f"image_grid: need two (N, H, W, C) arrays of one shape, got "
+                         f"{images.shape} and {reconstructions.shape}")
+    n, h, w, c = images.shape
+    rows = np.stack([images, reconstructions])                        # (2, N, H, W, C)
+    grid = rows.transpose(0, 2, 1, 3, 4).reshape(2 * h, n * w, c)     # (2H, N·W, C)
+    return np.clip(grid, 0.0, 1.0)[None]                              # (1, 2H, N·W, C)
+
+
 def confusion_counts(labels, predictions, num_classes):
     """(num_classes, num_classes) int64 counts: rows the true class, columns the predicted one
     (capsnet.scoring.score's matrix)."""
-    from capsnet.scoring import score  # noqa: PLC0415  (the report's one definition)
-
     return np.asarray(score(labels, predictions, num_classes)["confusion_matrix"], np.int64)
 
 
@@ -258,33 +269,3 @@ def _confusion_chart(figure, confusion, names):
     ax.set_ylabel("true")
     ax.set_title(f"confusion ({int(confusion.sum())} test examples)", fontsize=9)
     figure.tight_layout()
-
-
-# --------------------------------------------------------------------------- a run dir
-
-def run_figures(checkpoint, *, which="best", examples=200, batch_size=100):
-    """model_figures of a trained run: `checkpoint` a run dir or checkpoint path, resolved and
-    its model rebuilt from its config.yaml as evaluate.py does (the run's weights: its
-    average where it kept one), over the first `examples` examples of its test split.
-    Returns (FigureSet, the checkpoint prefix read)."""
-    from capsnet.errors import ConfigError  # noqa: PLC0415  (evaluation imports training: kept out of summaries')
-    from capsnet.evaluation import load_run_test_split, resolve_member  # noqa: PLC0415
-    from capsnet.tasks import task_for  # noqa: PLC0415
-    from capsnet.training.checkpoints import restore_model  # noqa: PLC0415
-    from capsnet.training.model_setup import build_capsnet  # noqa: PLC0415
-
-    member = resolve_member(str(checkpoint), which=which, custom_op=False, weights=None, xla="none")
-    data_cfg = dict(member["cfg"]["data"])
-    data_cfg["limit_test"] = min(data_cfg.get("limit_test") or examples, examples)
-    task = task_for(data_cfg)
-    if task.two_digits:
-        raise ConfigError(f"the run {member['run_dir']} trained on two-digit images ({task.name}): the figures "
-                          "need one label per example")
-    model = build_capsnet(member["cfg"]["model"], False)
-    restore_model(model, member["prefix"], member["weights"])
-    split = load_run_test_split(task, from_run=True, run_dir=member["run_dir"])
-    batches = [(x.numpy(), y.numpy()) for x, y, *_ in task.dataset(split, batch_size=batch_size, training=False)]
-    images, labels = (np.concatenate(part) for part in zip(*batches))
-    figures = model_figures(model, images, labels, class_names=task.class_names(model.num_classes),
-                            batch_size=batch_size)
-    return figures, member["prefix"]

@@ -49,6 +49,7 @@ import re
 import sys
 from pathlib import Path
 
+from capsnet import config
 from capsnet.datasets import DATASETS, spec_class_names
 from capsnet.errors import CheckpointError, ConfigError, DataError
 
@@ -196,6 +197,7 @@ def load_classifier(checkpoint, *, which=None, weights=None, custom_op=None):
 def _checkpoint_classifier(checkpoint, *, which, weights, custom_op):
     import tensorflow as tf
 
+    # TensorFlow's modules, here: check_inputs runs before the TensorFlow import.
     from capsnet.evaluation import resolve_member
     from capsnet.export import serving_outputs
     from capsnet.tasks import task_for
@@ -219,7 +221,7 @@ def _checkpoint_classifier(checkpoint, *, which, weights, custom_op):
 
 
 def _export_classifier(directory):
-    from capsnet import export as capsnet_export
+    from capsnet import export as capsnet_export  # TensorFlow's, as above
 
     path = Path(os.path.expanduser(str(directory)))
     metadata = {}
@@ -229,7 +231,7 @@ def _export_classifier(directory):
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"cannot read the export's {path / EXPORT_METADATA}: {exc}") from exc
     if metadata.get("op_library_ops"):
-        from capsnet import ops  # the export holds the compiled op: its kernels first
+        from capsnet import ops  # TensorFlow's (the export holds the compiled op: its kernels first)
 
         ops.load_op_library()
     loaded = capsnet_export.load(path)
@@ -331,8 +333,6 @@ def iter_predictions(checkpoint, images, *, top_k=3, reconstruct=None, which=Non
                      batch_size=64, notice=None):
     """predict()'s records, yielded a batch at a time (each batch as soon as it is predicted).
     The arguments are checked, the paths (check_inputs) and the model loaded before the first."""
-    from capsnet import config
-
     args = config.check_section(config.PredictAppConfig, {
         "checkpoint": checkpoint, "images": images, "top_k": top_k, "reconstruct": reconstruct, "which": which,
         "weights": weights, "custom_op": custom_op, "batch_size": batch_size})

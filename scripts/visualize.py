@@ -1,4 +1,4 @@
-"""PNG figures of what a trained run learned (capsnet.figures draws them).
+"""PNG figures of what a trained run learned (capsnet.figures draws them, `run_figures` reads the run).
 
     .venv/bin/python scripts/visualize.py RUN_DIR [--out DIR] [--which best|latest] [--examples N]
 
@@ -22,11 +22,13 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a clone without `pip install -e .` too
 
 from capsnet.cli import fail, import_tensorflow_quietly  # noqa: E402  (as train.py does)
-from capsnet.errors import CapsnetError  # noqa: E402
+from capsnet.errors import CapsnetError, ConfigError  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -49,12 +51,41 @@ def file_name(name):
     return "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in name) + ".png"
 
 
+def run_figures(checkpoint, *, which="best", examples=200, batch_size=100):
+    """model_figures of a trained run: `checkpoint` a run dir or checkpoint path, resolved and
+    its model rebuilt from its config.yaml as evaluate.py does (the run's weights: its
+    average where it kept one), over the first `examples` examples of its test split.
+    Returns (FigureSet, the checkpoint prefix read)."""
+    # TensorFlow's modules: imported once main() has checked the path (a bad one answers at once).
+    from capsnet.evaluation import load_run_test_split, resolve_member
+    from capsnet.figures import model_figures
+    from capsnet.tasks import task_for
+    from capsnet.training.checkpoints import restore_model
+    from capsnet.training.model_setup import build_capsnet
+
+    member = resolve_member(str(checkpoint), which=which, custom_op=False, weights=None, xla="none")
+    data_cfg = dict(member["cfg"]["data"])
+    data_cfg["limit_test"] = min(data_cfg.get("limit_test") or examples, examples)
+    task = task_for(data_cfg)
+    if task.two_digits:
+        raise ConfigError(f"the run {member['run_dir']} trained on two-digit images ({task.name}): the figures "
+                          "need one label per example")
+    model = build_capsnet(member["cfg"]["model"], False)
+    restore_model(model, member["prefix"], member["weights"])
+    split = load_run_test_split(task, from_run=True, run_dir=member["run_dir"])
+    batches = [(x.numpy(), y.numpy()) for x, y, *_ in task.dataset(split, batch_size=batch_size, training=False)]
+    images, labels = (np.concatenate(part) for part in zip(*batches))
+    figures = model_figures(model, images, labels, class_names=task.class_names(model.num_classes),
+                            batch_size=batch_size)
+    return figures, member["prefix"]
+
+
 def main(argv=None):
     args = parse_args(argv)
     if not args.run_dir.exists():  # before the seconds-long TensorFlow import
         fail(f"run dir or checkpoint {args.run_dir} does not exist")
     import_tensorflow_quietly()
-    from capsnet.figures import encode_png, run_figures
+    from capsnet.figures import encode_png  # TensorFlow's: imported above, quietly
 
     try:
         figures, prefix = run_figures(args.run_dir, which=args.which, examples=args.examples)

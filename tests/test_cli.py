@@ -274,8 +274,8 @@ def test_every_entry_point_takes_gpu_memory_as_needed():
     root = Path(__file__).parent.parent
     for entry in ("evaluate.py", "export.py", "predict.py"):
         text = (root / entry).read_text()
-        assert "cli.import_tensorflow_quietly()\n" in text and "cli.set_memory_growth()" in text, entry
-        assert text.index("cli.set_memory_growth()") > text.index("cli.import_tensorflow_quietly()"), entry
+        assert "cli.import_tensorflow_quietly()\n" in text and "\n    set_memory_growth()" in text, entry
+        assert text.index("\n    set_memory_growth()") > text.index("cli.import_tensorflow_quietly()"), entry
     assert "set_memory_growth" not in (root / "capsnet" / "cli.py").read_text().split("def import_tensorflow_quietly")[1] \
         .split("\ndef ")[0]
 

@@ -321,7 +321,7 @@ def test_exported_is_git_ignored():
 
 
 def test_a_complete_run_says_how_to_extend_it():
-    from capsnet.cli import complete_run_notice
+    from capsnet.training.run_dir import complete_run_notice
 
     line = complete_run_notice("outputs/x", 3)
     assert "complete" in line and "train.epochs=" in line and "hydra.run.dir=outputs/x" in line

@@ -1,4 +1,4 @@
-"""Image folders (data=folder: capsnet.tasks.folder and capsnet.tasks.images): the layout's
+"""Image folders (data=folder: capsnet.folder and capsnet.tasks.images): the layout's
 classes and one-line errors, decoding any size/mode to the configured square, a corrupt
 file skipped with a count, and the file cache (a folder over the memory budget) giving
 the same batches as the memory cache."""
@@ -9,7 +9,8 @@ import pytest
 from PIL import Image
 
 from capsnet.errors import DataError
-from capsnet.tasks import folder, task_for
+from capsnet import folder
+from capsnet.tasks import task_for
 
 
 def make_folder(root, n_per_class=6, classes=("cat", "dog", "bird"), size=40, splits=("train", "test"), seed=0):

@@ -18,7 +18,7 @@ import yaml
 from capsnet.errors import CheckpointError, ConfigError, DataError, OpLibraryError
 from capsnet.training import train
 from capsnet.training.optimizer import cosine_decay, exponential_decay
-from capsnet.training.summaries import image_grid
+from capsnet.figures import image_grid
 from conftest import (REPO, assert_checkpoint_tensors_close, compose_config, entry_point_env, load_script, read_events,
                       run_entry_point, tiny_overrides)
 

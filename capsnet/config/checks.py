@@ -6,10 +6,11 @@ import math
 
 from omegaconf import MISSING
 
+from capsnet import folder
 from capsnet.config.schemas import (AUGMENTATION_OFF, ALL_REDUCE, AugmentationConfig, DataConfig, DistributeConfig,
                                     EvalAppConfig, ModelConfig, PredictAppConfig, ROUTED_KINDS, TrainAppConfig,
-                                    TrainConfig)
-from capsnet.datasets import is_overlay
+                                    TrainConfig, augmentation_options)
+from capsnet.datasets import DATASETS, check_canvas_border, is_overlay, source_shape, test_set_refusal
 from capsnet.errors import ConfigError
 
 
@@ -48,12 +49,66 @@ def _distribute_rule(dcfg, prefix):
                           f"got {dcfg['devices']!r}: set it to null")
 
 
-def _data_rule(dcfg, prefix):
-    """The dataset kind's own rule (capsnet.tasks: Task.check_config): MultiMNIST's
-    augmentation and canvas border, the natural-image keys' (data.crop, ...)."""
-    from capsnet.tasks import task_class
+# The data keys of natural images (capsnet.tasks.images) and their off values: the other
+# kinds refuse them set, so that a key given to the wrong dataset is not silently ignored.
+IMAGE_KEYS_OFF = {"image_size": None, "channels": None, "crop": None, "validation_fraction": 0.0,
+                  "class_names": None, "standardize": False, "brightness": 0.0, "contrast": 0.0, "crop_padding": 0,
+                  "cutout": 0}
+# What natural images refuse of the augmentation group (the MNIST family's options).
+NATURAL_IMAGES_REFUSE = {"rotate_degrees": 0.0, "zoom": 0.0, "elastic_alpha": 0.0, "erase_probability": 0.0}
 
-    task_class(dcfg["name"]).check_config(dcfg, prefix)
+
+def _data_rule(dcfg, prefix):
+    """The rules of the dataset's kind (capsnet.datasets.DatasetSpec): natural images'
+    (_natural_images_rule); for the others, no natural-image key set (IMAGE_KEYS_OFF), a
+    canvas border only where the digits are drawn on one, MultiMNIST's augmentation
+    (check_overlay_augmentation), and no training on a test set only (affnist)."""
+    name = dcfg["name"]
+    if DATASETS[name].kind == "images":
+        _natural_images_rule(dcfg, prefix)
+        return
+    check_canvas_border(name, dcfg.get("pad_pixels"), prefix)
+    on = [key for key, off in IMAGE_KEYS_OFF.items() if dcfg.get(key, off) != off]
+    if on:
+        raise ConfigError(f"{', '.join(prefix + key for key in on)}: only for natural images (data=folder, "
+                          f"cifar10, svhn_cropped, smallnorb), not {name}: set "
+                          f"{', '.join(f'{prefix}{key}={_yaml(IMAGE_KEYS_OFF[key])}' for key in on)}")
+    check_overlay_augmentation(name, augmentation_options(dcfg), prefix)
+    if DATASETS[name].test_only:
+        raise ConfigError(test_set_refusal(name, prefix))
+
+
+def _natural_images_rule(dcfg, prefix):
+    """Natural images (capsnet.tasks.images): crops, flips, brightness and contrast, not the
+    MNIST family's shifts and distortions; data.dir for a folder (which must exist); a
+    crop that fits the images; a tensorflow-datasets dataset's own channels."""
+    refused = [key for key, off in NATURAL_IMAGES_REFUSE.items() if dcfg.get(key, off) != off]
+    if dcfg.get("shift_pixels"):
+        refused.insert(0, "shift_pixels")
+    if refused:
+        raise ConfigError(f"{', '.join(prefix + k for k in refused)}: not for natural images ({dcfg['name']}): "
+                          f"use {prefix}crop (random crops), {prefix}flip, {prefix}brightness and "
+                          f"{prefix}contrast; set {', '.join(f'{prefix}{k}=0' for k in refused)}")
+    check_canvas_border(dcfg["name"], dcfg.get("pad_pixels"), prefix)
+    if dcfg["name"] == "folder":
+        folder.root_dir(dcfg.get("dir"))  # data.dir is required
+    elif dcfg.get("validation_fraction") and dcfg.get("dir") is None:
+        raise ConfigError(f"{prefix}validation_fraction applies to data=folder only ({dcfg['name']} has its "
+                          "own test split)")
+    h, w, c = source_shape(dcfg)
+    crop = dcfg.get("crop")
+    if crop and crop > min(h, w):
+        raise ConfigError(f"{prefix}crop={crop} is larger than the images ({h}x{w}): at most {min(h, w)}")
+    for key in ("crop_padding", "cutout"):  # reflected padding needs fewer pixels than the image has
+        value = dcfg.get(key) or 0
+        if not 0 <= value < min(h, w):
+            raise ConfigError(f"{prefix}{key}={value}: must lie in [0, {min(h, w) - 1}] for images of {h}x{w}")
+    if dcfg["name"] != "folder" and dcfg.get("channels") not in (None, c):
+        raise ConfigError(f"{prefix}channels={dcfg['channels']}: {dcfg['name']} has {c} (set it to null)")
+
+
+def _yaml(value):
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def check_overlay_augmentation(name, options, prefix="data."):
@@ -173,17 +228,14 @@ def check(cfg):
     if checked["custom_op"] and checked["model"]["kind"] not in ROUTED_KINDS:
         raise ConfigError(CUSTOM_OP_CAPSNET_ONLY.format(kind=checked["model"]["kind"]))
     data_name, strategy = checked["data"]["name"], checked["distribute"]["strategy"]
-    from capsnet.tasks import task_class
-
-    kind = task_class(data_name)
-    if kind.labels_per_example == 2 and strategy != "none":
+    if is_overlay(data_name) and strategy != "none":
         # Its (B, 2) labels and two reconstructions are not in the distributed step.
         raise ConfigError(f"data.name={data_name} trains on one device only: set distribute=none")
-    if kind.labels_per_example == 2 and checked["model"]["kind"] != "capsnet":
+    if is_overlay(data_name) and checked["model"]["kind"] != "capsnet":
         # Its steps take two labels and reconstruct each digit: capsule outputs.
         raise ConfigError(f"data.name={data_name} has two digits an image; model.kind={checked['model']['kind']} "
                           "classifies one: use model=capsnet")
-    if kind.kind == "images" and checked["train"]["data_on_device"]:
+    if DATASETS[data_name].kind == "images" and checked["train"]["data_on_device"]:
         # Its crops and colour changes run per example in tf.data; a folder may stream from a file cache.
         raise ConfigError(f"train.data_on_device=true: not for natural images (data.name={data_name}): set it to false")
     # capsnet.precision.needs_loss_scaling's rule (that module imports TensorFlow).

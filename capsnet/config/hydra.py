@@ -12,7 +12,8 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from capsnet.config.schemas import (APP_SCHEMAS, GROUP_SCHEMAS, EvalAppConfig, EvalDataConfig, TrainAppConfig,
                                     _dataset_name)
 from capsnet.config.schemas import PredictAppConfig
-from capsnet.datasets import DATASETS, example_shape
+from capsnet import folder
+from capsnet.datasets import DATASETS, example_shape, source_shape
 from capsnet.errors import ConfigError
 from capsnet.validation import integer
 
@@ -30,8 +31,6 @@ def dataset_shape(name, shift_pixels, pad_pixels=None, *, _root_=None):
     if pad_pixels is not None:
         pad_pixels = integer("data.pad_pixels", pad_pixels, minimum=0, error=ConfigError)
     if spec.kind == "images":
-        from capsnet.tasks.images import source_shape
-
         data = _data_section(_root_)
         return list(example_shape(name, source_shape(data), 0, crop=data.get("crop")))
     return list(example_shape(name, spec.image_shape, shift, pad_pixels))
@@ -45,9 +44,7 @@ def dataset_classes(name, *, _root_=None):
     if DATASETS[name].num_classes is None:
         names = dataset_class_names(name, _root_=_root_)
         if names is None:
-            from capsnet.tasks import folder
-
-            folder._root(None)  # ConfigError: data=folder needs data.dir
+            folder.root_dir(None)  # ConfigError: data=folder needs data.dir
         return len(names)
     return DATASETS[name].num_classes
 
@@ -59,8 +56,6 @@ def dataset_class_names(name, *, _root_=None):
     if name not in DATASETS:
         _dataset_name("data.name", name)
     if DATASETS[name].num_classes is None:
-        from capsnet.tasks import folder
-
         data = _data_section(_root_)
         if data.get("dir") is None:
             # Hydra resolves it while merging configs/data/folder.yaml, before data.dir= is applied;

@@ -6,15 +6,17 @@ instead of branching on the dataset's name.
 The kind comes from data.name (capsnet.datasets.DATASETS[name].kind) through the explicit
 registry KINDS below, not from a Hydra `_target_`: run dirs saved before tasks existed
 have no `_target_` in their config.yaml and must keep loading; evaluate.py's data.name=
-override swaps the dataset by its name alone; and the config checks (before the
-TensorFlow import) look the kind up without importing a class path that a saved config
+override swaps the dataset by its name alone, without a class path that a saved config
 would then pin for ever.
+
+What a kind's data keys may be is the config's to check, before the TensorFlow import
+(capsnet.config.checks: the data rule, from capsnet.datasets' facts of the kind); the
+tasks are above the config and import it.
 
 Adding a dataset kind: a module here with a Task subclass (its `kind` one of
 capsnet.datasets.KINDS, added there), a line in KINDS below, the dataset's DatasetSpec in
-capsnet/datasets.py, and its configs/data/<name>.yaml.
-
-Importing this package does not import TensorFlow: the tasks import it in their methods.
+capsnet/datasets.py, its keys' rule in capsnet/config/checks.py (_data_rule), and its
+configs/data/<name>.yaml.
 """
 import importlib
 

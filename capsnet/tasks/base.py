@@ -1,14 +1,9 @@
 """The Task interface (capsnet.tasks) and the Split it loads."""
 import dataclasses
 
-from capsnet.datasets import DATASETS, check_canvas_border, spec_class_names
+from capsnet.datasets import DATASETS, spec_class_names
 from capsnet.errors import ConfigError
-
-# The data keys of natural images (capsnet.tasks.images) and their off values: the other
-# kinds refuse them set, so that a key given to the wrong dataset is not silently ignored.
-IMAGE_KEYS_OFF = {"image_size": None, "channels": None, "crop": None, "validation_fraction": 0.0,
-                  "class_names": None, "standardize": False, "brightness": 0.0, "contrast": 0.0, "crop_padding": 0,
-                  "cutout": 0}
+from capsnet.scoring import score
 
 
 @dataclasses.dataclass
@@ -37,18 +32,6 @@ class Task:
         self.cfg = dict(data_cfg)
         self.name = self.cfg["name"]
         self.spec = DATASETS[self.name]
-
-    # ----------------------------------------------------------------- config (no TensorFlow)
-    @classmethod
-    def check_config(cls, dcfg, prefix="data."):
-        """The section rule of this kind's data keys (ConfigError, one line). Default: the
-        natural-image keys must be off, and no canvas border (data.pad_pixels)."""
-        check_canvas_border(dcfg["name"], dcfg.get("pad_pixels"), prefix)
-        on = [key for key, off in IMAGE_KEYS_OFF.items() if dcfg.get(key, off) != off]
-        if on:
-            raise ConfigError(f"{', '.join(prefix + key for key in on)}: only for natural images (data=folder, "
-                              f"cifar10, svhn_cropped, smallnorb), not {dcfg['name']}: set "
-                              f"{', '.join(f'{prefix}{key}={_yaml(IMAGE_KEYS_OFF[key])}' for key in on)}")
 
     @property
     def two_digits(self):
@@ -84,8 +67,6 @@ class Task:
     def check(self, data, model, split):
         """The Split fits the built `model` (ConfigError, one line): its examples' shape is
         model.input_shape and its labels lie in [0, num_classes)."""
-        from capsnet.training.model_setup import check_labels
-
         check_labels(data.labels, data.images, model=model, split=f"{self.name} {split}",
                      image_shape=self.example_shape(data.shape))
 
@@ -96,8 +77,6 @@ class Task:
 
     def score(self, labels, predictions, num_classes):
         """The report's scores (capsnet.scoring.score) with the class names where known."""
-        from capsnet.scoring import score
-
         report = score(labels, predictions, num_classes)
         names = self.class_names(num_classes)
         if names is not None:
@@ -105,5 +84,20 @@ class Task:
         return report
 
 
-def _yaml(value):
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+def check_labels(labels, images, *, model, split, image_shape=None):
+    """The data must fit the model: image shape = input_shape, labels in [0, num_classes).
+
+    `model` is a built CapsNet: its input_shape and num_classes have been checked
+    (build_capsnet), unlike the raw config values. image_shape: the shape of the
+    examples the model will see, when the pipeline makes them from `images`
+    (MultiMNIST: capsnet.data.example_shape); None = the images' own.
+    """
+    input_shape = tuple(model.image_shape)
+    image_shape = tuple(images.shape[1:]) if image_shape is None else tuple(image_shape)
+    if image_shape != input_shape:
+        raise ConfigError(f"{split} images have shape {image_shape} but model.input_shape is "
+                          f"{list(input_shape)}")
+    num_classes = int(model.num_classes)
+    if len(labels) and (labels.min() < 0 or labels.max() >= num_classes):
+        raise ConfigError(f"{split} labels lie in [{labels.min()}, {labels.max()}] but model.num_classes is "
+                          f"{num_classes}")

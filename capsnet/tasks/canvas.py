@@ -19,8 +19,11 @@ Both hold their split in memory as uint8 canvases, so make_dataset, the device l
 """
 import numpy as np
 
-from capsnet.datasets import DATASETS
-from capsnet.errors import ConfigError, DataError
+from capsnet.affine import AFFINE_TEST_SEED, affine_digits
+from capsnet.augment import shift_batch, shift_corners
+from capsnet.data import load_split
+from capsnet.datasets import test_set_refusal
+from capsnet.errors import DataError
 from capsnet.tasks.base import Split
 from capsnet.tasks.single_label import SingleLabel
 
@@ -34,20 +37,12 @@ class CanvasDigits(SingleLabel):
     (null: shift_pixels), shifted in training, at fixed shifts at test."""
     kind = "canvas"
 
-    @classmethod
-    def check_config(cls, dcfg, prefix="data."):
-        super().check_config(dcfg, prefix)
-        if DATASETS[dcfg["name"]].test_only:
-            raise ConfigError(refusal(dcfg["name"], prefix))
-
     def pad_pixels(self):
         pad = self.cfg.get("pad_pixels")
         return self.cfg.get("shift_pixels", 2) if pad is None else pad
 
     def source(self, split, limit):
         """The split's MNIST digits, uint8 (N, 28, 28, 1), and labels (N,)."""
-        from capsnet.data import load_split
-
         return load_split(self.name, split, data_dir=self.cfg.get("dir"), limit=limit)
 
     def load(self, split, *, limit=None):
@@ -67,8 +62,6 @@ def fixed_shifts(images, shift_pixels, key=EXPANDED_TEST_KEY):
     the same shifts. Zero fill; nothing is lost where the canvas border is ≥ shift_pixels."""
     import tensorflow as tf
 
-    from capsnet.augment import shift_batch, shift_corners
-
     with tf.device("/CPU:0"):  # the same kernels wherever a GPU is
         corners = shift_corners(tf.constant(key, tf.int64), tf.range(len(images), dtype=tf.int64), shift_pixels)
         return shift_batch(tf.constant(images), corners, shift_pixels).numpy()
@@ -81,16 +74,10 @@ class AffineDigits(CanvasDigits):
 
     def load(self, split, *, limit=None):
         if self.spec.test_only and split != "test":
-            raise DataError(refusal(self.name))
+            raise DataError(test_set_refusal(self.name))
         images, labels = self.source("test", limit)
         canvas = affine_set(images, self.pad_pixels())
         return Split(labels=labels, images=canvas, shape=tuple(canvas.shape[1:]))
-
-
-def refusal(name, prefix="data."):
-    """The one line refusing to train on a test-only dataset `name`."""
-    return (f"{prefix}name={name} is a test set only (no training split): train with data=expanded_mnist and "
-            f"score the run with evaluate.py checkpoint=<run dir> data.name={name}")
 
 
 # (digest of the source digits, pad) -> their affine set: generating 10,000 takes seconds
@@ -103,8 +90,6 @@ def affine_set(images, pad_pixels):
     canvas pad_pixels wider on every side, uint8 (N, H', W', 1), read-only: made once a
     process for the same digits and pad."""
     import hashlib
-
-    from capsnet.affine import AFFINE_TEST_SEED, affine_digits
 
     key = (hashlib.sha256(np.ascontiguousarray(images).tobytes()).hexdigest(), int(pad_pixels))
     if key not in _AFFINE_SETS:

@@ -1,4 +1,4 @@
-"""Natural images, one label each: an image folder (data=folder: capsnet.tasks.folder's
+"""Natural images, one label each: an image folder (data=folder: capsnet.folder's
 layout) or tensorflow-datasets' cifar10, svhn_cropped and smallnorb.
 
 Loading. A folder's files are decoded by tf.data in parallel (JPEG/PNG/BMP/GIF; grey or RGB
@@ -29,47 +29,19 @@ import tempfile
 
 import numpy as np
 
+from capsnet import folder
+from capsnet.augment import natural_image_batch
 from capsnet.console import say
-from capsnet.datasets import check_canvas_border, spec_class_names
+from capsnet.data import _fail_fast_downloads, _is_network_error, _shorten, host_tensor, int32_labels
+from capsnet.datasets import source_shape, spec_class_names
 from capsnet.errors import ConfigError, DataError
-from capsnet.tasks import folder
-from capsnet.tasks.base import Split, Task
+from capsnet.tasks.base import Split, Task, check_labels
 
-# What natural images refuse of the augmentation group (the MNIST family's options).
-_REFUSED = {"rotate_degrees": 0.0, "zoom": 0.0, "elastic_alpha": 0.0, "erase_probability": 0.0}
-DEFAULT_IMAGE_SIZE = 32
-DEFAULT_CHANNELS = 3
 _MB = 2 ** 20
 
 
 class NaturalImages(Task):
     kind = "images"
-
-    @classmethod
-    def check_config(cls, dcfg, prefix="data."):
-        refused = [key for key, off in _REFUSED.items() if dcfg.get(key, off) != off]
-        if dcfg.get("shift_pixels"):
-            refused.insert(0, "shift_pixels")
-        if refused:
-            raise ConfigError(f"{', '.join(prefix + k for k in refused)}: not for natural images ({dcfg['name']}): "
-                              f"use {prefix}crop (random crops), {prefix}flip, {prefix}brightness and "
-                              f"{prefix}contrast; set {', '.join(f'{prefix}{k}=0' for k in refused)}")
-        check_canvas_border(dcfg["name"], dcfg.get("pad_pixels"), prefix)
-        if dcfg["name"] == "folder":
-            folder._root(dcfg.get("dir"))  # data.dir is required
-        elif dcfg.get("validation_fraction") and dcfg.get("dir") is None:
-            raise ConfigError(f"{prefix}validation_fraction applies to data=folder only ({dcfg['name']} has its "
-                              "own test split)")
-        h, w, c = source_shape(dcfg)
-        crop = dcfg.get("crop")
-        if crop and crop > min(h, w):
-            raise ConfigError(f"{prefix}crop={crop} is larger than the images ({h}x{w}): at most {min(h, w)}")
-        for key in ("crop_padding", "cutout"):  # reflected padding needs fewer pixels than the image has
-            value = dcfg.get(key) or 0
-            if not 0 <= value < min(h, w):
-                raise ConfigError(f"{prefix}{key}={value}: must lie in [0, {min(h, w) - 1}] for images of {h}x{w}")
-        if dcfg["name"] != "folder" and dcfg.get("channels") not in (None, c):
-            raise ConfigError(f"{prefix}channels={dcfg['channels']}: {dcfg['name']} has {c} (set it to null)")
 
     @property
     def num_classes(self):
@@ -117,7 +89,7 @@ class NaturalImages(Task):
                         deterministic=True)
                    .ignore_errors())
         mode = cache_mode(cfg, len(paths), shape)
-        root = folder._root(cfg.get("dir"))
+        root = folder.root_dir(cfg.get("dir"))
         if mode == "memory":
             indices, images = [], []
             for i, image in decoded.batch(256):
@@ -144,9 +116,6 @@ class NaturalImages(Task):
     # ----------------------------------------------------------------- pipeline
     def dataset(self, data, *, batch_size, training, seed=0, epoch=0, drop_remainder=False):
         import tensorflow as tf
-
-        from capsnet.augment import natural_image_batch
-        from capsnet.data import host_tensor, int32_labels
 
         n = len(data)
         if n == 0:
@@ -201,23 +170,8 @@ class NaturalImages(Task):
         return tf.image.per_image_standardization(images) if self.cfg.get("standardize") else images
 
     def check(self, data, model, split):
-        from capsnet.training.model_setup import check_labels
-
         check_labels(data.labels, None, model=model, split=f"{self.name} {split}",
                      image_shape=self.example_shape(data.shape))
-
-
-def source_shape(dcfg):
-    """The stored (decoded) images' (H, W, C) of a natural-image data section."""
-    from capsnet.datasets import DATASETS
-
-    spec = DATASETS[dcfg["name"]]
-    size = dcfg.get("image_size")
-    if spec.image_shape is None:  # a folder
-        size = size or DEFAULT_IMAGE_SIZE
-        return (size, size, dcfg.get("channels") or DEFAULT_CHANNELS)
-    h, w, c = spec.image_shape
-    return (size, size, c) if size else (h, w, c)
 
 
 def cache_mode(cfg, n, shape):
@@ -301,8 +255,6 @@ def load_tfds(name, split):
     `name`; smallnorb: the stereo pair (image, image2) as 2 channels, downsampled to
     48x48, labelled by label_category (5 classes). DataError (one line) where tfds cannot
     provide it (offline: no download)."""
-    from capsnet.data import _fail_fast_downloads, _is_network_error, _shorten
-
     try:
         import tensorflow_datasets as tfds
     except ImportError as err:

@@ -1,6 +1,7 @@
 """MultiMNIST (Sabour et al. 2017, Sec. 6): two MNIST digits of different classes,
 shifted and overlaid (capsnet.data.make_multimnist_dataset); labels (B, 2), each digit
 alone as the reconstruction target, scored by the two longest capsules."""
+from capsnet.data import make_split_dataset
 from capsnet.datasets import example_shape
 from capsnet.tasks.single_label import SingleLabel
 
@@ -8,14 +9,6 @@ from capsnet.tasks.single_label import SingleLabel
 class MultiMNIST(SingleLabel):
     kind = "multimnist"
     labels_per_example = 2
-
-    @classmethod
-    def check_config(cls, dcfg, prefix="data."):
-        from capsnet.config.checks import check_overlay_augmentation
-        from capsnet.config.schemas import augmentation_options
-
-        super().check_config(dcfg, prefix)  # the canvas border's range too
-        check_overlay_augmentation(dcfg["name"], augmentation_options(dcfg), prefix)
 
     def example_shape(self, source_shape):
         return example_shape(self.name, source_shape, self.cfg.get("shift_pixels", 4), self.cfg.get("pad_pixels"))
@@ -27,8 +20,6 @@ class MultiMNIST(SingleLabel):
         return {"shift_pixels": shift, "pad_pixels": shift if pad is None else pad}
 
     def dataset(self, data, *, batch_size, training, seed=0, epoch=0, drop_remainder=False):
-        from capsnet.data import make_split_dataset
-
         # The test split: its fixed pairs of the run's shift and canvas; training: each
         # digit's elastic distortion too (the only augmentation MultiMNIST takes).
         augmentation = {k: v for k, v in self.augmentation().items() if k != "shift_pixels"} if training else {}

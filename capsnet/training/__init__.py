@@ -16,7 +16,7 @@ any of these: capsnet.config.check, which train() calls first):
     run_lock        RunLock (one training per run dir), check_ours (a run dir of this app),
                     RunDirCallback (Hydra's run dir made first: a bad path is one line);
                     free of TensorFlow, for train.py's check before the import
-    model_setup     build_capsnet, check_op_library, check_labels (shared with evaluate())
+    model_setup     build_capsnet, check_op_library (shared with evaluate())
     optimizer       build_optimizer (Adam on a decaying LR), scaled_learning_rate
     weight_average  WeightAverage (train.ema_decay)
     steps           make_train_step, make_train_loop (the non-finite guard), make_eval_step,
@@ -32,9 +32,9 @@ __all__ = ["train"]
 
 
 def __getattr__(name):
-    # Imported on first use: `capsnet.training.run_lock` is imported before TensorFlow is
-    # (train.py checks the run dir first), and loop imports TensorFlow.
     if name == "train":
+        # Imported on first use: loop imports TensorFlow, and `capsnet.training.run_lock` is
+        # imported before TensorFlow is (train.py checks the run dir first).
         from capsnet.training.loop import train  # noqa: PLC0415
 
         return train

@@ -35,6 +35,20 @@ TF_CONFIG_EXAMPLE = ('{"cluster": {"worker": ["host1:12345", "host2:12345"]}, '
                      '"task": {"type": "worker", "index": 0}}')
 
 
+def set_memory_growth():
+    """Every GPU's memory taken as needed, not all at the start (before the first op: TensorFlow
+    fixes it when it sets up its devices): a second training or an evaluation on the same GPU,
+    or XLA's autotuning of a convolution, then finds room. A process that has set up its
+    devices already keeps them. Called by each entry point after its own device settings:
+    listing the GPUs makes TensorFlow read TF_XLA_FLAGS, which train.py sets first (the XLA
+    cache)."""
+    for gpu in tf.config.list_physical_devices("GPU"):
+        try:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        except (RuntimeError, ValueError):  # devices set up already (train() run twice in one process)
+            pass
+
+
 def read_tf_config():
     """The cluster and task of TF_CONFIG (MultiWorkerMirroredStrategy's source): a dict,
     checked enough that a mistake is a one-line ConfigError rather than a hang."""

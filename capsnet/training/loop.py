@@ -26,7 +26,6 @@ import numpy as np
 import tensorflow as tf
 
 from capsnet import config
-from capsnet.cli import complete_run_notice, set_memory_growth
 from capsnet.console import say
 from capsnet.errors import ConfigError, Interrupted
 from capsnet.precision import set_tensor_float_32
@@ -34,14 +33,14 @@ from capsnet.tasks import task_for
 from capsnet.training.checkpoints import checkpoint_weights
 from capsnet.training.control import RunControl, on_schedule
 from capsnet.training.distribute import (check_all_reduce, check_global_batch, check_tf_config, check_workers_agree,
-                                         is_chief, make_strategy, resolve_all_reduce, trains_on_gpu,
-                                         without_autotune_thread)
+                                         is_chief, make_strategy, resolve_all_reduce, set_memory_growth,
+                                         trains_on_gpu, without_autotune_thread)
 from capsnet.training.epoch import CompiledSteps
 from capsnet.training.health import collapse_reason, collapsed, collapsed_for
 from capsnet.training.model_setup import build_capsnet, check_op_library
 from capsnet.training.optimizer import build_optimizer, checkpoint_nodes, scaled_learning_rate, steps_done
 from capsnet.training.progress import Progress, live_progress_bar
-from capsnet.training.run_dir import RunDir, history_entry
+from capsnet.training.run_dir import RunDir, complete_run_notice, history_entry
 from capsnet.training.steps import eval_batch_size, set_determinism
 from capsnet.training.summaries import RunSummaries, mean_images_per_sec
 from capsnet.training.weight_average import WeightAverage

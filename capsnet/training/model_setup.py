@@ -1,10 +1,9 @@
-"""The model of a config, and the checks that it can run: shared by train() and evaluate().
+"""The model of a config, and the check that its op can run: shared by train() and evaluate().
 
 - `build_capsnet(model_cfg, custom_op, precision)`: the model of a config's `model`
   section, model.kind's class (CapsNet: model.routing and custom_op made a Router,
   capsnet.config.router_spec; or the CNN baseline) in a train.precision, config errors as ConfigError.
 - `check_op_library(devices)`: custom_op=true fails at once if the compiled op cannot run.
-- `check_labels(labels, images, model=...)`: the data fits the model.
 """
 import tensorflow as tf
 
@@ -105,22 +104,3 @@ def check_op_library(devices=None):
                 where = f" on {device}" if device else ""
                 raise OpLibraryError(f"the capsule-prediction op library does not run{where}: {exc.message}; "
                                      "rebuild it with `make ops`") from exc
-
-
-def check_labels(labels, images, *, model, split, image_shape=None):
-    """The data must fit the model: image shape = input_shape, labels in [0, num_classes).
-
-    `model` is a built CapsNet: its input_shape and num_classes have been checked
-    (build_capsnet), unlike the raw config values. image_shape: the shape of the
-    examples the model will see, when the pipeline makes them from `images`
-    (MultiMNIST: capsnet.data.example_shape); None = the images' own.
-    """
-    input_shape = tuple(model.image_shape)
-    image_shape = tuple(images.shape[1:]) if image_shape is None else tuple(image_shape)
-    if image_shape != input_shape:
-        raise ConfigError(f"{split} images have shape {image_shape} but model.input_shape is "
-                          f"{list(input_shape)}")
-    num_classes = int(model.num_classes)
-    if len(labels) and (labels.min() < 0 or labels.max() >= num_classes):
-        raise ConfigError(f"{split} labels lie in [{labels.min()}, {labels.max()}] but model.num_classes is "
-                          f"{num_classes}")

@@ -15,10 +15,9 @@ naming the app's version (`write_marker`, right after the lock is taken); a run 
 before the marker existed is recognised by its config.yaml (a capsnet config). Kept free of
 TensorFlow: train.py checks the run dir before the seconds-long import.
 
-Hydra makes the run dir (and a sweep's dir) itself, before train.py's code runs: `RunDirCallback`
-(configs/hydra/default.yaml's hydra.callbacks) makes it first with `make_run_dir`, so that a path
-that cannot be a directory (under a file, a name over 255 bytes, a read-only place) or a run dir
-that is read-only ends in one line instead of Hydra's traceback or the job log's.
+`make_run_dir` makes a run dir (and a sweep's dir) as Hydra would, a path that cannot be a
+directory (under a file, a name over 255 bytes, a read-only place) or a run dir that is
+read-only one CheckpointError line: capsnet.cli.RunDirCallback calls it before Hydra's own mkdir.
 """
 import datetime
 import fcntl
@@ -27,7 +26,6 @@ import socket
 from pathlib import Path
 
 import yaml
-from hydra.experimental.callback import Callback
 
 from capsnet import __version__
 from capsnet.errors import CheckpointError
@@ -103,29 +101,6 @@ def make_run_dir(run_dir, what="run dir", key="hydra.run.dir"):
     if not os.access(run_dir, os.W_OK):
         raise CheckpointError(f"{what} {run_dir} is read-only: a training there could save nothing; make it "
                               f"writable or pick another {key}")
-
-
-class RunDirCallback(Callback):
-    """Hydra callback (configs/hydra/default.yaml): the run dir (a sweep's dir) made by
-    `make_run_dir` before Hydra's own mkdir and log files, a failure one `error:` line and exit
-    status 2 (capsnet.cli.fail; an exception raised by a callback Hydra turns into a warning)."""
-
-    def on_run_start(self, config, **kwargs):
-        given = config.hydra.run.dir
-        if str(given).strip():  # empty: train.py's check_run_dir says so, in its words
-            self._make(given, "run dir", "hydra.run.dir")
-
-    def on_multirun_start(self, config, **kwargs):
-        self._make(config.hydra.sweep.dir, "sweep dir", "hydra.sweep.dir")
-
-    @staticmethod
-    def _make(path, what, key):
-        try:
-            make_run_dir(path, what, key)
-        except CheckpointError as exc:
-            from capsnet.cli import fail  # noqa: PLC0415  (cli imports the config package)
-
-            fail(exc)
 
 
 class RunLock:

@@ -3,7 +3,7 @@
 - `write_train_scalars`: train/ loss, accuracy, images/s, step time, gradient norm and the LR, the
   means of a `MetricWindow` of steps (every train.log_every_steps steps).
 - `write_epoch_summaries`: test/ scalars, the routing and capsule-length histograms and
-  the inputs-over-reconstructions `image_grid`, once an epoch.
+  the inputs over their reconstructions (capsnet.figures.image_grid), once an epoch.
 - `write_hparams`: the run's values in the HParams dashboard, once a run.
 - `write_run_scalars`: after every epoch, the run's mean images/s so far
   (`train/mean_images_per_sec`, metrics.json's images_per_sec), the HParams dashboard's
@@ -20,6 +20,8 @@ import tensorflow as tf
 
 from capsnet import config
 from capsnet.config.schemas import ROUTED_KINDS
+from capsnet.figures import image_grid, model_figures
+from capsnet.training.run_dir import write_error
 
 # Values shown side by side in TensorBoard's HParams dashboard, and the metrics they explain.
 HPARAMS = ("model", "custom_op", "routing", "xla", "precision", "tf32", "dataset", "limit_train", "limit_test",
@@ -32,19 +34,6 @@ HPARAM_DESCRIPTIONS = {"model": "model.kind: capsnet, the paper's CNN baseline (
 RUN_SPEED_TAG = "train/mean_images_per_sec"
 HPARAM_METRICS = {"test/accuracy": "test accuracy (last tested epoch)",
                   RUN_SPEED_TAG: "images/s (the run's mean)"}
-
-
-def image_grid(images, reconstructions):
-    """Inputs over reconstructions: two rows of N tiles, (N, H, W, C) x 2 → (1, 2H, N·W, C)."""
-    images = np.asarray(images, np.float32)
-    reconstructions = np.asarray(reconstructions, np.float32)
-    if images.ndim != 4 or images.shape != reconstructions.shape:
-        raise ValueError(f"image_grid: need two (N, H, W, C) arrays of one shape, got "
-                         f"{images.shape} and {reconstructions.shape}")
-    n, h, w, c = images.shape
-    rows = np.stack([images, reconstructions])                        # (2, N, H, W, C)
-    grid = rows.transpose(0, 2, 1, 3, 4).reshape(2 * h, n * w, c)     # (2H, N·W, C)
-    return np.clip(grid, 0.0, 1.0)[None]                              # (1, 2H, N·W, C)
 
 
 class MetricWindow:
@@ -189,8 +178,6 @@ class RunSummaries:
         writer (train_epoch's train/ scalars included); None for another error."""
         if isinstance(exc, tf.errors.OpError) and "tfevents" not in str(exc) and "summary" not in str(exc).lower():
             return None
-        from capsnet.training.run_dir import write_error  # noqa: PLC0415  (run_dir imports what imports this)
-
         path = next(iter(sorted(self.run_dir.glob("events.out.tfevents.*"))[-1:]), self.run_dir)
         return write_error(path, exc)
 
@@ -212,8 +199,6 @@ class RunSummaries:
         (no decoder, the CNN baseline) as figures/notes text."""
         if not self.chief:
             return
-        from capsnet.figures import model_figures  # noqa: PLC0415  (matplotlib: only at the end of a run)
-
         drawn = model_figures(model, images, labels, class_names=class_names)
         with self._writing(), self.writer.as_default(step=step):
             for name, image in drawn.images.items():

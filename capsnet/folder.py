@@ -17,7 +17,9 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
 SPLIT_SEED = 20170  # the validation split's draw: the same test files in every run
 
 
-def _root(data_dir):
+def root_dir(data_dir):
+    """The folder data.dir names, absolute: ConfigError where it is not given, DataError where
+    it is not a directory."""
     if data_dir is None or str(data_dir).strip() == "":
         raise ConfigError("data=folder needs data.dir=PATH: a folder of class folders (PATH/train/<class>/*, "
                           "PATH/test/<class>/*, or PATH/<class>/* with data.validation_fraction)")
@@ -53,7 +55,7 @@ def _split_folder(folder, what):
 
 def layout(data_dir, validation_fraction=0.0):
     """(root, classes, {"train": {class: files}, "test": {class: files}})."""
-    root = _root(data_dir)
+    root = root_dir(data_dir)
     train, test = root / "train", root / "test"
     if train.is_dir() or test.is_dir():
         if not (train.is_dir() and test.is_dir()):
