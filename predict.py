@@ -4,11 +4,14 @@ Prints one JSON line per image on stdout, in input order: {"image", "class" (its
 digits for MNIST, Fashion-MNIST's ten names, else the index), "top_k": [[class, capsule
 length], ...], "lengths": [every class's capsule length]} (two-digit models also "classes",
 the two predicted digits; with reconstruct=DIR also "reconstruction", the PNG written).
-Any PNG, JPEG, BMP or GIF, grey or RGB, of any size, is made the model's input: grey (or
-RGB), resized to its height and width, in [0, 1]; colours are not inverted (MNIST-family
-models expect light digits on a dark background). An unreadable image is named in one line
-on stderr and skipped; the others are predicted and the exit status is then 2
-(capsnet.prediction). Keys: configs/predict.yaml.
+Any PNG, JPEG, BMP or GIF, grey or RGB, of any size, is made the model's input as the run's
+pipeline makes its images (grey or RGB, the shorter side resized and the centre cropped, the
+run's crop and standardisation); colours are not inverted (MNIST-family models expect light
+digits on a dark background). An image that cannot be read or decoded, is over the run's
+data.max_pixels, or gives non-finite capsule lengths is named in one line on stderr and
+skipped; the others are predicted and the exit status is then 2 (capsnet.prediction).
+A SavedModel is a program: only this project's exports are run unless trust_export=true.
+Keys: configs/predict.yaml.
 
 Examples:
     python predict.py checkpoint=outputs/2025-01-01/12-00-00 images=my_digit.png        # the run's best checkpoint
@@ -46,7 +49,8 @@ def main(cfg: DictConfig):
     for record in iter_predictions(cfg["checkpoint"], cfg["images"], top_k=cfg["top_k"],
                                    reconstruct=cfg["reconstruct"], which=cfg["which"], weights=cfg["weights"],
                                    custom_op=cfg["custom_op"], batch_size=cfg["batch_size"],
-                                   notice=lambda line: say(line, stream=sys.stderr)):
+                                   notice=lambda line: say(line, stream=sys.stderr),
+                                   trust_export=cfg["trust_export"]):
         total += 1
         if "error" in record:
             failed += 1
@@ -54,9 +58,9 @@ def main(cfg: DictConfig):
         else:
             print(json.dumps(record), flush=True)
     if failed == total:
-        raise DataError(f"no image could be read ({total}, each named above)")
+        raise DataError(f"no image could be predicted ({total}, each named above)")
     if failed:
-        raise DataError(f"{failed} of {total} images could not be read (each named above); "
+        raise DataError(f"{failed} of {total} images could not be predicted (each named above); "
                         f"the other {total - failed} were predicted")
 
 

@@ -6,9 +6,12 @@ import dataclasses
 from capsnet.errors import ConfigError
 
 __all__ = ["DatasetSpec", "DATASETS", "KINDS", "is_overlay", "has_canvas", "check_canvas_border", "example_shape",
-           "source_shape", "spec_class_names", "test_set_refusal"]
+           "source_shape", "spec_class_names", "test_set_refusal", "DEFAULT_MAX_PIXELS"]
 
 DIGITS = tuple(str(d) for d in range(10))
+# data.max_pixels' default: the most pixels an image file may declare to be decoded (8192 x 8192,
+# a 48-megapixel photo's and more; a 20000 x 20000 PNG of 388 KB took 8.5 GB to train on).
+DEFAULT_MAX_PIXELS = 8192 * 8192
 
 
 @dataclasses.dataclass(frozen=True)

@@ -338,6 +338,7 @@ def check_members(members, task, data_name, tta):
         if name != trained_on[0]:
             raise ConfigError(f"ensemble members trained on different datasets: {trained_on[0]} "
                               f"({members[0]['run_dir']}) and {name} ({member['run_dir']})")
+    check_member_class_names(members)
     for member in members:
         trained = member["cfg"]["data"]
         if tta == "flip" and not trained["flip"]:
@@ -351,6 +352,25 @@ def check_members(members, task, data_name, tta):
         # Its test pairs carry their digits as the decoder's targets, which a view would have to move too.
         raise ConfigError(f"tta={tta}: not for {data_name} (its test pairs carry each digit as "
                           "a reconstruction target): use tta=none")
+
+
+def check_member_class_names(members):
+    """The members name their classes alike, in the same order (a folder's class folders: two
+    runs on folders of other names, or another order, have capsule k meaning different
+    things): ConfigError naming the first difference."""
+    named = [(member, task_for(member["cfg"]["data"]).class_names(member["cfg"]["model"]["num_classes"]))
+             for member in members]
+    first, first_names = named[0]
+    for member, names in named[1:]:
+        if names is None or first_names is None or list(names) == list(first_names):
+            continue
+        k = next((k for k, pair in enumerate(zip(first_names, names)) if pair[0] != pair[1]),
+                 min(len(names), len(first_names)))
+        at = (f"class {k} is {first_names[k]!r} in {first['run_dir']} but {names[k]!r} in {member['run_dir']}"
+              if k < min(len(names), len(first_names)) else
+              f"{len(first_names)} classes in {first['run_dir']}, {len(names)} in {member['run_dir']}")
+        raise ConfigError(f"ensemble members name their classes differently: {at} ({', '.join(first_names)} vs "
+                          f"{', '.join(names)}): their capsule lengths cannot be averaged")
 
 
 def build_member_models(members):

@@ -12,7 +12,9 @@
   Both return a dict:
       "lengths":         float32 (N, classes), the capsule lengths |v_j| (class scores);
       "predictions":     int32 (N,), the longest capsule; MultiMNIST runs (two digits per
-                         image): (N, 2), the two longest capsules, longest first;
+                         image): (N, 2), the two longest capsules, longest first; -1 for
+                         an image whose lengths are not finite (a NaN or inf pixel): no
+                         class, its lengths NaN;
       "reconstructions": float32 (N, H, W, C), the decoder's image from the predicted
                          capsule; MultiMNIST (N, 2, H, W, C), one per predicted digit
                          (absent when the run had no decoder).
@@ -58,6 +60,19 @@ METADATA = "capsnet_export.json"
 # Written first into an export's scratch folder (and removed before the rename): only a
 # folder holding it was made by export(), so only such a folder is ever deleted as stale.
 PARTIAL_MARKER = ".capsnet-export-partial"
+# The signatures' prediction for an image with no finite capsule lengths (serving_outputs).
+NO_CLASS = -1
+# Op types that write files, run Python, print or log, which no export of this project
+# holds outside its saver (side_effect_ops): loading and calling a SavedModel runs its graph.
+SIDE_EFFECT_OPS = frozenset({
+    "WriteFile", "Save", "SaveV2", "SaveSlices", "MergeV2Checkpoints", "DeleteSessionTensor",
+    "PyFunc", "PyFuncStateless", "EagerPyFunc", "Print", "PrintV2",
+    "CreateSummaryFileWriter", "CreateSummaryDbWriter", "WriteSummary", "WriteScalarSummary",
+    "WriteHistogramSummary", "WriteImageSummary", "WriteAudioSummary", "WriteGraphSummary",
+    "WriteRawProtoSummary", "ImportEvent", "FlushSummaryWriter", "DatasetToTFRecord",
+    "ExperimentalDatasetToTFRecord", "SaveDataset", "SaveDatasetV2", "DebugIdentityV2", "DebugIdentityV3",
+    "ReadFile", "MatchingFiles", "ImmutableConst",
+})
 _LOAD_OPS = "call capsnet.ops.load_op_library() first (or export with custom_op=false for a portable graph)"
 
 
@@ -71,6 +86,8 @@ def serving_outputs(model, images, two_digits=False, prepare=None):
     as in evaluation (make_eval_step); two_digits=True (MultiMNIST) predicts the two
     longest capsules and reconstructs each. prepare: the task's test-time step between the
     [0, 1] images and the model (Task.serving_images: per-image standardisation), or None.
+    An image whose capsule lengths are not all finite (a NaN or inf pixel) is predicted
+    NO_CLASS (-1; both of a two-digit model's), never a class.
     """
     outputs = model(images if prepare is None else prepare(images), training=False)
     lengths = outputs["lengths"]                                                  # (N, classes)
@@ -78,6 +95,12 @@ def serving_outputs(model, images, two_digits=False, prepare=None):
         predictions = tf.math.top_k(lengths, k=2).indices                         # (N, 2) int32
     else:
         predictions = tf.argmax(lengths, axis=-1, output_type=tf.int32)           # (N,)
+    # An image whose lengths are not all finite (NaN or inf pixels) has no longest capsule:
+    # argmax would answer class 0. Its prediction is NO_CLASS, its lengths stay NaN/inf.
+    finite = tf.reduce_all(tf.math.is_finite(lengths), axis=-1)                   # (N,)
+    if two_digits:
+        finite = finite[:, None]
+    predictions = tf.where(finite, predictions, tf.constant(NO_CLASS, tf.int32))
     served = {"lengths": lengths, "predictions": predictions}
     if "reconstructions" in outputs:
         # Two digits: the model reconstructed the longest capsule only (that unused
@@ -144,6 +167,47 @@ def graph_op_types(saved_model_dir):
         for function in meta_graph.graph_def.library.function:
             types.update(node.op for node in function.node_def)
     return types
+
+
+def side_effect_ops(saved_model_dir):
+    """The SIDE_EFFECT_OPS in a SavedModel's graphs (sorted names; [] for an export of this
+    project), read from its saved_model.pb without loading it. Every function is searched,
+    and the top-level graph, except the saver's save function (the SaveV2 and
+    MergeV2Checkpoints every SavedModel holds: run by a save of the loaded object, never by
+    a load or a signature) where nothing else calls it."""
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    saved_model = saved_model_pb2.SavedModel()
+    saved_model.ParseFromString((Path(saved_model_dir) / "saved_model.pb").read_bytes())
+    found = set()
+    for meta_graph in saved_model.meta_graphs:
+        functions = {f.signature.name: f for f in meta_graph.graph_def.library.function}
+
+        def callees(nodes):
+            names = set()
+            for node in nodes:
+                names.update({node.op} & functions.keys())
+                for attr in node.attr.values():
+                    names.update(f.name for f in ([attr.func] if attr.HasField("func") else list(attr.list.func)))
+            return names & functions.keys()
+
+        def reach(names):
+            seen, todo = set(), list(names)
+            while todo:
+                name = todo.pop()
+                if name not in seen:
+                    seen.add(name)
+                    todo.extend(callees(functions[name].node_def))
+            return seen
+
+        save_node = meta_graph.saver_def.save_tensor_name.split(":")[0]
+        top = [node for node in meta_graph.graph_def.node if node.name != save_node]
+        saver_own = reach(callees(node for node in meta_graph.graph_def.node if node.name == save_node))
+        exempt = saver_own - reach(callees(top) | (functions.keys() - saver_own))
+        found.update(node.op for node in top)
+        for name in functions.keys() - exempt:
+            found.update(node.op for node in functions[name].node_def)
+    return sorted(found & SIDE_EFFECT_OPS)
 
 
 # --------------------------------------------------------------------------- export
@@ -228,7 +292,10 @@ def export(checkpoint, output, *, which="best", weights=None, custom_op=False):
         report["op_library_ops"] = sorted(t for t in graph_op_types(partial) if t.startswith(OP_PREFIX))
         extra = partial / "assets.extra"
         extra.mkdir(exist_ok=True)
-        (extra / METADATA).write_text(json.dumps({k: v for k, v in report.items() if k != "output"}, indent=2) + "\n")
+        # With the run's data section: predict makes an image file the model's input as the
+        # run's pipeline did (Task.file_image: its size, crop, data.max_pixels).
+        metadata = {**{k: v for k, v in report.items() if k != "output"}, "data": cfg["data"]}
+        (extra / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
         (extra / "README.txt").write_text(readme_text(report))
         (partial / PARTIAL_MARKER).unlink()
         os.rename(partial, output)
@@ -280,12 +347,12 @@ def signature_descriptions(model, two_digits):
     k = model.num_classes
     pred, recon = ("int32 (N, 2): the two longest capsules, longest first", f"float32 (N, 2, {h}, {w}, {c})") \
         if two_digits else ("int32 (N,): the longest capsule", f"float32 (N, {h}, {w}, {c})")
-    if not hasattr(model, "digit_caps"):  # the CNN baseline: its "lengths" are softmax probabilities
+    baseline = not hasattr(model, "digit_caps")  # the CNN baseline: its "lengths" are softmax probabilities
+    if baseline:
         pred = "int32 (N,): the most probable class"
-        outputs = {"lengths": f"float32 (N, {k}): class probabilities (softmax; a CapsNet's capsule lengths)",
-                   "predictions": pred}
-    else:
-        outputs = {"lengths": f"float32 (N, {k}): capsule lengths (class scores)", "predictions": pred}
+    pred += f"; {NO_CLASS} where the lengths are not finite (a NaN or inf pixel)"
+    outputs = {"lengths": f"float32 (N, {k}): class probabilities (softmax; a CapsNet's capsule lengths)" if baseline
+               else f"float32 (N, {k}): capsule lengths (class scores)", "predictions": pred}
     if model.use_decoder:
         outputs["reconstructions"] = f"{recon} in [0, 1]: the decoder's image of the predicted capsule(s)"
     return {

@@ -5,8 +5,13 @@ Layout: DIR/train/<class>/* and DIR/test/<class>/*, or DIR/<class>/* with
 data.validation_fraction > 0 (that share of each class's files, drawn with a fixed seed,
 is the test split). Classes are the folder names, sorted; images are the files ending in
 IMAGE_SUFFIXES (other files are ignored), in sorted order.
+
+An image file's size is read from its header (image_dimensions, oversized: data.max_pixels)
+without decoding it; decode_image_bytes is the one decoding of an image file to the stored
+square, for the folder pipeline and for predict (it imports TensorFlow when called).
 """
 import os
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +19,8 @@ import numpy as np
 from capsnet.errors import ConfigError, DataError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
+# JPEG's start-of-frame markers (SOF0-SOF15 but DHT, JPG and DAC): the frame's size follows.
+_JPEG_FRAMES = set(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 SPLIT_SEED = 20170  # the validation split's draw: the same test files in every run
 
 
@@ -111,3 +118,97 @@ def split_files(data_dir, split, validation_fraction=0.0, classes=None):
         paths += splits[split][name]
         labels += [k] * len(splits[split][name])
     return paths, np.asarray(labels, np.int64)
+
+
+def image_dimensions(file):
+    """(width, height) of the PNG, JPEG, GIF or BMP image in the binary `file` (an open file
+    or io.BytesIO), read from its header without decoding it (a 300-byte PNG can declare
+    200000 x 1 pixels); None for any other format or a header that names no size."""
+    head = file.read(26)
+    if head.startswith(b"\x89PNG\r\n\x1a\n") and head[12:16] == b"IHDR" and len(head) >= 24:
+        return struct.unpack(">II", head[16:24])
+    if head[:6] in (b"GIF87a", b"GIF89a") and len(head) >= 13:  # signature + logical screen descriptor
+        return struct.unpack("<HH", head[6:10])
+    if head.startswith(b"BM") and len(head) >= 26:
+        if struct.unpack("<I", head[14:18])[0] == 12:  # BITMAPCOREHEADER: 16-bit sizes
+            return struct.unpack("<HH", head[18:22])
+        width, height = struct.unpack("<ii", head[18:26])
+        return abs(width), abs(height)  # a negative height: rows stored top-down
+    if head.startswith(b"\xff\xd8"):
+        return _jpeg_dimensions(file)
+    return None
+
+
+def _jpeg_dimensions(file):
+    """A JPEG's (width, height) from its first start-of-frame segment (after any APPn
+    segments, an Exif thumbnail's included, which the walk skips by their lengths)."""
+    file.seek(2)
+    while True:
+        if file.read(1) != b"\xff":  # not at a marker: not a JPEG this walk understands
+            return None
+        marker = file.read(1)
+        while marker == b"\xff":  # fill bytes before the marker's code
+            marker = file.read(1)
+        if not marker:
+            return None
+        code = marker[0]
+        if code in (0x01, *range(0xD0, 0xD8)):  # markers without a segment
+            continue
+        if code in (0xD9, 0xDA):  # end of image, start of scan: no frame before it
+            return None
+        length = file.read(2)
+        if len(length) < 2:
+            return None
+        if code in _JPEG_FRAMES:
+            frame = file.read(5)
+            if len(frame) < 5:
+                return None
+            height, width = struct.unpack(">HH", frame[1:5])
+            return width, height
+        file.seek(struct.unpack(">H", length)[0] - 2, os.SEEK_CUR)
+
+
+def oversized(path, max_pixels):
+    """"WxH" where the image file at `path` declares more than `max_pixels` pixels, else None
+    (a file that cannot be read or whose header names no size: left to the decoder)."""
+    try:
+        with open(path, "rb") as file:
+            size = image_dimensions(file)
+    except OSError:
+        return None
+    if size is None or size[0] * size[1] <= max_pixels:
+        return None
+    return f"{size[0]}x{size[1]}"
+
+
+def decode_image_bytes(data, size, channels):
+    """uint8 (size, size, channels) of an image file's bytes `data`: decoded (JPEG/PNG/BMP/GIF,
+    its first frame), alpha dropped, grey and RGB converted to `channels`, the shorter
+    side resized to `size` (area when shrinking, bilinear when enlarging) and the centre
+    cropped to a square. An image already size x size keeps its pixels. What the folder
+    pipeline stores (capsnet.tasks.images.decode_image) and predict gives a model
+    (Task.file_image): one decoding for both."""
+    import tensorflow as tf  # here, not at the top: the config's resolvers read this module before TensorFlow
+
+    image = tf.io.decode_image(data, channels=0, dtype=tf.uint8, expand_animations=False)
+    c = tf.shape(image)[-1]
+    image = image[..., :tf.where((c == 2) | (c == 4), c - 1, c)]           # alpha dropped
+    image = tf.cond(tf.shape(image)[-1] == 1, lambda: tf.tile(image, [1, 1, 3]), lambda: image)
+    image = tf.ensure_shape(image, [None, None, 3])
+    if channels == 1:
+        image = tf.image.rgb_to_grayscale(image)
+    elif channels == 2:
+        raise ConfigError("data.channels=2: a folder's images are grey (1) or RGB (3)")
+    h, w = tf.shape(image)[0], tf.shape(image)[1]
+
+    def resized():
+        scale = size / tf.cast(tf.minimum(h, w), tf.float32)
+        new = tf.maximum(tf.cast(tf.round(tf.cast(tf.stack([h, w]), tf.float32) * scale), tf.int32), size)
+        shrinking = scale < 1
+        pixels = tf.cond(shrinking,
+                         lambda: tf.image.resize(image, new, method="area"),
+                         lambda: tf.image.resize(image, new, method="bilinear"))
+        return tf.cast(tf.clip_by_value(tf.round(pixels), 0, 255), tf.uint8)
+
+    image = tf.cond((h == size) & (w == size), lambda: image, resized)
+    return tf.ensure_shape(tf.image.resize_with_crop_or_pad(image, size, size), [size, size, channels])

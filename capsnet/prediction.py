@@ -21,14 +21,28 @@
   relative to the working directory. A file named directly or by a glob is read whatever
   its suffix.
 
-The model's input, from any PNG, JPEG, BMP or GIF (its first frame): decoded to 8 bits, an
-alpha channel dropped, scaled to [0, 1] by p / 255 as the training pipelines scale, made grey
-(tf.image.rgb_to_grayscale) or RGB as the model's input is, and resized to the model's height
-and width with tf.image.resize (`area` when shrinking, bilinear with antialiasing otherwise;
-the aspect ratio is not kept). An image already of the model's size and channels is used as
-it is: its lengths are the test pipeline's. Colours are never inverted: the MNIST-family
-datasets have light digits on a dark background, and a light image given to such a model is
-named in a notice (`notice`), not changed.
+The model's input, from any PNG, JPEG, BMP or GIF (its first frame), is made by the run's own
+Task (capsnet.tasks: `file_image`), with the code of its pipeline: decoded to 8 bits, an alpha
+channel dropped, made grey or RGB, the shorter side resized and the centre cropped square
+(capsnet.folder.decode_image_bytes, the folder pipeline's decoding: for a natural-image
+run at its data.image_size, then its test-time centre data.crop), scaled to [0, 1] by p / 255;
+the per-image standardisation of a run trained with data.standardize is the model's
+(Task.serving_images, in the export's signature too). A test-split file gives the lengths
+evaluate.py computes for it. An export records its run's data section (capsnet_export.json
+"data"); one written before that is read as the MNIST family's (the decoding at the model's
+size). Colours are never inverted: the MNIST-family datasets have light digits on a dark
+background, and a light image given to such a model is named in a notice (`notice`), not
+changed.
+
+A file is not predicted, and its record says why ("error"), when it cannot be read or
+decoded, when its header declares more pixels than the run's data.max_pixels (it is then
+never decoded), or when the model's capsule lengths for it are not finite (NaN or inf: no
+class is named; the export's signatures answer prediction -1 for it).
+
+A SavedModel is a program: loading and calling one runs its graph. An export is loaded only
+when it carries this project's marker (assets.extra/capsnet_export.json) and its graph holds
+none of the ops that write files, run Python or print (capsnet.export.side_effect_ops);
+trust_export=True loads any SavedModel (only one from a source you trust).
 
 Reconstructions (reconstruct=DIR): the decoder's image of the predicted capsule, at the
 model's size, one PNG per image at DIR/<the image's path relative to the images' common
@@ -50,8 +64,9 @@ import sys
 from pathlib import Path
 
 from capsnet import config
-from capsnet.datasets import DATASETS, spec_class_names
+from capsnet.datasets import DATASETS, DEFAULT_MAX_PIXELS, spec_class_names
 from capsnet.errors import CheckpointError, ConfigError, DataError
+from capsnet.folder import oversized
 
 # What a directory's listing counts as images (TensorFlow's tf.io.decode_image reads these).
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
@@ -163,14 +178,17 @@ def class_names(dataset, num_classes, stored=None):
 
 class Classifier:
     """A model to predict with: image_shape (H, W, C), num_classes, two_digits, has_decoder,
-    dataset (None where unknown), names; calling it on float32 images (N, H, W, C) in [0, 1]
-    returns numpy lengths, predictions and (with a decoder) reconstructions, as the
-    export's serving_default signature does."""
+    dataset (None where unknown), names; `prepare` makes an image file's bytes its input
+    (Task.file_image), `max_pixels` the most pixels a file may declare (data.max_pixels);
+    calling it on float32 images (N, H, W, C) in [0, 1] returns numpy lengths, predictions
+    and (with a decoder) reconstructions, as the export's serving_default signature does."""
 
-    def __init__(self, call, image_shape, num_classes, two_digits, has_decoder, dataset, source, stored_names=None):
+    def __init__(self, call, image_shape, num_classes, two_digits, has_decoder, dataset, source, stored_names=None,
+                 *, prepare, max_pixels):
         self.call, self.image_shape, self.num_classes = call, tuple(image_shape), num_classes
         self.two_digits, self.has_decoder, self.dataset, self.source = two_digits, has_decoder, dataset, source
         self.names = class_names(dataset, num_classes, stored_names)
+        self.prepare, self.max_pixels = prepare, max_pixels
 
     def __call__(self, images):
         import tensorflow as tf
@@ -178,9 +196,10 @@ class Classifier:
         return {key: value.numpy() for key, value in self.call(tf.constant(images, tf.float32)).items()}
 
 
-def load_classifier(checkpoint, *, which=None, weights=None, custom_op=None):
+def load_classifier(checkpoint, *, which=None, weights=None, custom_op=None, trust_export=False):
     """The Classifier of a run dir or checkpoint path (rebuilt and restored as evaluate.py
-    does), or of a SavedModel directory written by export.py (its serving_default)."""
+    does), or of a SavedModel directory written by export.py (its serving_default; checked
+    by check_export first unless `trust_export`)."""
     # Whatever the loaders print (a checkpoint state-file notice) goes to stderr: stdout is
     # the JSON lines.
     with contextlib.redirect_stdout(sys.stderr):
@@ -190,7 +209,7 @@ def load_classifier(checkpoint, *, which=None, weights=None, custom_op=None):
             if given:
                 raise ConfigError(f"{', '.join(given)}: not for an exported SavedModel ({checkpoint} holds one set of "
                                   "weights in a fixed graph); give the run dir instead, or leave them null")
-            return _export_classifier(checkpoint)
+            return _export_classifier(checkpoint, trust_export)
         return _checkpoint_classifier(checkpoint, which=which or "best", weights=weights, custom_op=custom_op)
 
 
@@ -217,19 +236,52 @@ def _checkpoint_classifier(checkpoint, *, which, weights, custom_op):
     call = tf.function(lambda images: serving_outputs(model, images, two_digits, task.serving_images),
                        input_signature=[tf.TensorSpec((None, *model.image_shape), tf.float32)])
     return Classifier(call, model.image_shape, model.num_classes, two_digits, model.use_decoder, dataset,
-                      member["prefix"], task.class_names(model.num_classes))
+                      member["prefix"], task.class_names(model.num_classes),
+                      prepare=lambda data: task.file_image(data, model.image_shape),
+                      max_pixels=member["cfg"]["data"]["max_pixels"])
 
 
-def _export_classifier(directory):
-    from capsnet import export as capsnet_export  # TensorFlow's, as above
+def read_export_metadata(path):
+    """The export's capsnet_export.json (a dict), or None where it has none."""
+    if not (path / EXPORT_METADATA).is_file():
+        return None
+    try:
+        metadata = json.loads((path / EXPORT_METADATA).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read the export's {path / EXPORT_METADATA}: {exc}") from exc
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"the export's {path / EXPORT_METADATA} is not a JSON object")
+    return metadata
+
+
+def check_export(path, metadata):
+    """Refuse (CheckpointError, one line) to load a SavedModel that export.py did not write (no
+    capsnet_export.json) or whose graph holds ops that write files, run Python or print
+    (capsnet.export.side_effect_ops): loading and calling a SavedModel runs its graph."""
+    from capsnet.export import side_effect_ops  # TensorFlow's: check_inputs runs before the TensorFlow import
+
+    if metadata is None:
+        raise CheckpointError(f"the SavedModel {path} has no {EXPORT_METADATA} (not written by export.py): a "
+                              "SavedModel is a program and predict runs only this project's exports; give "
+                              "trust_export=true to run one from a source you trust")
+    found = side_effect_ops(path)
+    if found:
+        raise CheckpointError(f"the SavedModel {path} holds ops that write files, run Python or print "
+                              f"({', '.join(found)}), which no export.py export holds: refused (a SavedModel is a "
+                              "program); give trust_export=true to run one from a source you trust")
+
+
+def _export_classifier(directory, trust_export):
+    # TensorFlow's modules, as above.
+    from capsnet import export as capsnet_export
+    from capsnet.tasks import task_for
+    from capsnet.tasks.base import default_file_image
 
     path = Path(os.path.expanduser(str(directory)))
-    metadata = {}
-    if (path / EXPORT_METADATA).is_file():
-        try:
-            metadata = json.loads((path / EXPORT_METADATA).read_text())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"cannot read the export's {path / EXPORT_METADATA}: {exc}") from exc
+    metadata = read_export_metadata(path)
+    if not trust_export:
+        check_export(path, metadata)
+    metadata = metadata or {}
     if metadata.get("op_library_ops"):
         from capsnet import ops  # TensorFlow's (the export holds the compiled op: its kernels first)
 
@@ -249,9 +301,14 @@ def _export_classifier(directory):
     if len(shape) != 3 or None in shape:
         raise CheckpointError(f"the SavedModel {directory}'s serving_default takes images of shape {spec.shape}: "
                               "expected (N, H, W, C) with H, W, C fixed")
+    data = metadata.get("data")  # the run's data section (exports since it is recorded)
+    task = task_for(data) if isinstance(data, dict) and data.get("name") in DATASETS else None
     classifier = Classifier(lambda images: signature(images=images), shape, int(outputs["lengths"].shape[-1]),
                             outputs["predictions"].shape.rank == 2, "reconstructions" in outputs,
-                            metadata.get("dataset"), str(path), metadata.get("class_names"))
+                            metadata.get("dataset"), str(path), metadata.get("class_names"),
+                            prepare=lambda image: (task.file_image(image, shape) if task is not None
+                                                   else default_file_image(image, shape)),
+                            max_pixels=(data or {}).get("max_pixels") or DEFAULT_MAX_PIXELS)
     classifier.loaded = loaded  # the signature's functions live as long as the object they came from
     return classifier
 
@@ -262,35 +319,27 @@ class UnreadableImage(Exception):
     """An image file that cannot be read or decoded; str(err) says which and why."""
 
 
-def load_image(path, image_shape):
-    """The image file at `path` as the model's input: float32 numpy (H, W, C) in [0, 1]
-    (see the module doc); UnreadableImage if it cannot be read or decoded."""
+def load_image(path, classifier):
+    """The image file at `path` as `classifier`'s input: float32 numpy (H, W, C) in [0, 1]
+    (see the module doc); UnreadableImage if it cannot be read or decoded, or its header
+    declares more than classifier.max_pixels pixels (then it is not decoded)."""
     import tensorflow as tf
 
-    height, width, channels = image_shape
+    size = oversized(path, classifier.max_pixels)
+    if size is not None:
+        raise UnreadableImage(f"image {path} is {size} pixels, more than the run's data.max_pixels="
+                              f"{classifier.max_pixels}: not decoded")
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
         raise UnreadableImage(f"cannot read image {path}: {exc.strerror or exc}") from exc
     try:
-        image = tf.io.decode_image(data, channels=0, dtype=tf.uint8, expand_animations=False)
+        image = classifier.prepare(data)
     except (tf.errors.OpError, ValueError) as exc:
         # Without TensorFlow's wrapping: "{{function_node ...}} <reason> [Op:DecodeImage]".
         reason = re.sub(r"\{\{function_node [^}]*\}\}|\[Op:\w+\]", "", str(getattr(exc, "message", exc)))
         reason = " ".join(reason.split()) or type(exc).__name__
         raise UnreadableImage(f"cannot decode image {path}: {reason}") from exc
-    if image.shape[-1] in (2, 4):  # grey + alpha, RGBA: the alpha channel is dropped
-        image = image[..., :-1]
-    image = tf.cast(image, tf.float32) / 255.0  # as the pipelines scale (capsnet.data)
-    if channels == 1 and image.shape[-1] == 3:
-        image = tf.image.rgb_to_grayscale(image)
-    elif channels == 3 and image.shape[-1] == 1:
-        image = tf.image.grayscale_to_rgb(image)
-    if tuple(image.shape[:2]) != (height, width):
-        shrinking = image.shape[0] >= height and image.shape[1] >= width
-        image = tf.image.resize(image, (height, width), method="area" if shrinking else "bilinear",
-                                antialias=not shrinking)
-        image = tf.clip_by_value(image, 0.0, 1.0)
     return image.numpy()
 
 
@@ -309,7 +358,7 @@ def write_png(path, image):
 # --------------------------------------------------------------------------- predict
 
 def predict(checkpoint, images, *, top_k=3, reconstruct=None, which=None, weights=None, custom_op=None,
-            batch_size=64, notice=None):
+            batch_size=64, notice=None, trust_export=False):
     """Predict the class of each image file; returns the records (see the module doc), in
     the order of `images` (an unreadable image's record has "error" instead).
 
@@ -324,20 +373,24 @@ def predict(checkpoint, images, *, top_k=3, reconstruct=None, which=None, weight
         batch_size: images per forward pass.
         notice: a callable taking one line (a light image given to a dark-background model);
             None: no notices.
+        trust_export: True loads a SavedModel that export.py did not write, or whose graph
+            writes files, runs Python or prints (check_export): only one you trust.
     """
     return list(iter_predictions(checkpoint, images, top_k=top_k, reconstruct=reconstruct, which=which,
-                                 weights=weights, custom_op=custom_op, batch_size=batch_size, notice=notice))
+                                 weights=weights, custom_op=custom_op, batch_size=batch_size, notice=notice,
+                                 trust_export=trust_export))
 
 
 def iter_predictions(checkpoint, images, *, top_k=3, reconstruct=None, which=None, weights=None, custom_op=None,
-                     batch_size=64, notice=None):
+                     batch_size=64, notice=None, trust_export=False):
     """predict()'s records, yielded a batch at a time (each batch as soon as it is predicted).
     The arguments are checked, the paths (check_inputs) and the model loaded before the first."""
     args = config.check_section(config.PredictAppConfig, {
         "checkpoint": checkpoint, "images": images, "top_k": top_k, "reconstruct": reconstruct, "which": which,
-        "weights": weights, "custom_op": custom_op, "batch_size": batch_size})
+        "weights": weights, "custom_op": custom_op, "batch_size": batch_size, "trust_export": trust_export})
     _, paths, outputs = check_inputs(args["checkpoint"], args["images"], args["reconstruct"])
-    classifier = load_classifier(args["checkpoint"], which=which, weights=weights, custom_op=custom_op)
+    classifier = load_classifier(args["checkpoint"], which=which, weights=weights, custom_op=custom_op,
+                                 trust_export=args["trust_export"])
     if classifier.image_shape[-1] not in (1, 3):
         raise ConfigError(f"the model of {classifier.source} takes {classifier.image_shape[-1]}-channel images: "
                           "predict reads grey or RGB image files only")
@@ -356,7 +409,7 @@ def _predict_batch(classifier, paths, top_k, outputs, notice):
     loaded, records = [], {}
     for path in paths:
         try:
-            loaded.append((path, load_image(path, classifier.image_shape)))
+            loaded.append((path, load_image(path, classifier)))
         except UnreadableImage as exc:
             records[path] = {"image": path, "error": str(exc)}
     if loaded:
@@ -368,6 +421,10 @@ def _predict_batch(classifier, paths, top_k, outputs, notice):
                        f"{classifier.dataset} model was trained on light shapes on a dark background: if this "
                        "one is dark on light, invert it before predicting")
             lengths = served["lengths"][i]
+            if not np.all(np.isfinite(lengths)):  # the signature's prediction -1: no class to name
+                records[path] = {"image": path, "error": f"the model's capsule lengths for image {path} are not "
+                                                         "finite (NaN or inf): no class predicted"}
+                continue
             predicted = np.atleast_1d(served["predictions"][i])
             order = np.argsort(-lengths, kind="stable")[:top_k]
             record = {"image": path, "class": names[predicted[0]],

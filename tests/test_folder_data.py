@@ -2,7 +2,10 @@
 classes and one-line errors, decoding any size/mode to the configured square, a corrupt
 file skipped with a count, and the file cache (a folder over the memory budget) giving
 the same batches as the memory cache."""
+import io
 import json
+import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -77,6 +80,46 @@ def test_corrupt_image_skipped_with_one_notice(tmp_path, capsys):
     assert len(data) == 12
     out = capsys.readouterr().out
     assert "1 of the 13 train images" in out and f"skipped: {root / 'train' / 'cat' / 'broken.png'}" in out
+
+
+def png_header_only(width, height):
+    """A PNG whose IHDR declares width x height over a short, truncated IDAT: a header that a
+    check must read without decoding (a decoder would allocate the declared pixels first)."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+def test_image_dimensions_are_read_from_the_header(tmp_path):
+    """PNG, JPEG (after a 60 kB Exif segment), GIF and BMP, grey and RGB: (width, height) as
+    PIL wrote them; a 200000 x 1 PNG of a hundred bytes; None for what is not an image."""
+    for fmt in ("PNG", "JPEG", "GIF", "BMP"):
+        for mode in ("L", "RGB"):
+            buffer = io.BytesIO()
+            extra = {"exif": b"Exif\0\0" + bytes(60_000)} if fmt == "JPEG" else {}
+            Image.new(mode, (53, 37)).save(buffer, fmt, **extra)
+            buffer.seek(0)
+            assert folder.image_dimensions(buffer) == (53, 37), (fmt, mode)
+    (tmp_path / "wide.png").write_bytes(png_header_only(200_000, 1))
+    assert (tmp_path / "wide.png").stat().st_size < 300
+    assert folder.oversized(tmp_path / "wide.png", 199_999) == "200000x1"
+    assert folder.oversized(tmp_path / "wide.png", 200_000) is None
+    assert folder.image_dimensions(io.BytesIO(b"not an image")) is None
+    assert folder.image_dimensions(io.BytesIO(b"\xff\xd8\xff")) is None  # a JPEG cut short
+    assert folder.image_dimensions(io.BytesIO(b"GIF89a? no")) is None  # shorter than a GIF's header: the decoder's
+
+
+def test_an_image_over_max_pixels_is_skipped_unread_with_the_decoding_notice(tmp_path, capsys):
+    root = make_folder(tmp_path / "f", n_per_class=4)  # 40 x 48 images: 1920 pixels
+    Image.new("RGB", (48, 41)).save(root / "train" / "cat" / "big.png")
+    (root / "train" / "dog" / "huge.png").write_bytes(png_header_only(3000, 3000))  # no pixel data to decode
+    data = task_for(cfg(root, max_pixels=1920)).load("train")
+    assert len(data) == 12
+    out = capsys.readouterr().out
+    assert "2 of the 14 train images" in out and "more than data.max_pixels pixels" in out
+    assert str(root / "train" / "cat" / "big.png") in out and str(root / "train" / "dog" / "huge.png") in out
 
 
 def test_file_cache_over_the_memory_budget_gives_the_same_batches(tmp_path):

@@ -192,7 +192,7 @@ def test_predict_py_relative_paths_json_lines_and_a_corrupt_file(trained_run, di
     assert len(lines) == 2 and "Traceback" not in result.stderr, result.stderr
     assert lines[0].startswith("error: cannot decode image in/bad.png: ") and lines[0].endswith("(skipped)")
     assert "function_node" not in lines[0] and "[Op:" not in lines[0]  # TensorFlow's wrapping taken off
-    assert lines[1] == "error: 1 of 4 images could not be read (each named above); the other 3 were predicted"
+    assert lines[1] == "error: 1 of 4 images could not be predicted (each named above); the other 3 were predicted"
     records = [json.loads(line) for line in result.stdout.strip().splitlines()]
     assert [r["image"] for r in records] == ["in/0.png", "in/1.png", "in/sub/2.png"]
     assert [r["reconstruction"] for r in records] == ["recon/0.png", "recon/1.png", "recon/sub/2.png"]
@@ -260,7 +260,8 @@ def test_path_errors_are_one_line_before_tensorflow(tmp_path):
 def test_config_is_composed_and_checked():
     cfg = compose_config("predict", ["checkpoint=a", "images=[x.png,y/*.jpg]"])
     assert cfg == {"checkpoint": "a", "images": ["x.png", "y/*.jpg"], "top_k": 3, "reconstruct": None,
-                   "which": None, "weights": None, "custom_op": None, "batch_size": 64, "debug": False}
+                   "which": None, "weights": None, "custom_op": None, "batch_size": 64, "trust_export": False,
+                   "debug": False}
     with pytest.raises(ConfigError, match="predict.py takes no ensemble"):
         compose_config("predict", ["checkpoint=[a,b]", "images=x.png"])
     with pytest.raises(ConfigError, match="custom_op must be true or false"):
@@ -289,3 +290,51 @@ def test_two_digit_model_names_both_and_reconstructs_them_side_by_side(tiny_idx_
         assert record["classes"] == [str(c) for c in order[:2]] and record["class"] == record["classes"][0]
         png = tf.io.decode_png((tmp_path / "recon" / os.path.basename(record["image"])).read_bytes()).numpy()
         assert png.shape == (36, 72, 1)  # the two digits' reconstructions side by side
+
+
+# --------------------------------------------------------------------------- a SavedModel is a program
+
+def crafted_export(directory, target, how):
+    """A SavedModel with an export's serving_default (images (N, 28, 28, 1) -> lengths,
+    predictions) that also writes `target` when called (`how`: tf.io.write_file, or tf.print
+    to a file)."""
+
+    class Crafted(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec((None, 28, 28, 1), tf.float32, name="images")])
+        def serve(self, images):
+            if how == "write_file":
+                tf.io.write_file(str(target), "written by a SavedModel")
+            else:
+                tf.print("written by a SavedModel", output_stream=f"file://{target}")
+            n = tf.shape(images)[0]
+            return {"lengths": tf.fill([n, 10], 0.5), "predictions": tf.zeros([n], tf.int32)}
+
+    module = Crafted()
+    tf.saved_model.save(module, str(directory), signatures={"serving_default": module.serve})
+    return directory
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how, op", [("write_file", "WriteFile"), ("print", "PrintV2")])
+def test_an_export_without_the_marker_or_with_side_effect_ops_is_refused(digits, tmp_path, how, op):
+    folder, _ = digits
+    target = tmp_path / "pwned.txt"
+    exported = crafted_export(tmp_path / "crafted", target, how)
+    with pytest.raises(CheckpointError, match=r"has no assets.extra/capsnet_export.json \(not written by export.py\)"
+                                              ".*trust_export=true"):
+        prediction.predict(exported, folder / "00.png")
+    (exported / "assets.extra").mkdir(exist_ok=True)
+    (exported / "assets.extra" / "capsnet_export.json").write_text(json.dumps({"dataset": "mnist"}))
+    with pytest.raises(CheckpointError, match=f"holds ops that write files, run Python or print \\({op}\\)"):
+        prediction.predict(exported, folder / "00.png")
+    assert not target.exists()
+    # The explicit override runs it: the graph's side effect happens, as it would in TensorFlow.
+    (record,) = prediction.predict(exported, folder / "00.png", trust_export=True)
+    assert record["class"] == "0" and target.exists()
+
+
+@pytest.mark.slow
+def test_predict_help_says_a_saved_model_is_a_program():
+    result = run_entry_point("predict.py", "--help", cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "A SavedModel is a program" in result.stdout and "trust_export: false" in result.stdout

@@ -22,10 +22,11 @@ def copy_with_config(trained_run, tmp_path, edit):
 
 def test_keys_added_since_take_their_schema_defaults(trained_run, tmp_path):
     def drop(saved):
-        del saved["model"]["kind"], saved["train"]["figures"]
+        del saved["model"]["kind"], saved["train"]["figures"], saved["data"]["max_pixels"]
 
     read = read_run_config(copy_with_config(trained_run, tmp_path, drop))
     assert read["model"]["kind"] == "capsnet" and read["train"]["figures"] is False
+    assert read["data"]["max_pixels"] == 8192 * 8192
 
 
 def test_an_unknown_key_is_refused_naming_it(trained_run, tmp_path):

@@ -138,3 +138,10 @@ def test_only_a_folder_export_made_is_removed_as_stale(tmp_path):
     assert not made.exists()
     for folder in kept:
         assert (folder / "notes.txt").read_text() == "precious", folder
+
+
+def test_an_export_holds_no_side_effect_op_but_its_savers(portable_export):
+    """side_effect_ops of an export.py export is empty, although its graph holds the saver's
+    SaveV2 and MergeV2Checkpoints (every SavedModel's, not run by a load or a signature)."""
+    assert {"SaveV2", "MergeV2Checkpoints"} <= capsnet_export.graph_op_types(portable_export)
+    assert capsnet_export.side_effect_ops(portable_export) == []

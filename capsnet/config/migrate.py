@@ -16,7 +16,7 @@ from capsnet.errors import ConfigError
 # means the file was edited, and reading it as today's default could evaluate another model.
 ADDED_SINCE_MARKER = ("model.kind", "model.cnn_filters", "model.cnn_kernel_size", "model.cnn_dense_units",
                       "model.cnn_dropout", "model.padding", "train.figures", "model.deep_widths",
-                      "data.crop_padding", "data.cutout", "train.lr_decay_floor")
+                      "data.crop_padding", "data.cutout", "train.lr_decay_floor", "data.max_pixels")
 
 
 def migrate(saved):

@@ -13,7 +13,7 @@ from typing import Any, List, Optional
 
 from omegaconf import MISSING
 
-from capsnet.datasets import DATASETS
+from capsnet.datasets import DATASETS, DEFAULT_MAX_PIXELS
 from capsnet.errors import ConfigError
 from capsnet.validation import (boolean, finite_float, float_in_range, integer, positive_float, positive_int,
                                 positive_int_tuple)
@@ -313,6 +313,8 @@ class DataSourceConfig:
     cache_memory_mb: int = _checked(2048, _positive_int)  # cache=auto: decoded images above it go to a file cache
     cache_dir: Optional[str] = _checked(None, _optional_string)  # the file cache's folder (null: the system's temp)
     class_names: Optional[List[str]] = _checked(None, _optional_names)  # a folder's classes (its folder names)
+    # An image file whose header declares more pixels is skipped unread (a folder; predict)
+    max_pixels: int = _checked(DEFAULT_MAX_PIXELS, _positive_int)
     standardize: bool = _checked(False, _boolean)  # per-image standardisation (tf.image.per_image_standardization)
     brightness: Any = _checked(0.0, _in_range(0, 1))  # training: random brightness delta in +-brightness
     contrast: Any = _checked(0.0, _in_range(0, 0.9))  # training: random contrast factor in [1 - c, 1 + c]
@@ -490,6 +492,7 @@ class PredictAppConfig:
     weights: Optional[str] = _checked(None, _eval_weights)
     custom_op: Optional[bool] = _checked(None, _eval_boolean)
     batch_size: int = _checked(64, _positive_int)
+    trust_export: bool = _checked(False, _boolean)  # run any SavedModel (a program), not only this project's exports
     debug: bool = _checked(False, _boolean)
 
 

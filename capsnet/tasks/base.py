@@ -1,6 +1,9 @@
 """The Task interface (capsnet.tasks) and the Split it loads."""
 import dataclasses
 
+import tensorflow as tf
+
+from capsnet import folder
 from capsnet.datasets import DATASETS, spec_class_names
 from capsnet.errors import ConfigError
 from capsnet.scoring import score
@@ -70,6 +73,14 @@ class Task:
         check_labels(data.labels, data.images, model=model, split=f"{self.name} {split}",
                      image_shape=self.example_shape(data.shape))
 
+    def file_image(self, data, image_shape):
+        """float32 (H, W, C) in [0, 1]: the model's input (`image_shape`) of an image file's
+        bytes `data`, for predict. Default (the MNIST family, read from arrays, not files):
+        the image-file decoding of the folder pipeline (capsnet.folder.decode_image_bytes:
+        grey or RGB, the shorter side resized, the centre cropped square) at the model's size,
+        scaled by 1/255 as every pipeline scales."""
+        return default_file_image(data, image_shape)
+
     def serving_images(self, images):
         """What the model sees of float32 images in [0, 1] given to the export or predict
         (the pipeline's deterministic test-time steps): as they are by default."""
@@ -101,3 +112,13 @@ def check_labels(labels, images, *, model, split, image_shape=None):
     if len(labels) and (labels.min() < 0 or labels.max() >= num_classes):
         raise ConfigError(f"{split} labels lie in [{labels.min()}, {labels.max()}] but model.num_classes is "
                           f"{num_classes}")
+
+
+def default_file_image(data, image_shape):
+    """Task.file_image's default, also for an export that does not record its data section:
+    folder.decode_image_bytes at the model's (square) size, scaled by 1/255."""
+    height, width, channels = image_shape
+    if height != width:
+        raise ConfigError(f"the model takes {height}x{width} images: predict makes square ones (the folder "
+                          "pipeline's decoding)")
+    return tf.cast(folder.decode_image_bytes(data, height, channels), tf.float32) / 255.0

@@ -9,7 +9,8 @@ a square) once, at load. Where the decoded split fits data.cache_memory_mb
 removed at exit) that every epoch reads, so a folder larger than memory trains;
 data.cache=none decodes the files every epoch. A file that does not decode is skipped: the
 load says how many in one notice line (corrupt files in a folder of thousands should not
-stop a run, and the count says that some were left out).
+stop a run, and the count says that some were left out); so is a file whose header declares
+more than data.max_pixels pixels, before any of it is decoded.
 
 Pipeline (`dataset`): training shuffles (an in-memory split by a stateless permutation of
 (seed, epoch), as capsnet.data.make_dataset; a streamed one through a shuffle buffer seeded
@@ -33,7 +34,7 @@ from capsnet import folder
 from capsnet.augment import natural_image_batch
 from capsnet.console import say
 from capsnet.data import _fail_fast_downloads, _is_network_error, _shorten, host_tensor, int32_labels
-from capsnet.datasets import source_shape, spec_class_names
+from capsnet.datasets import DEFAULT_MAX_PIXELS, source_shape, spec_class_names
 from capsnet.errors import ConfigError, DataError
 from capsnet.tasks.base import Split, Task, check_labels
 
@@ -84,7 +85,12 @@ class NaturalImages(Task):
             paths, labels = [paths[i] for i in keep], labels[keep]
         shape = source_shape(cfg)
         size, channels = shape[0], shape[2]
-        decoded = (tf.data.Dataset.from_tensor_slices((tf.range(len(paths), dtype=tf.int64), tf.constant(paths)))
+        # Files whose header declares more than data.max_pixels are never decoded (a few
+        # hundred bytes can declare gigabytes of pixels); _skipped_notice names them.
+        max_pixels = cfg.get("max_pixels", DEFAULT_MAX_PIXELS)
+        candidates = [i for i, path in enumerate(paths) if folder.oversized(path, max_pixels) is None]
+        decoded = (tf.data.Dataset.from_tensor_slices((tf.constant(candidates, tf.int64),
+                                                       tf.constant([paths[i] for i in candidates], tf.string)))
                    .map(lambda i, p: (i, decode_image(p, size, channels)), num_parallel_calls=tf.data.AUTOTUNE,
                         deterministic=True)
                    .ignore_errors())
@@ -162,6 +168,15 @@ class NaturalImages(Task):
                 "padding": int(cfg.get("crop_padding") or 0) if training else 0,
                 "cutout": int(cfg.get("cutout") or 0) if training else 0}
 
+    def file_image(self, data, image_shape):
+        """The model's input of an image file's bytes as the test pipeline makes it: decoded
+        to the stored square (folder.decode_image_bytes: data.image_size, data.channels), the centre
+        data.crop (natural_image_batch at test), scaled to [0, 1]; the standardisation is
+        serving_images' (the export's signature's)."""
+        size, _, channels = source_shape(self.cfg)
+        stored = folder.decode_image_bytes(data, size, channels)[None]
+        return natural_image_batch(stored, None, None, **{**self._augmentation(False), "standardize": False})[0]
+
     def serving_images(self, images):
         """The export's and predict's images (float32 [0, 1], resized to the model's input):
         per-image standardised where the run's pipeline did."""
@@ -198,47 +213,24 @@ def _cache_file(cfg, split, paths):
 
 
 def _skipped_notice(root, split, paths, kept):
-    """`paths`: the split's files; `kept`: the indices of those that decoded. The notice names
-    the first few skipped, so that a user can find and mend them."""
+    """`paths`: the split's files; `kept`: the indices of those that decoded (and were within
+    data.max_pixels). The notice names the first few skipped, so that a user can find and
+    mend them."""
     listed = len(paths)
     if len(kept) == 0:
         raise DataError(f"no image of {root} ({split}) could be decoded ({listed} files)")
     if len(kept) < listed:
         skipped = sorted(set(range(listed)) - {int(i) for i in kept})
         named = ", ".join(str(paths[i]) for i in skipped[:3]) + (", ..." if len(skipped) > 3 else "")
-        say(f"notice: {len(skipped)} of the {listed} {split} images of {root} could not be decoded and are "
-            f"skipped: {named}")
+        say(f"notice: {len(skipped)} of the {listed} {split} images of {root} could not be decoded (or have more "
+            f"than data.max_pixels pixels) and are skipped: {named}")
 
 
 def decode_image(path, size, channels):
-    """uint8 (size, size, channels) of the image file `path`: decoded (JPEG/PNG/BMP/GIF,
-    its first frame), alpha dropped, grey and RGB converted to `channels`, the shorter
-    side resized to `size` (area when shrinking, bilinear when enlarging) and the centre
-    cropped to a square. An image already size x size keeps its pixels."""
+    """folder.decode_image_bytes of the image file `path` (the folder pipeline's decoding)."""
     import tensorflow as tf
 
-    image = tf.io.decode_image(tf.io.read_file(path), channels=0, dtype=tf.uint8, expand_animations=False)
-    c = tf.shape(image)[-1]
-    image = image[..., :tf.where((c == 2) | (c == 4), c - 1, c)]           # alpha dropped
-    image = tf.cond(tf.shape(image)[-1] == 1, lambda: tf.tile(image, [1, 1, 3]), lambda: image)
-    image = tf.ensure_shape(image, [None, None, 3])
-    if channels == 1:
-        image = tf.image.rgb_to_grayscale(image)
-    elif channels == 2:
-        raise ConfigError("data.channels=2: a folder's images are grey (1) or RGB (3)")
-    h, w = tf.shape(image)[0], tf.shape(image)[1]
-
-    def resized():
-        scale = size / tf.cast(tf.minimum(h, w), tf.float32)
-        new = tf.maximum(tf.cast(tf.round(tf.cast(tf.stack([h, w]), tf.float32) * scale), tf.int32), size)
-        shrinking = scale < 1
-        pixels = tf.cond(shrinking,
-                         lambda: tf.image.resize(image, new, method="area"),
-                         lambda: tf.image.resize(image, new, method="bilinear"))
-        return tf.cast(tf.clip_by_value(tf.round(pixels), 0, 255), tf.uint8)
-
-    image = tf.cond((h == size) & (w == size), lambda: image, resized)
-    return tf.ensure_shape(tf.image.resize_with_crop_or_pad(image, size, size), [size, size, channels])
+    return folder.decode_image_bytes(tf.io.read_file(path), size, channels)
 
 
 def _resize_array(images, size):
