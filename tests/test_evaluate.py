@@ -184,8 +184,8 @@ def test_a_report_that_cannot_be_written_leaves_no_file_blocking_the_rerun(train
     failed = subprocess.run(command, cwd=tmp_path, env=entry_point_env(), capture_output=True, text=True,
                             timeout=300, preexec_fn=full_disk)
     assert failed.returncode == 2, failed.stderr[-2000:]
-    assert f"cannot write the evaluation report {output}: File too large (is the disk full?)" in failed.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither the report nor its temporary file
+    assert f"cannot write the evaluation report {output}: File too large (is the disk full?)" in failed.stderr
     rerun = subprocess.run(command, cwd=tmp_path, env=entry_point_env(), capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert json.loads(output.read_text())["accuracy"] == trained_run[1]["test_accuracy"]
