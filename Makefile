@@ -4,7 +4,8 @@
 #                  driver are found (minutes of nvcc for nothing on a machine without a GPU)
 #   make ops-cuda  build it with the CUDA kernels, GPU driver or not (needs nvcc; `docker build`)
 #   make ops-cpu   build it without them
-#   make test      install, then run the test suite (in parallel, one worker per core)
+#   make test      install, then the fast tier of the tests (in parallel, one worker per core; minutes)
+#   make test-full install, then every test, the slow tier too (what CI runs)
 #   make train     install, then a first training of about a minute on a CPU (experiment=quickstart, offline
 #                  on the MNIST sample in the package); ARGS="..." trains with those Hydra overrides
 #                  instead, e.g. ARGS="data.dir=/data/mnist" for the full 50-epoch recipe
@@ -20,7 +21,7 @@ PYTHON ?= $(shell for p in python3.12 python3.11 python3.10 python3; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(not (3,10) <= sys.version_info[:2] <= (3,12))' 2>/dev/null \
 	&& { echo $$p; break; }; done)
 
-.PHONY: install ops ops-cpu ops-cuda test train clean
+.PHONY: install ops ops-cpu ops-cuda test test-full train clean
 
 install: $(VENV)/.installed ops
 
@@ -45,8 +46,14 @@ ops-cuda: $(VENV)/.installed
 	$(PY) scripts/build_ops.py --require-cuda
 
 # The suite in parallel (pytest-xdist, one worker per core: TEST_WORKERS=1 for one process).
+# Tiers (tests/README.md): `make test` leaves out tests marked `slow` (entry points run as
+# processes, signals and kills, multi-worker, allocator limits, longer trainings); a -m in
+# PYTEST_ARGS comes later on the line and replaces the tier's.
 TEST_WORKERS ?= auto
 test: install
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
+
+test-full: install
 	$(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 train: install

@@ -193,6 +193,7 @@ def test_affnist_test_split_keeps_each_digit_inside_the_canvas():
     assert max(params["translate_y"].max(), params["translate_x"].max()) > 8
 
 
+@pytest.mark.slow
 def test_evaluate_py_scores_an_expanded_mnist_run_on_affnist(tiny_idx_dir, tmp_path):
     import tensorflow as tf
 

@@ -28,12 +28,14 @@ def assert_one_line_error(result, *fragments):
         assert fragment in lines[0]
 
 
+@pytest.mark.slow
 def test_unknown_config_key(tmp_path):
     result = run_entry_point("train.py", "train.epochz=3", cwd=tmp_path)
     assert_one_line_error(result, "train.epochz")
     assert not (tmp_path / "outputs").exists()  # rejected before any run dir is made
 
 
+@pytest.mark.slow
 def test_missing_data_dir(tmp_path):
     missing = tmp_path / "no_such_dir"
     result = run_entry_point("train.py", f"data.dir={missing}", f"hydra.run.dir={tmp_path / 'run'}",
@@ -41,6 +43,7 @@ def test_missing_data_dir(tmp_path):
     assert_one_line_error(result, str(missing))
 
 
+@pytest.mark.slow
 def test_corrupt_idx_file(tmp_path):
     data = write_idx_dataset(tmp_path / "data", n_train=32, n_test=16)
     images = data / "train-images-idx3-ubyte.gz"
@@ -50,6 +53,7 @@ def test_corrupt_idx_file(tmp_path):
     assert_one_line_error(result, str(images))
 
 
+@pytest.mark.slow
 def test_a_non_boolean_switch_is_a_one_line_error(tmp_path):
     # Hydra passes `no` as the string 'no'; bool('no') would have turned the op on.
     result = run_entry_point("train.py", "custom_op=no", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
@@ -57,11 +61,13 @@ def test_a_non_boolean_switch_is_a_one_line_error(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_missing_checkpoint(tmp_path):
     result = run_entry_point("evaluate.py", f"checkpoint={tmp_path / 'gone'}", cwd=tmp_path)
     assert_one_line_error(result, str(tmp_path / "gone"))
 
 
+@pytest.mark.slow
 def test_evaluate_prints_a_table_and_ends_with_json(trained_run, tmp_path):
     run_dir, metrics = trained_run
     result = run_entry_point("evaluate.py", f"checkpoint={run_dir}", "which=latest", cwd=tmp_path)
@@ -80,6 +86,7 @@ def test_evaluate_prints_a_table_and_ends_with_json(trained_run, tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing written in the working directory
 
 
+@pytest.mark.slow
 def test_evaluate_a_list_of_checkpoints_prints_the_ensemble(trained_run, tmp_path):
     run_dir, metrics = trained_run
     latest = run_dir / "checkpoints" / "latest"
@@ -95,6 +102,7 @@ def test_evaluate_a_list_of_checkpoints_prints_the_ensemble(trained_run, tmp_pat
     assert json.loads(output.read_text())["accuracy"] == report["accuracy"]
 
 
+@pytest.mark.slow
 def test_custom_op_true_trains_through_the_cli(tiny_idx_dir, tmp_path):
     # `make test` builds the op library first, so custom_op=true must train here; the
     # missing-library one-liner is tested in test_train.py / test_evaluate.py.
@@ -196,6 +204,7 @@ def test_killed_run_resumes_at_the_next_epoch_and_matches_an_uninterrupted_one(t
     assert any(name.startswith("model/decoder") for name in names)
 
 
+@pytest.mark.slow
 def test_offline_train_fails_short_and_leaves_no_run_dir(tmp_path):
     # Data from tensorflow-datasets with every download refused by a proxy on a closed port:
     # one short line, no progress bars, and no empty outputs/<date>/<time>/ left. Fashion-MNIST:
@@ -219,6 +228,7 @@ def test_offline_train_fails_short_and_leaves_no_run_dir(tmp_path):
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "train.log"]  # .hydra/: the lock holder's
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("on_device", [False, True], ids=["pipeline", "data_on_device"])
 def test_xla_cache_dir_is_filled_by_one_run_and_read_by_the_next(tiny_idx_dir, tmp_path, on_device):
     # train.xla_cache_dir: the first run compiles the jit steps (the op's custom call in the
@@ -257,6 +267,7 @@ def test_xla_cache_dir_is_filled_by_one_run_and_read_by_the_next(tiny_idx_dir, t
     assert " s: train " in line and ", test " in line and ", save " in line, line
 
 
+@pytest.mark.slow
 def test_an_xla_cache_dir_that_cannot_be_made_is_a_one_line_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -280,6 +291,7 @@ def test_every_entry_point_takes_gpu_memory_as_needed():
         .split("\ndef ")[0]
 
 
+@pytest.mark.slow
 def test_tensorflow_is_imported_without_matplotlib_which_imports_afterwards():
     """Keras imports matplotlib.pyplot with TensorFlow if it can (~0.8 s of a 2-core CPU's start-up);
     cli.import_tensorflow_quietly keeps it out, and matplotlib imports as before once TensorFlow is in

@@ -27,6 +27,7 @@ def one_line_error(overrides, config_name="train"):
     return str(err.value)
 
 
+@pytest.mark.slow
 def test_importing_config_does_not_import_tensorflow():
     code = "import capsnet.config, capsnet.cli, sys; print('tensorflow' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
@@ -189,6 +190,7 @@ def test_a_type_error_in_a_yaml_file_is_explained():
     assert config.explain(err.value) == "train.batch_size must be a positive integer, got 'many'"
 
 
+@pytest.mark.slow
 def test_the_cli_prints_a_type_error_as_one_line(tmp_path):
     result = subprocess.run([sys.executable, str(REPO / "train.py"), "train.m_plus=abc",
                              f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True)

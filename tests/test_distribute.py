@@ -332,6 +332,7 @@ print(json.dumps({"out": out, "made": made, "copies": [float(c) for c in strateg
 """
 
 
+@pytest.mark.slow
 def test_compiled_per_replica_gives_each_replica_its_own_compiled_function():
     report = run_json_script(PER_REPLICA_SCRIPT)
     assert sorted(report["made"]) == [0, 1]  # once each, not again on the second call
@@ -452,6 +453,7 @@ print(json.dumps(report))
 """
 
 
+@pytest.mark.slow
 def test_an_all_reduce_that_does_not_sum_is_refused_before_training(tiny_idx_dir, tmp_path):
     run_dir = tmp_path / "run"
     cfg = compose_config("train", tiny_overrides(tiny_idx_dir, run_dir, *DATA, "train.epochs=1", "distribute=mirrored",
@@ -557,6 +559,7 @@ def numpy_adam(weights, summed_grads, updates):
     return weights + m + v
 
 
+@pytest.mark.slow
 def test_each_devices_adam_update_compiled_matches_numpy_adam_on_every_copy(tmp_path):
     """compile_replica_updates: the update of every device's copies, as one jit-compiled
     function a device, against NumPy's Adam on the summed gradients and against Keras' own
@@ -695,6 +698,7 @@ def test_multi_worker_trains_like_one_device_writes_from_the_chief_only_and_resu
 
 # --------------------------------------------------------------------------- config
 
+@pytest.mark.slow
 def test_distribute_config_group_composes():
     for option, strategy in (("none", "none"), ("mirrored", "mirrored"), ("multi_worker", "multi_worker")):
         cfg = compose_config("train", [f"distribute={option}", "run_dir=/unused"])
@@ -776,6 +780,7 @@ def test_auto_all_reduce_is_the_compiled_one_where_it_applies(all_reduce, strate
         assert resolve_all_reduce(all_reduce, strategy, xla, precision, devices, weight_decay=0.01) == "collective"
 
 
+@pytest.mark.slow
 def test_the_compiled_all_reduce_with_weight_decay_is_a_one_line_config_error(tiny_config):
     from capsnet.config import check
 
@@ -799,6 +804,7 @@ def test_scale_lr_sets_the_learning_rate_train_uses(tiny_config, scale_lr, base)
     assert metrics["history"][0]["learning_rate"] == pytest.approx(0.02 * 0.9, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_resume_refuses_another_lr_scaling_and_accepts_a_run_dir_from_before_distribute(
         reference, tiny_config, tmp_path):
     run_dir = tmp_path / "copy"
@@ -888,6 +894,7 @@ def test_benchmark_scale_script_times_the_device_loop_under_mirrored(tmp_path):
     assert rows["mirrored ×2"]["last_loss"] < rows["mirrored ×2"]["first_loss"]
 
 
+@pytest.mark.slow
 def test_benchmark_scale_flags_a_mirrored_row_whose_loss_did_not_fall():
     from conftest import load_script
 
@@ -910,6 +917,7 @@ def test_benchmark_scale_flags_a_mirrored_row_whose_loss_did_not_fall():
     assert benchmark_scale.trains(mirrored, None) is None
 
 
+@pytest.mark.slow
 def test_benchmark_scale_script_rejects_bad_arguments(tmp_path):
     for args, message in ((["--all-reduce", "ring"], "unknown all-reduce ring"),
                           (["--replicas", "0"], "positive integers"),

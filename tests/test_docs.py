@@ -321,6 +321,7 @@ def test_readme_is_short():
         f"README.md has {len(lines)} lines, more than {README_MAX_LINES}: move the details to docs/"
 
 
+@pytest.mark.slow
 def test_no_narration_of_how_the_work_was_organised():
     found = []
     for name in tracked_files():
@@ -351,6 +352,7 @@ def readme_results():
         return dict(zip(argvs, pool.map(run_check, argvs)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("line", sorted(README_CHECKS) or [pytest.param(None, marks=pytest.mark.skip(reason="no commands"))])
 def test_readme_command_runs(line, readme_results):
     targets = makefile_targets()
@@ -386,6 +388,7 @@ def test_narration_words_are_found_as_whole_words_in_any_case():
     assert narration_words("a tf.compat.v1.Se" + "ssion() call")[0][0] == 1  # only the fixture scope is allowed
 
 
+@pytest.mark.slow
 def test_narration_check_reads_tracked_text_files_only(tmp_path):
     (tmp_path / "binary.bin").write_bytes(b"\0\1 " + ("se" + "ssion").encode())
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
@@ -465,6 +468,7 @@ def test_makefile_targets():
     assert not {"SHELL", "VENV", "PY", "PYTHON"} & targets
 
 
+@pytest.mark.slow
 def test_a_wrong_override_fails_its_check():
     """`--cfg job` composes without training, and still rejects what a user's run would."""
     assert run_check(["train.py", "custom_op=false", "train.epochs=2", "--cfg", "job"])[0] == 0

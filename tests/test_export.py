@@ -233,6 +233,7 @@ def test_multimnist_export_predicts_two_digits(tiny_idx_dir, tmp_path):
     assert pair_report(pairs, served["predictions"].numpy(), 10)["accuracy"] == evaluated["accuracy"]
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_leaves_nothing(trained_run, tmp_path):
     run_dir, _ = trained_run
     result = run_entry_point("export.py", f"checkpoint={tmp_path / 'gone'}", f"output={tmp_path / 'a'}",

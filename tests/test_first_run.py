@@ -288,12 +288,14 @@ def test_a_mistyped_key_gets_the_close_key_not_hydras_plus_hint():
         assert expected in line and "+" not in line, line
 
 
+@pytest.mark.slow
 def test_a_mistyped_key_on_the_command_line():
     result = run_entry_point("train.py", "train.epoch=1", cwd=REPO, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip() == "error: unknown key train.epoch: did you mean train.epochs?"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["evaluate.py", "export.py"])
 def test_a_missing_checkpoint_is_reported_before_tensorflow_is_imported(script, tmp_path):
     probe = textwrap.dedent(f"""
@@ -313,6 +315,7 @@ def test_a_missing_checkpoint_is_reported_before_tensorflow_is_imported(script, 
     assert "tensorflow imported: False" in result.stdout
 
 
+@pytest.mark.slow
 def test_exported_is_git_ignored():
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("not a git checkout")
@@ -327,6 +330,7 @@ def test_a_complete_run_says_how_to_extend_it():
     assert "complete" in line and "train.epochs=" in line and "hydra.run.dir=outputs/x" in line
 
 
+@pytest.mark.slow
 def test_help_lists_no_schema_option():
     result = run_entry_point("train.py", "--help", cwd=REPO, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -335,6 +339,7 @@ def test_help_lists_no_schema_option():
     assert "schema" not in groups
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, config_file", [("evaluate.py", "eval.yaml"), ("export.py", "export.yaml"),
                                                  ("predict.py", "predict.yaml")])
 def test_help_of_a_checkpoint_command_lists_its_own_keys_only(script, config_file):
@@ -348,6 +353,7 @@ def test_help_of_a_checkpoint_command_lists_its_own_keys_only(script, config_fil
     assert "experiment:" not in result.stdout and "paper_mnist" not in result.stdout
 
 
+@pytest.mark.slow
 def test_a_shadowing_capsnet_folder_is_named_in_one_line(tmp_path):
     """A folder `capsnet` without __init__.py in the current directory imported as `capsnet`, a
     namespace package, while its modules come from the package (as with an editable install,

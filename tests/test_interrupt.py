@@ -46,6 +46,7 @@ def default_sigint():
     signal.signal(signal.SIGINT, before)
 
 
+@pytest.mark.slow
 def test_ctrl_c_mid_epoch_saves_the_steps_run_and_the_rerun_ends_as_the_uninterrupted_run(
         tiny_config, tmp_path, monkeypatch, capsys, default_sigint):
     reference = train(tiny_config(*OVERRIDES, run_dir=tmp_path / "whole"))
@@ -86,6 +87,7 @@ def test_ctrl_c_mid_epoch_saves_the_steps_run_and_the_rerun_ends_as_the_uninterr
     assert not (run_dir / "checkpoints" / "interrupted").exists()  # superseded by epoch 2's checkpoint
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_the_first_epoch_resumes_without_an_epoch_checkpoint(tiny_config, tmp_path, monkeypatch,
                                                                        capsys, default_sigint):
     run_dir = tmp_path / "run"
@@ -98,6 +100,7 @@ def test_ctrl_c_in_the_first_epoch_resumes_without_an_epoch_checkpoint(tiny_conf
     assert "resuming epoch 1 at step" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_train_py_answers_ctrl_c_within_a_second_and_exits_within_three(tiny_idx_dir, tmp_path):
     """train.py on a long tiny run, SIGINT in epoch 3: the notice on stdout within 1 s, the
     process gone (exit 130) within 3 s, the one-line message naming what was saved."""

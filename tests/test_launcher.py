@@ -73,6 +73,7 @@ def test_a_job_dir_survives_hydras_override_parser():
 
 # --------------------------------------------------------------------------- train.py -m ... hydra/launcher=gpus
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices, words", [("[]", "non-empty list"), ("[0,0]", "device 0 more than once")])
 def test_bad_devices_are_one_line_before_any_job(tmp_path, devices, words):
     result = run_entry_point("train.py", "-m", "seed=0,1", "hydra/launcher=gpus",

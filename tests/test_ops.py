@@ -319,6 +319,7 @@ def overflow_results():
     return run_cases(_overflow_cases())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", range(len(OVERFLOW_SHAPES)))
 @pytest.mark.parametrize("dtype", OVERFLOW_DTYPES)
 def test_overflowing_shapes_are_invalid_argument(overflow_results, dtype, n):
@@ -331,6 +332,7 @@ def test_overflowing_shapes_are_invalid_argument(overflow_results, dtype, n):
                  "int64", str(list(u_shape)), str(list(w_shape)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", range(len(OVERFLOW_SHAPES)))
 def test_overflowing_shapes_in_tf_function(overflow_results, n):
     u_shape, w_shape = OVERFLOW_SHAPES[n]
@@ -414,6 +416,7 @@ def _scratch_cases(dt):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", SCRATCH_DTYPES)
 def test_failing_scratch_allocation_is_resource_exhausted(dtype):
     results = run_with_limits(_scratch_cases(dtype))
@@ -422,6 +425,7 @@ def test_failing_scratch_allocation_is_resource_exhausted(dtype):
     assert_scratch_refused(results[f"gradient-{dtype}"], dtype, 2 * J * D * K)
 
 
+@pytest.mark.slow
 def test_scratch_limit_is_what_refuses():
     """The control: the same forward case, the allocator's limit far above it, runs."""
     code = _scratch_cases("float32")[0][1]
@@ -474,6 +478,7 @@ class _Prediction(tf.Module):
         return ops.capsule_prediction(u, self.W)
 
 
+@pytest.mark.slow
 def test_saved_model_round_trip(tmp_path):
     u, W = inputs((3, 5, 4, 2, 6), np.float32)
     path = str(tmp_path / "model")
@@ -654,6 +659,7 @@ def test_gpu_deterministic_empty_nan_and_bad_shapes(on_gpu):
     assert _both_shapes_named(info.value.message, (2, 3, 8), (4, 2, 5, 8))
 
 
+@pytest.mark.slow
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
@@ -673,6 +679,7 @@ def test_gpu_kernels_under_compute_sanitizer(tool):
     assert "checks passed" in proc.stdout and summary in proc.stdout + proc.stderr, tail
 
 
+@pytest.mark.slow
 def test_build_up_to_date_check_does_not_import_tensorflow(tmp_path):
     """`make ops` on a built tree answers from the stamp's quick key: no TensorFlow import,
     so none of its CUDA/oneDNN notices; a changed source would change the key (the full

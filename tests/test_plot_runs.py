@@ -195,6 +195,7 @@ def test_resumed_and_cut_short_event_files(plot_runs, trained_run, tmp_path):
     np.testing.assert_allclose(plot_runs.load_run(copy)["accuracy"], original["accuracy"], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_bad_inputs_exit_2_with_one_line(plot_runs, trained_run, tmp_path, capsys):
     run_dir, _ = trained_run
     empty = tmp_path / "empty"

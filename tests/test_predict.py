@@ -214,6 +214,7 @@ def test_predict_py_relative_paths_json_lines_and_a_corrupt_file(trained_run, di
         np.testing.assert_allclose(mine["lengths"], theirs["lengths"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_path_errors_are_one_line_before_tensorflow(tmp_path):
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "0.png").write_bytes(b"")

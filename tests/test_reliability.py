@@ -144,6 +144,7 @@ def test_a_non_finite_loss_stops_training_at_its_step_and_leaves_the_checkpoints
     assert (run_dir / "history.jsonl").read_text() == history
 
 
+@pytest.mark.slow
 def test_a_diverging_learning_rate_stops_the_cli_with_one_line_and_a_lower_one_resumes(tiny_idx_dir, tmp_path):
     run_dir = tmp_path / "run"
     overrides = tiny_overrides(tiny_idx_dir, run_dir, "train.epochs=1")
@@ -349,6 +350,7 @@ def test_repairing_a_damaged_only_best_checkpoint_says_the_state_file_goes(train
     assert notices[1].startswith(f"notice: {best_dir} holds no intact checkpoint: its state file removed")
 
 
+@pytest.mark.slow
 def test_evaluate_cli_on_a_damaged_checkpoint_prints_one_line(trained_run, tmp_path):
     run_dir = copied_run(trained_run, tmp_path)
     damage(tf.train.latest_checkpoint(str(run_dir / "checkpoints" / "best")), "truncated data")
@@ -411,6 +413,7 @@ def test_a_run_dir_held_by_another_training_is_refused_naming_the_holder(trained
     assert tree_bytes(run_dir / "checkpoints") == before
 
 
+@pytest.mark.slow
 def test_the_lock_of_a_dead_training_is_taken_over_with_a_notice(trained_run, tiny_config, tmp_path, capsys):
     run_dir = copied_run(trained_run, tmp_path)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -809,6 +812,7 @@ def test_adopt_copies_where_links_fail(tmp_path, monkeypatch):
         assert copy.read_bytes() == source.read_bytes() and copy.stat().st_ino != source.stat().st_ino
 
 
+@pytest.mark.slow
 def test_benchmark_checkpoint_script_times_the_three_kinds(tmp_path):
     result = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark_checkpoint.py"), "--dir", str(tmp_path),
                              "--repeats", "2", "--parameters", "1000"],
@@ -908,6 +912,7 @@ def test_an_interrupted_run_redoes_the_epochs_since_its_last_save(trained_run, t
     assert [line["epoch"] for line in lines] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_run_at_the_end_of_its_epoch_saved(trained_run, tiny_config, tmp_path, monkeypatch):
     """SIGTERM in epoch 2 of a run that would save only at its last epoch: epoch 2 is finished
     and saved, train() raises Terminated with the line to print, the handler it replaced is

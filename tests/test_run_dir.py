@@ -87,6 +87,7 @@ def tree(directory):
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(Path(directory).rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_a_directory_that_is_not_a_run_is_refused_in_one_line_and_left_as_it_was(tiny_idx_dir, tmp_path):
     theirs = tmp_path / "theirs"
     theirs.mkdir()
@@ -100,6 +101,7 @@ def test_a_directory_that_is_not_a_run_is_refused_in_one_line_and_left_as_it_was
     assert tree(theirs) == before and sorted(p.name for p in theirs.iterdir()) == ["config.yaml", "notes.txt"]
 
 
+@pytest.mark.slow
 def test_an_empty_run_dir_override_is_refused(tiny_idx_dir, tmp_path):
     result = run_entry_point("train.py", *tiny_overrides(tiny_idx_dir, "x", "train.epochs=1")[:-1], "hydra.run.dir=",
                              cwd=tmp_path)
@@ -107,6 +109,7 @@ def test_an_empty_run_dir_override_is_refused(tiny_idx_dir, tmp_path):
     assert "hydra.run.dir is empty" in result.stderr and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["under a file", "a file", "a name over 255 bytes"])
 def test_a_run_dir_that_cannot_be_made_is_one_line(tiny_idx_dir, tmp_path, kind):
     """Hydra makes the run dir before train.py's code runs: a path that cannot be a directory was
@@ -140,6 +143,7 @@ READ_ONLY_TRAIN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_read_only_run_dir_is_one_line_before_anything_is_written(trained_run, tiny_idx_dir, tmp_path):
     """Resuming a run whose dir is read-only: the job's first log line (train.log) raised out of
     Python's logging with a traceback. Now one line before any file is opened there."""
@@ -157,6 +161,7 @@ def test_a_read_only_run_dir_is_one_line_before_anything_is_written(trained_run,
     assert tree(run_dir) == before
 
 
+@pytest.mark.slow
 def test_a_refused_second_training_writes_nothing_of_the_running_run(tiny_idx_dir, tmp_path):
     """The first training holds the lock (as a running one does); a second train.py in the same
     run dir with another seed is refused, and .hydra/config.yaml, config.yaml stay the first's."""
@@ -180,6 +185,7 @@ def test_a_refused_second_training_writes_nothing_of_the_running_run(tiny_idx_di
     assert not {"config.yaml", "history.jsonl", "metrics.json", ".hydra/overrides.yaml"} & set(after)
 
 
+@pytest.mark.slow
 def test_train_py_writes_the_hydra_snapshot_and_the_marker(trained_run, tiny_idx_dir, tmp_path):
     run_dir = tmp_path / "run"
     result = run_entry_point("train.py", *tiny_overrides(tiny_idx_dir, run_dir, "train.epochs=1",
@@ -307,6 +313,7 @@ def test_a_run_dir_of_the_loop_before_still_gets_the_keys_added_since(tmp_path, 
     assert read_run_config(old_run_dir(tmp_path, small_data))["train"]["restart"] is False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["evaluate.py", "export.py"])
 def test_evaluate_and_export_without_config_yaml_are_one_line(trained_run, tmp_path, script):
     """With config.yaml deleted, both failed on the unresolved ${dataset_shape:...} of Hydra's
@@ -345,6 +352,7 @@ FULL_DISK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("limit", [1_000_000, 4_000])
 def test_a_write_that_fails_is_one_line_naming_the_file_and_the_run_resumes(tiny_idx_dir, tiny_config, tmp_path,
                                                                             limit):

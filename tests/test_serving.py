@@ -55,6 +55,7 @@ def call(export_dir, signature, shape, dtype, load_op_library=False):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signature", SIGNATURES)
 @pytest.mark.parametrize("shape, received", [
     ((4, 28, 28), "(4, 28, 28)"),            # wrong rank: aborted the process
@@ -75,6 +76,7 @@ def op_export(trained_run, tmp_path_factory):
     return output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signature", SIGNATURES)
 def test_the_op_exports_signatures_refuse_a_3d_batch_too(op_export, signature):
     """The 3-D batch aborted the process for both exports: the op export's signatures (the
@@ -84,6 +86,7 @@ def test_the_op_exports_signatures_refuse_a_3d_batch_too(op_export, signature):
     assert "images must have the shape (N, 28, 28, 1); received shape: (4, 28, 28)" in seen["message"], seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signature", SIGNATURES)
 def test_a_wrong_dtype_is_invalid_argument(portable_export, signature):
     # TensorFlow checks the dtype of a signature's input itself.
@@ -94,6 +97,7 @@ def test_a_wrong_dtype_is_invalid_argument(portable_export, signature):
     assert f"expected to be a {expected} tensor but is a {wrong[1]} tensor" in seen["message"], seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signature", SIGNATURES)
 def test_an_empty_batch_returns_empty_outputs_and_a_good_batch_works(portable_export, signature):
     assert call(portable_export, signature, [0, 28, 28, 1], SIGNATURES[signature]) == {
@@ -102,6 +106,7 @@ def test_an_empty_batch_returns_empty_outputs_and_a_good_batch_works(portable_ex
         "ok": {"lengths": [3, 10], "predictions": [3], "reconstructions": [3, 28, 28, 1]}}
 
 
+@pytest.mark.slow
 def test_a_killed_exports_partial_folder_is_removed_by_the_next_export(trained_run, tmp_path):
     # A SIGKILL mid-write runs no cleanup: its `.name.partial-*` folder stays beside the output.
     run_dir, _ = trained_run
@@ -119,6 +124,7 @@ def test_a_killed_exports_partial_folder_is_removed_by_the_next_export(trained_r
     assert not (tmp_path / "model" / capsnet_export.PARTIAL_MARKER).exists()  # the marker is the scratch folder's only
 
 
+@pytest.mark.slow
 def test_only_a_folder_export_made_is_removed_as_stale(tmp_path):
     """A folder is removed only with export's exact name pattern, its marker inside and its
     process gone: a user's look-alike folders and their files stay."""

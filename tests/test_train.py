@@ -658,6 +658,7 @@ print(json.dumps(losses))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["jit", "autocluster"])
 def test_xla_train_step_compiles_and_trains_like_none(tiny_idx_dir, tmp_path, mode):
     cfg = compose_config("train", tiny_overrides(tiny_idx_dir, tmp_path / "unused"))
@@ -711,6 +712,7 @@ def test_set_xla_cache_adds_the_flag_and_replaces_another_directory_with_a_notic
         set_xla_cache(tmp_path / "file" / "d")
 
 
+@pytest.mark.slow
 def test_set_xla_compile_threads_adds_flags_this_xla_knows_unless_the_user_set_them(monkeypatch):
     """Both flags go into XLA_FLAGS, after the user's others; a user's setting of either is
     left as it is. XLA aborts the process on a flag it does not know (at its first
@@ -1019,6 +1021,7 @@ def test_benchmark_train_variants_change_only_the_routing_backend():
     assert bt.variant_model_cfg("op", {**model_cfg, "routing": "auto"})["routing"] == {"backend": "tf"}
 
 
+@pytest.mark.slow
 def test_benchmark_train_script_times_both_paths_on_the_same_model(tmp_path):
     """A CPU smoke run of the benchmark on the tiny model (the op library must be built)."""
     from conftest import TINY_MODEL
@@ -1062,6 +1065,7 @@ def test_benchmark_train_script_times_both_paths_on_the_same_model(tmp_path):
     assert "| custom_op=false xla=none | mixed_bfloat16 | 4 |" in table
 
 
+@pytest.mark.slow
 def test_benchmark_train_times_the_data_on_device_loop(tmp_path):
     """--input on_device: the steps of train.data_on_device=true (a call's steps one XLA
     program over a synthetic uint8 training set on the device) for both jit variants: the
@@ -1106,6 +1110,7 @@ def test_benchmark_train_times_the_data_on_device_loop(tmp_path):
         assert refused.returncode == 2 and "error: data.erase_probability=0.5: only" in refused.stderr, script
 
 
+@pytest.mark.slow
 def test_benchmark_conv_times_the_true_gradients(tmp_path):
     """scripts/benchmark_conv.py's parts are the convolution and its two gradients (against
     GradientTape's), and a CPU smoke run writes a row per conv, part and XLA setting."""
@@ -1147,6 +1152,7 @@ def test_benchmark_conv_times_the_true_gradients(tmp_path):
     assert refused.returncode == 2 and "--framework torch times PyTorch's GPU kernels" in refused.stderr
 
 
+@pytest.mark.slow
 def test_benchmark_train_times_the_step_with_and_without_the_guard(tmp_path):
     """--guard on,off: each configuration with train()'s step and without the non-finite
     guard, the same model and data (the same first loss), the rows told apart."""
@@ -1188,6 +1194,7 @@ def test_benchmark_out_of_device_memory_is_one_line_naming_the_batch(monkeypatch
         bt.time_training(run_spec, 4, "/CPU:0")
 
 
+@pytest.mark.slow
 def test_benchmark_train_script_rejects_bad_arguments(tmp_path):
     for args, message in ((["--variants", "op,fast"], "unknown variant(s) fast"),
                           (["--batch-sizes", "128,0"], "positive integers"),

@@ -207,6 +207,7 @@ def test_unfused_path_under_jit_matches_the_matmul_prediction(device, stop_gradi
         assert_close(a, b, 1e-4, name)
 
 
+@pytest.mark.slow
 def test_library_loaded_after_tensorflow_ran_ops_still_compiles():
     """TensorFlow makes its XLA devices' kernels at its first op; our library loads later
     (at the first capsule op) and registers its XLA kernels itself then."""
