@@ -379,7 +379,7 @@ def build_member_models(members):
     if any(member["custom_op"] for member in members):
         check_op_library()
     for member in members:
-        # Routed as config.routing_mode decides for the member's custom_op: custom_op=false
+        # Routed as config.router_spec decides for the member's custom_op: custom_op=false
         # routes the same W in TF (or XLA) whatever the run routed with.
         member["model"] = build_capsnet(member["cfg"]["model"], member["custom_op"], member["precision"])
     first = members[0]

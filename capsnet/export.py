@@ -251,7 +251,7 @@ def export(checkpoint, output, *, which="best", weights=None, custom_op=False):
     cfg = member["cfg"]
     if member["custom_op"]:
         check_op_library()
-    # Routed as config.routing_mode decides for custom_op: false routes the same W in TF ops.
+    # Routed as config.router_spec decides for custom_op: false routes the same W in TF ops.
     # float32 whatever the run's train.precision (the weights are float32 in every precision):
     # the export serves on any device, and a CPU computes 16-bit types no faster.
     model = build_capsnet(cfg["model"], member["custom_op"])

@@ -9,8 +9,8 @@ the fused prediction + dynamic routing op.
 
 All take u (batch, in_caps, in_dim) and W (in_caps, out_caps, out_dim, in_dim); the
 first two return u_hat (batch, in_caps, out_caps, out_dim), so a checkpoint trained
-with one runs with the other (and with capsule_routing: same W).
-`get_capsule_prediction(custom_op)` picks one of the two.
+with one runs with the other (and with capsule_routing: same W). A Router's backend
+(capsnet.routing.BACKENDS) picks among them.
 
 The compiled op lives in capsnet/lib/_capsnet_ops.so (built by `make ops`, i.e.
 scripts/build_ops.py, next to a JSON stamp naming the TensorFlow it was built
@@ -291,7 +291,3 @@ def _prediction_matmul(u, W):
     u_hat = tf.transpose(u_hat, (2, 0, 1))                         # (B, in_caps, out_caps*out_dim)
     return tf.reshape(u_hat, (-1, in_caps, out_caps, out_dim))     # (B, in_caps, out_caps, out_dim)
 
-
-def get_capsule_prediction(custom_op):
-    """The capsule-prediction function for `custom_op` (True: compiled op, False: matmul path)."""
-    return capsule_prediction if custom_op else capsule_prediction_matmul

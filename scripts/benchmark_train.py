@@ -22,7 +22,7 @@ builds it) and the real compiled step (capsnet.training.steps.make_train_step), 
     matmul+autocluster     custom_op=false xla=autocluster
 
 The fused variants route inside the compiled op (capsnet.ops.capsule_routing):
-model.routing=auto, which capsnet.config.routing_mode resolves to the fused op with
+model.routing=auto, which capsnet.config.router_spec resolves to the fused op with
 custom_op=true (they refuse model.digit_caps_bias, which that op does not add); the
 others route in TF ops (model.routing=tf). model.routing is set by the variant; the
 other model.* keys come from the config and overrides as they are.
@@ -121,7 +121,7 @@ def label(variant):
 
 def variant_model_cfg(variant, model_cfg):
     """The config's model section as `variant` builds it: the fused variants
-    model.routing.backend=auto (with custom_op=true: the fused op, capsnet.config.routing_mode),
+    model.routing.backend=auto (with custom_op=true: the fused op, capsnet.config.router_spec),
     the others model.routing.backend=tf. Only the backend changes: the routing section's
     other keys (algorithm, leaky: experiment=paper_cifar10's leaky routing) are the config's."""
     if variant in FUSED_VARIANTS:

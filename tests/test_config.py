@@ -260,17 +260,17 @@ def test_check_takes_plain_dicts_too():
 def test_routing_resolves_in_one_place(custom_op, routing, stop_gradient, mode):
     cfg = train_cfg(f"custom_op={str(custom_op).lower()}", f"model.routing={routing}",
                     f"model.stop_gradient_routing={str(stop_gradient).lower()}")
-    assert config.routing_mode(cfg["custom_op"], cfg["model"]) == mode
+    assert config.router_spec(cfg["custom_op"], cfg["model"])["backend"] == mode
     # A capsule bias (the authors' code) keeps auto off the fused op, which routes without one.
     biased = train_cfg(f"custom_op={str(custom_op).lower()}", f"model.routing={routing}",
                        f"model.stop_gradient_routing={str(stop_gradient).lower()}", "model.digit_caps_bias=0.1")
-    assert config.routing_mode(biased["custom_op"], biased["model"]) == ("op" if mode == "fused_op" else mode)
+    assert config.router_spec(biased["custom_op"], biased["model"])["backend"] == ("op" if mode == "fused_op" else mode)
 
 
 def test_every_routing_mode_is_reachable_and_every_written_combination_valid():
-    modes = {config.routing_mode(op, {"routing": r, "stop_gradient_routing": sg})
+    modes = {config.router_spec(op, {"routing": r, "stop_gradient_routing": sg})["backend"]
              for op in (False, True) for r in config.ROUTING for sg in (False, True)}
-    assert modes == set(config.ROUTING_MODES)
+    assert modes == {"matmul", "matmul_xla", "op", "op_xla", "fused_op"}  # the table in capsnet/config/__init__.py
 
 
 @pytest.mark.parametrize("override, message", [
@@ -322,7 +322,7 @@ def test_old_routing_flags_migrate(custom_op, flags, routing, mode):
     migrated = config.migrate({**old_run_config(**flags), "custom_op": custom_op})
     assert "jit_routing" not in migrated["model"] and "fused_routing" not in migrated["model"]
     assert migrated["model"]["routing"] == routing
-    assert config.routing_mode(custom_op, config.check(migrated)["model"]) == mode
+    assert config.router_spec(custom_op, config.check(migrated)["model"])["backend"] == mode
 
 
 @pytest.mark.parametrize("custom_op, flags, message", [

@@ -225,7 +225,7 @@ def test_the_paper_cifar10_preset_trains_a_step_on_a_folder(tmp_path):
 @pytest.mark.slow
 def test_the_paper_cifar10_preset_trains_through_the_fused_op(tmp_path):
     """custom_op=true on experiment=paper_cifar10 routes in the fused op, leaky routing and
-    all (capsnet.config.routing_mode), and its step and test pass give custom_op=false's
+    all (capsnet.config.router_spec), and its step and test pass give custom_op=false's
     losses: the same seed, so the same weights and data, through the op's leaky softmax
     instead of TensorFlow's."""
     from conftest import TINY_MODEL, TINY_TRAIN, compose_config
@@ -244,7 +244,7 @@ def test_the_paper_cifar10_preset_trains_through_the_fused_op(tmp_path):
                                        "train.epochs=1", "train.batch_size=20", f"custom_op={custom_op}",
                                        f"run_dir={tmp_path / custom_op}"])
         assert cfg["model"]["routing"]["leaky"]
-        assert config.routing_mode(cfg["custom_op"], cfg["model"]) == ("fused_op" if custom_op == "true" else "matmul")
+        assert config.router_spec(cfg["custom_op"], cfg["model"])["backend"] == ("fused_op" if custom_op == "true" else "matmul")
         metrics[custom_op] = train(cfg)
     fused, plain = metrics["true"], metrics["false"]
     assert fused["global_step"] == plain["global_step"] == 1

@@ -88,7 +88,10 @@ def test_the_layers_choices_are_the_configs():
     from capsnet.layers import CONV_FORMS
     from capsnet.model import INITIALIZERS
     assert CONV_FORMS == config.CONV_FORMS and INITIALIZERS == config.INITIALIZERS
-    assert routing.BACKENDS == config.ROUTING_MODES
+    # Every backend a Router takes is one the config can ask for, and no other.
+    asked = {config.router_spec(op, {"routing": r, "stop_gradient_routing": sg})["backend"]
+             for op in (False, True) for r in config.ROUTING for sg in (False, True)}
+    assert asked == set(routing.BACKENDS)
 
 
 @pytest.mark.parametrize("custom_op, routing_cfg, model_keys, backend", [
@@ -106,7 +109,7 @@ def test_the_layers_choices_are_the_configs():
 def test_custom_op_maps_to_the_backend_in_one_place(custom_op, routing_cfg, model_keys, backend):
     model_cfg = {"routing": routing_cfg if isinstance(routing_cfg, str) else {"algorithm": "dynamic", **routing_cfg},
                  **model_keys}
-    assert config.routing_mode(custom_op, model_cfg) == backend
+    assert config.router_spec(custom_op, model_cfg)["backend"] == backend
     router = make_router(**config.router_spec(custom_op, model_cfg))
     assert router.backend == backend
 
@@ -146,12 +149,12 @@ def test_a_run_config_written_before_routers_migrates_and_builds():
     assert model.router == DynamicRouting(iterations=3, stop_gradient=True, backend="fused_op")
     for old, backend in (("tf", "op"), ("xla", "op_xla")):
         again = config.check(config.migrate({**saved, "model": {**saved["model"], "routing": old}}))
-        assert config.routing_mode(True, again["model"]) == backend
+        assert config.router_spec(True, again["model"])["backend"] == backend
 
 
 def test_bad_routing_configs_are_one_line_errors():
     with pytest.raises(ConfigError, match=r"^model\.routing\.backend must be one of auto, tf, xla, got 'fast'$"):
-        config.routing_mode(False, {"routing": {"algorithm": "dynamic", "backend": "fast"}})
+        config.router_spec(False, {"routing": {"algorithm": "dynamic", "backend": "fast"}})
     model_cfg = {**TINY, "routing": {"algorithm": "em", "backend": "auto"}}
     with pytest.raises(ConfigError, match=r"^model: routing algorithm must be one of dynamic, self_attention, got 'em'$"):
         build_capsnet(model_cfg, False)

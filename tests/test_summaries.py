@@ -20,6 +20,35 @@ def hparams_events(run_dir):
     return plugin_data("_hparams_/session_start_info").session_start_info, plugin_data("_hparams_/experiment").experiment
 
 
+@pytest.mark.parametrize("overrides, routing, backend", [
+    (["custom_op=true"], "dynamic", "fused_op"),
+    (["custom_op=false", "model.routing.backend=xla"], "dynamic", "matmul_xla"),
+    (["custom_op=true", "model/routing=self_attention"], "self_attention", "op"),
+    (["model=baseline_cnn"], "none", "none"),
+])
+def test_hparams_hold_the_routing_algorithm_and_its_backend(tiny_idx_dir, tmp_path, overrides, routing, backend):
+    """A model/routing= sweep's rows differ in HParams: the algorithm and the backend the
+    model was built with (the Router make_router builds from the config), not custom_op alone."""
+    import tensorflow as tf
+
+    from capsnet.routing import make_router
+    from capsnet.training import summaries
+
+    cfg = compose_config("train", tiny_overrides(tiny_idx_dir, tmp_path / "run", *overrides))
+    writer = tf.summary.create_file_writer(str(tmp_path / "run"))
+    summaries.write_hparams(writer, tmp_path / "run", cfg, cfg["data"])
+    writer.close()
+
+    start, experiment = hparams_events(tmp_path / "run")
+    assert (start.hparams["routing"].string_value, start.hparams["backend"].string_value) == (routing, backend)
+    if routing != "none":
+        from capsnet import config
+
+        built = make_router(**config.router_spec(cfg["custom_op"], cfg["model"]))
+        assert (built.algorithm, built.backend) == (routing, backend)
+    assert {"routing", "backend"} <= {info.name for info in experiment.hparam_infos}
+
+
 def scalars(run_dir, tag):
     import tensorflow as tf
 

@@ -1017,7 +1017,7 @@ def test_benchmark_train_variants_change_only_the_routing_backend():
                                              ("matmul", False, "tf", "matmul")):
         cfg = bt.variant_model_cfg(variant, model_cfg)
         assert cfg["routing"] == {**model_cfg["routing"], "backend": backend}, variant
-        assert config.router_spec(custom_op, cfg)["leaky"] is True and config.routing_mode(custom_op, cfg) == mode
+        assert config.router_spec(custom_op, cfg)["leaky"] is True and config.router_spec(custom_op, cfg)["backend"] == mode
     assert bt.variant_model_cfg("op", {**model_cfg, "routing": "auto"})["routing"] == {"backend": "tf"}
 
 

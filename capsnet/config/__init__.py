@@ -14,16 +14,17 @@ reached through one entry point:
     migrate(saved)        a run's saved config.yaml → today's shape (keys added since at the
                           schema default it was trained with; model.jit_routing and
                           model.fused_routing → model.routing)
-    routing_mode(custom_op, model_cfg)   the one place that decides how DigitCaps routes
+    router_spec(custom_op, model_cfg)    the Router's arguments: the one place custom_op
+                                         becomes its backend (how DigitCaps routes)
     compose(name, overrides)             the real config as a plain dict (tests, scripts)
     explain(exc)          a Hydra/OmegaConf type error → today's one-line wording
 
 Routing. `custom_op` (top level, true | false) stays the user's switch: it picks the capsule
 prediction, the compiled op or a TensorFlow matmul. `model.routing` picks how the routing
 iterations run: auto | tf | xla. Every one of the 2 × 3 combinations is valid; they give
-the five ways DigitCaps can run (ROUTING_MODES, what the layer takes):
+the five backends of a Router (capsnet.routing.BACKENDS), router_spec's "backend":
 
-    custom_op  model.routing              mode         prediction      routing
+    custom_op  model.routing              backend      prediction      routing
     false      auto, tf                   matmul       matmul          TF ops
     false      xla                        matmul_xla   matmul          one XLA computation
     true       tf                         op           compiled op     TF ops
@@ -43,7 +44,7 @@ fills them in): never change one; change the YAML value instead.
 No TensorFlow here: config errors are reported before the seconds-long TensorFlow import.
 
 Modules: schemas (the dataclasses, their field checks, the choices), checks (check,
-check_eval, check_section, the rules across keys), routing (routing_mode,
+check_eval, check_section, the rules across keys), routing (router_spec,
 routing_from_flags), migrate (old run configs), hydra (register, compose, explain,
 check_overrides, the dataset resolvers). Import from here: `from capsnet import config`.
 """
@@ -55,9 +56,9 @@ from capsnet.config.hydra import (check_overrides, compose, dataset_classes, dat
 from capsnet.config.migrate import migrate
 from capsnet.config.checks import check_predict
 from capsnet.config.schemas import PredictAppConfig
-from capsnet.config.routing import router_spec, routing_from_flags, routing_mode
+from capsnet.config.routing import router_spec, routing_from_flags
 from capsnet.config.schemas import (ALL_REDUCE, APP_SCHEMAS, AUGMENTATION_OFF, CONV_FORMS, GROUP_SCHEMAS, INITIALIZERS,
-                                    PRECISIONS, ROUTING, ROUTING_DEFAULT, ROUTING_MODES, SCALE_LR, SHIFT_FILLS, STRATEGIES, WEIGHTS,
+                                    PRECISIONS, ROUTING, ROUTING_DEFAULT, SCALE_LR, SHIFT_FILLS, STRATEGIES, WEIGHTS,
                                     WHICH, XLA_MODES, AugmentationConfig, DataConfig, DataSourceConfig,
                                     DistributeConfig, EvalAppConfig, EvalDataConfig, ModelConfig, TrainAppConfig,
                                     TrainConfig, augmentation_on, augmentation_options)
@@ -65,11 +66,11 @@ from capsnet.config.schemas import (ALL_REDUCE, APP_SCHEMAS, AUGMENTATION_OFF, C
 __all__ = [
     "ModelConfig", "DataSourceConfig", "AugmentationConfig", "DataConfig", "TrainConfig", "DistributeConfig", "TrainAppConfig",
     "EvalDataConfig", "EvalAppConfig", "register", "check", "check_eval", "check_section", "migrate",
-    "routing_mode", "router_spec", "routing_from_flags", "compose", "explain", "unknown_key", "check_overrides", "check_augmentation", "check_xla",
+    "router_spec", "routing_from_flags", "compose", "explain", "unknown_key", "check_overrides", "check_augmentation", "check_xla",
     "check_all_reduce_in_step", "check_data_on_device", "check_overlay_augmentation", "PER_EXAMPLE_AUGMENTATION",
     "OVERLAY_AUGMENTATION",
     "dataset_shape", "dataset_classes", "GROUP_SCHEMAS", "APP_SCHEMAS",
-    "ROUTING", "ROUTING_DEFAULT", "ROUTING_MODES", "CONV_FORMS", "INITIALIZERS", "XLA_MODES", "PRECISIONS", "STRATEGIES", "ALL_REDUCE", "SCALE_LR", "AUGMENTATION_OFF",
+    "ROUTING", "ROUTING_DEFAULT", "CONV_FORMS", "INITIALIZERS", "XLA_MODES", "PRECISIONS", "STRATEGIES", "ALL_REDUCE", "SCALE_LR", "AUGMENTATION_OFF",
     "augmentation_options", "augmentation_on", "SHIFT_FILLS", "WHICH", "WEIGHTS",
 ]
 __all__ += ["PredictAppConfig", "check_predict"]  # predict.py (configs/predict.yaml)

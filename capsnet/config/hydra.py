@@ -129,7 +129,7 @@ def explain(exc, app=None):
     cause = exc if isinstance(exc, OmegaConfBaseException) else exc.__cause__
     if isinstance(cause, ConfigAttributeError) and re.match(r"model\.(jit|fused)_routing$", str(cause.full_key)):
         return (f"{cause.full_key} is gone: model.routing (auto | tf | xla) says how the routing runs, "
-                "custom_op=true|false which prediction (capsnet/config/routing.py: routing_mode)")
+                "custom_op=true|false which prediction (capsnet/config/routing.py: router_spec)")
     if not isinstance(cause, ValidationError):
         return None
     key, value = re.sub(r"(\[\d+\])+$", "", str(cause.full_key or "")), cause.value

@@ -21,7 +21,6 @@ from capsnet.validation import (boolean, finite_float, float_in_range, integer, 
 # --------------------------------------------------------------------------- choices
 
 ROUTING = ("auto", "tf", "xla")                                        # model.routing.backend
-ROUTING_MODES = ("matmul", "matmul_xla", "op", "op_xla", "fused_op")  # a Router's backend (capsnet.routing.BACKENDS)
 ROUTING_DEFAULT = {"algorithm": "dynamic", "backend": "auto", "leaky": False}  # configs/model/routing/dynamic.yaml
 XLA_MODES = ("none", "autocluster", "jit")                              # train.xla
 EVAL_XLA = ("none", "jit")                                              # evaluate.py xla (autocluster is process-wide)

@@ -5,8 +5,10 @@ A Router turns input capsules u (batch, in_caps, in_dim) and the capsule layer's
 c_ij. capsnet.layers.DigitCaps owns W (and the weights a router asks for, `weights`) and
 calls the router; the router owns the math and how it runs (`backend`).
 
-Backends (BACKENDS): how u_hat = W u is computed and how the routing runs, the same
-values in each (rounding aside):
+Backends (BACKENDS, name → (prediction, routing)): how u_hat = W u is computed and how
+the routing runs, the same values in each (rounding aside). A Router's backend is chosen
+from the user's custom_op and model.routing.backend in one place,
+capsnet.config.router_spec; here it is only read:
 
     matmul        u_hat by a TensorFlow matmul, routing as TF ops
     matmul_xla    u_hat by matmul, the routing compiled by XLA on its own (jit_compile)
@@ -36,7 +38,13 @@ from capsnet import ops
 
 __all__ = ["Router", "BACKENDS", "register", "make_router", "algorithms"]
 
-BACKENDS = ("matmul", "matmul_xla", "op", "op_xla", "fused_op")
+BACKENDS = {
+    "matmul": ("matmul", "tf"),
+    "matmul_xla": ("matmul", "xla"),
+    "op": ("op", "tf"),
+    "op_xla": ("op", "xla"),
+    "fused_op": ("op", "fused"),
+}
 
 _REGISTRY = {}
 
@@ -95,11 +103,6 @@ class Router:
         self.backend = backend
         self._route_xla = None
 
-    @property
-    def custom_op(self):
-        """Whether u_hat comes from the compiled op (op, op_xla, fused_op)."""
-        return self.backend in ("op", "op_xla", "fused_op")
-
     def weights(self, in_caps, out_caps, out_dim):
         """{name: (shape, initializer)} of the weights the layer makes for this router."""
         return {}
@@ -112,17 +115,20 @@ class Router:
         (OpLibraryError, one line, if it cannot load). DigitCaps.build calls it, so the
         error comes from building the model, not from inside a Keras call(), whose
         wrapper would rewrite it into a multi-line report of the call's arguments."""
-        if self.custom_op:
+        prediction, _ = BACKENDS[self.backend]
+        if prediction == "op":
             ops.load_op_library()
 
     def __call__(self, u, W, bias=None, weights=None):
         weights = weights or {}
-        if self.backend == "fused_op":
+        prediction, routing = BACKENDS[self.backend]
+        if routing == "fused":
             return self.fused(u, W, bias, **weights)
         # The prediction is looked up per call (not once in __init__) so a test or a rebuilt
         # op library is picked up; the lookup only happens at trace time under tf.function.
-        u_hat = ops.get_capsule_prediction(self.custom_op)(u, W)  # (B, in_caps, out_caps, out_dim)
-        if self.backend.endswith("_xla"):
+        predict = ops.capsule_prediction if prediction == "op" else ops.capsule_prediction_matmul
+        u_hat = predict(u, W)  # (B, in_caps, out_caps, out_dim)
+        if routing == "xla":
             return self._xla_route()(u_hat, bias, **weights)
         return self.route(u_hat, bias, **weights)
 

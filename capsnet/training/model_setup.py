@@ -7,13 +7,15 @@
 """
 import tensorflow as tf
 
-from capsnet import config, ops, routing
+from capsnet import ops
 from capsnet.baseline import build_baseline
 from capsnet.deep import build_deep
+from capsnet.config.routing import router_spec
 from capsnet.config.checks import CUSTOM_OP_CAPSNET_ONLY
 from capsnet.config.schemas import MODEL_KINDS
 from capsnet.errors import ConfigError, OpLibraryError
 from capsnet.model import build_model
+from capsnet.routing import make_router
 
 
 # model.kind=baseline_cnn: the BaselineCNN argument each of its config keys is.
@@ -57,7 +59,7 @@ def build_capsnet(model_cfg, custom_op, precision="float32"):
     cnn_keys = ("kind", "deep_widths", *(key for key in BASELINE_KEYS if key.startswith("cnn_")))  # the others'
     model_cfg = {k: v for k, v in model_cfg.items() if k not in cnn_keys}
     try:
-        router = routing.make_router(**config.router_spec(custom_op, model_cfg))
+        router = make_router(**router_spec(custom_op, model_cfg))
         return build_model(**{k: v for k, v in model_cfg.items() if k not in router_keys}, router=router,
                            dtype=precision)
     except (ValueError, TypeError) as exc:
@@ -71,7 +73,7 @@ def _build_deep(model_cfg, custom_op, precision, head):
         raise ConfigError(CUSTOM_OP_CAPSNET_ONLY.format(kind=model_cfg.get("kind")))
     keys = DEEP_KEYS if head == "capsules" else ("input_shape", "num_classes", "deep_widths")
     try:
-        router = routing.make_router(**config.router_spec(custom_op, model_cfg)) if head == "capsules" else None
+        router = make_router(**router_spec(custom_op, model_cfg)) if head == "capsules" else None
         return build_deep(**{DEEP_KEYS[key]: model_cfg[key] for key in keys if key in model_cfg}, head=head,
                           router=router, dtype=precision)
     except (ValueError, TypeError) as exc:

@@ -24,10 +24,13 @@ from capsnet.figures import image_grid, model_figures
 from capsnet.training.run_dir import write_error
 
 # Values shown side by side in TensorBoard's HParams dashboard, and the metrics they explain.
-HPARAMS = ("model", "custom_op", "routing", "xla", "precision", "tf32", "dataset", "limit_train", "limit_test",
+HPARAMS = ("model", "custom_op", "routing", "backend", "xla", "precision", "tf32", "dataset", "limit_train", "limit_test",
            "epochs", "batch_size", "routing_iterations", "seed", "learning_rate", "lr_schedule", "weight_decay", "decoder")
 HPARAM_DESCRIPTIONS = {"model": "model.kind: capsnet, the paper's CNN baseline (baseline_cnn), deep_capsnet or "
                                 "deep_cnn",
+                       "routing": "model.routing.algorithm: dynamic, self_attention (none: a model without capsules)",
+                       "backend": "how the routing runs (custom_op with model.routing.backend): matmul, matmul_xla, op, "
+                                  "op_xla, fused_op (none: a model without capsules)",
                        "limit_train": "data.limit_train: training examples used (0: all)",
                        "limit_test": "data.limit_test: test examples used (0: all)",
                        "epochs": "train.epochs: the epochs the run was started for"}
@@ -65,11 +68,13 @@ def write_hparams(writer, run_dir, cfg, data_cfg):
     from tensorboard.plugins.hparams import api as hp  # noqa: PLC0415  (only needed once)
 
     capsnet = cfg["model"].get("kind", "capsnet") in ROUTED_KINDS
+    # The routing DigitCaps runs, as the model was built with it; the CNNs route nothing.
+    router = config.router_spec(cfg["custom_op"], cfg["model"]) if capsnet else {"algorithm": "none", "backend": "none"}
     values = {
         "model": str(cfg["model"].get("kind", "capsnet")),
         "custom_op": bool(cfg["custom_op"]),
-        # The mode DigitCaps runs; the CNN baseline routes nothing.
-        "routing": config.routing_mode(cfg["custom_op"], cfg["model"]) if capsnet else "none",
+        "routing": str(router["algorithm"]),
+        "backend": str(router["backend"]),
         "xla": str(cfg["train"]["xla"]),
         "precision": str(cfg["train"]["precision"]),
         "tf32": bool(cfg["train"]["tf32"]),
