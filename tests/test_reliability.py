@@ -812,6 +812,96 @@ def test_adopt_copies_where_links_fail(tmp_path, monkeypatch):
         assert copy.read_bytes() == source.read_bytes() and copy.stat().st_ino != source.stat().st_ino
 
 
+def _value(prefix):
+    return float(tf.train.load_checkpoint(str(prefix)).get_tensor("v/.ATTRIBUTES/VARIABLE_VALUE"))
+
+
+def test_a_damaged_best_link_is_taken_again_from_latests_intact_copy(tmp_path):
+    """best/ckpt-2 shares latest's files; its data file replaced by a damaged one (a new
+    file: an editor's save, a restore, a sync tool), latest/ckpt-2 still reads whole: the
+    repair sets best's aside and links latest's again, with a notice saying so, instead of
+    leaving best/ empty. Damaged in place (both links), best/ is empty as before."""
+    from capsnet.training.checkpoints import BestCheckpoint, checkpoint_damage, read_state
+
+    checkpoint = _small_checkpoints(tmp_path / "latest", [1, 2, 3])
+    best_dir = tmp_path / "best"
+    best = BestCheckpoint(checkpoint, best_dir)
+    best.adopt(2, tmp_path / "latest" / "ckpt-2")
+    best.commit(2)
+    data = next(best_dir.glob("ckpt-2.data-*"))
+    raw = data.read_bytes()
+    data.unlink()
+    data.write_bytes(raw[:len(raw) // 2])
+    notices = []
+    best.recover(3, latest_dir=tmp_path / "latest", announce=notices.append)
+    assert len(notices) == 1, notices
+    assert notices[0].startswith(f"notice: checkpoint file {data} is damaged")
+    assert notices[0].endswith(f"{tmp_path / 'latest' / 'ckpt-2'} holds the same epoch intact: the best checkpoint "
+                               "taken from it again")
+    assert best.numbers() == [2] and read_state(best_dir)[0] == str(best_dir / "ckpt-2")
+    assert checkpoint_damage(str(best_dir / "ckpt-2")) is None and _value(best_dir / "ckpt-2") == 2
+    assert data.with_name(data.name + ".damaged").is_file()  # kept
+    assert data.stat().st_ino == next((tmp_path / "latest").glob("ckpt-2.data-*")).stat().st_ino
+    # In place: latest's link is damaged too, nothing intact to take.
+    with data.open("r+b") as f:
+        f.truncate(len(raw) // 2)
+    notices = []
+    best.recover(3, latest_dir=tmp_path / "latest", announce=notices.append)
+    assert best.numbers() == [] and len(notices) == 2 and "holds no intact checkpoint" in notices[1]
+
+
+def test_a_lost_best_index_is_taken_again_from_latest_leaving_no_tmp_file(tmp_path):
+    """best/ckpt-2.index deleted (its data file still a link of latest's): the checkpoint
+    best/'s state file names is taken again from latest, with a notice; re-linking the data
+    file that is already the same file leaves no ckpt-2.data-*.tmp behind."""
+    from capsnet.training.checkpoints import BestCheckpoint, read_state
+
+    checkpoint = _small_checkpoints(tmp_path / "latest", [1, 2, 3])
+    best_dir = tmp_path / "best"
+    best = BestCheckpoint(checkpoint, best_dir)
+    best.adopt(2, tmp_path / "latest" / "ckpt-2")
+    best.commit(2)
+    (best_dir / "ckpt-2.index").unlink()
+    notices = []
+    best.recover(3, latest_dir=tmp_path / "latest", announce=notices.append)
+    assert notices == [f"notice: {best_dir / 'ckpt-2.index'}, which best/'s state file names, is missing: the best "
+                       f"checkpoint taken again from {tmp_path / 'latest' / 'ckpt-2'}"]
+    assert best.numbers() == [2] and read_state(best_dir)[0] == str(best_dir / "ckpt-2") and _value(best_dir / "ckpt-2") == 2
+    assert sorted(p.name for p in best_dir.iterdir()) == ["checkpoint", "ckpt-2.data-00000-of-00001", "ckpt-2.index"]
+    # The last epoch, a new best whose index a crash kept out of best/: the same, unsaid.
+    (best_dir / "ckpt-3.data-00000-of-00001").hardlink_to(tmp_path / "latest" / "ckpt-3.data-00000-of-00001")
+    best.recover(3, last_was_best=True, latest_dir=tmp_path / "latest", announce=pytest.fail)
+    assert best.numbers() == [3] and not list(best_dir.glob("*.tmp"))
+
+
+def test_a_lost_newest_latest_index_is_said_as_it_happened(tmp_path):
+    """latest/ckpt-3.index deleted, best/ckpt-3 its intact link: the notices say that the
+    state file names ckpt-3, whose index is missing, and that best/ckpt-3 (intact) goes
+    because epoch 3 is trained again; not that ckpt-2 'was saved but not yet recorded',
+    nor that best/ holds nothing intact."""
+    from capsnet.training.checkpoints import BestCheckpoint, read_state, recover_latest
+
+    latest = tmp_path / "latest"
+    checkpoint = _small_checkpoints(latest, [1, 2, 3])
+    best_dir = tmp_path / "best"
+    best = BestCheckpoint(checkpoint, best_dir)
+    best.adopt(3, latest / "ckpt-3")
+    best.commit(3)
+    (latest / "ckpt-3.index").unlink()
+    notices = []
+    assert recover_latest(latest, announce=notices.append) == str(latest / "ckpt-2")
+    assert notices == [f"notice: {latest / 'checkpoint'} names {latest / 'ckpt-3'}, whose index file "
+                       f"{latest / 'ckpt-3'}.index is missing: resuming from {latest / 'ckpt-2'}, the newest "
+                       "checkpoint there (the epochs after it are trained again)"]
+    assert read_state(latest)[0] == str(latest / "ckpt-2")
+    notices = []
+    best.recover(2, latest_dir=latest, announce=notices.append)
+    assert notices == [f"notice: {best_dir / 'ckpt-3'} is of epoch 3, which the run trains again (it resumes after "
+                       "epoch 2): removed; the next epoch that beats the run's best test accuracy is recorded in "
+                       "its place"]
+    assert best.numbers() == [] and not (best_dir / "checkpoint").exists()
+
+
 @pytest.mark.slow
 def test_benchmark_checkpoint_script_times_the_three_kinds(tmp_path):
     result = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark_checkpoint.py"), "--dir", str(tmp_path),

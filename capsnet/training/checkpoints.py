@@ -361,6 +361,12 @@ def remove_orphans(directory):
         path.unlink(missing_ok=True)
 
 
+def _number(prefix):
+    """N of a checkpoint prefix .../ckpt-N (None: no prefix, or another name)."""
+    number = Path(prefix).name[len("ckpt-"):] if prefix is not None else ""
+    return int(number) if number.isdigit() else None
+
+
 def _set_aside(prefix):
     """Rename a damaged checkpoint's files to <name>.damaged: out of the way of the run
     (which may save the same number again) but kept, not deleted."""
@@ -407,6 +413,12 @@ def recover_latest(directory, *, repair=True, announce=print):
         if problem is not None:
             announce(f"notice: the checkpoint state file {directory / 'checkpoint'} is {problem}: rebuilt from "
                      f"the ckpt-*.index files (newest intact: {prefix})")
+        elif not damaged and not _is_checkpoint_prefix(named):
+            # The state file names a newer checkpoint whose index file is gone (deleted, or lost
+            # with its disk): its epochs are redone, not "saved but not recorded".
+            announce(f"notice: {directory / 'checkpoint'} names {named}, whose index file {named}.index is "
+                     f"missing: resuming from {prefix}, the newest checkpoint there (the epochs after it are "
+                     "trained again)")
         elif not damaged:
             announce(f"notice: {prefix} was saved but not yet recorded in {directory / 'checkpoint'} "
                      f"(named {named}): resuming from it")
@@ -576,6 +588,10 @@ class BestCheckpoint:
         def link_all():
             for path in files:
                 target = self.directory / f"ckpt-{number}{path.name[len(source.name):]}"
+                if target.exists() and os.path.samefile(path, target):
+                    # Linked already (best/ lost only the index): renaming a second link of the
+                    # same file onto it does nothing, and would leave the .tmp link behind.
+                    continue
                 temporary = target.with_name(target.name + ".tmp")
                 temporary.unlink(missing_ok=True)
                 try:
@@ -591,27 +607,62 @@ class BestCheckpoint:
 
     def recover(self, epochs_done, *, last_was_best=False, latest_dir=None, announce=print):
         """Also: orphaned _temp directories (and a cut-short adoption's *.tmp files) removed,
-        and a damaged best checkpoint set aside (*.damaged, with a notice) for the next
-        intact one below it: never deleted. last_was_best: epoch `epochs_done` was a new
-        best (its history line beats every earlier one); if best/ lacks it (a crash between
-        the commit point and adopt), it is adopted from `latest_dir`'s ckpt-`epochs_done`."""
+        and a damaged best checkpoint set aside (*.damaged, with a notice): never deleted;
+        where `latest_dir` holds the same epoch intact (its files were best's before the
+        damage reached only best's link: a file replaced, not written in place), best/ takes
+        it from there again, else the next intact one below it. last_was_best: epoch
+        `epochs_done` was a new best (its history line beats every earlier one); if best/
+        lacks it (a crash between the commit point and adopt), or lacks the checkpoint its
+        state file names (an index file lost), it is adopted from `latest_dir`. A best
+        checkpoint of an epoch after `epochs_done` (the run redoes that epoch: latest/ lost
+        it) goes, with a notice."""
         remove_orphans(self.directory)
-        if last_was_best and latest_dir is not None and epochs_done not in self.numbers():
-            source = Path(latest_dir) / f"ckpt-{epochs_done}"
-            if Path(f"{source}.index").is_file():
-                self.adopt(epochs_done, source)
+        named = _number(read_state(self.directory)[0])
+        for number in self._lost(epochs_done, last_was_best, named):
+            source = Path(latest_dir) / f"ckpt-{number}" if latest_dir is not None else None
+            if source is not None and _is_checkpoint_prefix(source):
+                if number == named:
+                    announce(f"notice: {self.directory / f'ckpt-{number}.index'}, which best/'s state file names, "
+                             f"is missing: the best checkpoint taken again from {source}")
+                self.adopt(number, source)
+        # A committed best of an epoch the run redoes (latest/ lost it; an uncommitted one is a
+        # crash's leftover and goes unsaid).
+        redone = named is not None and named > epochs_done and named in self.numbers()
+        if redone:
+            announce(f"notice: {self.directory / f'ckpt-{named}'} is of epoch {named}, which the run trains again "
+                     f"(it resumes after epoch {epochs_done}): removed; the next epoch that beats the run's best "
+                     "test accuracy is recorded in its place")
         done = [n for n in self.numbers() if n <= epochs_done]
+        set_aside = False
         while done:
-            damage = checkpoint_damage(str(self.directory / f"ckpt-{done[-1]}"))
+            number = done[-1]
+            damage = checkpoint_damage(str(self.directory / f"ckpt-{number}"))
             if damage is None:
                 break
-            announce(f"notice: {damage}: set aside as ckpt-{done[-1]}.*.damaged; the best checkpoint is now "
+            _set_aside(str(self.directory / f"ckpt-{number}"))
+            source = Path(latest_dir) / f"ckpt-{number}" if latest_dir is not None else None
+            if source is not None and _is_checkpoint_prefix(source) and checkpoint_damage(str(source)) is None:
+                announce(f"notice: {damage}: set aside as ckpt-{number}.*.damaged; {source} holds the same epoch "
+                         "intact: the best checkpoint taken from it again")
+                self.adopt(number, source)
+                break
+            announce(f"notice: {damage}: set aside as ckpt-{number}.*.damaged; the best checkpoint is now "
                      f"the newest intact one below it, if any (evaluate.py which=latest has the last epoch)")
-            _set_aside(str(self.directory / f"ckpt-{done.pop()}"))
-        if not done and (self.directory / "checkpoint").is_file():
+            done.pop()
+            set_aside = True
+        if not done and (set_aside or not redone) and (self.directory / "checkpoint").is_file():
             announce(f"notice: {self.directory} holds no intact checkpoint: its state file removed (the next "
                      "epoch that beats the run's best test accuracy records one; which=latest evaluates meanwhile)")
         self._keep_only(done[-1] if done else None)
+
+    def _lost(self, epochs_done, last_was_best, named):
+        """The best epochs best/ should hold and has no index file of: the last epoch done
+        where it was a new best, and the one best/'s state file names (`named`, up to
+        epochs_done)."""
+        wanted = {epochs_done} if last_was_best else set()
+        if named is not None and named <= epochs_done:
+            wanted.add(named)
+        return sorted(wanted - set(self.numbers()))
 
     def _keep_only(self, number):
         # The state file first (atomically): it must never name a deleted checkpoint.
