@@ -3,6 +3,8 @@
 the rules that span a section's keys (`_SECTION_RULES`) or sections (`check`)."""
 import dataclasses
 import math
+import os
+from pathlib import Path
 
 from omegaconf import MISSING
 
@@ -95,6 +97,8 @@ def _natural_images_rule(dcfg, prefix):
     elif dcfg.get("validation_fraction") and dcfg.get("dir") is None:
         raise ConfigError(f"{prefix}validation_fraction applies to data=folder only ({dcfg['name']} has its "
                           "own test split)")
+    if dcfg["name"] == "folder" or dcfg.get("dir") is not None:  # read from files: a disk cache may be made
+        _cache_dir_rule(dcfg, prefix)
     h, w, c = source_shape(dcfg)
     crop = dcfg.get("crop")
     if crop and crop > min(h, w):
@@ -105,6 +109,27 @@ def _natural_images_rule(dcfg, prefix):
             raise ConfigError(f"{prefix}{key}={value}: must lie in [0, {min(h, w) - 1}] for images of {h}x{w}")
     if dcfg["name"] != "folder" and dcfg.get("channels") not in (None, c):
         raise ConfigError(f"{prefix}channels={dcfg['channels']}: {dcfg['name']} has {c} (set it to null)")
+
+
+def _cache_dir_rule(dcfg, prefix):
+    """data.cache_dir, where a disk cache may go (data.cache auto or disk): made if missing;
+    one line if it cannot be, or is not a writable folder. Here, with the config: not
+    minutes into a load, as tempfile's FileNotFoundError."""
+    given = dcfg.get("cache_dir")
+    if given is None or (dcfg.get("cache") or "auto") not in ("auto", "disk"):
+        return
+    path = Path(os.path.expanduser(str(given)))
+    remedy = f"pick another {prefix}cache_dir (null: the system's temporary folder)"
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{prefix}cache_dir {path} is not a directory: {remedy}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        above = next((p for p in path.parents if os.path.lexists(p)), None)
+        why = f"{above} is a file" if above is not None and not above.is_dir() else exc.strerror or str(exc)
+        raise ConfigError(f"cannot make {prefix}cache_dir {path}: {why}; {remedy}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{prefix}cache_dir {path} is read-only: no disk cache can be written there; {remedy}")
 
 
 def _yaml(value):

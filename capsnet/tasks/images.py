@@ -5,12 +5,16 @@ Loading. A folder's files are decoded by tf.data in parallel (JPEG/PNG/BMP/GIF; 
 to data.channels; the shorter side resized to data.image_size, then the centre cropped to
 a square) once, at load. Where the decoded split fits data.cache_memory_mb
 (data.cache=auto) or with data.cache=memory it is kept in memory as a uint8 array; else
-(data.cache=disk) tf.data writes it to a file cache (data.cache_dir, or a temporary folder
-removed at exit) that every epoch reads, so a folder larger than memory trains;
-data.cache=none decodes the files every epoch. A file that does not decode is skipped: the
-load says how many in one notice line (corrupt files in a folder of thousands should not
-stop a run, and the count says that some were left out); so is a file whose header declares
-more than data.max_pixels pixels, before any of it is decoded.
+(data.cache=disk) tf.data writes it to a file cache (a capsnet-cache-* folder in
+data.cache_dir, or in the system's temporary folder, removed at exit) that every epoch reads,
+so a folder larger than memory trains; data.cache=none decodes the files every epoch. A file
+that does not decode is skipped: the load says how many in one notice line (corrupt files in
+a folder of thousands should not stop a run, and the count says that some were left out); so
+is a file whose header declares more than data.max_pixels pixels, before any of it is decoded.
+A disk cache that cannot be written, and a file that goes while data.cache=none reads the
+folder every epoch, are one-line DataErrors; the cache folder of a process that died
+without removing it (kill -9) is removed by the next process making a cache there
+(`remove_orphaned_caches`).
 
 Pipeline (`dataset`): training shuffles (an in-memory split by a stateless permutation of
 (seed, epoch), as capsnet.data.make_dataset; a streamed one through a shuffle buffer seeded
@@ -24,9 +28,15 @@ to [0, 1]): the authors' CIFAR-10 input (Sarasra/models, research/capsules,
 input_data/cifar10/cifar10_input.py); then data.cutout's zeroed square (DeVries & Taylor
 2017). Padding, crop, flip and cutout are the ResNet CIFAR-10 recipe (experiment=deep_cifar10)."""
 import atexit
+import datetime
+import fcntl
 import hashlib
+import os
 import shutil
+import socket
 import tempfile
+import time
+from pathlib import Path
 
 import numpy as np
 
@@ -105,19 +115,30 @@ class NaturalImages(Task):
             array = np.concatenate(images) if images else np.zeros((0, *shape), np.uint8)
             _skipped_notice(root, split, paths, kept)
             return Split(labels=labels[kept], images=array, shape=shape, origin=f"{root} ({split})")
+        source = {"labels": labels}
         if mode == "disk":
-            stream = decoded.cache(_cache_file(cfg, split, paths))
+            directory = _cache_dir(cfg, len(paths) * int(np.prod(shape)), root, split)
+            stream = decoded.cache(f"{directory}/{split}")
+            try:  # this pass writes the cache whole
+                kept = np.concatenate([i.numpy() for i, _ in stream.batch(256)] or [np.zeros((0,), np.int64)])
+            except tf.errors.OpError as exc:  # the decode's own errors are ignored above: the cache's write
+                _remove_cache(directory)
+                # TensorFlow's message ends in the OS's reason: "...tempstate123; File too large [Op:...]"
+                reason = str(exc).strip().split(" [Op:")[0].split("; ")[-1].strip() or type(exc).__name__
+                raise cache_write_error(cfg, root, split, len(paths) * int(np.prod(shape)), reason) from None
+            _skipped_notice(root, split, paths, kept)
         else:  # none: decode every epoch
-            stream = decoded
-        kept = np.concatenate([i.numpy() for i, _ in stream.batch(256)] or [np.zeros((0,), np.int64)])
-        _skipped_notice(root, split, paths, kept)
-        if mode == "none" and len(kept) < len(paths):
-            kept_paths = [paths[i] for i in kept]
+            kept = np.concatenate([i.numpy() for i, _ in decoded.batch(256)] or [np.zeros((0,), np.int64)])
+            _skipped_notice(root, split, paths, kept)  # none decoded: an error here
+            # The files that decoded, every epoch, nothing skipped silently: a file gone since
+            # the load is an error (files_gone; dataset checks them at each epoch's start), not an
+            # epoch cut short.
+            source["paths"] = kept_paths = [paths[i] for i in kept]
             stream = (tf.data.Dataset.from_tensor_slices((tf.constant(kept, tf.int64), tf.constant(kept_paths)))
                       .map(lambda i, p: (i, decode_image(p, size, channels)), num_parallel_calls=tf.data.AUTOTUNE,
                            deterministic=True))
         return Split(labels=labels[kept], images=None, shape=shape, origin=f"{root} ({split}, {mode} cache)",
-                     source={"stream": stream, "labels": labels})
+                     source={**source, "stream": stream})
 
     # ----------------------------------------------------------------- pipeline
     def dataset(self, data, *, batch_size, training, seed=0, epoch=0, drop_remainder=False):
@@ -141,6 +162,8 @@ class NaturalImages(Task):
                 batches = tf.data.Dataset.from_tensor_slices(order).batch(batch_size, drop_remainder=drop_remainder).map(
                     lambda i: (tf.gather(images_t, i), tf.gather(labels_t, i)))
             else:
+                if "paths" in data.source:  # data.cache=none: read again now
+                    _check_still_there(data)
                 all_labels = host_tensor(data.source["labels"], int32_labels)
                 examples = data.source["stream"].map(lambda i, image: (image, tf.gather(all_labels, i)))
                 if training:
@@ -199,17 +222,135 @@ def cache_mode(cfg, n, shape):
     return "memory" if decoded_mb <= cfg.get("cache_memory_mb", 2048) else "disk"
 
 
-_CACHE_DIRS = []
+# --------------------------------------------------------------------------- the disk cache
+
+CACHE_PREFIX = "capsnet-cache-"
+_OWNER = "owner"  # in each cache folder: who made it; flock-held by that process for its life
+_UNMARKED_AGE_S = 24 * 3600  # a cache folder without an owner file (older versions made them) this old goes
+_CACHE_DIRS = {}  # this process's cache folders: {path: its owner file, open and locked}
 
 
-def _cache_file(cfg, split, paths):
-    """A new file-cache path for this process (removed at exit): an incomplete cache left
-    by a killed run is never read as a complete one."""
-    directory = tempfile.mkdtemp(prefix="capsnet-cache-", dir=cfg.get("cache_dir"))
+def cache_write_error(cfg, root, split, size, reason):
+    """The one-line DataError for a disk cache of `size` bytes that cannot be written."""
+    where = (f"data.cache_dir={cfg['cache_dir']}" if cfg.get("cache_dir") is not None
+             else f"data.cache_dir=null: {tempfile.gettempdir()}")
+    return DataError(f"cannot write the disk cache of {root} ({split}, {size / _MB:.1f} MB decoded) in {where}: "
+                     f"{reason}; free space there, set data.cache_dir to a folder on a disk with room, or "
+                     "data.cache=memory (data.cache_memory_mb) or data.cache=none (decode the files every epoch); "
+                     "the run's checkpoints are as they were: rerun the same command once fixed")
+
+
+def _cache_dir(cfg, size, root, split):
+    """A new cache folder (CACHE_PREFIX*) of this process in data.cache_dir (or the system's
+    temporary folder), for a split of `size` bytes decoded: removed at exit, or, if the
+    process dies first, by the next one making a cache there (its owner file's lock is gone:
+    remove_orphaned_caches). A new folder each time: an incomplete cache is never read as a
+    complete one. DataError at once if the disk has less room than the split."""
+    parent = Path(os.path.expanduser(str(cfg.get("cache_dir") or tempfile.gettempdir())))
+    making = None
+    try:
+        remove_orphaned_caches(parent)
+        free = shutil.disk_usage(parent).free
+        if free < size:
+            raise cache_write_error(cfg, root, split, size, f"{free / _MB:.1f} MB free there")
+        # Made under another name and locked before it is renamed into the pattern that
+        # remove_orphaned_caches looks at: another process never sees it unlocked.
+        making = Path(tempfile.mkdtemp(prefix="." + CACHE_PREFIX, dir=parent))
+        owner = open(making / _OWNER, "w")
+        fcntl.flock(owner, fcntl.LOCK_EX)
+        owner.write(f"pid {os.getpid()}\nhost {socket.gethostname()}\nsince {datetime.datetime.now().isoformat()}\n")
+        owner.flush()
+        directory = parent / making.name[1:]
+        os.rename(making, directory)
+    except OSError as exc:  # the folder gone or read-only since the config's check, or full
+        if making is not None:
+            shutil.rmtree(making, ignore_errors=True)
+        raise cache_write_error(cfg, root, split, size, exc.strerror or str(exc)) from None
     if not _CACHE_DIRS:
-        atexit.register(lambda: [shutil.rmtree(d, ignore_errors=True) for d in _CACHE_DIRS])
-    _CACHE_DIRS.append(directory)
-    return f"{directory}/{split}"
+        atexit.register(lambda: [_remove_cache(d) for d in list(_CACHE_DIRS)])
+    _CACHE_DIRS[directory] = owner
+    return directory
+
+
+def _remove_cache(directory):
+    shutil.rmtree(directory, ignore_errors=True)
+    owner = _CACHE_DIRS.pop(directory, None)
+    if owner is not None:
+        owner.close()
+
+
+def remove_orphaned_caches(parent):
+    """Remove the cache folders in `parent` whose process is gone: their owner file is not
+    locked (the kernel drops a dead process's flock, kill -9 included), and names this host
+    (another host's lock is not seen over every network file system: left alone); a folder
+    without an owner file (an older version's) once untouched for a day. One notice line
+    says what went."""
+    removed, size = [], 0
+    for directory in sorted(Path(parent).glob(CACHE_PREFIX + "*")):
+        if directory in _CACHE_DIRS or not directory.is_dir():
+            continue
+        try:
+            if not _owner_gone(directory):
+                continue
+            size += sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+        except OSError:  # removed meanwhile, or not ours to read
+            continue
+        shutil.rmtree(directory, ignore_errors=True)
+        removed.append(directory.name)
+    if removed:
+        say(f"notice: removed {len(removed)} disk cache folder(s) in {parent} left by runs that ended without "
+            f"removing them ({size / _MB:.0f} MB): {', '.join(removed)}")
+
+
+def _owner_gone(directory):
+    owner = directory / _OWNER
+    if not owner.is_file():
+        newest = max([directory.stat().st_mtime, *(f.stat().st_mtime for f in directory.rglob("*"))])
+        return time.time() - newest > _UNMARKED_AGE_S
+    lines = dict(line.split(" ", 1) for line in owner.read_text().splitlines() if " " in line)
+    if lines.get("host") != socket.gethostname():
+        return False
+    with open(owner) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its process holds it
+        return True
+
+
+def _check_still_there(data):
+    """DataError naming the files of a data.cache=none split that are gone since the load."""
+    missing = [p for p in data.source["paths"] if not os.path.exists(p)]
+    if missing:
+        raise DataError(f"{len(missing)} image file(s) of {data.origin} are gone since the run started "
+                        f"(data.cache=none reads them every epoch): {_named(missing)}; {_GONE_REMEDY}")
+
+
+_GONE_REMEDY = ("the epoch is not saved; put the file(s) back (or leave them out: a rerun lists the folder again) and "
+                "rerun the same command: the run resumes from its last saved epoch")
+
+
+def files_gone(exc):
+    """The one-line DataError for TensorFlow's error `exc` where it is an image file that a
+    data.cache=none pipeline found gone (deleted or moved mid-epoch), else None."""
+    import tensorflow as tf
+
+    text = str(getattr(exc, "message", "")).split("\n")[0]
+    if not isinstance(exc, tf.errors.NotFoundError) or "; No such file" not in text:
+        return None
+    # "... transformation with iterator: Iterator::Root::...::ParallelMapV2: /abs/path.png; No such file ...":
+    # the folder's paths are absolute; the shortest such tail is the file.
+    before = text[:text.index("; No such file")]
+    tails = [before[i + 2:] for i in range(len(before) - 2, -1, -1) if before.startswith(": ", i)]
+    path = next((tail for tail in tails if tail.startswith("/")), before)
+    if Path(path).suffix.lower() not in folder.IMAGE_SUFFIXES or os.path.exists(path):
+        return None
+    return DataError(f"image file {path} is gone (deleted or moved while the run read it: data.cache=none reads the "
+                     f"files every epoch); {_GONE_REMEDY}")
+
+
+def _named(paths):
+    return ", ".join(str(p) for p in paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
 
 
 def _skipped_notice(root, split, paths, kept):

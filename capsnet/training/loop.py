@@ -30,6 +30,7 @@ from capsnet.console import say
 from capsnet.errors import ConfigError, Interrupted
 from capsnet.precision import set_tensor_float_32
 from capsnet.tasks import task_for
+from capsnet.tasks.images import files_gone
 from capsnet.training.checkpoints import checkpoint_weights
 from capsnet.training.control import RunControl, on_schedule
 from capsnet.training.distribute import (check_all_reduce, check_global_batch, check_tf_config, check_workers_agree,
@@ -71,6 +72,8 @@ def train(cfg, *, checked=False, hydra_files=None, resume_command=None, lock=Non
         if isinstance(interrupt, Interrupted):
             raise
         raise Interrupted(control.interrupted()) from None
+    except tf.errors.NotFoundError as exc:  # an image file gone mid-epoch (data.cache=none): one line
+        raise files_gone(exc) or exc
     finally:
         control.restore_signals()
         if control.run is not None:
