@@ -151,7 +151,7 @@ def model_figures(model, images, labels, *, class_names=None, batch_size=100, ro
     chosen = [(k, i) for k, i in enumerate(class_examples(labels, num_classes)) if i is not None]
     capsules = "v_j" in outputs
     if not capsules:
-        figures.notes.append("perturbation, reconstructions, routing: left out, the CNN baseline has no capsules, "
+        figures.notes.append("perturbation, reconstructions, routing: left out, the model (a CNN) has no capsules, "
                              "decoder or routing (its lengths figure shows class probabilities)")
     elif getattr(model, "decoder", None) is None:
         figures.notes.append("perturbation, reconstructions: left out, the model has no decoder (model.decoder=false)")

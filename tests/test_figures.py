@@ -138,7 +138,7 @@ def test_no_decoder_and_the_cnn_leave_figures_out_with_a_reason():
     assert plain.notes == ["perturbation, reconstructions: left out, the model has no decoder (model.decoder=false)"]
     cnn = model_figures(build_baseline(filters=(4,), dense_units=(8,)), images, labels)
     assert set(cnn.images) == {"lengths", "confusion"}
-    assert len(cnn.notes) == 1 and "CNN baseline" in cnn.notes[0]
+    assert len(cnn.notes) == 1 and "has no capsules" in cnn.notes[0]
 
 
 def test_visualize_writes_pngs_of_a_run_and_training_put_them_in_tensorboard(trained_run, tmp_path, capsys):
