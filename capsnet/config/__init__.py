@@ -44,8 +44,8 @@ fills them in): never change one; change the YAML value instead.
 No TensorFlow here: config errors are reported before the seconds-long TensorFlow import.
 
 Modules: schemas (the dataclasses, their field checks, the choices), checks (check,
-check_eval, check_section, the rules across keys), routing (router_spec,
-routing_from_flags), migrate (old run configs), hydra (register, compose, explain,
+check_eval, check_section, the rules across keys), routing (router_spec),
+migrate (old run configs: the one module that reads what older versions wrote), hydra (register, compose, explain,
 check_overrides, the dataset resolvers). Import from here: `from capsnet import config`.
 """
 from capsnet.config.checks import (OVERLAY_AUGMENTATION, PER_EXAMPLE_AUGMENTATION, check, check_all_reduce_in_step,
@@ -56,7 +56,7 @@ from capsnet.config.hydra import (check_overrides, compose, dataset_classes, dat
 from capsnet.config.migrate import migrate
 from capsnet.config.checks import check_predict
 from capsnet.config.schemas import PredictAppConfig
-from capsnet.config.routing import router_spec, routing_from_flags
+from capsnet.config.routing import router_spec
 from capsnet.config.schemas import (ALL_REDUCE, APP_SCHEMAS, AUGMENTATION_OFF, CONV_FORMS, GROUP_SCHEMAS, INITIALIZERS,
                                     PRECISIONS, ROUTING, ROUTING_DEFAULT, SCALE_LR, SHIFT_FILLS, STRATEGIES, WEIGHTS,
                                     WHICH, XLA_MODES, AugmentationConfig, DataConfig, DataSourceConfig,
@@ -66,7 +66,7 @@ from capsnet.config.schemas import (ALL_REDUCE, APP_SCHEMAS, AUGMENTATION_OFF, C
 __all__ = [
     "ModelConfig", "DataSourceConfig", "AugmentationConfig", "DataConfig", "TrainConfig", "DistributeConfig", "TrainAppConfig",
     "EvalDataConfig", "EvalAppConfig", "register", "check", "check_eval", "check_section", "migrate",
-    "router_spec", "routing_from_flags", "compose", "explain", "unknown_key", "check_overrides", "check_augmentation", "check_xla",
+    "router_spec", "compose", "explain", "unknown_key", "check_overrides", "check_augmentation", "check_xla",
     "check_all_reduce_in_step", "check_data_on_device", "check_overlay_augmentation", "PER_EXAMPLE_AUGMENTATION",
     "OVERLAY_AUGMENTATION",
     "dataset_shape", "dataset_classes", "GROUP_SCHEMAS", "APP_SCHEMAS",

@@ -11,7 +11,7 @@ from omegaconf import MISSING
 from capsnet import folder
 from capsnet.config.schemas import (AUGMENTATION_OFF, ALL_REDUCE, AugmentationConfig, DataConfig, DistributeConfig,
                                     EvalAppConfig, ModelConfig, PredictAppConfig, ROUTED_KINDS, TrainAppConfig,
-                                    TrainConfig, augmentation_options)
+                                    TrainConfig, augmentation_options, field_default)
 from capsnet.datasets import DATASETS, check_canvas_border, is_overlay, source_shape, test_set_refusal
 from capsnet.errors import ConfigError
 
@@ -193,7 +193,7 @@ def check_section(schema, values, prefix=""):
         if f.name in values:
             value = values[f.name]
         else:
-            value = _default(f)
+            value = field_default(f)
             if value is MISSING:
                 raise ConfigError(f"{prefix}{f.name} is missing")
         checked[f.name] = f.metadata["check"](prefix + f.name, value)
@@ -316,10 +316,3 @@ def check_predict(cfg):
         if cfg.get(key, MISSING) in (MISSING, "???"):
             raise ConfigError(f"{key}=... is required: {what}")
     return check_section(PredictAppConfig, cfg)
-
-
-def _default(f):
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return f.default if f.default is not dataclasses.MISSING else MISSING
-

@@ -1,12 +1,14 @@
-"""Old run configs: `migrate(saved)`, a run's saved config.yaml in today's shape."""
+"""Old run configs: `migrate(saved)`, a run's saved config.yaml in today's shape, the one step
+every saved config is read through (capsnet.training.checkpoints reads a run dir's with it) and
+the one module that knows what older versions wrote: keys added since (their schema defaults,
+ADDED_SINCE_MARKER), model.jit_routing / model.fused_routing (model.routing's backend)."""
 import dataclasses
 
 from omegaconf import MISSING
 
-from capsnet.config.checks import _default
-from capsnet.config.routing import routing_from_flags
-from capsnet.config.schemas import TrainAppConfig
+from capsnet.config.schemas import TrainAppConfig, field_default
 from capsnet.errors import ConfigError
+from capsnet.validation import boolean
 
 
 # Schema keys added after run dirs began to carry the marker (capsnet.training.run_lock.MARKER_NAME),
@@ -24,7 +26,7 @@ def migrate(saved):
     a key added since the run was saved takes its schema default (what the run was trained
     with: no augmentation beyond shifts, no weight average, W from N(0, 0.1²), one device),
     model.jit_routing / model.fused_routing become model.routing's backend
-    (routing_from_flags); model.routing auto | tf | xla (before routers) stays, and `check`
+    (_routing_from_flags); model.routing auto | tf | xla (before routers) stays, and `check`
     reads it as the section {algorithm: dynamic, backend: <it>, leaky: false}.
     Values are left as they are (no type conversion): `check` judges them."""
     if not isinstance(saved, dict):
@@ -32,7 +34,7 @@ def migrate(saved):
     cfg = {key: (dict(value) if isinstance(value, dict) else value) for key, value in saved.items()}
     model = cfg.get("model")
     if isinstance(model, dict) and ({"jit_routing", "fused_routing"} & set(model)):
-        model["routing"] = routing_from_flags(
+        model["routing"] = _routing_from_flags(
             custom_op=cfg.get("custom_op", False), jit_routing=model.pop("jit_routing", False),
             fused_routing=model.pop("fused_routing", False),
             stop_gradient_routing=model.get("stop_gradient_routing", True))
@@ -40,14 +42,37 @@ def migrate(saved):
         if dataclasses.is_dataclass(f.type):
             section = cfg.get(f.name)
             section = section if isinstance(section, dict) else {}
-            cfg[f.name] = {**{g.name: _default(g) for g in dataclasses.fields(f.type)
-                              if _default(g) is not MISSING and not _is_interpolation(_default(g))},
+            cfg[f.name] = {**{g.name: field_default(g) for g in dataclasses.fields(f.type)
+                              if field_default(g) is not MISSING and not _is_interpolation(field_default(g))},
                            **section}
-        elif f.name not in cfg and _default(f) is not MISSING:
-            cfg[f.name] = _default(f)
+        elif f.name not in cfg and field_default(f) is not MISSING:
+            cfg[f.name] = field_default(f)
     return cfg
 
 
 def _is_interpolation(value):
     return isinstance(value, str) and value.startswith("${")
 
+
+def _routing_from_flags(custom_op=False, jit_routing=False, fused_routing=False, stop_gradient_routing=True,
+                       error=ConfigError):
+    """model.routing.backend (auto | tf | xla) of the flags that came before it (a run saved with
+    model.jit_routing / model.fused_routing, a CapsNet config written with them). The
+    combinations that were never valid raise `error` with the words they always had."""
+    for name, value in (("custom_op", custom_op), ("jit_routing", jit_routing),
+                        ("stop_gradient_routing", stop_gradient_routing)):
+        boolean(name, value, error=error)
+    if fused_routing is not None:
+        boolean("fused_routing", fused_routing, error=error)
+    if fused_routing and not (custom_op and stop_gradient_routing):
+        raise error("fused_routing=true needs custom_op=true (it is the compiled op) and "
+                    "stop_gradient_routing=true (its gradient is that of stop-gradient routing), got "
+                    f"custom_op={str(custom_op).lower()}, stop_gradient_routing={str(stop_gradient_routing).lower()}")
+    if fused_routing and jit_routing:
+        raise error("jit_routing=true has nothing to compile with fused_routing=true "
+                    "(the routing runs inside the fused op): set one of them to false")
+    if jit_routing:
+        return "xla"
+    # fused_routing null was "on wherever it applies" (auto); false (or absent: before it
+    # existed) was TF routing.
+    return "auto" if fused_routing is None or fused_routing else "tf"

@@ -223,6 +223,13 @@ def _eval_weights(name, value):
     return value
 
 
+def field_default(f):
+    """The default of the schema field `f` (its factory's value where it has one), or MISSING."""
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default if f.default is not dataclasses.MISSING else MISSING
+
+
 def _checked(default=MISSING, check=None, factory=None):
     """A schema field with its value check beside it."""
     if factory is not None:
