@@ -9,7 +9,7 @@ import keras
 import tensorflow as tf
 
 from capsnet.layers import CONV_FORMS, Conv2D, Decoder, DigitCaps, PrimaryCaps, capsule_lengths
-from capsnet.routing import LEGACY_KEYS, DynamicRouting, Router, router_argument
+from capsnet.routing import DynamicRouting, Router, router_argument
 from capsnet.validation import boolean, finite_float, positive_float, positive_int, positive_int_tuple
 
 __all__ = ["CapsNet", "build_model", "INITIALIZERS"]
@@ -257,10 +257,9 @@ def build_model(**kwargs):
     """A CapsNet(**kwargs) with its weights created (no forward pass), ready for
     count_params(), load_weights() or a checkpoint restore. Also takes the dynamic
     routing's arguments of old instead of `router` (routing=<a backend>,
-    routing_iterations, stop_gradient_routing: capsnet.routing.legacy_router). A config's
+    routing_iterations, stop_gradient_routing: capsnet.routing.router_argument). A config's
     model section with custom_op: capsnet.training.model_setup.build_capsnet."""
-    if set(LEGACY_KEYS) & set(kwargs):
-        kwargs = router_argument(kwargs, "digit_caps_bias")
+    kwargs = router_argument(kwargs, "digit_caps_bias")
     model = CapsNet(**kwargs)
     model.build((None, *model.image_shape))
     return model

@@ -325,6 +325,35 @@ def test_old_routing_flags_migrate(custom_op, flags, routing, mode):
     assert config.router_spec(custom_op, config.check(migrated)["model"])["backend"] == mode
 
 
+@pytest.mark.parametrize("custom_op, flags, routing, mode", [
+    (False, dict(jit_routing=False), "tf", "matmul"),
+    (True, dict(jit_routing=False), "tf", "op"),
+    (False, dict(jit_routing=True), "xla", "matmul_xla"),
+    (True, dict(jit_routing=True, fused_routing=False), "xla", "op_xla"),
+    (True, dict(jit_routing=False, fused_routing=None), "auto", "fused_op"),
+    (True, dict(jit_routing=False, fused_routing=True), "auto", "fused_op"),
+    (True, dict(jit_routing=False, fused_routing=None, stop_gradient_routing=False), "auto", "op"),
+    (False, dict(jit_routing=False, fused_routing=None), "auto", "matmul"),
+])
+def test_layer_arguments_from_before_routers_migrate_as_run_configs_do(custom_op, flags, routing, mode):
+    """DigitCaps' and CapsNet's arguments of old (capsnet.routing.router_argument) are read by
+    the run config's rule: the same backend for the same flags, the rounds and stop-gradient kept;
+    a backend named outright (routing=<backend>) is taken as it is."""
+    from capsnet.config.migrate import legacy_router_spec
+
+    spec = legacy_router_spec(custom_op=custom_op, routing_iterations=2, **flags)
+    assert spec["algorithm"] == "dynamic" and spec["backend"] == mode and spec["iterations"] == 2
+    assert spec["stop_gradient"] is flags.get("stop_gradient_routing", True)
+    old = {**old_run_config(**{k: v for k, v in flags.items() if k != "stop_gradient_routing"}), "custom_op": custom_op}
+    old["model"]["stop_gradient_routing"] = flags.get("stop_gradient_routing", True)
+    assert config.router_spec(custom_op, config.check(config.migrate(old))["model"])["backend"] == mode
+    assert legacy_router_spec(routing="op_xla", routing_iterations=2)["backend"] == "op_xla"
+    with pytest.raises(ValueError, match="fused_routing=true needs custom_op=true"):
+        legacy_router_spec(custom_op=False, fused_routing=True)
+    with pytest.raises(ValueError, match="jit_routing=true has nothing to compile"):
+        legacy_router_spec(custom_op=True, fused_routing=True, jit_routing=True)
+
+
 @pytest.mark.parametrize("custom_op, flags, message", [
     (False, dict(fused_routing=True), "fused_routing=true needs custom_op=true"),
     (True, dict(fused_routing=True, jit_routing=True), "jit_routing=true has nothing to compile"),

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("seeded")  # same initial weights every run
 
 def legacy_digit_caps(**kwargs):
     """DigitCaps of the arguments it took before routers (routing=<backend>,
-    routing_iterations, stop_gradient_routing): capsnet.routing.legacy_router's."""
+    routing_iterations, stop_gradient_routing): capsnet.config.migrate.legacy_router_spec's."""
     return DigitCaps(**router_argument(kwargs, "bias_init"))
 
 

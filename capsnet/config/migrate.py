@@ -1,11 +1,14 @@
 """Old run configs: `migrate(saved)`, a run's saved config.yaml in today's shape, the one step
 every saved config is read through (capsnet.training.checkpoints reads a run dir's with it) and
 the one module that knows what older versions wrote: keys added since (their schema defaults,
-ADDED_SINCE_MARKER), model.jit_routing / model.fused_routing (model.routing's backend)."""
+ADDED_SINCE_MARKER), model.jit_routing / model.fused_routing (model.routing's backend); and,
+for the Keras configs and keyword arguments of DigitCaps and CapsNet from before routers,
+`legacy_router_spec` (capsnet.routing.router_argument builds the Router of it)."""
 import dataclasses
 
 from omegaconf import MISSING
 
+from capsnet.config.routing import router_spec
 from capsnet.config.schemas import TrainAppConfig, field_default
 from capsnet.errors import ConfigError
 from capsnet.validation import boolean
@@ -76,3 +79,25 @@ def _routing_from_flags(custom_op=False, jit_routing=False, fused_routing=False,
     # fused_routing null was "on wherever it applies" (auto); false (or absent: before it
     # existed) was TF routing.
     return "auto" if fused_routing is None or fused_routing else "tf"
+
+
+# DigitCaps' and CapsNet's routing arguments before routers (their Keras configs, and keyword
+# arguments written for them): a backend name, the rounds and the stop-gradient; or, older
+# still, the flags custom_op, jit_routing and fused_routing.
+LEGACY_ROUTER_KEYS = ("routing", "routing_iterations", "stop_gradient_routing", "custom_op", "jit_routing",
+                      "fused_routing")
+
+
+def legacy_router_spec(routing=None, routing_iterations=3, stop_gradient_routing=True, custom_op=False,
+                       jit_routing=False, fused_routing=False, bias_init=None):
+    """capsnet.routing.make_router's arguments for LEGACY_ROUTER_KEYS (`bias_init`: the layer's
+    capsule bias start): dynamic routing with `routing` as its backend; or, for the flags,
+    the backend a run config of them migrates to (_routing_from_flags, then router_spec: the
+    fused op wherever it applies, null fused_routing meaning auto). ValueError for the
+    combinations that were never valid."""
+    if routing is None:
+        backend = _routing_from_flags(custom_op, jit_routing, fused_routing, stop_gradient_routing, error=ValueError)
+        return router_spec(custom_op, {"routing": backend, "routing_iterations": routing_iterations,
+                                       "stop_gradient_routing": stop_gradient_routing, "digit_caps_bias": bias_init})
+    return {"algorithm": "dynamic", "iterations": routing_iterations, "stop_gradient": stop_gradient_routing,
+            "backend": routing}
