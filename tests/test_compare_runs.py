@@ -34,6 +34,7 @@ def fake_run(root, name, seed, test_accs, *, epochs=None, train_acc=0.99, untest
     return run
 
 
+@pytest.mark.slow
 def test_a_real_run_and_evaluate_py_report_of_its_final_checkpoint(trained_run, tmp_path, capsys):
     from capsnet.evaluation import evaluate
 

@@ -36,6 +36,7 @@ def test_importing_config_does_not_import_tensorflow():
 
 # --------------------------------------------------------------------------- every group composes
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     [], ["data=fashion_mnist"], ["data=multimnist"], ["augmentation=fashion"], ["augmentation=none"],
     ["distribute=none"], ["distribute=mirrored"], ["distribute=multi_worker"],
@@ -67,6 +68,7 @@ def test_eval_config_composes_and_checks():
         config.check_eval({"which": "best"})
 
 
+@pytest.mark.slow
 def test_group_choices_set_what_they_say():
     assert train_cfg("augmentation=fashion")["data"]["flip"] is True
     assert train_cfg("experiment=paper_fashion_mnist")["data"]["flip"] is True

@@ -85,6 +85,7 @@ def test_space_to_depth_and_block_kernel_against_numpy():
 BLOCK_OUTPUT_SHAPES = [(28, 28, 9, 2), (29, 27, 9, 2), (28, 30, 8, 2), (13, 14, 3, 3), (10, 11, 1, 2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["eager", "function", "jit"])
 @pytest.mark.parametrize("h, w, k, b", BLOCK_OUTPUT_SHAPES)
 def test_conv2d_to_blocks_is_the_convolution_in_blocks(h, w, k, b, mode):
@@ -134,6 +135,7 @@ def test_block_output_kernel_against_numpy():
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [28, 29])
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_model_on_blocks_gives_the_strided_models_outputs_and_gradients(size, mode):
@@ -219,6 +221,7 @@ def test_primary_caps_conv_form_picks_the_kernels(form, blocks_outside_xla, bloc
     assert "Transpose" not in _graph_ops(same, True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [20, 19, 21])
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_primary_caps_forms_give_the_same_capsules_and_gradients(size, mode):
@@ -261,6 +264,7 @@ def test_model_config_reaches_the_layer(tiny_config):
         build_capsnet({**tiny_config()["model"], "primary_caps_conv": "blocks"}, custom_op=False)
 
 
+@pytest.mark.slow
 def test_training_with_another_conv_form_matches_and_a_resume_may_switch(trained_run, tiny_config, tmp_path):
     """A run resumed with model.primary_caps_conv=space_to_depth (how PrimaryCaps computes,
     not what) continues the run; its epoch's loss is the strided run's to float32 rounding."""

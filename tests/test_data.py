@@ -512,6 +512,7 @@ def test_elastic_distort_matches_numpy(alpha, sigma):
         np.testing.assert_array_equal(got[..., 0], images)  # no displacement: the images themselves
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("height, width", [(28, 28), (5, 7), (1, 1)])
 def test_elastic_noise_is_the_per_example_draw(height, width):
     """elastic_noise's batch (Philox computed in vectorised ops, for H·W·2 words: 1,568 for
@@ -529,6 +530,7 @@ def test_elastic_noise_is_the_per_example_draw(height, width):
     np.testing.assert_array_equal(compiled(seeds, indices).numpy(), want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [dict(), dict(rotate_degrees=10)], ids=["batched", "per-example"])
 def test_elastic_batches_are_the_per_example_formula(kwargs):
     """make_dataset with elastic distortion, whole batches drawn at once (alone, or after
@@ -620,6 +622,7 @@ def test_flip_mirrors_about_half_the_examples(examples):
     assert 15 <= sum(flipped) <= 45  # 60 fair coins
 
 
+@pytest.mark.slow
 def test_augmentations_reproducible_and_independent_of_batching(examples):
     images, labels = examples
     kwargs = dict(training=True, seed=4, epoch=1, shift_pixels=2, flip=True, rotate_degrees=15,
@@ -690,6 +693,7 @@ def test_make_dataset_rejects_bad_arrays(images, labels, words):
     assert words in str(err.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed, epoch", [(0, 0), (5, 3), (-7, 2**33)])
 def test_shift_corners_and_flip_mask_draw_what_the_per_example_ops_draw(seed, epoch):
     """shift_corners and flip_mask compute Philox in TensorFlow ops: for any stream key and
@@ -783,6 +787,7 @@ def numpy_erase(images, boxes):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed, epoch", [(0, 0), (5, 3), (-7, 2**33)])
 def test_erase_boxes_draw_what_the_per_example_op_draws(seed, epoch):
     """erase_boxes reads the five float32 uniforms of stateless_uniform([5]) under
@@ -842,6 +847,7 @@ def erase_examples():
     return images, labels, boxes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [dict(), dict(flip=True, shift_fill="edge"), dict(shift_pixels=0),
                                     dict(rotate_degrees=10, zoom=0.1), dict(elastic_alpha=20, elastic_sigma=3)])
 def test_erasing_zeroes_each_images_box_after_the_other_augmentations(erase_examples, kwargs):

@@ -25,6 +25,7 @@ def some_split(n=30):
     return rng.integers(1, 256, (n, 12, 12, 1), dtype=np.uint8), rng.integers(0, 10, n).astype(np.int64)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("elastic", [False, True], ids=["batched", "elastic"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "xla"])
 def test_device_batches_are_make_datasets_batches(compiled, elastic):
@@ -54,6 +55,7 @@ def test_device_batches_are_make_datasets_batches(compiled, elastic):
             assert got_labels.dtype == tf.int32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shift, pad, elastic", [(2, 3, 0), (0, None, 0), (2, 3, 8)],
                          ids=["shift2_pad3", "unshifted", "shift2_pad3_elastic"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "xla"])
@@ -90,6 +92,7 @@ def test_device_pairs_are_make_multimnist_datasets_pairs(compiled, shift, pad, e
     assert (labels[first["partner"].numpy()] != labels[first["index"].numpy()]).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("augmentation", [[], ["data.elastic_alpha=8"]], ids=["shifts", "elastic"])
 def test_multimnist_on_device_trains_the_same_steps_as_the_pipeline(tiny_idx_dir, tmp_path, augmentation):
     """data=multimnist with train.data_on_device=true against false (custom_op=true
@@ -227,6 +230,7 @@ def test_device_training_set_refuses_per_example_augmentation_and_unknown_argume
         DeviceTrainingSet(images, labels, batch_size=7, seed=0, shift_pixels=12)
 
 
+@pytest.mark.slow
 def test_data_on_device_trains_the_same_steps_as_the_pipeline(tiny_config, tmp_path, monkeypatch, capsys):
     """custom_op=true train.xla=jit with train.data_on_device=true against false: the same
     batches (flips, elastic distortions and erasing on; the epoch's last batch short: 69 =

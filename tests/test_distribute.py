@@ -710,6 +710,7 @@ def test_distribute_config_group_composes():
 TF_CONFIG_ONE_WORKER = json.dumps({"cluster": {"worker": ["localhost:12345"]}, "task": {"type": "worker", "index": 0}})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides, tf_config, message", [
     (["distribute.strategy=horovod"], None,
      "distribute.strategy must be one of none, mirrored, multi_worker, got 'horovod'"),
@@ -796,6 +797,7 @@ def test_scaled_learning_rate(scale_lr, base, factor):
     assert scaled_learning_rate(0.01, 16, scale_lr, base) == pytest.approx(0.01 * factor)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale_lr, base", [("linear", 8), ("sqrt", 4)])
 def test_scale_lr_sets_the_learning_rate_train_uses(tiny_config, scale_lr, base):
     metrics = train(tiny_config(*DATA, "train.epochs=1", f"distribute.scale_lr={scale_lr}",

@@ -71,6 +71,7 @@ def test_evaluate_latest_and_a_checkpoint_path(trained_run, tmp_path):
     assert json.loads(output.read_text())["accuracy"] == report["accuracy"]
 
 
+@pytest.mark.slow
 def test_the_default_report_is_outside_checkpoints_and_outlives_their_rotation(trained_run, tiny_config, tmp_path):
     """The default report goes into the run's evaluations/, named after the checkpoint's place
     (best-ckpt-N, latest-ckpt-N; a checkpoint path finds its run dir above it); nothing is
@@ -217,6 +218,7 @@ def test_bad_evaluate_arguments_are_one_line_config_errors(trained_run, tmp_path
     assert not (tmp_path / "never.json").exists()
 
 
+@pytest.mark.slow
 def test_xla_jit_for_a_run_routed_by_its_own_xla_computation_is_a_config_error(trained_run, tmp_path):
     # model.routing=xla compiles the routing on its own; nested in a compiled pass it aborted
     # the process on a GPU (check_xla), so evaluate() says so first.
@@ -307,6 +309,7 @@ def test_a_test_split_of_one_batch_is_scored_with_its_rate_unmeasured(trained_ru
     assert json.loads((tmp_path / "both.json").read_text())["images_per_sec"] is None
 
 
+@pytest.mark.slow
 def test_evaluate_a_list_of_checkpoints_as_an_ensemble(trained_run, tiny_idx_dir, tmp_path):
     run_dir, metrics = trained_run
     latest = run_dir / "checkpoints" / "latest"
@@ -344,6 +347,7 @@ def test_evaluate_a_list_of_checkpoints_as_an_ensemble(trained_run, tiny_idx_dir
     assert "members" not in one and one["accuracy"] == evaluate(run_dir)["accuracy"]
 
 
+@pytest.mark.slow
 def test_tta_flip_scores_each_image_by_its_lengths_and_its_mirror_images_averaged(trained_run, tiny_config,
                                                                                    tiny_idx_dir, tmp_path):
     """tta=flip: the plain and the mirrored pass of each checkpoint, and every example scored
@@ -392,6 +396,7 @@ def np_shifted(images, dy, dx, fill):
     return moved
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fill", ["zero", "edge"])
 def test_tta_shift_scores_each_image_by_its_lengths_and_its_four_one_pixel_shifts_averaged(
         trained_run, tiny_config, tiny_idx_dir, tmp_path, fill):

@@ -159,6 +159,7 @@ FOLDER_TRAIN = ["data=folder", "data.image_size=32", "train.epochs=2", "train.ba
                 "train.learning_rate=0.01"]
 
 
+@pytest.mark.slow
 def test_a_folder_trains_evaluates_exports_and_predicts_with_its_class_names(tmp_path):
     """data=folder end to end on CPU: 999 generated 64x64 RGB images of 3 classes (798
     train, 201 test; a class is a bright third of the image) train the tiny model for 2

@@ -333,6 +333,7 @@ def test_missing_op_library_is_one_clear_line(monkeypatch):
             assert str(err.value) == "the capsnet op library is not built: run `make ops`"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("custom_op", [False, True])
 def test_jit_routing_computes_the_same_outputs_and_gradients(custom_op, no_tf32):
     plain = lively(build_model(routing="op" if custom_op else "matmul", **SMALL))
@@ -388,6 +389,7 @@ def test_fused_routing_matches_the_matmul_path(routing_iterations, leaky, no_tf3
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-3, atol=1e-6, err_msg=var.path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("leaky", [False, True], ids=["plain", "leaky"])
 def test_fused_routing_train_step_matches_the_matmul_path(leaky, no_tf32):
     """The real compiled train step (capsnet.training.steps.make_train_step) of both models,

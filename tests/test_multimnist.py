@@ -43,6 +43,7 @@ def find_source(digit, images, s, pad):
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("training, pad", [(True, None), (False, None), (True, 1)])
 def test_pairs_are_shifted_digits_of_different_classes_overlaid_with_a_clipped_sum(sources, training, pad):
     """pad None: the canvas border is the shift (the paper's MultiMNIST); pad 1 < shift 3: a
@@ -117,6 +118,7 @@ def test_partners_cover_the_other_classes_and_data_errors(sources):
         make_split_dataset("multimnist", images, labels, batch_size=2, training=True, elastic_alpha=-1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shift, pad", [(3, None), (0, 2)])
 def test_elastic_pairs_distort_each_digit_before_the_overlay(sources, shift, pad):
     """data.elastic_alpha on MultiMNIST: each digit of a training pair is the source digit
@@ -264,6 +266,7 @@ def multimnist_overrides(tiny_idx_dir, run_dir, *extra):
                           "train.epochs=2", "data.limit_train=64", "data.limit_test=40", *extra)
 
 
+@pytest.mark.slow
 def test_tiny_multimnist_run_trains_and_evaluates(tiny_idx_dir, tmp_path):
     from capsnet.training import train
 
@@ -310,6 +313,7 @@ def test_tiny_multimnist_run_trains_and_evaluates(tiny_idx_dir, tmp_path):
     assert not (tmp_path / "never.json").exists()
 
 
+@pytest.mark.slow
 def test_a_run_on_the_authors_pairs_tests_and_evaluates_on_its_own_canvas(tiny_idx_dir, tmp_path):
     """data.pad_pixels reaches the derived input shape, the in-run test pass and evaluate.py:
     evaluate's pairs are the run's (its score and loss are the in-run test pass's)."""
@@ -327,6 +331,7 @@ def test_a_run_on_the_authors_pairs_tests_and_evaluates_on_its_own_canvas(tiny_i
     assert report["loss"] == pytest.approx(metrics["history"][0]["test_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_multimnist_config_errors(tiny_idx_dir, tmp_path):
     from capsnet.config import check
     from capsnet.training import train
@@ -353,6 +358,7 @@ def test_multimnist_config_errors(tiny_idx_dir, tmp_path):
         compose_config("train", ["data=multimnist", "data.pad_pixels=-1", "run_dir=/unused"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("training, shift, pad", [(True, 4, None), (False, 4, None), (True, 0, None), (True, 4, 2)])
 def test_batched_pairs_are_the_per_example_draws(sources, training, shift, pad):
     """make_multimnist_dataset builds whole batches from the Philox words of its draws
@@ -395,6 +401,7 @@ def test_batched_pairs_are_the_per_example_draws(sources, training, shift, pad):
         np.testing.assert_array_equal(got_part, np.stack(want_part))
 
 
+@pytest.mark.slow
 def test_evaluate_scores_a_run_on_other_test_pairs_and_keeps_its_own_report(tiny_idx_dir, tmp_path):
     """evaluate(shift_pixels=..., pad_pixels=...) (evaluate.py data.shift_pixels / data.pad_pixels):
     a ±4 px run scored on other pairs of its canvas, against the checkpoint's capsule lengths on

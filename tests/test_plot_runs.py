@@ -73,6 +73,7 @@ def test_reads_what_training_wrote(plot_runs, trained_run):
     assert run["image_epoch"] == 4
 
 
+@pytest.mark.slow
 def test_reads_the_trained_weights_accuracy_of_a_weight_average_run(plot_runs, tiny_config, tmp_path):
     """train.ema_decay > 0: test/accuracy is the average's, test/raw_accuracy (the dotted
     curve) the trained weights', each as history.jsonl has it; a run without one has none."""
@@ -87,6 +88,7 @@ def test_reads_the_trained_weights_accuracy_of_a_weight_average_run(plot_runs, t
     assert_png(plot_runs.main([str(run_dir), "--out", str(tmp_path / "img")])[0])
 
 
+@pytest.mark.slow
 def test_a_run_tested_every_other_epoch_is_plotted_at_its_tested_epochs(plot_runs, tiny_config, tmp_path):
     """train.test_every_epochs=2: test points at epochs 2 and 4 (history.jsonl's tested epochs), not 1 and 2."""
     from capsnet.training import train

@@ -187,6 +187,7 @@ def test_routing_op_gradients_in_16_bits_match_numpy(dtype):
 
 # --------------------------------------------------------------------------- training
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision, extra", [
     ("mixed_bfloat16", []),
     ("mixed_bfloat16", ["custom_op=true"]),            # the fused routing op in bfloat16
@@ -223,6 +224,7 @@ def test_the_ops_see_16_bit_inputs_under_a_mixed_policy(tiny_config, monkeypatch
     assert seen and set(seen) == {(tf.bfloat16, tf.bfloat16)}
 
 
+@pytest.mark.slow
 def test_mixed_float16_logs_its_loss_scale(tiny_config, tmp_path):
     train(tiny_config("train.precision=mixed_float16", "train.epochs=1"))
     events = read_events(tmp_path / "run")
@@ -231,6 +233,7 @@ def test_mixed_float16_logs_its_loss_scale(tiny_config, tmp_path):
     assert "train/loss_scale" not in read_events_of_float32(tiny_config, tmp_path)
 
 
+@pytest.mark.slow
 def test_mixed_float16_logs_the_rate_of_the_next_update_after_skipped_steps(tiny_config, tmp_path, monkeypatch):
     """A step whose scaled gradients overflow float16 is skipped and does not advance Adam's
     counter, so the schedule runs behind the steps run: the learning rate logged (history and
@@ -268,6 +271,7 @@ def read_events_of_float32(tiny_config, tmp_path):
     return read_events(run_dir)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_resumes_across_precisions_and_back(trained_run, tiny_config, tmp_path):
     """float32 (4 epochs) → mixed_float16 (epoch 5, a loss scale saved) → mixed_bfloat16 (6) → float32 (7)."""
     original_dir, original = trained_run
@@ -296,6 +300,7 @@ def test_evaluate_uses_the_run_precision_or_the_one_asked_for(trained_run, tmp_p
     assert bf16["loss"] == pytest.approx(as_trained["loss"], rel=0.05)
 
 
+@pytest.mark.slow
 def test_evaluate_compiles_its_pass_as_the_run_did_and_so_reproduces_its_score(tiny_config, trained_run, tmp_path):
     """In bfloat16 the XLA-compiled test pass rounds differently from the plain one
     (MultiMNIST: up to 0.1 points, docs/results.md): evaluate.py's default (xla=null) is the
@@ -392,6 +397,7 @@ def tf32_settings(monkeypatch):
     real(True)
 
 
+@pytest.mark.slow
 def test_train_tf32_false_turns_tensorfloat32_off_and_true_back_on(tiny_config, trained_run, tf32_settings,
                                                                    tmp_path):
     """A sweep's jobs share a process: each run sets the switch to its own value. On this CPU

@@ -30,6 +30,7 @@ def timed_lines(monkeypatch):
     return lines
 
 
+@pytest.mark.slow
 def test_the_epoch_lines_account_for_the_wall_time(tiny_config, monkeypatch):
     """From the first epoch's start to train()'s return, the time is the sum of the epochs'
     printed phases (train, test, save) within 10%: nothing long happens between epochs or
@@ -45,6 +46,7 @@ def test_the_epoch_lines_account_for_the_wall_time(tiny_config, monkeypatch):
     assert abs(wall - sum(phases)) <= 0.1 * wall, (wall, phases)
 
 
+@pytest.mark.slow
 def test_a_log_file_gets_progress_lines_inside_an_epoch_and_the_runs_estimate(tiny_config, monkeypatch, capsys):
     """stdout not a terminal (capsys: a pipe), progress every 0.05 s: lines naming the step of
     the epoch, images/s and the ETAs of the epoch and the run; once, the estimated time of the

@@ -125,6 +125,7 @@ def nan_after(monkeypatch):
     return make
 
 
+@pytest.mark.slow
 def test_a_non_finite_loss_stops_training_at_its_step_and_leaves_the_checkpoints(tiny_config, tmp_path, nan_after,
                                                                                    capsys):
     run_dir = tmp_path / "run"
@@ -198,6 +199,7 @@ def copied_run(trained_run, tmp_path, name="run"):
     return run_dir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["truncated data", "zero-byte index", "random-byte index", "random bytes in data"])
 def test_resume_sets_a_damaged_checkpoint_aside_and_resumes_from_the_newest_intact_one(trained_run, tiny_config,
                                                                                       tmp_path, capsys, kind):
@@ -262,6 +264,7 @@ def test_a_checkpoint_saved_but_not_recorded_is_resumed_from(trained_run, tiny_c
     assert "was saved but not yet recorded" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_save_is_one_line_naming_the_directory(tiny_config, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     train(tiny_config("train.epochs=1"))
@@ -965,6 +968,7 @@ def test_a_run_saving_every_third_epoch_trains_the_same_and_saves_on_schedule(tr
     assert saved_epochs(tmp_path / "run", "best") == [4]
 
 
+@pytest.mark.slow
 def test_a_new_best_is_saved_whatever_the_save_schedule(tiny_config, tmp_path):
     """Tested every epoch and saved on schedule only at the last (save_every 10 > 4 epochs):
     the saved epochs are exactly the new bests, counted from the history, and the last."""
@@ -978,6 +982,7 @@ def test_a_new_best_is_saved_whatever_the_save_schedule(tiny_config, tmp_path):
     assert saved_epochs(tmp_path / "run", "best") == [bests[-1]]
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_redoes_the_epochs_since_its_last_save(trained_run, tiny_config, tmp_path, monkeypatch):
     """Saved every 2nd epoch, Ctrl-C in epoch 4: epochs 3-4 are lost (the line says so) and the
     rerun redoes them from ckpt-2, ending as trained_run (the uninterrupted run) did, with one
@@ -1072,6 +1077,7 @@ def test_collapse_patience_and_best_count_only_the_epochs_tested():
     assert not last_epoch_was_best([tested(2, False, 0.5), untested(3)], 3)  # not tested: cannot be best
 
 
+@pytest.mark.slow
 def test_a_run_testing_every_third_epoch_trains_the_same_and_saves_every_epoch(trained_run, tiny_config, tmp_path):
     """train.test_every_epochs=3 over trained_run's 4 epochs: epochs 3 and 4 are tested (the
     last always), 1 and 2 only trained and saved; the training itself is trained_run's (same

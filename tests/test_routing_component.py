@@ -66,6 +66,7 @@ def three_step_losses(custom_op, model_cfg):
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(RECORDED))
 def test_losses_are_bitwise_those_of_the_code_before_routers(case):
     custom_op, changes, expected = RECORDED[case]

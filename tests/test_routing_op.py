@@ -711,6 +711,7 @@ def overflow_results():
     return run_cases(_overflow_cases())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", range(len(OVERFLOW_SHAPES)))
 @pytest.mark.parametrize("dtype", OVERFLOW_DTYPES)
 def test_overflowing_shapes_are_invalid_argument(overflow_results, dtype, n):
@@ -754,6 +755,7 @@ def _scratch_cases(dt):
             (f"gradient-{dt}", gradient, 2 * w_bytes + max(w_bytes // 2, 32 << 20))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", SCRATCH_DTYPES)
 def test_failing_scratch_allocation_is_resource_exhausted(dtype):
     results = run_with_limits(_scratch_cases(dtype))

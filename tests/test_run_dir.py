@@ -44,6 +44,7 @@ def losses(metrics):
     return [h["train_loss"].hex() for h in metrics["history"]], metrics["test_loss"].hex()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("custom_op", ["false", "true"])
 def test_the_loop_gives_bitwise_the_losses_of_the_loop_before(small_data, tmp_path, custom_op):
     from capsnet.training import train
@@ -373,6 +374,7 @@ def test_a_write_that_fails_is_one_line_naming_the_file_and_the_run_resumes(tiny
     assert metrics["epochs"] == 2 and [h["epoch"] for h in metrics["history"]] == [1, 2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["config.yaml", "history.jsonl", "metrics.json"])
 def test_a_failed_write_of_each_run_file_is_one_line_and_the_run_resumes(tiny_config, tmp_path, monkeypatch, name):
     """The file-size limit above reaches the checkpoint, the event file and config.yaml; a full disk

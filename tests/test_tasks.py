@@ -80,6 +80,7 @@ def test_mnist_shifts_refused_for_natural_images(tmp_path):
         _data_rule({"name": "cifar10", "shift_pixels": 0, "pad_pixels": None, "crop": 40}, "data.")
 
 
+@pytest.mark.slow
 def test_tfds_names_load_through_tensorflow_datasets_offline():
     """The real tfds loading code on tfds' mock data: cifar10 RGB, smallnorb's stereo pair
     as 2 channels at 48x48 with its 5 categories."""

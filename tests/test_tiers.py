@@ -13,20 +13,26 @@ TESTS = Path(__file__).resolve().parent
 PROCESS = re.compile(r"\b(subprocess|Popen|os\.kill|killpg|run_entry_point|run_json_script)\b")
 
 
+def _segment(lines, node):
+    """A node's source lines (ast.get_source_segment splits the whole file at every call)."""
+    return "".join(lines[node.lineno - 1:node.end_lineno])
+
+
 def _functions(tree, source):
     """{name: source} of every function of a module, nested ones too."""
-    return {node.name: ast.get_source_segment(source, node) for node in ast.walk(tree)
+    lines = source.splitlines(keepends=True)
+    return {node.name: _segment(lines, node) for node in ast.walk(tree)
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
 
-def _marked_slow(decorators, source):
-    return any("mark.slow" in ast.get_source_segment(source, d) for d in decorators)
+def _marked_slow(decorators, lines):
+    return any("mark.slow" in _segment(lines, d) for d in decorators)
 
 
-def _module_marked_slow(tree, source):
+def _module_marked_slow(tree, lines):
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in node.targets):
-            if "mark.slow" in ast.get_source_segment(source, node.value):
+            if "mark.slow" in _segment(lines, node.value):
                 return True
     return False
 
@@ -39,8 +45,9 @@ def process_helpers(helpers):
     """The helpers that start a process, themselves or through another helper they name
     (a fixture is named in a test's signature, so fixtures count too)."""
     found = {name for name, body in helpers.items() if PROCESS.search(body)}
+    names = {name: _names(body) for name, body in helpers.items()}
     while True:
-        more = {name for name, body in helpers.items() if name not in found and _names(body) & found}
+        more = {name for name in helpers if name not in found and names[name] & found}
         if not more:
             return found
         found |= more
@@ -54,18 +61,19 @@ def starts_a_process(text, helpers):
 def fast_tests_starting_processes(path, shared_helpers):
     source = path.read_text()
     tree = ast.parse(source)
-    if _module_marked_slow(tree, source):
+    lines = source.splitlines(keepends=True)
+    if _module_marked_slow(tree, lines):
         return []
     helpers = {**shared_helpers, **{k: v for k, v in _functions(tree, source).items() if not k.startswith("test_")}}
     starters = process_helpers(helpers)
     found = []
     for cls in [tree, *(n for n in tree.body if isinstance(n, ast.ClassDef))]:
-        if isinstance(cls, ast.ClassDef) and _marked_slow(cls.decorator_list, source):
+        if isinstance(cls, ast.ClassDef) and _marked_slow(cls.decorator_list, lines):
             continue
         for node in cls.body:
             if (isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
-                    and not _marked_slow(node.decorator_list, source)
-                    and (PROCESS.search(text := ast.get_source_segment(source, node)) or _names(text) & starters)):
+                    and not _marked_slow(node.decorator_list, lines)
+                    and (PROCESS.search(text := _segment(lines, node)) or _names(text) & starters)):
                 found.append(f"{path.name}::{node.name}")
     return found
 

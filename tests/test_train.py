@@ -88,6 +88,7 @@ def test_exponential_decay_stops_at_its_floor():
     assert float(unfloored(600_000)) == pytest.approx(0.001 * 0.96 ** 300, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_a_cosine_run_follows_its_schedule_and_cannot_be_extended(tiny_config, tmp_path):
     """train.lr_schedule=cosine: the learning rate each epoch's line records is the
     formula's at that step (after half an epoch of warm-up, down to 0 at the last step),
@@ -203,8 +204,9 @@ def test_model_config_covers_every_capsnet_argument_with_the_paper_values():
     # The router is built from model.routing, routing_iterations and stop_gradient_routing
     # (capsnet.config.router_spec) and custom_op, the top-level key.
     router_keys = {"routing", "routing_iterations", "stop_gradient_routing"}
-    # model.kind picks the class; the cnn_* keys are the CNN baseline's (BASELINE_KEYS).
-    baseline_keys = {"kind", *(key for key in BASELINE_KEYS if key.startswith("cnn_"))}
+    # model.kind picks the class; the cnn_* keys are the CNN baseline's (BASELINE_KEYS), deep_widths
+    # the deep network's stem (DEEP_KEYS).
+    baseline_keys = {"kind", "deep_widths", *(key for key in BASELINE_KEYS if key.startswith("cnn_"))}
     assert set(cfg["model"]) - router_keys - baseline_keys == arguments - {"router"}
     assert build_capsnet(cfg["model"], custom_op=False).count_params() == 8_215_568
     assert build_capsnet({**cfg["model"], "decoder": False}, custom_op=False).count_params() == 6_804_224
@@ -485,6 +487,7 @@ def test_resume_keeps_the_keys_of_the_runs_learning_rate_schedule(tiny_config, s
     assert sorted(_config_differences(with_train(saved), with_train(current))) == differences
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("changed", ["data.zoom=0.1", "data.elastic_alpha=30", "data.shift_fill=edge",
                                      "data.erase_probability=0.5", "model.w_init_stddev=0.01", "train.ema_decay=0.9",
                                      "train.drop_remainder=True", "model.primary_caps_scale=0.5"])
@@ -520,6 +523,7 @@ def test_resume_with_a_corrupt_config_yaml_is_a_checkpoint_error(trained_run, ti
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_a_crash_before_the_epoch_checkpoint_redoes_the_epoch(tiny_config, tmp_path, monkeypatch):
     """The epoch's checkpoint is its commit point: the history line comes first, the best
     checkpoint after it, and a restart discards what an uncommitted epoch left."""
@@ -552,6 +556,7 @@ def test_a_crash_before_the_epoch_checkpoint_redoes_the_epoch(tiny_config, tmp_p
         np.testing.assert_array_equal(ours.get_tensor(name), committed.get_tensor(name), err_msg=name)
 
 
+@pytest.mark.slow
 def test_a_crash_after_the_commit_point_adopts_the_best_epoch_on_restart(tiny_config, tmp_path, monkeypatch):
     """Epoch 1 committed (latest/ckpt-1), the crash before best/ took it: the restart (nothing
     left to train) puts it into best/ from latest's files (the same files: hard links)."""
@@ -782,6 +787,7 @@ def test_progress_bar_moves_at_any_steps_per_execution(monkeypatch, capsys, tty)
     assert "nan" not in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], ["custom_op=true"], ["train.xla=jit"], ["custom_op=true", "train.xla=jit"]],
                          ids=["matmul", "op", "jit", "op_jit"])
 def test_several_steps_per_call_run_the_same_steps(tiny_config, tmp_path, extra):
@@ -804,6 +810,7 @@ def test_several_steps_per_call_run_the_same_steps(tiny_config, tmp_path, extra)
     assert any(name.startswith("optimizer/") for name in names)
 
 
+@pytest.mark.slow
 def test_train_with_xla_jit_matches_the_plain_run(trained_run, tiny_config, capsys):
     """train() wires xla=jit into both compiled steps: its first epoch measures what the
     plain run's did (same seed, data order and initial weights). On a CPU it says that
@@ -819,6 +826,7 @@ def test_train_with_xla_jit_matches_the_plain_run(trained_run, tiny_config, caps
     assert abs(ours["test_accuracy"] - theirs["test_accuracy"]) <= 0.02  # 100 test images: 2 at most
 
 
+@pytest.mark.slow
 def test_the_compiled_test_step_is_compiled_beside_the_first_epoch(tiny_config, monkeypatch):
     """train.xla=jit: the test step is called on zeros of each test batch shape (32, and the
     last batch's 100 % 32 = 4) in a thread of its own once the first training call has
@@ -877,6 +885,7 @@ def test_compiling_the_test_step_leaves_its_errors_to_the_test_pass():
         compile_eval_step(broken, spec, [3]).result(timeout=60)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("routing", ["auto", "tf"], ids=["fused_op", "op"])
 def test_custom_op_under_xla_jit_trains_as_the_matmul_path(tiny_config, tmp_path, routing):
     """custom_op=true train.xla=jit compiles the whole step with our kernels in it (XLA
@@ -918,6 +927,7 @@ def test_jit_routing_inside_xla_jit_is_a_config_error(tiny_config):
 
 # --------------------------------------------------------------------------- the compiled op
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_routing", "prediction_op"])
 def test_custom_op_trains_like_the_matmul_path_and_evaluates_the_same_on_both(
         trained_run, tiny_config, tmp_path, spy_on_op, fused):
@@ -948,6 +958,7 @@ def test_custom_op_trains_like_the_matmul_path_and_evaluates_the_same_on_both(
     assert matmul["loss"] == pytest.approx(op["loss"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_a_capsule_bias_trains_through_the_op_and_evaluates_the_same_on_both_paths(tiny_config, tmp_path, spy_on_op):
     """model.digit_caps_bias (the authors' code's bias on s_j): custom_op=true then runs
     the prediction op and TF routing (auto skips the fused op, which has no bias); the
@@ -1274,6 +1285,7 @@ def ema_runs(tiny_idx_dir, tmp_path_factory):
     return root / "straight", metrics, root / "resumed"
 
 
+@pytest.mark.slow
 def test_an_ema_run_tests_and_evaluates_its_average_and_logs_its_trained_weights(ema_runs, tmp_path):
     from capsnet.evaluation import evaluate, format_report
 

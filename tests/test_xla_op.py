@@ -180,6 +180,7 @@ def test_custom_calls_pin_row_major_layouts(device):
                 assert layout == ",".join(str(i) for i in reversed(range(rank))), (stage, line)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop_gradient", [True, False])
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_unfused_path_under_jit_matches_the_matmul_prediction(device, stop_gradient):
