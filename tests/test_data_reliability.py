@@ -124,6 +124,7 @@ def test_the_cache_dir_check_needs_no_tensorflow(tmp_path):
 
 # --------------------------------------------------------------------------- files gone with data.cache=none
 
+@pytest.mark.slow
 def test_files_gone_before_a_cache_none_epoch_are_named(tmp_path):
     """data.cache=none decodes the files every epoch: one deleted since the load is a
     DataError naming it when the next epoch's batches are made, not an epoch cut short."""

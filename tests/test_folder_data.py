@@ -122,6 +122,7 @@ def test_an_image_over_max_pixels_is_skipped_unread_with_the_decoding_notice(tmp
     assert str(root / "train" / "cat" / "big.png") in out and str(root / "train" / "dog" / "huge.png") in out
 
 
+@pytest.mark.slow
 def test_file_cache_over_the_memory_budget_gives_the_same_batches(tmp_path):
     """A folder larger than data.cache_memory_mb streams from a file cache: the same test
     batches as the memory cache, and training epochs of every example."""
@@ -199,6 +200,7 @@ def test_a_folder_trains_evaluates_exports_and_predicts_with_its_class_names(tmp
         assert [r["class"] for r in records] == names, (source, records)
 
 
+@pytest.mark.slow
 def test_the_paper_cifar10_preset_trains_a_step_on_a_folder(tmp_path):
     """experiment=paper_cifar10 (24x24 crops, flip, brightness, contrast, per-image
     standardisation, leaky routing, no decoder) on a generated 32x32 RGB folder with

@@ -76,6 +76,7 @@ def test_a_log_file_gets_progress_lines_inside_an_epoch_and_the_runs_estimate(ti
     assert out.index("estimated time of the run") < out.index("epoch 1: train loss")
 
 
+@pytest.mark.slow
 def test_a_terminal_shows_the_runs_eta_in_the_live_bar_and_no_progress_lines(tiny_config, monkeypatch, capsys):
     cfg = with_progress_every(tiny_config, monkeypatch, 0.0001, *OVERRIDES, "train.epochs=1", "train.progress_bar=true")
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)

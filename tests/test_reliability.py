@@ -70,6 +70,7 @@ def test_train_loop_values_stop_at_the_first_non_finite_step():
     assert np.all(out["grad_norm"].numpy() == 1)
 
 
+@pytest.mark.slow
 def test_unguarded_train_step_trains_identically_without_the_gradient_norm(tiny_config):
     """make_train_step(guard=False), the benchmark's way to time the guard, leaves the
     training itself alone: the same losses step for step, grad_norm 0 instead of the
@@ -658,6 +659,7 @@ def test_ctrl_c_prints_one_line_and_exits_130(tiny_idx_dir, tmp_path):
 
 # --------------------------------------------------------------------------- 6. collapse warning
 
+@pytest.mark.slow
 def test_a_collapsed_run_is_flagged_in_the_log_tensorboard_and_history(tiny_config, tmp_path, capsys):
     """learning_rate=1 on the tiny data: no NaN, but the predictions stay at chance (10
     classes) through epoch 3, the first the accuracy rule applies to."""
@@ -709,6 +711,7 @@ def test_collapse_patience_counts_flagged_epochs_in_a_row():
     assert not collapsed_for([{"epoch": 1}, {"epoch": 2}], 1)  # lines saved before the flag existed
 
 
+@pytest.mark.slow
 def test_a_run_collapsed_for_the_patience_stops_with_one_line(tiny_config, tmp_path):
     """learning_rate=1 on the tiny data (as above): with collapse_patience=1 the first
     flagged epoch ends training with TrainingCollapsed, after that epoch is saved."""
@@ -959,6 +962,7 @@ def before_epoch(monkeypatch, number, action):
     monkeypatch.setattr(epoch, "train_epoch", wrapped)
 
 
+@pytest.mark.slow
 def test_a_run_saving_every_third_epoch_trains_the_same_and_saves_on_schedule(trained_run, tiny_config, tmp_path):
     """train.save_every_epochs=3 over trained_run's 4 epochs, tested at the last only (so no
     earlier best forces a save): latest/ holds epochs 3 and 4, the training is trained_run's."""

@@ -722,6 +722,7 @@ def test_overflowing_shapes_are_invalid_argument(overflow_results, dtype, n):
         assert _shapes_named(result["message"], u_shape, w_shape), result["message"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", range(len(OVERFLOW_SHAPES)))
 def test_overflowing_shapes_in_tf_function(overflow_results, n):
     # Known shapes: the shape function rejects them while tracing; unknown: the kernel.

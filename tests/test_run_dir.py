@@ -201,6 +201,7 @@ def test_train_py_writes_the_hydra_snapshot_and_the_marker(trained_run, tiny_idx
 
 # --------------------------------------------------------------------------- a run never silently starts over
 
+@pytest.mark.slow
 def test_a_history_without_checkpoints_is_refused_and_restart_sets_the_old_run_aside(trained_run, tiny_config,
                                                                                      tmp_path):
     from capsnet.errors import CheckpointError

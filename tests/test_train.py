@@ -114,6 +114,7 @@ def test_a_cosine_run_follows_its_schedule_and_cannot_be_extended(tiny_config, t
     assert again["resumed_from"].endswith("ckpt-3") and again["epochs"] == 3
 
 
+@pytest.mark.slow
 def test_drop_remainder_trains_full_batches_only(tiny_config, tmp_path, monkeypatch):
     """train.drop_remainder=true: every step of an epoch gets a full batch (50 examples at
     16 a batch: 3 steps, not 4 with a last one of 2), the step counter and the images
@@ -379,6 +380,7 @@ def test_tensorboard_logs(trained_run):
     assert {m.name.tag for m in experiment.metric_infos} == {"test/accuracy", "train/mean_images_per_sec"}
 
 
+@pytest.mark.slow
 def test_resume_continues_where_the_checkpoint_left_off(trained_run, tiny_config, tmp_path):
     original_dir, original = trained_run
     run_dir = tmp_path / "resumed"
@@ -1310,6 +1312,7 @@ def test_an_ema_run_tests_and_evaluates_its_average_and_logs_its_trained_weights
                                    [h[key] for h in metrics["history"]], rtol=1e-6, err_msg=tag)
 
 
+@pytest.mark.slow
 def test_an_ema_run_resumes_its_average(ema_runs):
     """A run resumed after epoch 2 ends with the same weights, Adam state AND averages as the
     uninterrupted run (deterministic=true): the checkpoint carries the average across."""
