@@ -490,17 +490,17 @@ import time
 
 import capsnet.tasks.images as images
 
-_cache_file = images._cache_file
+_cache_dir = images._cache_dir
 
 
-def slow_cache_file(*args, **kwargs):
-    path = _cache_file(*args, **kwargs)
+def slow_cache_dir(*args, **kwargs):
+    path = _cache_dir(*args, **kwargs)
     print("loading into the cache", flush=True)
     time.sleep(300)
     return path
 
 
-images._cache_file = slow_cache_file
+images._cache_dir = slow_cache_dir
 """
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from capsnet import __version__
+import capsnet
 from capsnet.errors import CheckpointError
 
 LOCK_NAME = "train.lock"
@@ -75,11 +75,13 @@ def _written_before_the_marker(run_dir):
 
 
 def write_marker(run_dir):
-    """The run dir's MARKER_NAME file (once): this app's run, written by version __version__."""
+    """The run dir's MARKER_NAME file (once): this app's run, written by version __version__
+    (read here, not at import: a folder shadowing the package has none, and cli.py, which imports
+    this module, must get as far as saying so in one line)."""
     marker = Path(run_dir) / MARKER_NAME
     if not marker.is_file():
         try:
-            marker.write_text(f"capsnet {__version__}\n")
+            marker.write_text(f"capsnet {capsnet.__version__}\n")
         except OSError as exc:
             raise CheckpointError(f"cannot write {marker}: {exc.strerror or exc}") from None
 
