@@ -15,7 +15,8 @@ import pytest
 import tensorflow as tf
 
 from capsnet.augment import elastic_distort, elastic_noise, fold_in_seed, rotate_zoom
-from capsnet.data import _ELASTIC_STREAM, _epoch_order, load_split, make_dataset
+from capsnet.data import load_split, make_dataset
+from capsnet.data.pipeline import ELASTIC_STREAM, epoch_order
 from capsnet.errors import ConfigError, DataError
 from capsnet.idx import read_idx, write_idx
 from conftest import collect, load_script, numpy_shift
@@ -544,8 +545,8 @@ def test_elastic_batches_are_the_per_example_formula(kwargs):
     common = dict(batch_size=16, training=True, seed=seed, epoch=epoch, shift_pixels=2, **kwargs)
     plain, _ = collect(make_dataset(images, labels, **common))
     got, got_y = collect(make_dataset(images, labels, elastic_alpha=20, elastic_sigma=3, **common))
-    order = _epoch_order(n, True, seed, epoch)[0].numpy()
-    stream = tf.random.experimental.stateless_fold_in(tf.constant([seed, epoch], tf.int64), _ELASTIC_STREAM,
+    order = epoch_order(n, True, seed, epoch)[0].numpy()
+    stream = tf.random.experimental.stateless_fold_in(tf.constant([seed, epoch], tf.int64), ELASTIC_STREAM,
                                                       alg="philox")
     fold_in = tf.random.experimental.stateless_fold_in
     noise = np.stack([tf.random.stateless_uniform([28, 28, 2], minval=-1.0, maxval=1.0, alg="philox",
@@ -729,7 +730,7 @@ def test_batched_pipeline_gives_the_per_example_augmentation(shift, fill, flip, 
     shift) the epoch's flip and shift draws are the same too."""
     from conftest import random_flip, random_shift
     from capsnet.augment import random_rotate_zoom
-    from capsnet.data import _epoch_order
+    from capsnet.data.pipeline import epoch_order
 
     rng = np.random.RandomState(1)
     images = rng.randint(0, 256, (37, 28, 28, 1)).astype(np.uint8)
@@ -739,7 +740,7 @@ def test_batched_pipeline_gives_the_per_example_augmentation(shift, fill, flip, 
     assert [len(y) for _, y in batches] == [8, 8, 8, 8, 5]
     got_x = np.concatenate([x.numpy() for x, _ in batches])
     got_y = np.concatenate([y.numpy() for _, y in batches])
-    order, _, shift_key = _epoch_order(37, True, 5, 3)
+    order, _, shift_key = epoch_order(37, True, 5, 3)
     flip_key, affine_key = tf.unstack(tf.random.experimental.stateless_split(shift_key, 2, alg="philox"))  # as make_dataset
     want = []
     for i in order.numpy():
@@ -836,7 +837,7 @@ def erase_examples():
     """2000 images of pixels 1..255 (an erased pixel is a new zero) and the epoch's
     reference boxes (op uniforms + NumPy box math) by example index, for probability 0.5
     and area up to 0.4 (Zhong's)."""
-    from capsnet.data import _ERASE_STREAM
+    from capsnet.data.pipeline import _ERASE_STREAM
 
     n = 2000
     images = np.random.default_rng(7).integers(1, 256, (n, 28, 28, 1), dtype=np.uint8)
@@ -885,9 +886,9 @@ def test_erasing_zeroes_each_images_box_after_the_other_augmentations(erase_exam
 
 
 def _epoch_order_indices(n):
-    from capsnet.data import _epoch_order
+    from capsnet.data.pipeline import epoch_order
 
-    return _epoch_order(n, True, ERASE_SEED, ERASE_EPOCH)[0].numpy()
+    return epoch_order(n, True, ERASE_SEED, ERASE_EPOCH)[0].numpy()
 
 
 def test_erasing_changes_with_the_epoch_and_not_with_batching(examples):
@@ -927,7 +928,7 @@ def test_every_epochs_dataset_reads_one_host_copy_of_the_training_set():
     (a 200-epoch CIFAR-10 run was killed for memory past 30 GB): the epochs share one."""
     import gc
 
-    from capsnet.data import _HOST_TENSORS, host_tensor
+    from capsnet.data.pipeline import _HOST_TENSORS, host_tensor
 
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (20000, 40, 40, 1), dtype=np.uint8)  # 32 MB

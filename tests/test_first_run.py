@@ -40,7 +40,7 @@ def offline_tfds(monkeypatch):
     """tensorflow-datasets' load failing as offline; returns the list of its calls. The
     process' record of what tfds could not provide is emptied before and after."""
     tfds = pytest.importorskip("tensorflow_datasets")
-    from capsnet import data
+    from capsnet.data import sources
 
     calls = []
 
@@ -49,7 +49,7 @@ def offline_tfds(monkeypatch):
         raise ConnectionError("no network (test)")
 
     monkeypatch.setattr(tfds, "load", offline)
-    monkeypatch.setattr(data, "_TFDS_UNAVAILABLE", {})
+    monkeypatch.setattr(sources, "_TFDS_UNAVAILABLE", {})
     return calls
 
 
@@ -105,12 +105,13 @@ def test_offline_mnist_prints_the_notice_alone(tmp_path, monkeypatch, capsys, ca
     import logging
 
     from capsnet import data
+    from capsnet.data import sources
 
     for var in ("NO_PROXY", "no_proxy"):
         monkeypatch.delenv(var, raising=False)
     for var in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
         monkeypatch.setenv(var, "http://127.0.0.1:9")
-    monkeypatch.setattr(data, "_TFDS_UNAVAILABLE", {})
+    monkeypatch.setattr(sources, "_TFDS_UNAVAILABLE", {})
     monkeypatch.setattr(logging.getLogger("urllib3"), "level", logging.getLogger("urllib3").level)
     caplog.set_level(logging.DEBUG)
     absl_level = logging.getLogger("absl").level
@@ -128,6 +129,7 @@ def test_online_mnist_keeps_what_tfds_printed(monkeypatch, capsys):
     """Quiet only while it may fail: a download made says so, after it."""
     tfds = pytest.importorskip("tensorflow_datasets")
     from capsnet import data
+    from capsnet.data import sources
 
     def downloaded(name, **kwargs):
         print(f"Dataset {name} downloaded and prepared to /somewhere.")
@@ -135,7 +137,7 @@ def test_online_mnist_keeps_what_tfds_printed(monkeypatch, capsys):
         return images[..., None], labels
 
     monkeypatch.setattr(tfds, "load", downloaded)
-    monkeypatch.setattr(data, "_TFDS_UNAVAILABLE", {})
+    monkeypatch.setattr(sources, "_TFDS_UNAVAILABLE", {})
     assert len(data.load_split("mnist", "test")[1]) == 1000
     assert capsys.readouterr().out == "Dataset mnist downloaded and prepared to /somewhere.\n"
 

@@ -167,3 +167,32 @@ def test_the_config_and_the_entry_points_checks_import_no_tensorflow():
     light = {"capsnet.cli", "capsnet.config", "capsnet.prediction", "capsnet.training.run_lock", *ENTRY_POINTS}
     assert not {module_name(REPO / m) if m.endswith(".py") else m for m in light} & heavy
     assert {"capsnet.training.loop", "capsnet.data", "capsnet.tasks.single_label"} <= heavy
+
+
+def private_imports(name, path, modules):
+    """(line, module, name) of each `from capsnet... import _name` in module `name` (at
+    `path`) that takes a private name from a module of another package: a helper that
+    another package needs gets a public name in the module where it belongs."""
+    own = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "capsnet":
+            is_package = any(m.startswith(node.module + ".") for m in modules)
+            package = node.module if is_package else node.module.rpartition(".")[0]
+            found.extend((node.lineno, node.module, alias.name) for alias in node.names
+                         if alias.name.startswith("_") and package != own)
+    return found
+
+
+def test_private_imports_finds_another_package_s_private_names(tmp_path):
+    source = tmp_path / "images.py"
+    source.write_text("from capsnet.data.tfds import _shorten, fail_fast\nfrom capsnet.tasks.base import _own\n")
+    modules = {"capsnet.data", "capsnet.data.tfds", "capsnet.tasks", "capsnet.tasks.base", "capsnet.tasks.images"}
+    assert private_imports("capsnet.tasks.images", source, modules) == [(1, "capsnet.data.tfds", "_shorten")]
+
+
+def test_no_module_imports_another_package_s_private_helpers():
+    modules, _ = graph()
+    wrong = [f"{modules[name].relative_to(REPO)}:{line} imports {private} from {module}"
+             for name in modules for line, module, private in private_imports(name, modules[name], modules)]
+    assert not wrong, "\n".join(wrong)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from capsnet.data import MULTIMNIST_TEST_KEY, example_shape, make_multimnist_dataset, make_split_dataset
+from capsnet.data import MULTIMNIST_TEST_KEY, make_multimnist_dataset, make_split_dataset
+from capsnet.datasets import example_shape
 from capsnet.errors import ConfigError, DataError
 from capsnet.evaluation import evaluate, format_report
 from capsnet.losses import margin_loss, reconstruction_loss
@@ -128,7 +129,8 @@ def test_elastic_pairs_distort_each_digit_before_the_overlay(sources, shift, pad
     shifted as the undistorted pair's; the pair is their sum clipped to 1. Test pairs are
     never distorted, and alpha 0 is the integer pipeline bit for bit."""
     from capsnet.augment import elastic_distort
-    from capsnet.data import _ELASTIC_PARTNER_STREAM, _ELASTIC_STREAM, multimnist_draws
+    from capsnet.data.multimnist import _ELASTIC_PARTNER_STREAM, multimnist_draws
+    from capsnet.data.pipeline import ELASTIC_STREAM
 
     images, labels = sources
     s = shift
@@ -142,7 +144,7 @@ def test_elastic_pairs_distort_each_digit_before_the_overlay(sources, shift, pad
     key = tf.constant([3, 2], tf.int64)
     fold_in = tf.random.experimental.stateless_fold_in
     want_digits = []
-    for source, stream, corner in (("index", _ELASTIC_STREAM, "corner_a"), ("partner", _ELASTIC_PARTNER_STREAM,
+    for source, stream, corner in (("index", ELASTIC_STREAM, "corner_a"), ("partner", _ELASTIC_PARTNER_STREAM,
                                                                              "corner_b")):
         stream_key = fold_in(key, stream, alg="philox")
         noise = np.stack([tf.random.stateless_uniform([SIZE, SIZE, 2], minval=-1.0, maxval=1.0, alg="philox",
@@ -366,7 +368,7 @@ def test_batched_pairs_are_the_per_example_draws(sources, training, shift, pad):
     per-example draws give (fold_in, split, the partner's int64 draw, random_shift's
     corners: the ops the pipeline ran per example before), the short last batch too."""
     from conftest import random_shift
-    from capsnet.data import _epoch_order
+    from capsnet.data.pipeline import epoch_order
 
     images, labels = sources
     n, s = len(labels), shift
@@ -374,7 +376,7 @@ def test_batched_pairs_are_the_per_example_draws(sources, training, shift, pad):
     batches = list(make_multimnist_dataset(images, labels, batch_size=16, training=training, seed=3, epoch=2,
                                            shift_pixels=shift, pad_pixels=pad))
     got = [np.concatenate([b[i].numpy() for b in batches]) for i in range(3)]
-    order, _, pair_key = _epoch_order(n, training, 3, 2)
+    order, _, pair_key = epoch_order(n, training, 3, 2)
     if not training:
         pair_key = tf.constant(MULTIMNIST_TEST_KEY, tf.int64)
     by_class = np.argsort(labels, kind="stable")

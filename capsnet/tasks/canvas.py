@@ -21,7 +21,7 @@ import numpy as np
 
 from capsnet.affine import AFFINE_TEST_SEED, affine_digits
 from capsnet.augment import shift_batch, shift_corners
-from capsnet.data import load_split
+from capsnet.data.sources import load_split
 from capsnet.datasets import test_set_refusal
 from capsnet.errors import DataError
 from capsnet.tasks.base import Split

@@ -43,7 +43,8 @@ import numpy as np
 from capsnet import folder
 from capsnet.augment import natural_image_batch
 from capsnet.console import say
-from capsnet.data import _fail_fast_downloads, _is_network_error, _shorten, host_tensor, int32_labels
+from capsnet.data.pipeline import host_tensor, int32_labels
+from capsnet.data.tfds import fail_fast_downloads, is_network_error, shorten
 from capsnet.datasets import DEFAULT_MAX_PIXELS, source_shape, spec_class_names
 from capsnet.errors import ConfigError, DataError
 from capsnet.tasks.base import Split, Task, check_labels
@@ -394,7 +395,7 @@ def load_tfds(name, split):
         raise DataError(f"tensorflow-datasets cannot be imported ({err}): install it, or train on an image folder "
                         "(data=folder data.dir=PATH)") from err
     try:
-        with _fail_fast_downloads():
+        with fail_fast_downloads():
             # Batches of a streamed split (not batch_size=-1: one tensor of the whole split).
             batches = list(tfds.as_numpy(tfds.load(name, split=split, data_dir=None).batch(4096)))
         if not batches:
@@ -407,7 +408,7 @@ def load_tfds(name, split):
             images = np.concatenate([b["image"] for b in batches])
             labels = np.concatenate([b["label"] for b in batches])
     except Exception as err:  # tfds raises many types (requests, OSError, AssertionError, ...)
-        why = "no network" if _is_network_error(err) else _shorten(
+        why = "no network" if is_network_error(err) else shorten(
             f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}", 160)
         raise DataError(f"tensorflow-datasets cannot provide {name}/{split} ({why}); offline, train on a folder of "
                         f"its images: data=folder data.dir=PATH") from err

@@ -2,7 +2,8 @@
 tensorflow-datasets), pipelined by capsnet.data.make_dataset (shifts and the
 augmentation group's options, keyed by (seed, epoch))."""
 from capsnet.config import augmentation_options
-from capsnet.data import load_split, make_dataset
+from capsnet.data.pipeline import make_dataset
+from capsnet.data.sources import load_split
 from capsnet.tasks.base import Split, Task
 
 

@@ -46,7 +46,7 @@ import yaml
 from capsnet import config
 from capsnet.config import WHICH  # a run dir's checkpoints: best (the highest test accuracy) or latest
 from capsnet.config.migrate import ADDED_SINCE_MARKER
-from capsnet.data import AUGMENTATION_KEYS
+from capsnet.data.pipeline import AUGMENTATION_KEYS
 from capsnet.errors import CheckpointError, ConfigError
 from capsnet.training.run_lock import MARKER_NAME
 

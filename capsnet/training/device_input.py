@@ -41,9 +41,9 @@ import itertools
 import numpy as np
 import tensorflow as tf
 
-from capsnet.data import (batch_from_draws, check_pair_elastic, check_pair_shifts, epoch_draws, multimnist_draws,
-                          pairs_from_draws, uint8_levels)
 from capsnet.config import AUGMENTATION_OFF, PER_EXAMPLE_AUGMENTATION
+from capsnet.data.multimnist import check_pair_elastic, check_pair_shifts, multimnist_draws, pairs_from_draws
+from capsnet.data.pipeline import batch_from_draws, epoch_draws, uint8_levels
 from capsnet.errors import ConfigError
 from capsnet.training.distribute import check_global_batch
 from capsnet.training.steps import STEP_VALUES, steps_until_non_finite
