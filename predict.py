@@ -2,7 +2,7 @@
 
 Prints one JSON line per image on stdout, in input order: {"image", "class" (its name:
 digits for MNIST, Fashion-MNIST's ten names, else the index), "top_k": [[class, capsule
-length], ...], "lengths": [every class's capsule length]} (two-digit models also "classes",
+length], ...], "lengths": {class: capsule length, ...} for every class} (two-digit models also "classes",
 the two predicted digits; with reconstruct=DIR also "reconstruction", the PNG written).
 Any PNG, JPEG, BMP or GIF, grey or RGB, of any size, is made the model's input as the run's
 pipeline makes its images (grey or RGB, the shorter side resized and the centre cropped, the

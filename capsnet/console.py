@@ -40,3 +40,8 @@ def say(line, *, stream=None):
                                __file__, 0, line, None, None)
     for handler in _log_files():
         handler.handle(record)
+
+
+def count(n, noun):
+    """'1 epoch', '2 epochs', '0 epochs': `n` and `noun`, plural unless n is 1."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

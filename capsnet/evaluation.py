@@ -83,6 +83,8 @@ def format_report(report):
         f"class  examples  {column}",
     ]
     names = report.get("class_names")
+    if names and all(str(name) == str(c) for c, name in enumerate(names)):
+        names = None  # MNIST's names are the indices: one column of them is enough
     for c, (present, accuracy) in enumerate(zip(examples, report["per_class_accuracy"])):
         shown = "-" if accuracy is None else f"{accuracy:.2%}"
         lines.append(f"{c:>5}  {int(present):>8}  {shown:>8}" + (f"  {names[c]}" if names else ""))

@@ -4,7 +4,7 @@
 
       {"image": path as given, "class": the predicted class's name,
        "top_k": [[name, capsule length], ...] (the top_k longest capsules, longest first),
-       "lengths": [every class's capsule length, in class order],
+       "lengths": {class name: its capsule length, ...} (every class, in class order),
        "classes": [first, second]        (two-digit models, MultiMNIST: the two predicted digits),
        "reconstruction": PNG path        (with reconstruct=DIR)}
 
@@ -429,7 +429,7 @@ def _predict_batch(classifier, paths, top_k, outputs, notice):
             order = np.argsort(-lengths, kind="stable")[:top_k]
             record = {"image": path, "class": names[predicted[0]],
                       "top_k": [[names[c], float(lengths[c])] for c in order],
-                      "lengths": [float(v) for v in lengths]}
+                      "lengths": {names[c]: float(v) for c, v in enumerate(lengths)}}
             if classifier.two_digits:
                 record["classes"] = [names[c] for c in predicted]
             if outputs is not None:

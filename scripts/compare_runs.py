@@ -26,7 +26,8 @@ What a run contributes, read from its own files (no TensorFlow is imported):
   `latest-ckpt-<epoch>.custom_op-true.json`, and not read; a report of another epoch is not this
   run's final); a run dir evaluated by an older version has it beside the checkpoint,
   `checkpoints/latest/ckpt-<last epoch>.eval.json`, read where the first is missing;
-- best epoch, first epoch at or above --threshold, the last epoch's training accuracy;
+- best epoch, the last epoch's training accuracy, and with --threshold the first epoch at or
+  above it (a column shown only then: a target that fits one dataset means nothing for another);
 - images/s: the mean of its epochs' training speeds in history.jsonl (train_images_per_sec),
   as metrics.json's images_per_sec and TensorBoard's HParams images/s have it; a group's is the
   mean of its runs', and against the reference group it is their ratio (×1.20: 20% faster);
@@ -84,7 +85,7 @@ class Run(NamedTuple):
     final: float                # test accuracy of the last tested epoch
     evaluated: float | None     # evaluate.py's report of the final checkpoint, at its default place
     best: tuple[float, int]     # (test accuracy, epoch) of the best tested epoch
-    first_at: int | None        # first epoch whose test accuracy is >= the threshold
+    first_at: int | None        # first epoch whose test accuracy is >= the threshold (None: none, or no threshold)
     train_accuracy: float       # the last epoch's
     images_per_sec: float | None  # the mean of its epochs' training speeds; None if none was measured
     tested: dict[int, float]    # epoch -> test accuracy
@@ -95,7 +96,7 @@ class Run(NamedTuple):
         return self.last_epoch >= self.epochs
 
 
-def read_run(path, threshold):
+def read_run(path, threshold=None):
     """One run dir's Run, from config.yaml, history.jsonl and evaluate.py's default report."""
     path = Path(path)
     history_file, config_file = path / "history.jsonl", path / "config.yaml"
@@ -120,7 +121,8 @@ def read_run(path, threshold):
     return Run(path=path, seed=int(config["seed"]), epochs=int(config["train"]["epochs"]),
                last_epoch=records[-1]["epoch"], final=tested[last_tested], evaluated=evaluated,
                best=(tested[best_epoch], best_epoch),
-               first_at=min((e for e, a in tested.items() if a >= threshold), default=None),
+               first_at=None if threshold is None else min((e for e, a in tested.items() if a >= threshold),
+                                                           default=None),
                train_accuracy=records[-1]["train_accuracy"], tested=tested, recipe=recipe,
                images_per_sec=statistics.fmean(speeds.values()) if speeds else None)
 
@@ -269,16 +271,16 @@ def points(x, digits=3):
 def markdown(summary, at):
     threshold = summary["threshold"]
     lines = []
+    first_header = "" if threshold is None else f" first ≥ {pct(threshold)} |"
     for name, g in summary["groups"].items():
         lines += [f"### {name} ({len(g['runs'])} runs)", "",
-                  f"| seed | final | evaluate.py | best epoch | first ≥ {pct(threshold)} | train acc, last epoch | "
-                  "images/s | run |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  f"| seed | final | evaluate.py | best epoch |{first_header} train acc, last epoch | images/s | run |",
+                  "|---:|---:|---:|---:|" + ("---:|" if threshold is not None else "") + "---:|---:|---|"]
         for r in g["runs"]:
             mark = "" if r["finished"] else f" * (epoch {r['last_epoch']} of {r['epochs']})"
-            first = r["first_at_threshold"] if r["first_at_threshold"] is not None else "–"
+            first = "" if threshold is None else f" {r['first_at_threshold'] or '–'} |"
             lines.append(f"| {r['seed']} | {pct(r['final'])}{mark} | {pct(r['evaluated'])} | "
-                         f"{pct(r['best'])} ({r['best_epoch']}) | {first} | {pct(r['train_accuracy'])} | "
+                         f"{pct(r['best'])} ({r['best_epoch']}) |{first} {pct(r['train_accuracy'])} | "
                          f"{speed(r['images_per_sec'])} | {r['path']} |")
         sd = "–" if g["sd"] is None else f"{100 * g['sd']:.3f}"
         se = "–" if g["se"] is None else f"{100 * g['se']:.3f}"
@@ -346,8 +348,9 @@ def main(argv=None):
     parser.add_argument("--at", type=epochs_list, default=[25, 50, 75, 100],
                         help="epochs whose in-run mean test accuracy is shown, where every run of a group "
                              "was tested (default 25,50,75,100)")
-    parser.add_argument("--threshold", type=fraction, default=0.996,
-                        help="the test accuracy whose first epoch is shown (default 0.996)")
+    parser.add_argument("--threshold", type=fraction,
+                        help="a test accuracy, e.g. 0.996: each run's first epoch at or above it is shown "
+                             "(a column of its own; default: none)")
     parser.add_argument("--json", type=Path, help="also write the numbers here as JSON")
     args = parser.parse_args(argv)
     try:

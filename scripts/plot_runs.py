@@ -8,7 +8,8 @@ Writes into --out (created if missing), and prints each path written:
 - `curves.png`: test accuracy per tested epoch, every epoch on the axis (left), train (solid) /
   test (dashed) total loss (middle, log scale) and training speed in images/s (right: the
   logged windows, train/images_per_sec, and the run's mean in the legend), every run overlaid,
-  one colour per run, legend = run name. The run's mean is train/mean_images_per_sec's last
+  one colour per run, every point marked; one legend under the panels, a line per run: its name
+  (shortened: short_names), last and best accuracy, mean images/s. The run's mean is train/mean_images_per_sec's last
   value (metrics.json's images_per_sec: the mean of its epochs' speeds), or for a run that
   did not write it, the mean of its windows.
   A run that kept a moving average of its weights (train.ema_decay) tests the average;
@@ -206,27 +207,50 @@ def accuracy_limits(runs):
     return low - pad, min(100.0, high + pad) + pad / 2
 
 
-def plot_curves(runs, path):
-    """runs: {name: load_run(...)} → curves.png at path; returns the accuracy axis's limits."""
+LABEL_CHARS = 48  # a run's name in the legend, at most: longer auto-generated names are shortened
+
+
+def short_names(names):
+    """Run names for the legend: the run dir's time prefix (`10-00-00_`) and the overrides all
+    runs share (`custom_op-true` of `10-00-00_custom_op-true+seed-1` beside `..._custom_op-true+seed-2`)
+    left out, and what is still longer than LABEL_CHARS cut in the middle ("…"). Names left
+    equal (or empty) by that are kept whole."""
+    parts = [re.sub(r"^\d\d-\d\d-\d\d_", "", name).split("+") for name in names]
+    shared = set.intersection(*map(set, parts)) if len(parts) > 1 else set()
+    short = ["+".join(p for p in part if p not in shared) or "+".join(part) for part in parts]
+    short = [s if len(s) <= LABEL_CHARS else s[:LABEL_CHARS // 2 - 1] + "…" + s[-(LABEL_CHARS // 2):]
+             for s in short]
+    return short if len(set(short)) == len(short) and all(short) else list(names)
+
+
+def curves_figure(runs):
+    """runs: {name: load_run(...)} → (the curves' figure, the accuracy axis's limits). One
+    legend for the three panels, under them and inside the figure (a run's colour, name, last
+    and best accuracy, mean images/s: one line each), so that long run names neither cover the
+    curves nor run off the image; every point has a marker, so a run of one epoch shows."""
     plt = _pyplot()
-    fig, (ax_acc, ax_loss, ax_speed) = plt.subplots(1, 3, figsize=(12, 4), dpi=DPI)
-    for k, (name, run) in enumerate(runs.items()):
+    rows = len(runs) + sum(1 for run in runs.values() if run["raw_accuracy"])
+    fig, (ax_acc, ax_loss, ax_speed) = plt.subplots(1, 3, figsize=(12, 4 + 0.18 * rows), dpi=DPI,
+                                                    layout="constrained")
+    for k, (name, run) in enumerate(zip(short_names(list(runs)), runs.values())):
         color = f"C{k % 10}"
         accuracy = [100 * a for a in run["accuracy"]]
-        ax_acc.plot(run["epochs"], accuracy, color=color, lw=1.2,
-                    label=f"{name} (last {accuracy[-1]:.2f}%, best {max(accuracy):.2f}%)")
+        speed = "" if run["mean_images_per_sec"] is None else f", mean {run['mean_images_per_sec']:,.1f} images/s"
+        ax_acc.plot(run["epochs"], accuracy, "o-", color=color, lw=1.2, ms=3,
+                    label=f"{name} (last {accuracy[-1]:.2f}%, best {max(accuracy):.2f}%{speed})")
         if run["raw_accuracy"]:
             raw = [100 * a for a in run["raw_accuracy"]]
-            ax_acc.plot(run["epochs"][:len(raw)], raw, ":", color=color, lw=1.0,
+            ax_acc.plot(run["epochs"][:len(raw)], raw, "o:", color=color, lw=1.0, ms=2,
                         label=f"{name}, trained weights (last {raw[-1]:.2f}%)")
-        for split, style in (("train", "-"), ("test", "--")):
+        for split, style in (("train", "-"), ("test", "o--")):
             x, y = run["losses"][split]
             if x:
-                ax_loss.plot(x, y, style, color=color, lw=1.0, label=f"{name} {split}")
+                ax_loss.plot(x, y, style, color=color, lw=1.0, ms=3)
         x, y = run["images_per_sec"]
         if x:
-            ax_speed.plot(x, y, color=color, lw=1.0, label=f"{name} (mean {run['mean_images_per_sec']:,.1f})")
+            ax_speed.plot(x, y, ".-", color=color, lw=1.0, ms=3)
     ax_acc.set(title="test accuracy", xlabel="epoch", ylabel="accuracy (%)")
+    ax_acc.xaxis.get_major_locator().set_params(integer=True)  # tested epochs: whole numbers
     limits = accuracy_limits(runs)
     ax_acc.set_ylim(*limits)
     ax_loss.set(title="total loss (train solid, test dashed)", xlabel="epoch", ylabel="loss", yscale="log")
@@ -234,11 +258,15 @@ def plot_curves(runs, path):
     ax_speed.set_ylim(bottom=0)  # speeds compared as ratios: from zero
     for ax in (ax_acc, ax_loss, ax_speed):
         ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    fig.tight_layout()
+    fig.legend(*ax_acc.get_legend_handles_labels(), loc="outside lower center", fontsize=8, frameon=False)
+    return fig, limits
+
+
+def plot_curves(runs, path):
+    """runs: {name: load_run(...)} → curves.png at path; returns the accuracy axis's limits."""
+    fig, limits = curves_figure(runs)
     fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    _pyplot().close(fig)
     return limits
 
 

@@ -217,3 +217,28 @@ def test_bad_input_is_one_line(tmp_path, capsys, setup, args, message):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+def test_the_first_epoch_at_a_threshold_is_a_column_only_when_asked_for(tmp_path, capsys):
+    """No target accuracy fits every dataset: without --threshold no "first ≥" column; with
+    it, each run's first epoch at or above it (– where none), and every row as wide as the header."""
+    fake_run(tmp_path, "r0", 0, [0.90, 0.95, 0.97])
+    fake_run(tmp_path, "r1", 1, [0.90, 0.93, 0.94])
+
+    def table_rows(out):  # the group's table of runs: from its header to the first line outside it
+        lines = out.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("| seed |"))
+        end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
+        return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[start:end]]
+
+    summary = compare_runs.main([f"g={tmp_path}/r*"])
+    rows = table_rows(capsys.readouterr().out)
+    assert summary["threshold"] is None and not any("first" in cell for cell in rows[0])
+    assert {len(row) for row in rows} == {len(rows[0])}
+    assert all(r["first_at_threshold"] is None for r in summary["groups"]["g"]["runs"])
+
+    compare_runs.main([f"g={tmp_path}/r*", "--threshold", "0.95"])
+    rows = table_rows(capsys.readouterr().out)
+    column = rows[0].index("first ≥ 95.00%")
+    assert {len(row) for row in rows} == {len(rows[0])}
+    assert [row[column] for row in rows[2:]] == ["2", "–"]  # r0 reaches 0.95 at epoch 2, r1 never

@@ -22,3 +22,7 @@ def test_without_an_open_bar_lines_are_written_as_they_are(monkeypatch):
     console.bar_line_open(False)
     console.say("a")
     assert out.getvalue() == "a\n"
+
+
+def test_a_count_is_singular_for_one_only():
+    assert [console.count(n, "epoch") for n in (0, 1, 2)] == ["0 epochs", "1 epoch", "2 epochs"]

@@ -1,5 +1,6 @@
 """capsnet.evaluation: the report math against NumPy, evaluate() on a tiny trained run, bad input."""
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -55,6 +56,15 @@ def test_evaluate_run_dir_uses_its_best_checkpoint(trained_run, tiny_idx_dir):
     assert written == {k: v for k, v in report.items() if k != "output"}
     table = format_report(report)
     assert "confusion matrix" in table and f"{report['accuracy']:.4%}" in table
+    # MNIST's class names are its indices: each class row names it once (index, examples, accuracy).
+    assert report["class_names"] == [str(c) for c in range(10)]
+    rows = [line.split() for line in table.splitlines() if re.match(r" {4}\d  ", line)]
+    assert [row[0] for row in rows] == [str(c) for c in range(10)] * 2  # the per-class table, the confusion matrix
+    assert [len(row) for row in rows] == [3] * 10 + [11] * 10
+    # Names that are not the indices (a folder's classes) follow each row.
+    named = format_report({**report, "class_names": [f"class_{c}" for c in range(10)]})
+    assert [line.split()[-1] for line in named.splitlines() if re.match(r" {4}\d  ", line)] == \
+        [f"class_{c}" for c in range(10)] * 2
 
 
 def test_evaluate_latest_and_a_checkpoint_path(trained_run, tmp_path):

@@ -318,10 +318,11 @@ def test_a_missing_checkpoint_is_reported_before_tensorflow_is_imported(script, 
 
 
 @pytest.mark.slow
-def test_exported_is_git_ignored():
+@pytest.mark.parametrize("path", ["exported/mnist/saved_model.pb", "plots/accuracy.png", "figs/perturbation_2.png"])
+def test_the_readmes_output_folders_are_git_ignored(path):
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("not a git checkout")
-    result = subprocess.run(["git", "check-ignore", "-q", "exported/mnist/saved_model.pb"], cwd=REPO)
+    result = subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO)
     assert result.returncode == 0
 
 
@@ -329,7 +330,8 @@ def test_a_complete_run_says_how_to_extend_it():
     from capsnet.training.run_dir import complete_run_notice
 
     line = complete_run_notice("outputs/x", 3)
-    assert "complete" in line and "train.epochs=" in line and "hydra.run.dir=outputs/x" in line
+    assert "complete (3 of 3 epochs done)" in line and "train.epochs=" in line and "hydra.run.dir=outputs/x" in line
+    assert "complete (1 of 1 epoch done)" in complete_run_notice("outputs/x", 1)
 
 
 @pytest.mark.slow

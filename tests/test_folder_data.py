@@ -198,6 +198,9 @@ def test_a_folder_trains_evaluates_exports_and_predicts_with_its_class_names(tmp
     for source in (run_dir, output):
         records = predict(str(source), [str(f) for f in files])
         assert [r["class"] for r in records] == names, (source, records)
+        # each record's lengths keyed by the class names, the predicted class's the longest
+        assert all(list(r["lengths"]) == names and max(r["lengths"], key=r["lengths"].get) == r["class"]
+                   for r in records), records
 
 
 @pytest.mark.slow

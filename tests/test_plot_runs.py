@@ -145,6 +145,32 @@ def test_the_accuracy_axis_holds_every_epoch(plot_runs, tmp_path):
     assert_png(tmp_path / "curves.png")
 
 
+def test_long_run_names_are_shortened_and_the_legend_fits_beside_the_curves(plot_runs, tmp_path):
+    """Three runs with train.py's auto-generated names (120 characters, the same overrides but
+    the seed), one of them a single epoch: the legend shows the seed that differs, lies inside
+    the image and covers no panel, and the one-epoch run's test point is drawn (a marker)."""
+    common = "10-00-00_" + "+".join(f"model.some_long_key_{k}-{k}" for k in range(5))
+    names = [f"{common}+seed-{seed}" for seed in range(3)]
+    for name, accuracies in zip(names, ([0.9, 0.95, 0.97], [0.91, 0.96], [0.5])):
+        write_events(tmp_path / name, accuracies, [50.0] * (2 * len(accuracies)))
+    runs = {name: plot_runs.load_run(tmp_path / name) for name in names}
+    assert plot_runs.short_names(names) == ["seed-0", "seed-1", "seed-2"]
+    fig, _ = plot_runs.curves_figure(runs)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legend = fig.legends[0].get_window_extent(renderer)
+    assert [t.get_text().split(" ")[0] for t in fig.legends[0].get_texts()] == ["seed-0", "seed-1", "seed-2"]
+    assert fig.bbox.x0 <= legend.x0 and legend.x1 <= fig.bbox.x1 and fig.bbox.y0 <= legend.y0 <= legend.y1 <= fig.bbox.y1
+    assert not any(legend.overlaps(ax.get_window_extent(renderer)) for ax in fig.axes)
+    one_epoch = fig.axes[0].get_lines()[2]
+    assert list(one_epoch.get_xdata()) == [1] and one_epoch.get_marker() not in ("None", "", None)
+    # A name longer than the legend's share is cut in the middle; names that shortening would
+    # make equal stay whole.
+    long = "x" * 200
+    assert len(plot_runs.short_names([long])[0]) == plot_runs.LABEL_CHARS
+    assert plot_runs.short_names(["10-00-00_a", "11-00-00_a"]) == ["10-00-00_a", "11-00-00_a"]
+
+
 def test_images_per_sec_and_the_runs_mean(plot_runs, tmp_path):
     """The windows on an epoch axis; the mean is the run's as train() writes it (47 and 51 in
     the last window and epoch, 53 over the run), else for an older run the windows' mean."""

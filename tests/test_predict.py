@@ -67,8 +67,9 @@ def by_image(records):
 
 def assert_consistent(record, num_classes=10, top_k=3):
     """A record's own rules: class = the longest capsule, top_k = the longest ones, longest
-    first, every class's length; it survives a JSON round trip."""
-    lengths = np.array(record["lengths"])
+    first, every class's length keyed by its name in class order; it survives a JSON round trip."""
+    assert list(record["lengths"]) == [str(c) for c in range(num_classes)]  # MNIST's names: the digits
+    lengths = np.array(list(record["lengths"].values()))
     assert lengths.shape == (num_classes,)
     assert record["class"] == str(np.argmax(lengths))
     assert [c for c, _ in record["top_k"]] == [str(c) for c in np.argsort(-lengths, kind="stable")[:top_k]]
@@ -83,7 +84,7 @@ def test_run_dir_predictions_are_the_restored_models(trained_run, digits, tmp_pa
     records = prediction.predict(run_dir, folder, reconstruct=tmp_path / "recon")
     assert [r["image"] for r in records] == [str(folder / f"{i:02d}.png") for i in range(N)]
     lengths, reconstructions = reference(run_dir, pixels)
-    np.testing.assert_allclose([r["lengths"] for r in records], lengths, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose([list(r["lengths"].values()) for r in records], lengths, rtol=1e-5, atol=1e-6)
     for i, record in enumerate(records):
         assert_consistent(record)
         assert record["reconstruction"] == str(tmp_path / "recon" / f"{i:02d}.png")
@@ -114,7 +115,7 @@ def test_export_predictions_are_the_restored_models(trained_run, digits, tmp_pat
     export(run_dir, tmp_path / "exported")
     records = prediction.predict(tmp_path / "exported", f"{folder}/*.png", reconstruct=tmp_path / "recon")
     lengths, reconstructions = reference(run_dir, pixels)
-    np.testing.assert_allclose([r["lengths"] for r in records], lengths, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose([list(r["lengths"].values()) for r in records], lengths, rtol=1e-5, atol=1e-6)
     for i, record in enumerate(records):
         assert_consistent(record)
         png = tf.io.decode_png((tmp_path / "recon" / f"{i:02d}.png").read_bytes()).numpy()
@@ -144,8 +145,9 @@ def test_any_size_mode_and_format_is_the_models_input(trained_run, digits, tmp_p
     for name in ("rgb.png", "rgba.png", "big.bmp"):
         # Block-replicated grey: the area resize gives back x; grey from r = g = b is x times
         # the luma weights' sum (0.9999), the alpha channel is dropped.
-        np.testing.assert_allclose(records[str(tmp_path / "in" / name)]["lengths"], expected[0], rtol=2e-3, atol=1e-4)
-    np.testing.assert_allclose(records[str(tmp_path / "in" / "photo.jpg")]["lengths"], expected[0], atol=0.02)
+        np.testing.assert_allclose(list(records[str(tmp_path / "in" / name)]["lengths"].values()), expected[0],
+                                   rtol=2e-3, atol=1e-4)
+    np.testing.assert_allclose(list(records[str(tmp_path / "in" / "photo.jpg")]["lengths"].values()), expected[0], atol=0.02)
     for record in records.values():
         assert_consistent(record)
 
@@ -198,7 +200,7 @@ def test_predict_py_relative_paths_json_lines_and_a_corrupt_file(trained_run, di
     assert [r["reconstruction"] for r in records] == ["recon/0.png", "recon/1.png", "recon/sub/2.png"]
     assert all((tmp_path / r["reconstruction"]).is_file() for r in records)
     lengths, _ = reference(run_dir, pixels[:3])
-    np.testing.assert_allclose([r["lengths"] for r in records], lengths, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose([list(r["lengths"].values()) for r in records], lengths, rtol=1e-5, atol=1e-6)
     for record in records:
         assert_consistent(record, top_k=2)
 
@@ -211,7 +213,7 @@ def test_predict_py_relative_paths_json_lines_and_a_corrupt_file(trained_run, di
     assert [r["image"] for r in again] == ["in/1.png", "in/0.png"]  # in the order given, each once
     for mine, theirs in zip(again, records[1::-1]):
         assert mine["class"] == theirs["class"] and "reconstruction" not in mine
-        np.testing.assert_allclose(mine["lengths"], theirs["lengths"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(list(mine["lengths"].values()), list(theirs["lengths"].values()), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -284,10 +286,10 @@ def test_two_digit_model_names_both_and_reconstructs_them_side_by_side(tiny_idx_
         write_png(tmp_path / "in" / f"{i}.png", canvas[i])
     records = prediction.predict(run_dir, tmp_path / "in", reconstruct=tmp_path / "recon")
     lengths, reconstructions = reference(run_dir, canvas)
-    np.testing.assert_allclose([r["lengths"] for r in records], lengths, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose([list(r["lengths"].values()) for r in records], lengths, rtol=1e-5, atol=1e-6)
     for record in records:
         assert_consistent(record)
-        order = np.argsort(-np.array(record["lengths"]), kind="stable")
+        order = np.argsort(-np.array(list(record["lengths"].values())), kind="stable")
         assert record["classes"] == [str(c) for c in order[:2]] and record["class"] == record["classes"][0]
         png = tf.io.decode_png((tmp_path / "recon" / os.path.basename(record["image"])).read_bytes()).numpy()
         assert png.shape == (36, 72, 1)  # the two digits' reconstructions side by side

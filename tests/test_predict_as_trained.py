@@ -89,7 +89,7 @@ def test_predict_prepares_files_as_the_pipeline_and_scores_as_evaluate(folder_ru
     for source in (run_dir, exported):
         records = prediction.predict(str(source), paths)
         assert all("error" not in r for r in records), records
-        np.testing.assert_allclose([r["lengths"] for r in records], lengths, rtol=1e-4, atol=1e-5,
+        np.testing.assert_allclose([list(r["lengths"].values()) for r in records], lengths, rtol=1e-4, atol=1e-5,
                                    err_msg=str(source))
         classes = [NAMES.index(r["class"]) for r in records]
         assert classes == list(np.argmax(lengths, axis=1)), source

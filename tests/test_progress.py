@@ -5,7 +5,9 @@ import re
 import sys
 import time
 
+import numpy as np
 import pytest
+import tensorflow as tf
 
 from capsnet.training import epoch, loop, progress, train
 
@@ -70,7 +72,7 @@ def test_a_log_file_gets_progress_lines_inside_an_epoch_and_the_runs_estimate(ti
     assert all(0 < int(step) < 20 and float(speed) > 0 for _, step, speed, _, _ in progress)
     # The run's ETA counts the later epoch: larger in epoch 1 than the epoch's own.
     assert any(int(run) > int(epoch_eta) for epoch, _, _, epoch_eta, run in progress if epoch == "1")
-    estimates = re.findall(r"^estimated time of the run: .* for 2 epochs \(.* left; .* s a step, 20 steps an epoch\)$",
+    estimates = re.findall(r"^estimated time of the run: .* for 2 epochs \(.* left; .* images/s, 20 steps an epoch\)$",
                            out, re.MULTILINE)
     assert len(estimates) == 1
     assert out.index("estimated time of the run") < out.index("epoch 1: train loss")
@@ -91,3 +93,81 @@ def test_a_terminal_shows_the_runs_eta_in_the_live_bar_and_no_progress_lines(tin
 @pytest.mark.parametrize("seconds, text", [(0, "0 s"), (59.4, "59 s"), (61, "1 min 01 s"), (7322, "2 h 02 min")])
 def test_format_duration(seconds, text):
     assert progress.format_duration(seconds) == text
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def said_lines(monkeypatch):
+    lines = []
+    monkeypatch.setattr(progress, "say", lines.append)
+    return lines
+
+
+def test_the_eta_is_the_images_left_over_the_images_per_second_shown(monkeypatch):
+    """Fake clock, a steady 10 images/s shown: each line's ETAs are the images left over the
+    rate shown (not the last call's step time, which swings: here 2x off), the run's estimate
+    is said once, in words of the same rate, and two lines' run ETAs differ by the time
+    between them; a line comes every `every` seconds."""
+    lines, clock = said_lines(monkeypatch), FakeClock()
+    report = progress.Progress(epochs=2, steps_per_epoch=100, batch_size=10, test_examples=50, test_every_epochs=1,
+                               every=30, live=False, clock=clock)
+    report.start_epoch(1)
+    clock.now = 5.0
+    report(3, seconds_per_step=2.0, images_per_sec=10.0)  # the first timed steps: the estimate, no line yet
+    # 2 epochs of 1,000 images and two test passes of 50 images at 10 images/s
+    assert lines == ["estimated time of the run: 3 min 30 s for 2 epochs (3 min 27 s left; 10 images/s, "
+                     "100 steps an epoch)"]
+    etas = []
+    for now, step in ((31.0, 29), (61.0, 59), (91.0, 89)):
+        clock.now = now
+        report(step, seconds_per_step=0.5 if step == 59 else 2.0, images_per_sec=10.0)
+        etas.append(report.run_eta)
+        epoch_left = (100 - step) * 10 / 10.0
+        assert report.run_eta == pytest.approx(epoch_left + 100.0 + 2 * 5.0)
+        assert lines[-1] == (f"epoch 1: step {step}/100, 10.0 images/s, epoch ETA "
+                             f"{progress.format_duration(epoch_left)}, run ETA {progress.format_duration(report.run_eta)}")
+    assert len(lines) == 4
+    assert np.diff(etas) == pytest.approx([-30.0, -30.0])
+    clock.now = 100.0
+    report(98, seconds_per_step=2.0, images_per_sec=10.0)  # 9 s after the last line: none
+    assert len(lines) == 4
+
+
+def test_the_first_line_of_the_estimate_is_said_once_per_process_and_in_the_singular(monkeypatch):
+    lines, clock = said_lines(monkeypatch), FakeClock()
+    report = progress.Progress(epochs=1, steps_per_epoch=10, batch_size=4, test_examples=8, test_every_epochs=1,
+                               every=0, live=False, clock=clock)
+    report.start_epoch(1)
+    report(2, seconds_per_step=0.5)  # no images/s given: the step time's (4 images in 0.5 s); 40 + 8 images
+    report(5, seconds_per_step=0.5)
+    assert lines == ["estimated time of the run: 6 s for 1 epoch (5 s left; 8 images/s, 10 steps an epoch)"]
+
+
+def test_the_first_timed_steps_come_within_seconds_of_the_first_on_a_slow_machine(monkeypatch):
+    """10 s a step, steps_per_execution=50, fake clock: the epoch's first call (one step, its
+    compile: 15 s) bounds the second to one step, so the first report (the run's estimate,
+    the progress lines' clock) comes 10 s after the first step, not after a 50-step call."""
+    from capsnet.training import epoch as epoch_module
+    from capsnet.training.epoch import EpochShape, TrainScalars, train_epoch
+
+    clock, calls, reports = FakeClock(), [], []
+    monkeypatch.setattr(epoch_module.time, "perf_counter", clock)
+
+    def train_steps(iterator, batch_sizes):
+        ran = int(tf.math.count_nonzero(batch_sizes))
+        clock.now += (15.0 if not calls else 10.0 * ran)
+        calls.append(ran)
+        return {"loss": tf.fill([ran], 0.5), "accuracy": tf.fill([ran], 1.0), "grad_norm": tf.ones([ran])}
+
+    shape = EpochShape(num_examples=2000, batch_size=100, steps_per_execution=50, log_every_steps=1000,
+                       progress_bar=False)
+    train_epoch(train_steps, None, shape, global_step=0, report=lambda step, *rest: reports.append((clock.now, step)),
+                scalars=TrainScalars(tf.summary.create_noop_writer(), lambda: 0.001))
+    assert calls == [1] * 20  # a call of 10 s is over CALL_SECONDS: one step each
+    assert reports[0] == (25.0, 2)

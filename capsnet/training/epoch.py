@@ -215,7 +215,10 @@ def device_training_set(data, tcfg, seed, strategy=None):
 # The longest a train_steps call may take, as far as the step time allows (at least one
 # step a call): Ctrl-C acts between calls, so on a CPU, where a paper-model step takes
 # ~1.2 s, a call of steps_per_execution=50 steps kept it waiting ~60 s. On a GPU a call of
-# 50 steps takes well under this: steps_per_execution decides there.
+# 50 steps takes well under this: steps_per_execution decides there. Before any step is
+# timed, the epoch's first call (one step, with its compile: longer than any step after it)
+# bounds the next: a full-length second call on a slow CPU (50 steps of ~10 s) kept the first
+# timed steps, the run's estimate and its first progress line back by 8 minutes.
 CALL_SECONDS = 1.0
 
 
@@ -280,14 +283,15 @@ def train_epoch(train_steps, iterator, shape, *, global_step, scalars, first_ste
     tick = time.perf_counter()
     step_in_epoch = first_step
     seconds_per_step = None  # of the timed steps so far: bounds a call's length (CALL_SECONDS)
+    first_call_seconds = None  # the epoch's first call's: the bound until a step is timed
     stopped_at = None
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="capsnet-steps") as worker:
         while step_in_epoch < steps_per_epoch:
             first = step_in_epoch == first_step
             length = 1 if first else next_execution_length(steps_per_epoch - step_in_epoch, global_step, per_call,
                                                            shape.log_every_steps)
-            if seconds_per_step:
-                length = max(1, min(length, int(CALL_SECONDS / seconds_per_step)))
+            if seconds_per_step or first_call_seconds:
+                length = max(1, min(length, int(CALL_SECONDS / (seconds_per_step or first_call_seconds))))
             # The global batch of each step: full but for an epoch's last (counted here: under
             # a strategy, a replica's batch holds only its slice of it).
             sizes = [min(batch_size, num_examples - (step_in_epoch + i) * batch_size) for i in range(length)]
@@ -312,7 +316,9 @@ def train_epoch(train_steps, iterator, shape, *, global_step, scalars, first_ste
                     window.add(values, size)
                 if not first:
                     window.add_time(len(fetched), sum(size for _, size in fetched), now - tick)
-            if not first:
+            if first:
+                first_call_seconds = now - tick
+            else:
                 if seconds_per_step is None and after_compile is not None:
                     after_compile()
                 seconds_per_step = (now - tick) / len(fetched)

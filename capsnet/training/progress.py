@@ -13,7 +13,7 @@ import time
 import keras
 
 from capsnet import console
-from capsnet.console import say
+from capsnet.console import count, say
 from capsnet.training.control import on_schedule
 
 
@@ -47,18 +47,21 @@ def format_duration(seconds):
 class Progress:
     """The progress of a run inside its epochs: train_epoch's `report`.
 
-    Estimates the run's time left from the step time measured (the steps left of this and
-    the later epochs) and the test passes left (the last one's time; before the first, the
-    test split at the training's images/s), prints once, after the first timed steps of
-    this process, the estimated time of the whole run, and, when stdout is not a terminal
-    (a log file, a job scheduler: no live bar), a line every `every` seconds inside an
-    epoch: steps done, images/s, the ETA of the epoch and of the run. `run_eta`: the
-    latest estimate of the run's seconds left (the live bar shows it)."""
+    Estimates the run's time left from the images/s shown (the epoch's mean over its timed
+    steps: smoothed, so one slow call does not swing it) as the images left to train (this
+    and the later epochs') over that rate, plus the test passes left (the last one's time;
+    before the first, the test split at that rate); prints once, after the first timed steps
+    of this process, the estimated time of the whole run, and, when stdout is not a terminal
+    (a log file, a job scheduler: no live bar), a line every `every` seconds of `clock` inside
+    an epoch: steps done, images/s, the ETA of the epoch and of the run. At a steady rate two
+    lines' ETAs differ by the time between them. `run_eta`: the latest estimate of the run's
+    seconds left (the live bar shows it)."""
 
-    def __init__(self, *, epochs, steps_per_epoch, batch_size, test_examples, test_every_epochs, every, live):
+    def __init__(self, *, epochs, steps_per_epoch, batch_size, test_examples, test_every_epochs, every, live,
+                 clock=time.perf_counter):
         self.epochs, self.steps_per_epoch, self.batch_size = epochs, steps_per_epoch, batch_size
         self.test_examples, self.test_every_epochs = test_examples, test_every_epochs
-        self.every, self.live = every, live
+        self.every, self.live, self.clock = every, live, clock
         self.epoch = None  # 1-based, the epoch training
         self.test_seconds = None  # the last test pass's
         self.run_eta = None
@@ -67,35 +70,33 @@ class Progress:
 
     def start_epoch(self, epoch_number):
         self.epoch = epoch_number
-        self.last_line = time.perf_counter()
+        self.last_line = self.clock()
 
     def tested(self, seconds):
         self.test_seconds = seconds
 
     def __call__(self, step_in_epoch, seconds_per_step, images_per_sec=None):
-        epoch_left = (self.steps_per_epoch - step_in_epoch) * seconds_per_step
-        later_epochs = self.epochs - self.epoch
+        rate = images_per_sec or self.batch_size / seconds_per_step  # images/s
+        epoch_left = (self.steps_per_epoch - step_in_epoch) * self.batch_size / rate
+        epoch_seconds = self.steps_per_epoch * self.batch_size / rate
         tests_left = sum(1 for e in range(self.epoch, self.epochs + 1) if on_schedule(e, self.test_every_epochs,
                                                                                         self.epochs))
-        test_seconds = (self.test_seconds if self.test_seconds is not None else
-                        self.test_examples * seconds_per_step / self.batch_size)
-        self.run_eta = epoch_left + later_epochs * self.steps_per_epoch * seconds_per_step + tests_left * test_seconds
+        test_seconds = self.test_seconds if self.test_seconds is not None else self.test_examples / rate
+        self.run_eta = epoch_left + (self.epochs - self.epoch) * epoch_seconds + tests_left * test_seconds
         if not self.announced:
             self.announced = True
-            total = self.epochs * self.steps_per_epoch * seconds_per_step + self.test_passes() * test_seconds
-            say(f"estimated time of the run: {format_duration(total)} for {self.epochs} epochs "
-                f"({format_duration(self.run_eta)} left; {seconds_per_step:.3g} s a step, "
-                f"{self.steps_per_epoch} steps an epoch)")
-        now = time.perf_counter()
+            total = self.epochs * epoch_seconds + self.test_passes() * test_seconds
+            say(f"estimated time of the run: {format_duration(total)} for {count(self.epochs, 'epoch')} "
+                f"({format_duration(self.run_eta)} left; {rate:.3g} images/s, {self.steps_per_epoch} steps an "
+                "epoch)")
+        now = self.clock()
         if not self.live and self.every and now - self.last_line >= self.every and step_in_epoch < self.steps_per_epoch:
             self.last_line = now
-            speed = f", {images_per_sec:.1f} images/s" if images_per_sec else ""
-            say(f"epoch {self.epoch}: step {step_in_epoch}/{self.steps_per_epoch}{speed}, epoch ETA "
+            say(f"epoch {self.epoch}: step {step_in_epoch}/{self.steps_per_epoch}, {rate:.1f} images/s, epoch ETA "
                 f"{format_duration(epoch_left)}, run ETA {format_duration(self.run_eta)}")
 
     def test_passes(self):
         return sum(1 for e in range(1, self.epochs + 1) if on_schedule(e, self.test_every_epochs, self.epochs))
-
 
 
 class EpochBar:

@@ -40,7 +40,7 @@ from pathlib import Path
 import tensorflow as tf
 import yaml
 
-from capsnet.console import say
+from capsnet.console import count, say
 from capsnet.errors import CheckpointError
 from capsnet.scoring import json_safe
 from capsnet.training.checkpoints import (BestCheckpoint, check_nothing_committed, check_resumable, checkpoint_damage,
@@ -313,8 +313,8 @@ def read_history(path, epochs_done, *, repair=False):
     kept are never rewritten: the file only grows, but for that tail."""
     if not path.is_file():
         if epochs_done:
-            raise CheckpointError(f"{path} is missing, and the checkpoint holds {epochs_done} epochs: put the run's "
-                                  "history back, or train.restart=true to start over (the old files kept aside)")
+            raise CheckpointError(f"{path} is missing, and the checkpoint holds {count(epochs_done, 'epoch')}: put "
+                                  "the run's history back, or train.restart=true to start over (the old files kept aside)")
         return []
     with writing(path):
         data = path.read_bytes()
@@ -339,7 +339,7 @@ def read_history(path, epochs_done, *, repair=False):
         end += len(line) + 1
     torn = torn or (end < len(data) and not data.endswith(b"\n"))  # a torn line after the epochs done
     if len(entries) < epochs_done:
-        raise CheckpointError(f"{path} has lines for {len(entries)} epochs, and the checkpoint holds {epochs_done}: "
+        raise CheckpointError(f"{path} has lines for {count(len(entries), 'epoch')}, and the checkpoint holds {epochs_done}: "
                               "the history was truncated (metrics.json would name the wrong best epoch); put it "
                               "back, or train.restart=true to start over (the old files kept aside)")
     if torn:
@@ -370,5 +370,5 @@ def hydra_snapshot(task_cfg, hydra_cfg, overrides):
 def complete_run_notice(run_dir, epochs):
     """The line for a finished run started again (its train.epochs all done): nothing to
     train, and how to train it further."""
-    return (f"notice: the run {run_dir} is complete ({epochs} of {epochs} epochs done): nothing to train; to "
+    return (f"notice: the run {run_dir} is complete ({epochs} of {count(epochs, 'epoch')} done): nothing to train; to "
             f"train it further, rerun with a larger train.epochs=N and the same hydra.run.dir={run_dir}")
