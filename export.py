@@ -27,7 +27,7 @@ def main(cfg: DictConfig):
         if OmegaConf.is_missing(cfg, key):
             raise ConfigError(f"{key}=... is required: {what}")
     cfg = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    cli.check_checkpoints_exist(cfg["checkpoint"])  # at once, not after the TensorFlow import
+    cli.check_checkpoints_exist(cfg["checkpoint"], "export.py")  # at once, not after the TensorFlow import
     cli.import_tensorflow_quietly()
     # TensorFlow's modules, imported once the checkpoint paths are checked.
     from capsnet.export import export, format_summary

@@ -33,6 +33,7 @@ def main(cfg: DictConfig):
     hydra_cfg = HydraConfig.get()
     config.check_overrides(hydra_cfg.overrides.task, config.TrainAppConfig)
     checked = config.check(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
+    config.check_data_files(checked["data"])  # the IDX files data.dir should hold, by their paths
     # Before anything is written into the run dir, and before this job's first log line
     # (which would create train.log there): a directory that is not ours is left untouched.
     cli.check_run_dir(checked["run_dir"], given=hydra_cfg.run.dir if hydra_cfg.mode.name == "RUN" else None)

@@ -20,12 +20,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+import yaml
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf.errors import OmegaConfBaseException
 
 import capsnet
 from capsnet import config
+from capsnet.config import describe
 from capsnet.console import say
 from capsnet.errors import CapsnetError, CheckpointError, Interrupted, Terminated
 from capsnet.training.run_lock import RunLock, check_ours, make_run_dir
@@ -229,7 +231,7 @@ def run(hydra_main):
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
-            with _without_schema_options():
+            with _help_with_descriptions():
                 hydra_main()
         else:
             hydra_main()
@@ -251,43 +253,68 @@ def run(hydra_main):
 
 
 @contextlib.contextmanager
-def _without_schema_options():
-    """`--help`: Hydra lists every option of a config group, and the schemas each group's
-    files extend (capsnet.config.register: the option `schema` of model, data, train and
-    distribute) are options to it, not choices for a user. Hydra has no hidden options, so
-    the help it prints is taken and written out without them."""
+def _help_with_descriptions():
+    """`--help`: Hydra's help (configs/hydra/default.yaml's and each app's help template), taken
+    and written out with two changes. Its config groups without the option `schema` (the
+    schemas each group's files extend, capsnet.config.register: not a choice for a user;
+    Hydra has no hidden options). Its `$CONFIG` (the composed config, as YAML) laid out as
+    `key=default  description`, grouped by section, each key's description its comment in
+    configs/ (capsnet.config.describe)."""
     captured = io.StringIO()
     try:
         with contextlib.redirect_stdout(captured):
             yield
     finally:
-        sys.stdout.write(_drop_schema_options(captured.getvalue()))
+        sys.stdout.write(_described_help(captured.getvalue()))
         sys.stdout.flush()
 
 
-def _drop_schema_options(text):
-    """The `group: a, b, schema` lines of Hydra's help (its config groups, before its
-    `== Config ==` section) without the `schema` option."""
-    groups, config_mark, rest = text.partition("== Config ==")
+# The line of a help template before its $CONFIG, naming the app's config file.
+_KEYS_MARK = re.compile(r"^== Keys \(configs/(\w+)\.yaml\) ==$", re.MULTILINE)
 
+
+def _described_help(text):
+    """Hydra's help `text` as _help_with_descriptions writes it out."""
+    mark = _KEYS_MARK.search(text)
+    if mark is None:  # --hydra-help, or a template without the mark: Hydra's text as it is
+        return text
+    head, lines = _drop_schema_options(text[:mark.end()]), text[mark.end():].split("\n")
+    start = next((i for i, line in enumerate(lines) if re.match(r"[A-Za-z_]\w*:", line)), None)
+    if start is None:
+        return text
+    end = next((i for i in range(start, len(lines)) if not lines[i].strip()), len(lines))
+    values = yaml.safe_load("\n".join(lines[start:end]))
+    width = shutil.get_terminal_size((0, 0)).columns or None if sys.__stdout__.isatty() else None
+    keys = describe.format_keys(values, mark.group(1), width).rstrip("\n").split("\n")
+    return head + "\n".join(lines[:start] + keys + lines[end:])
+
+
+def _drop_schema_options(groups):
+    """The `group: a, b, schema` lines of Hydra's help (its config groups) without the `schema` option."""
     def drop(match):
         options = match.group(2).split(", ")
         return f"{match.group(1)}: {', '.join(o for o in options if o != 'schema')}" if "schema" in options \
             else match.group(0)
 
-    return re.sub(r"^([\w/]+): (.*)$", drop, groups, flags=re.MULTILINE) + config_mark + rest
+    return re.sub(r"^([\w/]+): (.*)$", drop, groups, flags=re.MULTILINE)
 
 
-def check_checkpoints_exist(checkpoint):
-    """evaluate.py, export.py: a checkpoint path that does not exist → CheckpointError (the
-    wording of capsnet.training.checkpoints.resolve_checkpoint), before the seconds-long
-    TensorFlow import that resolving it needs. `checkpoint`: a path or a list of them."""
+def check_checkpoints_exist(checkpoint, command):
+    """evaluate.py, export.py (`command`): a checkpoint path that does not exist → CheckpointError
+    (the wording of capsnet.training.checkpoints.resolve_checkpoint), and one that is an
+    exported SavedModel (its saved_model.pb), which has no checkpoint to read, said to be one,
+    with what takes it: before the seconds-long TensorFlow import that resolving a checkpoint
+    needs. `checkpoint`: a path or a list of them."""
     for item in checkpoint if isinstance(checkpoint, (list, tuple)) else [checkpoint]:
         path = os.path.expanduser(str(item))
         # A checkpoint prefix (.../ckpt-3) is no file itself: its .index is.
         if not (os.path.exists(path) or os.path.isfile(path + ".index")):
             raise CheckpointError(f"checkpoint not found: {item} (expected a run dir or a checkpoint path like "
                                   ".../checkpoints/latest/ckpt-3)")
+        if os.path.isfile(os.path.join(path, "saved_model.pb")):
+            raise CheckpointError(f"checkpoint={item} is an exported SavedModel, not a run dir or checkpoint: "
+                                  f"{command} reads the run dir it was exported from; the export itself is for "
+                                  f"predict.py checkpoint={item} images=... or TF Serving (README: Export and serve)")
 
 
 def _check_not_shadowed():

@@ -212,3 +212,14 @@ def decode_image_bytes(data, size, channels):
 
     image = tf.cond((h == size) & (w == size), lambda: image, resized)
     return tf.ensure_shape(tf.image.resize_with_crop_or_pad(image, size, size), [size, size, channels])
+
+
+def looks_like_image_folder(path):
+    """Whether `path` is laid out as data=folder reads it: class folders of image files,
+    directly in it or in its train/ (the first image found is enough)."""
+    root = Path(os.path.expanduser(str(path)))
+    for parent in (root / "train", root):
+        if parent.is_dir() and any(any(p.suffix.lower() in IMAGE_SUFFIXES for p in d.iterdir() if p.is_file())
+                                   for d in _class_dirs(parent)):
+            return True
+    return False

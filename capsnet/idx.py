@@ -126,3 +126,24 @@ def idx_file_names(split):
     """The (images, labels) IDX base names of `split`; each may also end in `.gz`."""
     prefix = _IDX_PREFIX[split]
     return f"{prefix}-images-idx3-ubyte", f"{prefix}-labels-idx1-ubyte"
+
+
+def idx_files(data_dir, split):
+    """The (images, labels) files of `split` in `data_dir`, each a list of the one or two found
+    (`base` and `base.gz`): DataError naming the directory where it is not one or lacks a
+    file. The paths alone (no file read): the config check calls it before the TensorFlow
+    import, the data loader before it reads them."""
+    data_dir = os.path.abspath(os.path.expanduser(os.fspath(data_dir)))
+    bases = idx_file_names(split)
+    if not os.path.isdir(data_dir):
+        expected = ", ".join(f"{b}[.gz]" for s in SPLITS for b in idx_file_names(s))
+        raise DataError(f"data dir {data_dir} does not exist or is not a directory "
+                        f"(it should hold the IDX files {expected})")
+    found = []
+    for base in bases:
+        candidates = [os.path.join(data_dir, base + suffix) for suffix in ("", ".gz")]
+        found.append([p for p in candidates if os.path.isfile(p)])
+        if not found[-1]:
+            raise DataError(f"data dir {data_dir} has no {base} or {base}.gz "
+                            f"(the {split} split needs {bases[0]}[.gz] and {bases[1]}[.gz])")
+    return found

@@ -49,8 +49,8 @@ migrate (old run configs: the one module that reads what older versions wrote), 
 check_overrides, the dataset resolvers). Import from here: `from capsnet import config`.
 """
 from capsnet.config.checks import (OVERLAY_AUGMENTATION, PER_EXAMPLE_AUGMENTATION, check, check_all_reduce_in_step,
-                                   check_augmentation, check_data_on_device, check_eval, check_overlay_augmentation,
-                                   check_section, check_xla)
+                                   check_augmentation, check_data_files, check_data_on_device, check_eval,
+                                   check_overlay_augmentation, check_section, check_xla)
 from capsnet.config.hydra import (check_overrides, compose, dataset_classes, dataset_shape, explain, register,
                                   unknown_key)
 from capsnet.config.migrate import migrate
@@ -67,7 +67,8 @@ __all__ = [
     "ModelConfig", "DataSourceConfig", "AugmentationConfig", "DataConfig", "TrainConfig", "DistributeConfig", "TrainAppConfig",
     "EvalDataConfig", "EvalAppConfig", "register", "check", "check_eval", "check_section", "migrate",
     "router_spec", "compose", "explain", "unknown_key", "check_overrides", "check_augmentation", "check_xla",
-    "check_all_reduce_in_step", "check_data_on_device", "check_overlay_augmentation", "PER_EXAMPLE_AUGMENTATION",
+    "check_all_reduce_in_step", "check_data_files", "check_data_on_device", "check_overlay_augmentation",
+    "PER_EXAMPLE_AUGMENTATION",
     "OVERLAY_AUGMENTATION",
     "dataset_shape", "dataset_classes", "GROUP_SCHEMAS", "APP_SCHEMAS",
     "ROUTING", "ROUTING_DEFAULT", "CONV_FORMS", "INITIALIZERS", "XLA_MODES", "PRECISIONS", "STRATEGIES", "ALL_REDUCE", "SCALE_LR", "AUGMENTATION_OFF",

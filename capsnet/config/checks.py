@@ -13,7 +13,8 @@ from capsnet.config.schemas import (AUGMENTATION_OFF, ALL_REDUCE, AugmentationCo
                                     EvalAppConfig, ModelConfig, PredictAppConfig, ROUTED_KINDS, TrainAppConfig,
                                     TrainConfig, augmentation_options, field_default)
 from capsnet.datasets import DATASETS, check_canvas_border, is_overlay, source_shape, test_set_refusal
-from capsnet.errors import ConfigError
+from capsnet.errors import ConfigError, DataError
+from capsnet.idx import SPLITS, idx_files
 
 
 def check_augmentation(prefix="", **options):
@@ -130,6 +131,26 @@ def _cache_dir_rule(dcfg, prefix):
         raise ConfigError(f"cannot make {prefix}cache_dir {path}: {why}; {remedy}") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"{prefix}cache_dir {path} is read-only: no disk cache can be written there; {remedy}")
+
+
+def check_data_files(dcfg, prefix="data."):
+    """The files a training reads from data.dir, by their paths alone: an MNIST-family
+    dataset's IDX files of both splits (capsnet.idx.idx_files' DataError, naming the
+    directory), and a folder of class folders given to one said to be a data=folder's.
+    (A folder's own: the data rule.) train.py calls it with `check`, before the TensorFlow
+    import and the run dir; not part of `check`, which also checks a run's saved config for
+    evaluate.py and predict.py, whose data need not be on this machine."""
+    name, data_dir = dcfg["name"], dcfg.get("dir")
+    if data_dir is None or DATASETS[name].kind == "images":
+        return
+    try:
+        for split in SPLITS:
+            idx_files(data_dir, split)
+    except DataError:
+        if folder.looks_like_image_folder(data_dir):
+            raise ConfigError(f"{prefix}dir={data_dir} holds no IDX files for data.name={name}: this looks like an "
+                              "image folder (class folders of images): add data=folder") from None
+        raise
 
 
 def _yaml(value):

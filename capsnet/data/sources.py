@@ -13,7 +13,7 @@ from capsnet.console import say
 from capsnet.data.tfds import is_network_error, load_tfds, quiet_tfds, shorten
 from capsnet.datasets import DATASETS
 from capsnet.errors import ConfigError, DataError
-from capsnet.idx import SPLITS, idx_file_names, read_idx
+from capsnet.idx import SPLITS, idx_files, read_idx
 from capsnet.validation import integer
 
 
@@ -56,19 +56,8 @@ def load_split(name, split, data_dir=None, limit=None, *, tfds_data_dir=None):
 
 
 def _load_idx_dir(split, data_dir):
-    data_dir = os.path.abspath(os.path.expanduser(os.fspath(data_dir)))
-    bases = idx_file_names(split)
-    if not os.path.isdir(data_dir):
-        expected = ", ".join(f"{b}[.gz]" for s in SPLITS for b in idx_file_names(s))
-        raise DataError(f"data dir {data_dir} does not exist or is not a directory "
-                        f"(it should hold the IDX files {expected})")
     paths = []
-    for base in bases:
-        candidates = [os.path.join(data_dir, base + suffix) for suffix in ("", ".gz")]
-        found = [p for p in candidates if os.path.isfile(p)]
-        if not found:
-            raise DataError(f"data dir {data_dir} has no {base} or {base}.gz "
-                            f"(the {split} split needs {bases[0]}[.gz] and {bases[1]}[.gz])")
+    for found in idx_files(data_dir, split):
         if len(found) == 2:
             _check_same_idx(*found)
         paths.append(found[0])
