@@ -303,8 +303,9 @@ def check_checkpoints_exist(checkpoint, command):
     """evaluate.py, export.py (`command`): a checkpoint path that does not exist → CheckpointError
     (the wording of capsnet.training.checkpoints.resolve_checkpoint), and one that is an
     exported SavedModel (its saved_model.pb), which has no checkpoint to read, said to be one,
-    with what takes it: before the seconds-long TensorFlow import that resolving a checkpoint
-    needs. `checkpoint`: a path or a list of them."""
+    with what takes it, and a folder with no checkpoint in it or under its checkpoints/ (a run
+    dir's parent, outputs/): before the seconds-long TensorFlow import that resolving a
+    checkpoint needs. `checkpoint`: a path or a list of them."""
     for item in checkpoint if isinstance(checkpoint, (list, tuple)) else [checkpoint]:
         path = os.path.expanduser(str(item))
         # A checkpoint prefix (.../ckpt-3) is no file itself: its .index is.
@@ -315,6 +316,12 @@ def check_checkpoints_exist(checkpoint, command):
             raise CheckpointError(f"checkpoint={item} is an exported SavedModel, not a run dir or checkpoint: "
                                   f"{command} reads the run dir it was exported from; the export itself is for "
                                   f"predict.py checkpoint={item} images=... or TF Serving (README: Export and serve)")
+        folder = Path(path)
+        if folder.is_dir() and not ((folder / "checkpoints").is_dir() or (folder / "checkpoint").is_file()
+                                    or any(folder.glob("ckpt-*.index"))):
+            # What resolve_checkpoint says of a folder with neither checkpoints/ nor a checkpoint in it.
+            raise CheckpointError(f"no checkpoint in {folder}: expected a run dir (with checkpoints/) or a checkpoint "
+                                  "path like .../checkpoints/latest/ckpt-3")
 
 
 def _check_not_shadowed():

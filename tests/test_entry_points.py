@@ -269,6 +269,20 @@ def test_an_export_given_as_checkpoint_says_what_takes_it(run_main, saved_model_
         "images=... or TF Serving (README: Export and serve)"]
 
 
+@pytest.mark.parametrize("script", ["evaluate.py", "export.py"])
+def test_a_folder_without_a_checkpoint_is_said_as_resolving_it_would(run_main, tmp_path, script):
+    """outputs/ (the run dirs' parent) given as checkpoint: resolve_checkpoint's words, before TensorFlow."""
+    from capsnet.errors import CheckpointError
+    from capsnet.training.checkpoints import resolve_checkpoint
+
+    (tmp_path / "outputs" / "2026-01-01").mkdir(parents=True)
+    extra = [f"output={tmp_path / 'out'}"] if script == "export.py" else []
+    status, _, err = run_main(script, f"checkpoint={tmp_path / 'outputs'}", *extra)
+    with pytest.raises(CheckpointError) as reference:
+        resolve_checkpoint(tmp_path / "outputs")
+    assert status == 2 and err.strip().splitlines() == [f"error: {reference.value}"]
+
+
 @pytest.mark.parametrize("script", ["evaluate.py", "export.py", "predict.py"])
 def test_a_missing_checkpoint_is_said_before_tensorflow(run_main, tmp_path, script):
     extra = {"export.py": [f"output={tmp_path / 'out'}"], "predict.py": [f"images={tmp_path}"]}.get(script, [])
