@@ -36,6 +36,7 @@ def main(cfg: DictConfig):
     config.check_overrides(HydraConfig.get().overrides.task, config.EvalAppConfig)
     cfg = config.check_eval(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
     cli.check_checkpoints_exist(cfg["checkpoint"], "evaluate.py")  # at once, not after the TensorFlow import
+    cli.check_evaluation_data(cfg["checkpoint"], cfg["data"])  # data.dir's IDX files, by their paths
     cli.import_tensorflow_quietly()
     # TensorFlow's modules, imported once the config and the checkpoint paths are checked.
     from capsnet.evaluation import evaluate, format_report, to_json_line

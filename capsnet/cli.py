@@ -29,6 +29,7 @@ import capsnet
 from capsnet import config
 from capsnet.config import describe
 from capsnet.console import say
+from capsnet.datasets import DATASETS
 from capsnet.errors import CapsnetError, CheckpointError, Interrupted, Terminated
 from capsnet.training.run_lock import RunLock, check_ours, make_run_dir
 
@@ -322,6 +323,25 @@ def check_checkpoints_exist(checkpoint, command):
             # What resolve_checkpoint says of a folder with neither checkpoints/ nor a checkpoint in it.
             raise CheckpointError(f"no checkpoint in {folder}: expected a run dir (with checkpoints/) or a checkpoint "
                                   "path like .../checkpoints/latest/ckpt-3")
+
+
+def check_evaluation_data(checkpoint, data):
+    """evaluate.py: a `data.dir` given for an MNIST-family test split (`data.name`, else the
+    run's, from the config.yaml of the first checkpoint's run dir) checked by its paths as
+    train.py checks its own (config.check_data_files, the test split's IDX files), before the
+    TensorFlow import. A run dir that cannot be read is left to resolve_checkpoint to report."""
+    if data.get("dir") is None:
+        return
+    name = data.get("name")
+    first = Path(os.path.expanduser(str(checkpoint[0] if isinstance(checkpoint, (list, tuple)) else checkpoint)))
+    for run_dir in [first, *first.parents][:5]:
+        if name is None and (run_dir / "config.yaml").is_file():
+            try:
+                name = (yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")) or {})["data"]["name"]
+            except (OSError, yaml.YAMLError, KeyError, TypeError):
+                return
+    if name in DATASETS:
+        config.check_data_files({"name": name, "dir": data["dir"]}, splits=("test",))
 
 
 def _check_not_shadowed():

@@ -269,6 +269,32 @@ def test_an_export_given_as_checkpoint_says_what_takes_it(run_main, saved_model_
         "images=... or TF Serving (README: Export and serve)"]
 
 
+@pytest.mark.parametrize("given_name", [False, True])
+def test_evaluates_data_dir_is_checked_for_the_runs_dataset_before_tensorflow(run_main, tmp_path, given_name):
+    """evaluate.py data.dir=... for an MNIST-family run: the test split's IDX files, by the
+    dataset the run's config.yaml names (or data.name given), as train.py checks its own."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "best").mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump({"data": {"name": "fashion_mnist", "dir": None}}))
+    data = write_idx_dataset(tmp_path / "data", n_train=4, n_test=4)
+    (data / "t10k-images-idx3-ubyte.gz").unlink()
+    status, _, err = run_main("evaluate.py", f"checkpoint={run}", f"data.dir={data}",
+                              *(["data.name=mnist"] if given_name else []))
+    assert status == 2
+    assert err.strip().splitlines() == [f"error: data dir {data} has no t10k-images-idx3-ubyte or "
+                                         "t10k-images-idx3-ubyte.gz (the test split needs t10k-images-idx3-ubyte[.gz] "
+                                         "and t10k-labels-idx1-ubyte[.gz])"]
+
+
+def test_evaluates_data_dir_needs_only_the_test_files(tmp_path):
+    data = write_idx_dataset(tmp_path / "data", n_train=4, n_test=4)
+    for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"):
+        (data / name).unlink()
+    cli.check_evaluation_data(tmp_path / "run", {"name": "mnist", "dir": str(data)})  # nothing to say
+    with pytest.raises(config_errors(), match="has no train-images"):
+        config.check_data_files({"name": "mnist", "dir": str(data)})  # a training needs both splits
+
+
 @pytest.mark.parametrize("script", ["evaluate.py", "export.py"])
 def test_a_folder_without_a_checkpoint_is_said_as_resolving_it_would(run_main, tmp_path, script):
     """outputs/ (the run dirs' parent) given as checkpoint: resolve_checkpoint's words, before TensorFlow."""

@@ -133,21 +133,21 @@ def _cache_dir_rule(dcfg, prefix):
         raise ConfigError(f"{prefix}cache_dir {path} is read-only: no disk cache can be written there; {remedy}")
 
 
-def check_data_files(dcfg, prefix="data."):
-    """The files a training reads from data.dir, by their paths alone: an MNIST-family
-    dataset's IDX files of both splits (capsnet.idx.idx_files' DataError, naming the
-    directory), and a folder of class folders given to one said to be a data=folder's.
-    (A folder's own: the data rule.) train.py calls it with `check`, before the TensorFlow
-    import and the run dir; not part of `check`, which also checks a run's saved config for
-    evaluate.py and predict.py, whose data need not be on this machine."""
+def check_data_files(dcfg, prefix="data.", splits=SPLITS):
+    """The files read from data.dir, by their paths alone: an MNIST-family dataset's IDX files
+    of `splits` (capsnet.idx.idx_files' DataError, naming the directory), and a folder of class
+    folders given to one for training said to be a data=folder's. (A folder's own: the data
+    rule.) train.py and evaluate.py call it before the TensorFlow import (train.py also before
+    the run dir); not part of `check`, which also checks a run's saved config for evaluate.py
+    and predict.py, whose data need not be on this machine."""
     name, data_dir = dcfg["name"], dcfg.get("dir")
     if data_dir is None or DATASETS[name].kind == "images":
         return
     try:
-        for split in SPLITS:
+        for split in splits:
             idx_files(data_dir, split)
     except DataError:
-        if folder.looks_like_image_folder(data_dir):
+        if "train" in splits and folder.looks_like_image_folder(data_dir):
             raise ConfigError(f"{prefix}dir={data_dir} holds no IDX files for data.name={name}: this looks like an "
                               "image folder (class folders of images): add data=folder") from None
         raise
