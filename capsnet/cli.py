@@ -284,7 +284,7 @@ def _described_help(text):
     if start is None:
         return text
     end = next((i for i in range(start, len(lines)) if not lines[i].strip()), len(lines))
-    values = yaml.safe_load("\n".join(lines[start:end]))
+    values = describe.shown_values("\n".join(lines[start:end]))
     width = shutil.get_terminal_size((0, 0)).columns or None if sys.__stdout__.isatty() else None
     keys = describe.format_keys(values, mark.group(1), width).rstrip("\n").split("\n")
     return head + "\n".join(lines[:start] + keys + lines[end:])

@@ -179,6 +179,31 @@ def test_help_lays_out_every_key_with_its_default_and_description(app, overrides
     assert titles[-1 - len(sections):] == ["top level", *sections]
 
 
+def test_help_shows_an_interpolation_resolved_where_it_can_be():
+    """model.input_shape from the dataset (capsnet.datasets' shape, with data.pad_pixels' canvas);
+    what needs a run or data not given stays as written; a required key stays ???."""
+    from capsnet.datasets import DATASETS, example_shape
+
+    text = textwrap.dedent("""\
+        model:
+          input_shape: ${dataset_shape:${data.name},${data.shift_pixels},${data.pad_pixels}}
+          num_classes: ${dataset_classes:${data.name}}
+        data:
+          name: expanded_mnist
+          shift_pixels: 2
+          pad_pixels: 6
+          dir: null
+        run_dir: ${hydra:runtime.output_dir}
+        checkpoint: ???
+        folder_classes: ${dataset_classes:folder}
+        """)
+    shown = describe.shown_values(text)
+    assert shown["model"]["input_shape"] == list(example_shape("expanded_mnist", DATASETS["mnist"].image_shape, 2, 6))
+    assert shown["model"]["num_classes"] == DATASETS["expanded_mnist"].num_classes
+    assert shown["run_dir"] == "${hydra:runtime.output_dir}" and shown["checkpoint"] == "???"
+    assert shown["folder_classes"] == "${dataset_classes:folder}"  # a folder without data.dir: its error, not shown
+
+
 def test_help_without_the_keys_mark_is_hydras_own():
     text = "Hydra (1.3)\nSee https://hydra.cc for more info.\n\n== Flags ==\n--help,-h : Application's help\n"
     assert cli._described_help(text) == text
@@ -193,6 +218,7 @@ def test_train_help_and_hydras_help_through_hydra(run_main):
     assert "schema" not in groups
     assert _row(keys, "train.epochs").startswith("  train.epochs=7 ") and "total epochs" in _row(keys, "train.epochs")
     assert _row(keys, "data.name").split()[0] == "data.name=fashion_mnist"
+    assert _row(keys, "model.input_shape").split()[0] == "model.input_shape=[28,28,1]"  # resolved from the dataset
     status, out, err = run_main("train.py", "--hydra-help")
     assert status == 0 and "--multirun" in out and "== Keys" not in out, err
 

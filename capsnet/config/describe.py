@@ -17,6 +17,10 @@ import re
 from pathlib import Path
 
 import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from capsnet.errors import CapsnetError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 SKIPPED_GROUPS = ("experiment", "hydra")
@@ -151,6 +155,32 @@ def _override_text(value):
     if isinstance(value, (list, dict)):
         return yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip().replace(", ", ",")
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def shown_values(text):
+    """The config of Hydra's help (`text`: its $CONFIG, YAML as OmegaConf writes it) as a nested
+    dict, each interpolation resolved where it can be (model.input_shape from the dataset:
+    [28, 28, 1]), else as written: one that needs a run (run_dir's ${hydra:runtime.output_dir},
+    null in a help) or data not given (a folder's classes without data.dir), and a required `???`."""
+    cfg = OmegaConf.create(text)
+
+    def walk(node, written):
+        shown = {}
+        for key, value in written.items():
+            if isinstance(value, dict) and value:
+                shown[key] = walk(node[key], value)
+                continue
+            try:
+                resolved = node[key]
+                shown[key] = OmegaConf.to_container(resolved, resolve=True) if OmegaConf.is_config(resolved) \
+                    else resolved
+            except (OmegaConfBaseException, CapsnetError, ValueError):
+                shown[key] = value
+            if shown[key] is None:  # ${hydra:runtime.output_dir} outside a run: not known yet
+                shown[key] = value
+        return shown
+
+    return walk(cfg, OmegaConf.to_container(cfg, resolve=False))
 
 
 def format_keys(values, app="train", width=None):
