@@ -70,7 +70,7 @@ from capsnet.errors import ConfigError  # noqa: E402
 NOT_RECIPE = {"seed", "name", "run_dir", "debug", "data.dir", "train.xla_cache_dir", "train.progress_bar",
               "train.log_every_steps", "train.save_every_epochs", "train.keep_checkpoints", "train.test_batch_size",
               "train.test_every_epochs", "train.num_images", "train.histogram_examples", "train.steps_per_execution",
-              "train.collapse_patience"}
+              "train.collapse_patience", "train.long_run_notice_minutes"}
 
 
 class CompareError(Exception):

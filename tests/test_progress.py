@@ -171,3 +171,40 @@ def test_the_first_timed_steps_come_within_seconds_of_the_first_on_a_slow_machin
                 scalars=TrainScalars(tf.summary.create_noop_writer(), lambda: 0.001))
     assert calls == [1] * 20  # a call of 10 s is over CALL_SECONDS: one step each
     assert reports[0] == (25.0, 2)
+
+
+@pytest.mark.parametrize("long_run_seconds, noticed", [(3600, True), (0, False), (10 * 3600, False)])
+def test_a_long_run_on_a_cpu_is_noticed_once_with_the_quickstart_alternative(monkeypatch, long_run_seconds, noticed):
+    """50 epochs of 600 steps at 100 images/s (~1.2 s a step: the paper model on 2 cores):
+    8 h 20 min of training and 50 test passes of 100 s: the notice, once, names the
+    time left, the rate it came from, experiment=quickstart and the key that silences it;
+    none with 0 (a GPU, or train.long_run_notice_minutes=0) or when the run is shorter."""
+    lines = said_lines(monkeypatch)
+    report = progress.Progress(epochs=50, steps_per_epoch=600, batch_size=100, test_examples=10_000,
+                               test_every_epochs=1, every=0, live=False, long_run_seconds=long_run_seconds,
+                               clock=FakeClock())
+    report.start_epoch(1)
+    report(2, seconds_per_step=1.0, images_per_sec=100.0)
+    report(3, seconds_per_step=1.0, images_per_sec=100.0)
+    notices = [line for line in lines if line.startswith("notice:")]
+    assert report.run_eta == pytest.approx(597 + 49 * 600 + 50 * 100)  # after step 3
+    if noticed:
+        assert notices == ["notice: this run needs about 9 h 43 min more on this CPU (at the 100 images/s of its first "
+                           "steps); python train.py experiment=quickstart trains a smaller CapsNet in about a minute, "
+                           "a GPU this one in minutes (train.long_run_notice_minutes=0: no notice)"]
+    else:
+        assert notices == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("minutes, noticed", [(0.0001, True), (0, False)])
+def test_train_on_a_cpu_says_the_long_run_notice_after_the_estimate(tiny_config, capsys, minutes, noticed):
+    """train() wires train.long_run_notice_minutes to Progress on a CPU (the tiny run is
+    "long" against a threshold of 6 ms)."""
+    if tf.config.list_logical_devices("GPU"):
+        pytest.skip("a GPU trains here: the notice is for CPUs")
+    train(tiny_config(*OVERRIDES, "train.epochs=1", f"train.long_run_notice_minutes={minutes}"))
+    out = capsys.readouterr().out
+    assert out.count("notice: this run needs about") == int(noticed)
+    if noticed:
+        assert out.index("estimated time of the run") < out.index("notice: this run needs about")

@@ -391,6 +391,7 @@ class TrainConfig:
     figures: bool = _checked(False, _boolean)
     progress_bar: bool = _checked(True, _boolean)
     progress_every_seconds: float = _checked(30.0, _non_negative_float)
+    long_run_notice_minutes: float = _checked(60.0, _non_negative_float)
     restart: bool = _checked(False, _boolean)
 
 

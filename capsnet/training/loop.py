@@ -139,7 +139,8 @@ def _train(cfg, control, hydra_files, lock):
     control.start(resumed_epoch)
     report = Progress(epochs=tcfg["epochs"], steps_per_epoch=data.steps_per_epoch, batch_size=batch_size,
                       test_examples=data.test_examples, test_every_epochs=tcfg["test_every_epochs"],
-                      every=tcfg["progress_every_seconds"], live=live_progress_bar(tcfg["progress_bar"]))
+                      every=tcfg["progress_every_seconds"], live=live_progress_bar(tcfg["progress_bar"]),
+                      long_run_seconds=0 if trains_on_gpu(strategy) else 60 * tcfg["long_run_notice_minutes"])
     test = raw_test = None
     epochs = range(resumed_epoch, tcfg["epochs"])
     for epoch_index, iterator in built_ahead(lambda e: steps.epoch_input(e, first_step, resumed_epoch), epochs):

@@ -55,13 +55,17 @@ class Progress:
     (a log file, a job scheduler: no live bar), a line every `every` seconds of `clock` inside
     an epoch: steps done, images/s, the ETA of the epoch and of the run. At a steady rate two
     lines' ETAs differ by the time between them. `run_eta`: the latest estimate of the run's
-    seconds left (the live bar shows it)."""
+    seconds left (the live bar shows it). With the estimate said, if the time left is over
+    `long_run_seconds` (> 0: train.long_run_notice_minutes, on a CPU), one notice that it is
+    long and what trains in a minute instead (the paper model's epoch of full MNIST takes
+    ~12 minutes on 2 cores: 1.2 s a step, docs/benchmarks.md)."""
 
     def __init__(self, *, epochs, steps_per_epoch, batch_size, test_examples, test_every_epochs, every, live,
-                 clock=time.perf_counter):
+                 long_run_seconds=0, clock=time.perf_counter):
         self.epochs, self.steps_per_epoch, self.batch_size = epochs, steps_per_epoch, batch_size
         self.test_examples, self.test_every_epochs = test_examples, test_every_epochs
         self.every, self.live, self.clock = every, live, clock
+        self.long_run_seconds = long_run_seconds
         self.epoch = None  # 1-based, the epoch training
         self.test_seconds = None  # the last test pass's
         self.run_eta = None
@@ -89,6 +93,10 @@ class Progress:
             say(f"estimated time of the run: {format_duration(total)} for {count(self.epochs, 'epoch')} "
                 f"({format_duration(self.run_eta)} left; {rate:.3g} images/s, {self.steps_per_epoch} steps an "
                 "epoch)")
+            if self.long_run_seconds and self.run_eta > self.long_run_seconds:
+                say(f"notice: this run needs about {format_duration(self.run_eta)} more on this CPU (at the "
+                    f"{rate:.3g} images/s of its first steps); python train.py experiment=quickstart trains a smaller "
+                    "CapsNet in about a minute, a GPU this one in minutes (train.long_run_notice_minutes=0: no notice)")
         now = self.clock()
         if not self.live and self.every and now - self.last_line >= self.every and step_in_epoch < self.steps_per_epoch:
             self.last_line = now
