@@ -17,6 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from capsnet import cli, config
+from capsnet.training.run_lock import finished_run
 
 log = logging.getLogger(__name__)
 # The schemas configs/ extends (capsnet/config/schemas.py) are registered with Hydra by the import of
@@ -41,6 +42,9 @@ def main(cfg: DictConfig):
     # training refused there writes nothing into it. (Under multi_worker train() locks it, in
     # the chief alone.)
     lock = None if checked["distribute"]["strategy"] == "multi_worker" else cli.lock_run_dir(checked["run_dir"])
+    if lock is not None and (finished := finished_run(checked)) is not None:
+        lock.release()  # a finished run rerun: answered from its files, TensorFlow not imported
+        return finished["test_accuracy"]
     if "CUDA_VISIBLE_DEVICES" in os.environ:
         # The GPU a sweep job was pinned to (hydra/launcher=gpus), in its train.log.
         log.info("CUDA_VISIBLE_DEVICES=%s", os.environ["CUDA_VISIBLE_DEVICES"])

@@ -307,7 +307,7 @@ def test_the_readmes_output_folders_are_git_ignored(path):
 
 
 def test_a_complete_run_says_how_to_extend_it():
-    from capsnet.training.run_dir import complete_run_notice
+    from capsnet.training.run_lock import complete_run_notice
 
     line = complete_run_notice("outputs/x", 3)
     assert "complete (3 of 3 epochs done)" in line and "train.epochs=" in line and "hydra.run.dir=outputs/x" in line

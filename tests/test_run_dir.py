@@ -485,3 +485,61 @@ def test_resuming_from_part_of_a_checkpoint_leaves_no_unread_values_warning(tmp_
     np.testing.assert_array_equal(restored.numpy(), [1.0, 2.0])
     assert "could not be found in the restored object" not in caplog.text
     assert "unrestored values" not in caplog.text
+
+
+# --------------------------------------------------------------------------- a finished run rerun
+
+def test_a_finished_run_rerun_is_answered_from_its_files_as_train_answers_it(trained_run, tiny_config, tmp_path,
+                                                                              capsys):
+    """finished_run (train.py, before TensorFlow's import) says what train() says of a finished
+    run started again with its config (the notice, `done:`), and returns its metrics.json,
+    whose accuracy train()'s own test pass of the final checkpoint measures again."""
+    from capsnet.training import train
+    from capsnet.training.run_lock import complete_run_notice, finished_run
+
+    original_dir, original = trained_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(original_dir, run_dir)
+    cfg = tiny_config("train.figures=true", run_dir=run_dir)
+    capsys.readouterr()
+    early = finished_run(cfg)
+    said = capsys.readouterr().out.splitlines()
+    assert said == [complete_run_notice(run_dir, 4), f"done: {run_dir} (python evaluate.py checkpoint={run_dir})"]
+    assert early == json.loads((run_dir / "metrics.json").read_text())
+    metrics = train(cfg)
+    out = capsys.readouterr().out.splitlines()
+    assert said[0] in out and said[1] == out[-1]
+    assert metrics["test_accuracy"] == early["test_accuracy"] and metrics["epochs"] == early["epochs"] == 4
+
+
+@pytest.mark.parametrize("change", ["more epochs", "another seed", "restart", "no metrics", "a history line lost",
+                                    "a Ctrl-C checkpoint", "no checkpoint", "metrics older than the checkpoint"])
+def test_a_rerun_that_is_not_a_finished_run_is_left_to_train(trained_run, tiny_config, tmp_path, capsys, change):
+    """Anything but the finished run with its own config: None, nothing said (train() resumes,
+    refuses or repairs)."""
+    import os
+
+    from capsnet.training.run_lock import finished_run
+
+    original_dir, _ = trained_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(original_dir, run_dir)
+    extra = {"more epochs": ["train.epochs=5"], "another seed": ["seed=1"], "restart": ["train.restart=true"]}
+    cfg = tiny_config("train.figures=true", *extra.get(change, []), run_dir=run_dir)
+    latest = run_dir / "checkpoints" / "latest"
+    if change == "no metrics":
+        (run_dir / "metrics.json").unlink()
+    elif change == "a history line lost":
+        lines = (run_dir / "history.jsonl").read_text().splitlines()
+        (run_dir / "history.jsonl").write_text("\n".join(lines[:-1]) + "\n")
+    elif change == "a Ctrl-C checkpoint":
+        (run_dir / "checkpoints" / "interrupted").mkdir()
+        shutil.copy(latest / "ckpt-4.index", run_dir / "checkpoints" / "interrupted" / "ckpt-90.index")
+    elif change == "no checkpoint":
+        (latest / "ckpt-4.index").unlink()
+    elif change == "metrics older than the checkpoint":
+        stamp = (latest / "ckpt-4.index").stat().st_mtime
+        os.utime(run_dir / "metrics.json", (stamp - 10, stamp - 10))
+    capsys.readouterr()
+    assert finished_run(cfg) is None
+    assert capsys.readouterr().out == ""

@@ -41,7 +41,8 @@ from capsnet.training.health import collapse_reason, collapsed, collapsed_for
 from capsnet.training.model_setup import build_capsnet, check_op_library
 from capsnet.training.optimizer import build_optimizer, checkpoint_nodes, scaled_learning_rate, steps_done
 from capsnet.training.progress import Progress, live_progress_bar
-from capsnet.training.run_dir import RunDir, complete_run_notice, history_entry
+from capsnet.training.run_dir import RunDir, history_entry
+from capsnet.training.run_lock import complete_run_notice
 from capsnet.training.steps import eval_batch_size, set_determinism
 from capsnet.training.summaries import RunSummaries, mean_images_per_sec
 from capsnet.training.weight_average import WeightAverage

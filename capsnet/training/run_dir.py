@@ -365,10 +365,3 @@ def hydra_snapshot(task_cfg, hydra_cfg, overrides):
 
     return {"config.yaml": OmegaConf.to_yaml(task_cfg), "hydra.yaml": OmegaConf.to_yaml({"hydra": hydra_cfg}),
             "overrides.yaml": yaml.safe_dump(list(overrides))}
-
-
-def complete_run_notice(run_dir, epochs):
-    """The line for a finished run started again (its train.epochs all done): nothing to
-    train, and how to train it further."""
-    return (f"notice: the run {run_dir} is complete ({epochs} of {count(epochs, 'epoch')} done): nothing to train; to "
-            f"train it further, rerun with a larger train.epochs=N and the same hydra.run.dir={run_dir}")
