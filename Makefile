@@ -8,7 +8,7 @@
 #   make test-full install, then every test, the slow tier too (what CI runs)
 #   make train     install, then a first training of about a minute on a CPU (experiment=quickstart, offline
 #                  on the MNIST sample in the package); ARGS="..." trains with those Hydra overrides
-#                  instead, e.g. ARGS="data.dir=/data/mnist" for the full 50-epoch recipe
+#                  instead, e.g. ARGS="experiment=paper_mnist data.dir=/data/mnist" for the paper's 100-epoch recipe
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -28,9 +28,10 @@ install: $(VENV)/.installed ops
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "make: need Python 3.10-3.12 (python3.12/3.11/3.10 on PATH, or PYTHON=...)"; exit 1; }
 	@$(PYTHON) -c 'import venv, ensurepip' 2>/dev/null || { echo "make: $(PYTHON) lacks venv/ensurepip: apt-get install python3-venv"; exit 1; }
+	@echo "make: installing capsnet, TensorFlow and the other dependencies into $(VENV): 4-5 minutes, pip's lines below"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	$(PY) -m pip install --progress-bar off -e '.[$(EXTRAS)]'
 	@touch $@
 
 # The op library goes into the package (capsnet/lib) so the wrapper, SavedModels

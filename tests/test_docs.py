@@ -374,6 +374,81 @@ def test_readme_has_the_main_commands():
     assert "train.py" in scripts and {"train", "test"} <= targets, (scripts, targets)
 
 
+def first_run_block(markdown):
+    """The commands of README's first run end to end: the code block that trains into outputs/demo."""
+    for block in re.findall(r"```bash\n(.*?)```", markdown, re.DOTALL):
+        if "hydra.run.dir=outputs/demo" in block:
+            return command_lines(f"```bash\n{block}```")
+    raise AssertionError("README has no first run (a block training into hydra.run.dir=outputs/demo)")
+
+
+def test_the_readmes_first_run_uses_only_what_it_makes_or_the_repository_has():
+    """Each path the first run's commands read (a script, checkpoint=, images='...') is in the
+    repository or is made by a command before it (hydra.run.dir=, output=, a script's folder
+    argument): a new user has nothing else, e.g. no folder of their own digit images."""
+    made, missing = set(), []
+    for line in first_run_block(README.read_text(encoding="utf-8")):
+        for words in split_command(line):
+            reads, makes = [], []
+            if PYTHONS.fullmatch(words[0]):
+                reads.append(words[1])
+                for word in words[2:]:
+                    key, equals, value = word.partition("=")
+                    if key in ("checkpoint", "images"):
+                        reads.append(value.split("*")[0].rstrip("/") or ".")
+                    elif key in ("hydra.run.dir", "output"):
+                        makes.append(value)
+                    elif not equals and not word.startswith("-"):
+                        makes.append(word)  # a script's positional argument: the folder it writes
+            missing += [f"{line}: {path}" for path in reads
+                        if not (REPO / path).exists() and not any(path == m or path.startswith(m + "/") for m in made)]
+            made.update(makes)
+    assert "my_digits" in made and not missing, missing
+
+
+def test_the_paper_recipes_length_is_stated_as_its_preset_sets_it():
+    """The paper's recipe is experiment=paper_mnist: every place that states its length says
+    the preset's train.epochs, and README's plain `python train.py` line the default's."""
+    from conftest import compose_config
+
+    recipe = compose_config("train", ["experiment=paper_mnist", "run_dir=x"])["train"]["epochs"]
+    default = compose_config("train", ["run_dir=x"])["train"]["epochs"]
+    stated = {  # file: a pattern whose group is the length it states
+        "README.md": [r"\| \[`paper_mnist`\][^\n]*?the paper's recipe: (\d+) epochs",
+                      r"python train.py custom_op=true +# the paper's model on MNIST, compiled op, (\d+) epochs"],
+        "Makefile": [r"experiment=paper_mnist[^\n]*the paper's (\d+)-epoch recipe"],
+        "configs/experiment/quickstart.yaml": [r"The paper's recipe: python train.py experiment=paper_mnist .*\((\d+) epochs\)"],
+        "docs/results.md": [r"\| `paper_mnist` \| MNIST \|[^\n]* for (\d+) epochs",
+                            r"### paper_mnist\n\n[^#]*? for (\d+) epochs"],
+    }
+    found = {}
+    for name, patterns in stated.items():
+        text = (REPO / name).read_text(encoding="utf-8")
+        for pattern in patterns:
+            match = re.search(pattern, text)
+            assert match, f"{name}: no statement matching {pattern}"
+            found[pattern] = int(match.group(1))
+    assert list(found.values()) == [recipe, default, recipe, recipe, recipe, recipe], found
+    # No other line about the paper recipe states another length (lines that set train.epochs
+    # themselves, or are about another preset, aside).
+    for name in [*stated, "configs/experiment/README.md", "configs/experiment/paper_mnist.yaml"]:
+        for number, line in enumerate((REPO / name).read_text(encoding="utf-8").splitlines(), start=1):
+            if re.search(r"paper_mnist\b|paper's (\d+-epoch )?recipe|full recipe", line) and \
+                    not re.search(r"train\.epochs=|fast_mnist|tuned_mnist|_fashion|cifar", line):
+                lengths = {int(n) for n in re.findall(r"(\d+)[- ]epochs?\b", line)}
+                assert lengths <= {recipe}, f"{name}:{number}: {line}"
+
+
+def test_make_install_says_what_it_does_and_how_long_before_pip_runs():
+    """pip -q printed nothing for minutes: the install recipe first says what it installs and
+    how long that takes, and pip's own lines for the dependencies are shown."""
+    lines = (REPO / "Makefile").read_text().split("$(VENV)/.installed: pyproject.toml\n", 1)[1].split("\n\n")[0]
+    recipe = [line.strip() for line in lines.splitlines()]
+    announce = next(i for i, line in enumerate(recipe) if line.startswith("@echo") and "minutes" in line)
+    install = next(i for i, line in enumerate(recipe) if "pip install" in line and "-e" in line.split())
+    assert announce < install and " -q" not in recipe[install], recipe
+
+
 # --------------------------------------------------------------------------- the checks' own logic
 
 def test_narration_words_are_found_as_whole_words_in_any_case():
