@@ -17,12 +17,15 @@ Examples:
     python evaluate.py checkpoint=outputs/mnist-run tta=shift      # and moved one pixel each way
     python evaluate.py checkpoint=outputs/expanded-run data.name=affnist   # an expanded_mnist run on the affine set
 """
+from pathlib import Path
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from capsnet import cli, config
 from capsnet.errors import ConfigError
+from capsnet.outputs import check_output
 
 config.register()  # the schemas configs/ extends (capsnet/config/schemas.py), before Hydra composes
 
@@ -37,8 +40,10 @@ def main(cfg: DictConfig):
     cfg = config.check_eval(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
     cli.check_checkpoints_exist(cfg["checkpoint"], "evaluate.py")  # at once, not after the TensorFlow import
     cli.check_evaluation_data(cfg["checkpoint"], cfg["data"])  # data.dir's IDX files, by their paths
+    if cfg["output"] is not None:  # a run's own file, or an existing one without overwrite=true
+        check_output(Path(cfg["output"]), cfg["overwrite"])  # as evaluate() checks it
     cli.import_tensorflow_quietly()
-    # TensorFlow's modules, imported once the config and the checkpoint paths are checked.
+    # TensorFlow's modules, imported once the config and the paths are checked.
     from capsnet.evaluation import evaluate, format_report, to_json_line
     from capsnet.training.distribute import set_memory_growth
 

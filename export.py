@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from capsnet import cli
 from capsnet.errors import ConfigError
+from capsnet.outputs import check_export_output
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="export")
@@ -28,8 +29,9 @@ def main(cfg: DictConfig):
             raise ConfigError(f"{key}=... is required: {what}")
     cfg = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     cli.check_checkpoints_exist(cfg["checkpoint"], "export.py")  # at once, not after the TensorFlow import
+    check_export_output(cfg["output"])  # an existing or unwritable output, too
     cli.import_tensorflow_quietly()
-    # TensorFlow's modules, imported once the checkpoint paths are checked.
+    # TensorFlow's modules, imported once the checkpoint and output paths are checked.
     from capsnet.export import export, format_summary
     from capsnet.evaluation import to_json_line
     from capsnet.training.distribute import set_memory_growth

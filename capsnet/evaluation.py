@@ -34,6 +34,7 @@ from capsnet.datasets import DATASETS
 from capsnet.tasks import task_for
 from capsnet.errors import CheckpointError, ConfigError, DataError
 from capsnet.losses import loss_params
+from capsnet.outputs import check_output
 from capsnet.precision import set_tensor_float_32
 from capsnet.scoring import json_safe, predict, score
 from capsnet.training.checkpoints import resolve_checkpoint, restore_model
@@ -104,7 +105,6 @@ def pairs_shown(report):
     return "" if not pairs else f" (shifted ±{pairs['shift_pixels']} px, canvas border {pairs['pad_pixels']} px)"
 
 
-RUN_FILES = ("config.yaml", "history.jsonl", "metrics.json", "train.lock", ".capsnet-run")
 # The run's folder of evaluate()'s reports at their default place (report_path). Not under
 # checkpoints/, whose files a training running in the run dir deletes: best/ drops the previous
 # best epoch's, latest/ prunes past train.keep_checkpoints, a saved epoch removes interrupted/.
@@ -126,24 +126,6 @@ def report_path(member, variant=None):
         parts = parts[1:]
     name = "-".join(parts)
     return run_dir / REPORTS_DIR / (f"{name}.{variant}.json" if variant else f"{name}.json")
-
-
-def in_run_checkpoints(path):
-    """Whether `path` (resolved) is under a run dir's checkpoints/ (a folder beside a config.yaml),
-    where no output goes: a training deletes and links files there as best/ and latest/ move on."""
-    return any(part.name == "checkpoints" and (part.parent / "config.yaml").is_file() for part in path.parents)
-
-
-def check_output(output, overwrite=False):
-    """An evaluation report's output= path: CheckpointError (one line) for a file of a run
-    (config.yaml, history, metrics, the lock and marker, anything under checkpoints/, whose
-    files best/ and latest/ share by hard link) and, unless `overwrite`, for any existing file."""
-    resolved = output.resolve()
-    if in_run_checkpoints(resolved) or (resolved.name in RUN_FILES and (resolved.parent / "config.yaml").is_file()):
-        raise CheckpointError(f"output={output} is a file of a run (its config, history, metrics or checkpoints): "
-                              "write the report elsewhere (output=null puts it in the run's evaluations/)")
-    if output.exists() and not overwrite:
-        raise CheckpointError(f"output={output} exists: overwrite=true replaces it, or name another file")
 
 
 def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_test=None, shift_pixels=None,

@@ -47,8 +47,9 @@ from pathlib import Path
 import keras
 import tensorflow as tf
 
-from capsnet.errors import CheckpointError, ConfigError, OpLibraryError
-from capsnet.evaluation import in_run_checkpoints, resolve_member
+from capsnet.errors import CheckpointError, OpLibraryError
+from capsnet.evaluation import resolve_member
+from capsnet.outputs import check_export_output
 from capsnet.tasks import task_for
 from capsnet.training.checkpoints import restore_model
 from capsnet.training.model_setup import build_capsnet, check_op_library
@@ -231,20 +232,7 @@ def export(checkpoint, output, *, which="best", weights=None, custom_op=False):
         input_shape, num_classes, two_digits, signatures, op_library_ops (the
         Capsnet> ops in the graph; [] = portable).
     """
-    if output is None or str(output).strip() == "":
-        raise ConfigError("output=... is required: the SavedModel directory to create")
-    output = Path(os.path.expanduser(str(output))).absolute()
-    if output.exists() or output.is_symlink():
-        raise ConfigError(f"output {output} already exists: export writes a new directory and never overwrites one "
-                          "(remove it or choose another)")
-    for parent in output.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ConfigError(f"output {output}: {parent} is not a directory")
-            break
-    if in_run_checkpoints(output.resolve()):
-        raise ConfigError(f"output {output} is inside a run's checkpoints/, whose files a training deletes as best/ "
-                          "and latest/ move on: export somewhere else")
+    output = check_export_output(output)
 
     # Everything that can fail on the user's input fails here, before anything is written.
     member = resolve_member(checkpoint, which=which, custom_op=custom_op, weights=weights)

@@ -321,6 +321,37 @@ def test_evaluates_data_dir_needs_only_the_test_files(tmp_path):
         config.check_data_files({"name": "mnist", "dir": str(data)})  # a training needs both splits
 
 
+@pytest.fixture
+def run_with_a_checkpoint(tmp_path):
+    """A run dir's files as the path checks see them: config.yaml, checkpoints/best/ckpt-1.index."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "best").mkdir(parents=True)
+    (run / "checkpoints" / "best" / "ckpt-1.index").write_bytes(b"")
+    (run / "config.yaml").write_text(yaml.safe_dump({"data": {"name": "mnist", "dir": None}}))
+    return run
+
+
+def test_exports_existing_output_is_said_before_tensorflow(run_main, run_with_a_checkpoint, tmp_path):
+    from capsnet.errors import ConfigError
+    from capsnet.export import export
+
+    (tmp_path / "exported").mkdir()
+    status, _, err = run_main("export.py", f"checkpoint={run_with_a_checkpoint}", f"output={tmp_path / 'exported'}")
+    with pytest.raises(ConfigError) as reference:  # the library's own check, the same words
+        export(run_with_a_checkpoint, tmp_path / "exported")
+    assert status == 2 and err.strip().splitlines() == [f"error: {reference.value}"]
+    assert "already exists" in err
+
+
+@pytest.mark.parametrize("output", ["config.yaml", "checkpoints/best/report.json"])
+def test_evaluates_output_over_a_runs_file_is_said_before_tensorflow(run_main, run_with_a_checkpoint, output):
+    status, _, err = run_main("evaluate.py", f"checkpoint={run_with_a_checkpoint}",
+                              f"output={run_with_a_checkpoint / output}")
+    assert status == 2 and err.strip().splitlines() == [
+        f"error: output={run_with_a_checkpoint / output} is a file of a run (its config, history, metrics or "
+        "checkpoints): write the report elsewhere (output=null puts it in the run's evaluations/)"]
+
+
 @pytest.mark.parametrize("script", ["evaluate.py", "export.py"])
 def test_a_folder_without_a_checkpoint_is_said_as_resolving_it_would(run_main, tmp_path, script):
     """outputs/ (the run dirs' parent) given as checkpoint: resolve_checkpoint's words, before TensorFlow."""
