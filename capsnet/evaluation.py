@@ -225,7 +225,7 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
     for member in members:
         set_tensor_float_32(member["tf32"])  # process-wide: before the member's pass is traced and run
         eval_step = make_eval_step(member["model"], model.image_shape, **member["losses"],
-                                   jit_compile=member["xla"] == "jit", two_digits=task.two_digits)
+                                   jit_compile=member["xla"] == "jit", label_format=task.label_format)
         views = tta_views(dataset, args["tta"], shift_fill=member["cfg"]["data"]["shift_fill"])
         for view, view_dataset in views.items():
             result = evaluate_model(eval_step, view_dataset, model.num_classes, keep_lengths=ensemble)
@@ -293,17 +293,8 @@ def test_data_section(run_data, data_args):
     other_pairs = {key: data_args[key] for key in ("shift_pixels", "pad_pixels") if data_args[key] is not None}
     run_border = data_cfg["shift_pixels"] if data_cfg.get("pad_pixels") is None else data_cfg["pad_pixels"]
     data_cfg.update({key: value for key, value in data_args.items() if value is not None})
-    test_pairs = None
-    task = task_for(data_cfg)
-    if task.two_digits:
-        # A shift given alone keeps the run's canvas (a border of null was the run's shift).
-        data_cfg["pad_pixels"] = other_pairs.get("pad_pixels", run_border)
-        test_pairs = {"shift_pixels": data_cfg["shift_pixels"], "pad_pixels": data_cfg["pad_pixels"]}
-        task = task_for(data_cfg)
-    elif other_pairs:
-        raise ConfigError(f"data.shift_pixels / data.pad_pixels make MultiMNIST's test pairs: the {data_cfg['name']} "
-                          "test images are scored as they are (set them to null)")
-    return data_cfg, task, test_pairs, other_pairs
+    task, test_pairs = task_for(data_cfg).for_test_pairs(other_pairs, run_border)
+    return task.cfg, task, test_pairs, other_pairs
 
 
 def same_files(name, other):
@@ -332,7 +323,7 @@ def check_members(members, task, data_name, tta):
         if tta == "shift" and not trained["shift_pixels"]:
             raise ConfigError(f"tta=shift: the run {member['run_dir']} was not trained on shifted images "
                               "(data.shift_pixels=0): use tta=none")
-    if tta != "none" and task.two_digits:
+    if tta != "none" and task.label_format.targets:
         # Its test pairs carry their digits as the decoder's targets, which a view would have to move too.
         raise ConfigError(f"tta={tta}: not for {data_name} (its test pairs carry each digit as "
                           "a reconstruction target): use tta=none")

@@ -51,6 +51,7 @@ from capsnet.errors import CheckpointError, OpLibraryError
 from capsnet.evaluation import resolve_member
 from capsnet.outputs import check_export_output
 from capsnet.tasks import task_for
+from capsnet.tasks.labels import NO_CLASS, ONE_LABEL  # noqa: F401  (NO_CLASS: the signatures' no-class answer)
 from capsnet.training.checkpoints import restore_model
 from capsnet.training.model_setup import build_capsnet, check_op_library
 
@@ -61,8 +62,6 @@ METADATA = "capsnet_export.json"
 # Written first into an export's scratch folder (and removed before the rename): only a
 # folder holding it was made by export(), so only such a folder is ever deleted as stale.
 PARTIAL_MARKER = ".capsnet-export-partial"
-# The signatures' prediction for an image with no finite capsule lengths (serving_outputs).
-NO_CLASS = -1
 # Op types that write files, run Python, print or log, which no export of this project
 # holds outside its saver (side_effect_ops): loading and calling a SavedModel runs its graph.
 SIDE_EFFECT_OPS = frozenset({
@@ -79,39 +78,28 @@ _LOAD_OPS = "call capsnet.ops.load_op_library() first (or export with custom_op=
 
 # --------------------------------------------------------------------------- graph
 
-def serving_outputs(model, images, two_digits=False, prepare=None):
+def serving_outputs(model, images, label_format=ONE_LABEL, prepare=None):
     """The exported signature's outputs for float32 images in [0, 1]: lengths,
     predictions and (with a decoder) the reconstructions of the predicted capsule(s).
 
     No labels go into the model, so its decoder reconstructs from the longest capsule,
-    as in evaluation (make_eval_step); two_digits=True (MultiMNIST) predicts the two
-    longest capsules and reconstructs each. prepare: the task's test-time step between the
-    [0, 1] images and the model (Task.serving_images: per-image standardisation), or None.
-    An image whose capsule lengths are not all finite (a NaN or inf pixel) is predicted
-    NO_CLASS (-1; both of a two-digit model's), never a class.
+    as in evaluation (make_eval_step); the task's label_format (capsnet.tasks.labels) says
+    what is predicted and reconstructed (MultiMNIST's TWO_DIGITS: the two longest capsules,
+    each reconstructed). prepare: the task's test-time step between the [0, 1] images and
+    the model (Task.serving_images: per-image standardisation), or None. An image whose
+    capsule lengths are not all finite (a NaN or inf pixel) is predicted NO_CLASS (-1;
+    both of a two-digit model's), never a class; its lengths stay NaN/inf.
     """
     outputs = model(images if prepare is None else prepare(images), training=False)
     lengths = outputs["lengths"]                                                  # (N, classes)
-    if two_digits:
-        predictions = tf.math.top_k(lengths, k=2).indices                         # (N, 2) int32
-    else:
-        predictions = tf.argmax(lengths, axis=-1, output_type=tf.int32)           # (N,)
-    # An image whose lengths are not all finite (NaN or inf pixels) has no longest capsule:
-    # argmax would answer class 0. Its prediction is NO_CLASS, its lengths stay NaN/inf.
-    finite = tf.reduce_all(tf.math.is_finite(lengths), axis=-1)                   # (N,)
-    if two_digits:
-        finite = finite[:, None]
-    predictions = tf.where(finite, predictions, tf.constant(NO_CLASS, tf.int32))
+    predictions = label_format.serving_predictions(lengths)                       # (N,) or (N, 2)
     served = {"lengths": lengths, "predictions": predictions}
     if "reconstructions" in outputs:
-        # Two digits: the model reconstructed the longest capsule only (that unused
-        # branch is pruned from the served function); here each of the two longest.
-        served["reconstructions"] = (model.reconstruct(outputs["v_j"], predictions) if two_digits
-                                     else outputs["reconstructions"])             # (N, [2,] H, W, C)
+        served["reconstructions"] = label_format.served_reconstructions(model, outputs, predictions)
     return served
 
 
-def export_archive(model, two_digits=False, prepare=None):
+def export_archive(model, label_format=ONE_LABEL, prepare=None):
     """A Keras ExportArchive of `model` (built, weights loaded) with the endpoints
     `serve` (float32 images in [0, 1]; also `serving_default`) and `serve_uint8`
     (uint8 images in [0, 255])."""
@@ -120,13 +108,13 @@ def export_archive(model, two_digits=False, prepare=None):
     archive.track(model)
     # The first endpoint added is also written as "serving_default" (TF Serving's default).
     archive.add_endpoint("serve", lambda images: serving_outputs(model, checked_images(images, model.image_shape),
-                                                                 two_digits, prepare),
+                                                                 label_format, prepare),
                          input_signature=[tf.TensorSpec(shape, tf.float32, name="images")])
     # The pipelines' own scaling (capsnet.data): cast, then divide by 255.
     archive.add_endpoint(
         "serve_uint8",
         lambda images: serving_outputs(model, tf.cast(checked_images(images, model.image_shape), tf.float32) / 255.0,
-                                       two_digits, prepare),
+                                       label_format, prepare),
         input_signature=[tf.TensorSpec(shape, tf.uint8, name="images")])
     return archive
 
@@ -246,8 +234,7 @@ def export(checkpoint, output, *, which="best", weights=None, custom_op=False):
     epoch = restore_model(model, member["prefix"], member["weights"])
     dataset = cfg["data"]["name"]
     task = task_for(cfg["data"])
-    two_digits = task.two_digits
-    archive = export_archive(model, two_digits, task.serving_images)
+    archive = export_archive(model, task.label_format, task.serving_images)
     names = task.class_names(model.num_classes)
 
     report = {
@@ -260,10 +247,10 @@ def export(checkpoint, output, *, which="best", weights=None, custom_op=False):
         "dataset": dataset,
         "input_shape": list(model.image_shape),
         "num_classes": model.num_classes,
-        "two_digits": two_digits,
+        "two_digits": task.label_format.per_example == 2,
         # predict.py names the classes by them (a folder's: its class folders).
         "class_names": None if names is None else list(names),
-        "signatures": signature_descriptions(model, two_digits),
+        "signatures": signature_descriptions(model, task.label_format),
     }
     created = [p for p in [output.parent, *output.parent.parents] if not p.exists()]
     partial = None
@@ -329,12 +316,11 @@ def process_alive(pid):
     return True
 
 
-def signature_descriptions(model, two_digits):
+def signature_descriptions(model, label_format):
     """What each signature takes and returns, in words (the report and README)."""
     h, w, c = model.image_shape
     k = model.num_classes
-    pred, recon = ("int32 (N, 2): the two longest capsules, longest first", f"float32 (N, 2, {h}, {w}, {c})") \
-        if two_digits else ("int32 (N,): the longest capsule", f"float32 (N, {h}, {w}, {c})")
+    pred, recon = label_format.signature_words(h, w, c)
     baseline = not hasattr(model, "digit_caps")  # the CNN baseline: its "lengths" are softmax probabilities
     if baseline:
         pred = "int32 (N,): the most probable class"

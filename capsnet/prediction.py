@@ -177,16 +177,17 @@ def class_names(dataset, num_classes, stored=None):
 # --------------------------------------------------------------------------- models (TensorFlow)
 
 class Classifier:
-    """A model to predict with: image_shape (H, W, C), num_classes, two_digits, has_decoder,
+    """A model to predict with: image_shape (H, W, C), num_classes, label_format (its task's,
+    capsnet.tasks.labels: what a record holds of its predictions), has_decoder,
     dataset (None where unknown), names; `prepare` makes an image file's bytes its input
     (Task.file_image), `max_pixels` the most pixels a file may declare (data.max_pixels);
     calling it on float32 images (N, H, W, C) in [0, 1] returns numpy lengths, predictions
     and (with a decoder) reconstructions, as the export's serving_default signature does."""
 
-    def __init__(self, call, image_shape, num_classes, two_digits, has_decoder, dataset, source, stored_names=None,
+    def __init__(self, call, image_shape, num_classes, label_format, has_decoder, dataset, source, stored_names=None,
                  *, prepare, max_pixels):
         self.call, self.image_shape, self.num_classes = call, tuple(image_shape), num_classes
-        self.two_digits, self.has_decoder, self.dataset, self.source = two_digits, has_decoder, dataset, source
+        self.label_format, self.has_decoder, self.dataset, self.source = label_format, has_decoder, dataset, source
         self.names = class_names(dataset, num_classes, stored_names)
         self.prepare, self.max_pixels = prepare, max_pixels
 
@@ -232,10 +233,9 @@ def _checkpoint_classifier(checkpoint, *, which, weights, custom_op):
     restore_model(model, member["prefix"], member["weights"])
     dataset = member["cfg"]["data"]["name"]
     task = task_for(member["cfg"]["data"])
-    two_digits = task.two_digits
-    call = tf.function(lambda images: serving_outputs(model, images, two_digits, task.serving_images),
+    call = tf.function(lambda images: serving_outputs(model, images, task.label_format, task.serving_images),
                        input_signature=[tf.TensorSpec((None, *model.image_shape), tf.float32)])
-    return Classifier(call, model.image_shape, model.num_classes, two_digits, model.use_decoder, dataset,
+    return Classifier(call, model.image_shape, model.num_classes, task.label_format, model.use_decoder, dataset,
                       member["prefix"], task.class_names(model.num_classes),
                       prepare=lambda data: task.file_image(data, model.image_shape),
                       max_pixels=member["cfg"]["data"]["max_pixels"])
@@ -276,6 +276,7 @@ def _export_classifier(directory, trust_export):
     from capsnet import export as capsnet_export
     from capsnet.tasks import task_for
     from capsnet.tasks.base import default_file_image
+    from capsnet.tasks.labels import LABEL_FORMATS
 
     path = Path(os.path.expanduser(str(directory)))
     metadata = read_export_metadata(path)
@@ -303,8 +304,10 @@ def _export_classifier(directory, trust_export):
                               "expected (N, H, W, C) with H, W, C fixed")
     data = metadata.get("data")  # the run's data section (exports since it is recorded)
     task = task_for(data) if isinstance(data, dict) and data.get("name") in DATASETS else None
+    # The signature's predictions say the label format: (N,) one label, (N, 2) two digits.
+    label_format = LABEL_FORMATS[2 if outputs["predictions"].shape.rank == 2 else 1]
     classifier = Classifier(lambda images: signature(images=images), shape, int(outputs["lengths"].shape[-1]),
-                            outputs["predictions"].shape.rank == 2, "reconstructions" in outputs,
+                            label_format, "reconstructions" in outputs,
                             metadata.get("dataset"), str(path), metadata.get("class_names"),
                             prepare=lambda image: (task.file_image(image, shape) if task is not None
                                                    else default_file_image(image, shape)),
@@ -430,12 +433,10 @@ def _predict_batch(classifier, paths, top_k, outputs, notice):
             record = {"image": path, "class": names[predicted[0]],
                       "top_k": [[names[c], float(lengths[c])] for c in order],
                       "lengths": {names[c]: float(v) for c, v in enumerate(lengths)}}
-            if classifier.two_digits:
-                record["classes"] = [names[c] for c in predicted]
+            record.update(classifier.label_format.record(names, predicted))
             if outputs is not None:
                 reconstruction = served["reconstructions"][i]
-                if classifier.two_digits:  # (2, H, W, C): side by side, the longest capsule's on the left
-                    reconstruction = np.concatenate(list(reconstruction), axis=1)
+                reconstruction = classifier.label_format.reconstruction_image(reconstruction)
                 try:
                     write_png(outputs[path], reconstruction)
                 except OSError as exc:

@@ -67,7 +67,7 @@ def run_figures(checkpoint, *, which="best", examples=200, batch_size=100):
     data_cfg = dict(member["cfg"]["data"])
     data_cfg["limit_test"] = min(data_cfg.get("limit_test") or examples, examples)
     task = task_for(data_cfg)
-    if task.two_digits:
+    if task.label_format.targets:
         raise ConfigError(f"the run {member['run_dir']} trained on two-digit images ({task.name}): the figures "
                           "need one label per example")
     model = build_capsnet(member["cfg"]["model"], False)

@@ -50,7 +50,7 @@ def test_task_batches_equal_the_pipelines_before_tasks(name):
 
 def test_kinds_by_name():
     assert task_class("mnist").kind == "single_label"
-    assert task_class("multimnist").labels_per_example == 2
+    assert task_class("multimnist").label_format.per_example == 2
     assert task_class("folder").kind == task_class("cifar10").kind == "images"
     with pytest.raises(ConfigError, match="unknown dataset 'nope'"):
         task_class("nope")

@@ -7,6 +7,7 @@ from capsnet import folder
 from capsnet.datasets import DATASETS, spec_class_names
 from capsnet.errors import ConfigError
 from capsnet.scoring import score
+from capsnet.tasks.labels import ONE_LABEL
 
 
 @dataclasses.dataclass
@@ -29,17 +30,14 @@ class Task:
     """What one dataset kind means to the trainer. A subclass per kind (KINDS); an instance
     per data section (`data_cfg`, the checked `data` dict)."""
     kind = None
-    labels_per_example = 1  # 2: MultiMNIST's (B, 2) labels and (B, 2, H, W, C) reconstruction targets
+    # How its examples are labelled (capsnet.tasks.labels): the compiled steps, the evaluation,
+    # the export and predict ask it.
+    label_format = ONE_LABEL
 
     def __init__(self, data_cfg):
         self.cfg = dict(data_cfg)
         self.name = self.cfg["name"]
         self.spec = DATASETS[self.name]
-
-    @property
-    def two_digits(self):
-        """Whether examples carry two labels (the steps' and the export's two_digits)."""
-        return self.labels_per_example == 2
 
     @property
     def num_classes(self):
@@ -80,6 +78,16 @@ class Task:
         grey or RGB, the shorter side resized, the centre cropped square) at the model's size,
         scaled by 1/255 as every pipeline scales."""
         return default_file_image(data, image_shape)
+
+    def for_test_pairs(self, given, run_border):
+        """(task, test_pairs): the task that evaluate scores with, given its data.shift_pixels /
+        data.pad_pixels (`given`, those set) over a run whose canvas border was `run_border`,
+        and the test pairs its report names (None: the test images are scored as they are).
+        Only MultiMNIST makes pairs: the others refuse them (ConfigError, one line)."""
+        if given:
+            raise ConfigError(f"data.shift_pixels / data.pad_pixels make MultiMNIST's test pairs: the {self.name} "
+                              "test images are scored as they are (set them to null)")
+        return self, None
 
     def serving_images(self, images):
         """What the model sees of float32 images in [0, 1] given to the export or predict

@@ -3,12 +3,13 @@ shifted and overlaid (capsnet.data.make_multimnist_dataset); labels (B, 2), each
 alone as the reconstruction target, scored by the two longest capsules."""
 from capsnet.data import make_split_dataset
 from capsnet.datasets import example_shape
+from capsnet.tasks.labels import TWO_DIGITS
 from capsnet.tasks.single_label import SingleLabel
 
 
 class MultiMNIST(SingleLabel):
     kind = "multimnist"
-    labels_per_example = 2
+    label_format = TWO_DIGITS
 
     def example_shape(self, source_shape):
         return example_shape(self.name, source_shape, self.cfg.get("shift_pixels", 4), self.cfg.get("pad_pixels"))
@@ -18,6 +19,11 @@ class MultiMNIST(SingleLabel):
         shift = self.cfg.get("shift_pixels", 4)
         pad = self.cfg.get("pad_pixels")
         return {"shift_pixels": shift, "pad_pixels": shift if pad is None else pad}
+
+    def for_test_pairs(self, given, run_border):
+        # A shift given alone keeps the run's canvas (a border of null was the run's shift).
+        task = type(self)({**self.cfg, "pad_pixels": given.get("pad_pixels", run_border)})
+        return task, task.test_pairs()
 
     def dataset(self, data, *, batch_size, training, seed=0, epoch=0, drop_remainder=False):
         # The test split: its fixed pairs of the run's shift and canvas; training: each

@@ -66,7 +66,8 @@ class CompiledSteps:
         examples = self.training_set.examples if on_device and strategy is not None else None
         train_step = make_train_step(model, state.optimizer, input_shape=model.image_shape, losses=losses,
                                      xla=tcfg["xla"], strategy=strategy, all_reduce=all_reduce,
-                                     two_digits=data.two_digits, weight_average=state.average, examples=examples)
+                                     label_format=data.task.label_format, weight_average=state.average,
+                                     examples=examples)
         # The compiled programs are traced here, before the thread that builds the next epoch's
         # input starts (its traces move the same uid counter), each from an aligned uid
         # (align_trace_names): a rerun or resumed run finds them in train.xla_cache_dir.
@@ -86,7 +87,7 @@ class CompiledSteps:
             if strategy is None and done < tcfg["epochs"]:
                 train_step.get_concrete_function()  # the loop's trace then calls this one
         self.eval_step = make_eval_step(model, model.image_shape, jit_compile=tcfg["xla"] == "jit",
-                                        two_digits=data.two_digits, **losses)
+                                        label_format=data.task.label_format, **losses)
         align_trace_names()
         self.eval_step.get_concrete_function()
         # Under XLA the test step compiles beside the first epoch (compile_eval_step says why),
@@ -178,8 +179,9 @@ class CompiledSteps:
     def figures(self, summaries, step):
         """train.figures: capsnet.figures' pictures of the run's weights (the test pass's: with a
         weight average, the average's) on the first FIGURE_EXAMPLES test examples, in TensorBoard
-        (RunSummaries.figures). Not for two-digit data (its examples have two labels)."""
-        if not self.tcfg["figures"] or self.data.two_digits or not summaries.chief:
+        (RunSummaries.figures). Not for data with reconstruction targets (MultiMNIST's two labels
+        and digits: the figures take one label an example)."""
+        if not self.tcfg["figures"] or self.data.task.label_format.targets or not summaries.chief:
             return
         batches, count = [], 0
         for images, labels, *_ in self.data.test_ds:
@@ -205,7 +207,7 @@ def device_training_set(data, tcfg, seed, strategy=None):
     if strategy is not None:  # (two-digit data trains on one device: config.check)
         return MirroredTrainingSet(strategy, split.images, split.labels, batch_size=batch_size, seed=seed,
                                    **augmentation)
-    if data.two_digits:
+    if task.label_format.targets:  # MultiMNIST's pairs: their digits are the targets
         return DevicePairSet(split.images, split.labels, batch_size=batch_size, seed=seed,
                              shift_pixels=augmentation["shift_pixels"], pad_pixels=task.cfg.get("pad_pixels"),
                              **{key: augmentation[key] for key in config.OVERLAY_AUGMENTATION})

@@ -158,7 +158,7 @@ def _train(cfg, control, hydra_files, lock):
         if on_schedule(number, tcfg["test_every_epochs"], tcfg["epochs"]):
             test, raw_test = steps.test_pass(summaries, global_step)
             report.tested(time.perf_counter() - clock[-1])
-            collapse = collapse_reason(test, number, model.num_classes, data.labels_per_example)
+            collapse = collapse_reason(test, number, model.num_classes, data.task.label_format.per_example)
             summaries.collapse(global_step, test, collapse, number)
         is_best = test is not None and test["accuracy"] > float(state.best_accuracy)
         state.epoch.assign(number)
@@ -260,9 +260,6 @@ class RunData:
         test_split = task.load("test", limit=data_cfg.get("limit_test"))
         task.check(self.train_split, model, "train")
         task.check(test_split, model, "test")
-        # MultiMNIST: labels (B, 2) and the digits (B, 2, H, W, C); one device (config.check).
-        self.two_digits = task.two_digits
-        self.labels_per_example = task.labels_per_example
         n_train = len(self.train_split)
         # train.drop_remainder: only full batches (a different few examples left out each epoch,
         # the order being shuffled), so the compiled step sees one batch shape, not two.

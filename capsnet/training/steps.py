@@ -24,7 +24,8 @@ from tensorflow.python.framework import ops as tf_ops
 from capsnet import config
 from capsnet.errors import ConfigError, DataError
 from capsnet.losses import capsnet_losses
-from capsnet.scoring import correct_predictions, label_order, predict, score
+from capsnet.scoring import correct_predictions, predict, score
+from capsnet.tasks.labels import ONE_LABEL
 from capsnet.training.distribute import check_compiled_all_reduce_devices, compiled_per_replica
 from capsnet.training.optimizer import compile_replica_updates, loss_scale
 from capsnet.training.xla_flags import set_autoclustering
@@ -62,7 +63,7 @@ def set_determinism(enabled):
 
 
 def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strategy=None, all_reduce="collective",
-                    two_digits=False, weight_average=None, guard=True, examples=None):
+                    label_format=ONE_LABEL, weight_average=None, guard=True, examples=None):
     """The compiled training step: (images, labels) → {loss, margin_loss, reconstruction_loss, accuracy,
     grad_norm} (STEP_VALUES).
 
@@ -89,11 +90,12 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strate
         all_reduce: the run's distribute.all_reduce, resolved (distribute.resolve_all_reduce):
             "xla" (with xla="jit") compiles each replica's all-reduce and Adam update into its
             step (_all_reduce_in_compiled_step); any other value is the strategy's own all-reduce.
-        two_digits: MultiMNIST (one device only): the step takes (images, labels (B, 2),
-            digits (B, 2, H, W, C)); the margin loss counts both classes present, the
-            decoder reconstructs each digit from its own capsule against its own image
-            (the reconstruction loss sums the two), and accuracy counts an example right
-            iff the two longest capsules are its two labels.
+        label_format: the task's (capsnet.tasks.labels): the step takes its step_signature.
+            MultiMNIST's TWO_DIGITS (one device only: its batches carry targets): (images,
+            labels (B, 2), digits (B, 2, H, W, C)); the margin loss counts both classes
+            present, the decoder reconstructs each digit from its own capsule against its
+            own image (the reconstruction loss sums the two), and accuracy counts an example
+            right iff the two longest capsules are its two labels.
         weight_average: a WeightAverage of `model` (train.ema_decay), updated after each
             step; None: none kept.
         guard: False leaves out what the non-finite guard costs the step (the gradients'
@@ -111,17 +113,15 @@ def make_train_step(model, optimizer, *, input_shape, losses, xla="none", strate
         config.check_xla(xla, model.router.backend)
     set_autoclustering(xla == "autocluster")
     if strategy is not None:
-        if two_digits:
-            raise ConfigError("two-digit data (MultiMNIST) trains on one device only: set distribute=none")
+        if label_format.targets:
+            raise ConfigError("data with reconstruction targets (MultiMNIST's digits) trains on one device only: "
+                              "set distribute=none")
         if not guard:
             raise ValueError("make_train_step: guard=False is for one device only")
         config.check_all_reduce_in_step(all_reduce, xla, loss_scale(optimizer) is not None)
         return _make_distributed_train_step(model, optimizer, losses=losses, xla=xla, strategy=strategy,
                                             all_reduce=all_reduce, weight_average=weight_average, examples=examples)
-    image_spec = tf.TensorSpec([None, *input_shape], tf.float32)
-    signature = [image_spec, tf.TensorSpec([None], tf.int32)]
-    if two_digits:
-        signature = [image_spec, tf.TensorSpec([None, 2], tf.int32), tf.TensorSpec([None, 2, *input_shape], tf.float32)]
+    signature = label_format.step_signature(input_shape)
 
     # autograph=False: the step and the model have no Python control flow over tensors, and
     # converting the ~25 functions they call cost ~2.7 s of every run's start (CPU, measured).
@@ -458,30 +458,25 @@ def eval_batch_size(train_cfg):
 
 
 def make_eval_step(model, image_shape, *, m_plus, m_minus, lambda_, reconstruction_weight, jit_compile=False,
-                   two_digits=False):
+                   label_format=ONE_LABEL):
     """A compiled test step: sums of the losses, predictions, capsule lengths.
 
     No labels go into the model, so the decoder reconstructs from the PREDICTED
     class, as at test time in the paper; the reconstruction loss is measured on that.
     jit_compile=True compiles the step with XLA (train.xla=jit; the compiled ops lower to
     XLA custom calls of our kernels, ops/xla_kernels.cc).
-    two_digits=True (MultiMNIST): the step takes (images, labels (B, 2), digits
-    (B, 2, H, W, C)); the two longest capsules are the prediction, each reconstructs one
-    digit (in the labels' order where it names one) and is compared with that digit.
+    label_format: the task's (capsnet.tasks.labels): the step takes its step_signature, and
+    its test_outputs are what is scored. MultiMNIST's TWO_DIGITS: (images, labels (B, 2),
+    digits (B, 2, H, W, C)); the two longest capsules are the prediction, each reconstructs
+    one digit (in the labels' order where it names one) and is compared with that digit.
     """
-    signature = [tf.TensorSpec([None, *image_shape], tf.float32), tf.TensorSpec([None], tf.int32)]
-    if two_digits:
-        signature = [signature[0], tf.TensorSpec([None, 2], tf.int32),
-                     tf.TensorSpec([None, 2, *image_shape], tf.float32)]
+    signature = label_format.step_signature(image_shape)
 
     @tf.function(input_signature=signature, jit_compile=jit_compile, autograph=False)  # as train_step
     def eval_step(images, labels, digits=None):
         outputs = model(images, training=False)
         predictions = predict(outputs["lengths"], labels)  # (B,) or (B, 2)
-        if digits is not None and "reconstructions" in outputs:
-            # The model reconstructed from the longest capsule only; here from the two longest.
-            outputs = {**outputs, "reconstructions": model.reconstruct(outputs["v_j"],
-                                                                      label_order(predictions, labels))}
+        outputs = label_format.test_outputs(model, outputs, predictions, labels)
         total, margin, reconstruction = model_losses(
             images, labels, outputs, m_plus=m_plus, m_minus=m_minus, lambda_=lambda_,
             reconstruction_weight=reconstruction_weight, targets=digits)
