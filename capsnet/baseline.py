@@ -16,6 +16,7 @@ No capsules, routing or decoder: no "v_j", "c_ij" or "reconstructions".
 import keras
 import tensorflow as tf
 
+from capsnet.model import with_weights
 from capsnet.validation import float_in_range, positive_int, positive_int_tuple
 
 __all__ = ["BaselineCNN"]
@@ -104,7 +105,5 @@ class BaselineCNN(keras.Model):
 
 
 def build_baseline(**kwargs):
-    """A BaselineCNN(**kwargs) with its weights created (no forward pass), as build_model."""
-    model = BaselineCNN(**kwargs)
-    model.build((None, *model.image_shape))
-    return model
+    """A BaselineCNN(**kwargs) with its weights created (with_weights), as build_model."""
+    return with_weights(BaselineCNN(**kwargs))

@@ -29,6 +29,7 @@ import keras
 import tensorflow as tf
 
 from capsnet.layers import Decoder, DigitCaps, PrimaryCaps, capsule_lengths
+from capsnet.model import capsule_output_shapes, with_weights
 from capsnet.routing import DynamicRouting, Router
 from capsnet.validation import boolean, positive_float, positive_int, positive_int_tuple
 
@@ -244,11 +245,7 @@ class DeepCapsNet(keras.Model):
         batch = input_shape[0]
         if self.head == "dense":
             return {"logits": (batch, self.num_classes), "lengths": (batch, self.num_classes)}
-        shapes = {"lengths": (batch, self.num_classes), "v_j": (batch, self.num_classes, self.digit_caps_dim),
-                  "c_ij": (batch, self.in_caps, self.num_classes)}
-        if self.decoder is not None:
-            shapes["reconstructions"] = (batch, *self.image_shape)
-        return shapes
+        return capsule_output_shapes(self, batch)
 
     def get_config(self):
         return {
@@ -269,7 +266,5 @@ class DeepCapsNet(keras.Model):
 
 
 def build_deep(**kwargs):
-    """A DeepCapsNet(**kwargs) with its weights created (no forward pass), as build_model."""
-    model = DeepCapsNet(**kwargs)
-    model.build((None, *model.image_shape))
-    return model
+    """A DeepCapsNet(**kwargs) with its weights created (with_weights), as build_model."""
+    return with_weights(DeepCapsNet(**kwargs))

@@ -211,16 +211,7 @@ class CapsNet(keras.Model):
         return self.decoder(v_j, mask_labels)                        # (B, H, W, C)
 
     def compute_output_shape(self, input_shape, labels_shape=None):
-        batch = input_shape[0]
-        in_caps = self.in_caps
-        shapes = {
-            "lengths": (batch, self.num_classes),
-            "v_j": (batch, self.num_classes, self.digit_caps_dim),
-            "c_ij": (batch, in_caps, self.num_classes),
-        }
-        if self.decoder is not None:
-            shapes["reconstructions"] = (batch, *self.image_shape)
-        return shapes
+        return capsule_output_shapes(self, input_shape[0])
 
     def get_config(self):
         return {
@@ -253,13 +244,32 @@ class CapsNet(keras.Model):
         return cls(**router_argument(config, "digit_caps_bias"))
 
 
+def capsule_output_shapes(model, batch):
+    """The output shapes of a model with a capsule head (CapsNet; capsnet.deep.DeepCapsNet's
+    capsules), from its num_classes, digit_caps_dim, in_caps, image_shape and decoder:
+    "lengths" (batch, classes), "v_j" (batch, classes, digit_caps_dim), "c_ij" (batch,
+    in_caps, classes), and with a decoder "reconstructions" (batch, H, W, C)."""
+    shapes = {
+        "lengths": (batch, model.num_classes),
+        "v_j": (batch, model.num_classes, model.digit_caps_dim),
+        "c_ij": (batch, model.in_caps, model.num_classes),
+    }
+    if model.decoder is not None:
+        shapes["reconstructions"] = (batch, *model.image_shape)
+    return shapes
+
+
+def with_weights(model):
+    """`model` (any of this package's models: it has an image_shape) with its weights created
+    for its images, without a forward pass: ready for count_params(), load_weights() or a
+    checkpoint restore."""
+    model.build((None, *model.image_shape))
+    return model
+
+
 def build_model(**kwargs):
-    """A CapsNet(**kwargs) with its weights created (no forward pass), ready for
-    count_params(), load_weights() or a checkpoint restore. Also takes the dynamic
+    """A CapsNet(**kwargs) with its weights created (with_weights). Also takes the dynamic
     routing's arguments of old instead of `router` (routing=<a backend>,
     routing_iterations, stop_gradient_routing: capsnet.routing.router_argument). A config's
     model section with custom_op: capsnet.training.model_setup.build_capsnet."""
-    kwargs = router_argument(kwargs, "digit_caps_bias")
-    model = CapsNet(**kwargs)
-    model.build((None, *model.image_shape))
-    return model
+    return with_weights(CapsNet(**router_argument(kwargs, "digit_caps_bias")))

@@ -77,6 +77,23 @@ def test_shapes_and_parameter_count(head):
         assert not hasattr(model, "digit_caps")  # the export's test for a model without capsules
 
 
+@pytest.mark.parametrize("head, decoder", [("capsules", True), ("capsules", False), ("dense", False)])
+def test_output_shapes_are_what_a_call_returns(head, decoder):
+    """compute_output_shape (the capsule head's: CapsNet's own, capsnet.model.capsule_output_shapes)
+    against the shapes of a forward pass, for the deep model's heads and for CapsNet."""
+    from capsnet.deep import build_deep
+    from capsnet.model import build_model
+
+    deep = build_deep(**TINY, head=head, decoder=decoder)
+    capsnet = build_model(input_shape=(28, 28, 1), num_classes=4, conv1_filters=8, primary_caps_types=2,
+                          primary_caps_dim=4, digit_caps_dim=4, decoder=decoder, decoder_units=(8, 8))
+    for model, batch in ((deep, images(3)), (capsnet, images(3, (28, 28, 1)))):
+        actual = {key: tuple(value.shape) for key, value in model(batch, training=False).items()}
+        expected = model.compute_output_shape((3, *model.image_shape))
+        assert {key: tuple(shape) for key, shape in expected.items()} == actual, type(model).__name__
+        assert ("reconstructions" in actual) == decoder
+
+
 def test_decoder_reconstructs_the_labelled_capsule():
     """With a decoder: the labels' capsules in training, the longest capsule's without labels."""
     from capsnet.deep import build_deep
