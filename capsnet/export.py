@@ -51,7 +51,7 @@ from capsnet.errors import CheckpointError, OpLibraryError
 from capsnet.evaluation import resolve_member
 from capsnet.outputs import check_export_output
 from capsnet.tasks import task_for
-from capsnet.tasks.labels import NO_CLASS, ONE_LABEL  # noqa: F401  (NO_CLASS: the signatures' no-class answer)
+from capsnet.tasks.labels import NO_CLASS, ONE_LABEL
 from capsnet.training.checkpoints import restore_model
 from capsnet.training.model_setup import build_capsnet, check_op_library
 
