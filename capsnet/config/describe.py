@@ -2,8 +2,9 @@
 from the YAML files (the one place the keys are described) and cut to one line.
 
 `descriptions(app)` maps every dotted key that configs/ comments (`train.epochs`,
-`data.dir`, ...) to its description; `format_keys(values, app)` lays out a composed config
-(the `$CONFIG` of Hydra's help) as `section.key=default  description`, grouped by section.
+`data.dir`, ...) to its whole comment; `shown_values(text)` reads the `$CONFIG` of Hydra's
+help (derived values resolved where they can be); `format_keys(values, app)` lays it out as
+`section.key=default  description` (`one_line`: the comment's first sentence), by section.
 
 Which comment describes a key: the app's own file first (configs/train.yaml, eval.yaml,
 ...), then the options its defaults list picks (model/capsnet.yaml, data/mnist.yaml, and
