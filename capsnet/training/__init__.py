@@ -14,8 +14,9 @@ any of these: capsnet.config.check, which train() calls first):
     run_dir         RunDir: the run dir's files, lock, checkpoints (latest, best, interrupted),
                     resume, history.jsonl, config.yaml and metrics.json
     run_lock        RunLock (one training per run dir), check_ours (a run dir of this app),
-                    RunDirCallback (Hydra's run dir made first: a bad path is one line);
-                    free of TensorFlow, for train.py's check before the import
+                    RunDirCallback (Hydra's run dir made first: a bad path is one line),
+                    finished_run (a finished run started again, answered from its files);
+                    free of TensorFlow, for train.py's checks before the import
     model_setup     build_capsnet, check_op_library (shared with evaluate())
     optimizer       build_optimizer (Adam on a decaying LR), scaled_learning_rate
     weight_average  WeightAverage (train.ema_decay)
