@@ -271,7 +271,7 @@ def test_xla_cache_dir_is_filled_by_one_run_and_read_by_the_next(tiny_idx_dir, t
 def test_an_xla_cache_dir_that_cannot_be_made_is_a_one_line_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    result = run_entry_point("train.py", f"train.xla_cache_dir={blocker / 'cache'}",
+    result = run_entry_point("train.py", "train.xla=jit", f"train.xla_cache_dir={blocker / 'cache'}",
                              f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert_one_line_error(result, "train.xla_cache_dir", str(blocker / "cache"))
 

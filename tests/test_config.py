@@ -73,13 +73,13 @@ def test_group_choices_set_what_they_say():
     assert train_cfg("augmentation=fashion")["data"]["flip"] is True
     assert train_cfg("experiment=paper_fashion_mnist")["data"]["flip"] is True
     assert train_cfg("experiment=paper_mnist")["data"]["flip"] is False
-    # fast_mnist: paper_mnist's model and data with the fastest switches, the XLA cache and
+    # fast_mnist: paper_mnist's model and data with the fastest switches and
     # a short cosine schedule over full batches of 512.
     fast, paper = train_cfg("experiment=fast_mnist"), train_cfg("experiment=paper_mnist")
     assert fast["custom_op"] is True and fast["model"] == paper["model"] and fast["data"] == paper["data"]
     changed = {"epochs": 18, "batch_size": 512, "drop_remainder": True, "test_batch_size": 1000, "learning_rate": 0.005,
                "lr_schedule": "cosine", "warmup_epochs": 2, "xla": "jit", "precision": "mixed_bfloat16",
-               "xla_cache_dir": "~/.cache/capsnet/xla", "data_on_device": True}
+               "data_on_device": True}
     assert {k: fast["train"][k] for k in changed} == changed
     assert {k: v for k, v in fast["train"].items() if k not in changed} == {
         k: v for k, v in paper["train"].items() if k not in changed}

@@ -194,6 +194,50 @@ def test_weight_decay_shrinks_kernels_and_W_by_lr_times_decay_and_leaves_biases(
     assert optimizers[0].weight_decay is None  # 0: the paper's Adam, no decay term at all
 
 
+def test_sgd_is_nesterov_momentum_on_the_schedule_with_decoupled_decay_against_numpy(tiny_config):
+    """train.optimizer=sgd: three updates against the Nesterov update written out in NumPy
+    (v = m·v - lr·g; w += m·v - lr·g, Sutskever et al. 2013 in Keras' form), each at the
+    schedule's rate for its step, after the decoupled decay w -= lr · wd · w; biases undecayed."""
+    from capsnet.training.model_setup import build_capsnet
+    from capsnet.training.optimizer import build_optimizer
+
+    momentum, wd = 0.8, 0.05
+    cfg = tiny_config("train.optimizer=sgd", f"train.momentum={momentum}", "train.learning_rate=0.1",
+                      "train.lr_decay_rate=0.5", f"train.weight_decay={wd}")
+    model = build_capsnet(cfg["model"], custom_op=False)
+    optimizer, schedule = build_optimizer(cfg["train"], 2, model)
+    assert isinstance(optimizer, keras.optimizers.SGD) and optimizer.nesterov
+    weights = [v.numpy().astype(np.float64) for v in model.trainable_variables]
+    velocity = [np.zeros_like(w) for w in weights]
+    rng = np.random.default_rng(5)
+    for step in range(3):
+        grads = [rng.normal(size=w.shape).astype(np.float32) for w in weights]
+        optimizer.apply_gradients(zip([tf.constant(g) for g in grads], model.trainable_variables))
+        lr = float(schedule(step))
+        for i, (variable, g) in enumerate(zip(model.trainable_variables, grads)):
+            if variable.name not in ("bias", "b_j"):
+                weights[i] = weights[i] - lr * wd * weights[i]
+            velocity[i] = momentum * velocity[i] - lr * g
+            weights[i] = weights[i] + momentum * velocity[i] - lr * g
+    assert float(schedule(2)) == pytest.approx(0.1 * 0.5)  # the rate did change over the steps
+    for variable, expected in zip(model.trainable_variables, weights):
+        np.testing.assert_allclose(variable.numpy(), expected, rtol=1e-5, atol=1e-6, err_msg=variable.path)
+
+
+def test_set_xla_flags_makes_the_cache_only_where_xla_compiles(tmp_path, monkeypatch):
+    """train.xla_cache_dir is on by default: train.xla=none compiles nothing with XLA, so
+    its run neither makes the directory nor sets the flag; jit does both."""
+    from capsnet.training.xla_flags import XLA_CACHE_FLAG, set_xla_flags
+
+    monkeypatch.setenv("TF_XLA_FLAGS", "")
+    monkeypatch.setenv("XLA_FLAGS", "")
+    set_xla_flags("none", tmp_path / "none")
+    assert not (tmp_path / "none").exists() and XLA_CACHE_FLAG not in os.environ["TF_XLA_FLAGS"]
+    set_xla_flags("jit", tmp_path / "jit")
+    assert (tmp_path / "jit").is_dir()
+    assert f"{XLA_CACHE_FLAG}={tmp_path / 'jit'}" in os.environ["TF_XLA_FLAGS"].split()
+
+
 # --------------------------------------------------------------------------- configs
 
 def test_model_config_covers_every_capsnet_argument_with_the_paper_values():

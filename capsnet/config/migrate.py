@@ -21,7 +21,8 @@ from capsnet.validation import boolean
 # means the file was edited, and reading it as today's default could evaluate another model.
 ADDED_SINCE_MARKER = ("model.kind", "model.cnn_filters", "model.cnn_kernel_size", "model.cnn_dense_units",
                       "model.cnn_dropout", "model.padding", "train.figures", "model.deep_widths",
-                      "data.crop_padding", "data.cutout", "train.lr_decay_floor", "data.max_pixels")
+                      "data.crop_padding", "data.cutout", "train.lr_decay_floor", "data.max_pixels",
+                      "train.optimizer", "train.momentum")
 
 
 def migrate(saved):

@@ -38,6 +38,7 @@ ALL_REDUCE = {                                                          # distri
 }
 SCALE_LR = ("none", "linear", "sqrt")                                   # distribute.scale_lr
 LR_SCHEDULES = ("exponential", "cosine")                                # train.lr_schedule
+OPTIMIZERS = ("adam", "sgd")                                            # train.optimizer
 SHIFT_FILLS = ("zero", "edge")                                          # data.shift_fill
 WHICH = ("best", "latest")                                              # eval: which
 WEIGHTS = ("raw", "ema")                                                # eval: weights
@@ -362,6 +363,8 @@ class TrainConfig:
     test_batch_size: Optional[int] = _checked(None, _optional_positive_int)
     drop_remainder: bool = _checked(False, _boolean)
     learning_rate: float = _checked(0.001, _positive_float)
+    optimizer: str = _checked("adam", _one_of(OPTIMIZERS))
+    momentum: float = _checked(0.9, _in_range(0, 1))  # optimizer=sgd: Nesterov momentum
     lr_schedule: str = _checked("exponential", _one_of(LR_SCHEDULES))
     lr_decay_rate: float = _checked(0.9, _positive_float)
     lr_decay_steps: Optional[int] = _checked(None, _optional_positive_int)

@@ -17,11 +17,13 @@ from capsnet.errors import ConfigError
 def set_xla_flags(xla, cache_dir):
     """The flags a run of train.xla=`xla` with train.xla_cache_dir=`cache_dir` sets for
     this process, before TensorFlow sets up its devices (it reads them then: on a CPU-only
-    machine autoclustering needs a TF_XLA_FLAGS flag, and the XLA cache is one). Returns
-    the notice to show if the cache flag replaced another directory, else None."""
+    machine autoclustering needs a TF_XLA_FLAGS flag, and the XLA cache is one; the cache
+    only where XLA compiles: xla=jit or autocluster). Returns the notice to show if the
+    cache flag replaced another directory, else None."""
     set_autoclustering(xla == "autocluster")
-    if xla != "none":
-        set_xla_compile_threads()
+    if xla == "none":
+        return None  # nothing is compiled by XLA: no cache directory made
+    set_xla_compile_threads()
     return set_xla_cache(cache_dir)
 
 
