@@ -781,16 +781,34 @@ def test_set_xla_compile_threads_adds_flags_this_xla_knows_unless_the_user_set_t
         assert set_xla_compile_threads() == "" and os.environ["XLA_FLAGS"] == user
     monkeypatch.delenv("XLA_FLAGS")
     code = ("import os, tensorflow as tf\n"
-            "from capsnet.training.xla_flags import set_xla_compile_threads\n"
+            "from capsnet.training.xla_flags import set_xla_compile_threads, set_xla_gemm_backend\n"
             "print(set_xla_compile_threads())\n"
+            "print(set_xla_gemm_backend())\n"
             "print(float(tf.function(lambda x: x * 2, jit_compile=True)(tf.ones(3))[0]))")
     result = subprocess.run([sys.executable, "-c", code], env=entry_point_env(), capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     threads = len(os.sched_getaffinity(0))
-    assert result.stdout.split("\n")[:2] == [
+    assert result.stdout.split("\n")[:3] == [
         f"--xla_gpu_force_compilation_parallelism={threads} --xla_gpu_enable_llvm_module_compilation_parallelism=true",
-        "2.0"]
+        "--xla_gpu_enable_triton_gemm=false", "2.0"]
+
+
+def test_set_xla_gemm_backend_turns_triton_gemms_off_unless_the_user_set_it(monkeypatch):
+    """The flag goes into XLA_FLAGS once, after the user's others; a user's own setting of
+    it (either value) is left as it is. (That this XLA knows the flag: the compile-threads
+    test above compiles a function with it set.)"""
+    from capsnet.training.xla_flags import set_xla_gemm_backend
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    assert set_xla_gemm_backend() == "--xla_gpu_enable_triton_gemm=false"
+    assert set_xla_gemm_backend() == ""  # set already: not twice
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_gpu_enable_triton_gemm=false"
+    for user in ("--xla_gpu_enable_triton_gemm=true", "--xla_gpu_enable_triton_gemm"):
+        monkeypatch.setenv("XLA_FLAGS", user)
+        assert set_xla_gemm_backend() == "" and os.environ["XLA_FLAGS"] == user
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm_any=true")  # another flag, not this one
+    assert set_xla_gemm_backend() == "--xla_gpu_enable_triton_gemm=false"
 
 
 @pytest.mark.parametrize("steps_per_epoch, start, per_call, log_every, lengths", [

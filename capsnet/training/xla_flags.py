@@ -3,6 +3,8 @@ and XLA, so set before the first tensor (set_xla_flags, from train()'s set-up).
 
 - `set_autoclustering`: train.xla=autocluster (the flag that lets it run on a CPU too);
 - `set_xla_compile_threads`: XLA's GPU compiler on several threads (any XLA mode);
+- `set_xla_gemm_backend`: XLA's GPU matrix products through cuBLAS, not autotuned Triton
+  kernels (any XLA mode);
 - `set_xla_cache`: train.xla_cache_dir, XLA's persistent compilation cache.
 """
 import os
@@ -24,6 +26,7 @@ def set_xla_flags(xla, cache_dir):
     if xla == "none":
         return None  # nothing is compiled by XLA: no cache directory made
     set_xla_compile_threads()
+    set_xla_gemm_backend()
     return set_xla_cache(cache_dir)
 
 
@@ -89,6 +92,27 @@ def set_xla_compile_threads(threads=None):
     return added
 
 
+
+XLA_TRITON_GEMM_FLAG = "--xla_gpu_enable_triton_gemm"
+
+
+def set_xla_gemm_backend():
+    """XLA's GPU matrix products as cuBLAS calls instead of Triton kernels, for this PROCESS,
+    unless XLA_FLAGS already names the flag (the user's choice stands). Returns the flag set
+    ("" if none).
+
+    Why: with Triton on, XLA's compile of a step generates, compiles and times dozens of
+    Triton configurations for each matrix product (the decoder's and the gradients'); the
+    first train call of experiment=fast_mnist spent 22.6-24.4 s in epoch 1's training
+    with them against 14.6-16.3 s without, epochs after it 0.39-0.41 s against 0.40-0.43 s
+    (one H200, docs/benchmarks.md, "Start-up"). XLA reads XLA_FLAGS once, at its first
+    compilation: call this before it. A CPU-only run ignores the flag."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _flag_pattern(XLA_TRITON_GEMM_FLAG).search(flags):
+        return ""
+    added = f"{XLA_TRITON_GEMM_FLAG}=false"
+    os.environ["XLA_FLAGS"] = " ".join([*flags.split(), added])
+    return added
 
 
 XLA_CACHE_FLAG = "--tf_xla_persistent_cache_directory"
