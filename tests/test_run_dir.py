@@ -543,3 +543,23 @@ def test_a_rerun_that_is_not_a_finished_run_is_left_to_train(trained_run, tiny_c
     capsys.readouterr()
     assert finished_run(cfg) is None
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.slow
+def test_train_py_answers_a_finished_run_without_importing_tensorflow(trained_run, tiny_idx_dir, tmp_path):
+    """The same command again in a finished run dir: the notice and `done:`, exit 0, with a
+    `tensorflow` on the path that fails to import (train.py never reaches its import)."""
+    original_dir, _ = trained_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(original_dir, run_dir)
+    blocker = tmp_path / "blocker" / "tensorflow"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('tensorflow was imported')\n")
+    overrides = [*tiny_overrides(tiny_idx_dir, run_dir)[:-1], "train.figures=true", f"hydra.run.dir={run_dir}"]
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), *overrides], cwd=tmp_path,
+                            env=entry_point_env(blocker.parent), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines()[-2:] == [
+        f"notice: the run {run_dir} is complete (4 of 4 epochs done): nothing to train; to train it further, rerun "
+        f"with a larger train.epochs=N and the same hydra.run.dir={run_dir}",
+        f"done: {run_dir} (python evaluate.py checkpoint={run_dir})"]
