@@ -27,6 +27,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from capsnet.console import count
 from capsnet.errors import AllReduceError, CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -378,6 +379,6 @@ def check_workers_agree(strategy, epochs_done, step):
     n = strategy.num_replicas_in_sync
     if not np.array_equal(total, n * np.stack([local.numpy(), local.numpy() ** 2])):
         raise CheckpointError(
-            f"the workers restored different checkpoints (this one: {epochs_done} epochs done, step {step}; mean over "
+            f"the workers restored different checkpoints (this one: {count(epochs_done, 'epoch')} done, step {step}; mean over "
             f"the replicas: {total[0][0] / n:g} epochs, step {total[0][1] / n:g}): every worker needs the same run dir "
             "(hydra.run.dir) on a filesystem they share")
