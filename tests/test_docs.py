@@ -382,6 +382,13 @@ def first_run_block(markdown):
     raise AssertionError("README has no first run (a block training into hydra.run.dir=outputs/demo)")
 
 
+def test_every_script_a_readme_command_runs_exists():
+    """Without starting them (the slow tier runs each): a renamed or removed script fails here."""
+    missing = [f"{line}: {check[1]}" for line, checks in README_CHECKS.items() for check in checks
+               if check[0] == "missing"]
+    assert not missing, missing
+
+
 def test_the_readmes_first_run_uses_only_what_it_makes_or_the_repository_has():
     """Each path the first run's commands read (a script, checkpoint=, images='...') is in the
     repository or is made by a command before it (hydra.run.dir=, output=, a script's folder
