@@ -1,8 +1,9 @@
 """Evaluate a trained CapsNet on a test split.
 
 - `evaluate(checkpoint, ...) -> dict`: `python evaluate.py` without Hydra. `checkpoint`
-  is a run dir (its BEST checkpoint by default, `which="latest"` for the last epoch
-  saved) or a checkpoint path (`.../checkpoints/latest/ckpt-3`). The model is rebuilt
+  is a run dir (by default its best checkpoint where the run chose it on a validation
+  split, else its last epoch saved; `which="best"` / `"latest"` to choose) or a checkpoint
+  path (`.../checkpoints/latest/ckpt-3`). The model is rebuilt
   from the run's saved `config.yaml`; the report is also written as JSON into the run's
   `evaluations/` folder (`report_path`: `evaluations/best-ckpt-7.json` for checkpoints/best/ckpt-7).
 - `evaluate([checkpoint, ...])`: an ensemble, each example scored by its capsule
@@ -37,7 +38,7 @@ from capsnet.losses import loss_params
 from capsnet.outputs import check_output
 from capsnet.precision import set_tensor_float_32
 from capsnet.scoring import json_safe, predict, score
-from capsnet.training.checkpoints import resolve_checkpoint, restore_model
+from capsnet.training.checkpoints import best_chosen_on, resolve_checkpoint, restore_model
 from capsnet.training.model_setup import build_capsnet, check_op_library
 from capsnet.training.steps import eval_batch_size, evaluate_model, make_eval_step
 from capsnet.validation import boolean
@@ -79,6 +80,10 @@ def format_report(report):
             f"(margin {report['margin_loss']:.5f}, reconstruction {report['reconstruction_loss']:.3f})  "
             f"{rate_text(report['images_per_sec'])}",
         ]
+    if report.get("best_chosen_on") == "test" or any(m.get("best_chosen_on") == "test"
+                                                     for m in report.get("members", [])):
+        lines.append("note: checkpoints/best was chosen on this test set (the run held no validation split out): "
+                     "its accuracy here is optimistic; which=latest is the final checkpoint")
     lines += [
         "",
         f"class  examples  {column}",
@@ -128,7 +133,7 @@ def report_path(member, variant=None):
     return run_dir / REPORTS_DIR / (f"{name}.{variant}.json" if variant else f"{name}.json")
 
 
-def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_test=None, shift_pixels=None,
+def evaluate(checkpoint, *, which=None, data_name=None, data_dir=None, limit_test=None, shift_pixels=None,
              pad_pixels=None, custom_op=None, batch_size=None, weights=None, precision=None, tf32=None, xla=None, output=None,
              overwrite=False, tta="none"):
     """Evaluate `checkpoint` on the test split; returns the report and writes it as JSON.
@@ -137,7 +142,10 @@ def evaluate(checkpoint, *, which="best", data_name=None, data_dir=None, limit_t
         checkpoint: run dir or checkpoint path (see resolve_checkpoint), or a list of
             them: an ensemble, each example scored by its capsule lengths averaged over
             the members (trained for the same dataset and number of classes).
-        which: "best" (highest test accuracy) or "latest" checkpoint of a run dir.
+        which: "best" or "latest" checkpoint of a run dir; None: best where the run chose it
+            on a validation split, else latest (checkpoints.default_which). The report of a
+            best/ checkpoint says what it was chosen on (`best_chosen_on`: "validation" or
+            "test", format_report's note for "test").
         data_name, data_dir, limit_test: None = as in the (first) run's config. A different
             data_name without data_dir reads tensorflow-datasets (the run's data.dir
             holds the other dataset's files).
@@ -392,6 +400,7 @@ def member_report(result, member, view, *, dataset, batch_size, class_names, tes
         "xla": member["xla"],
         **({"test_pairs": test_pairs} if test_pairs else {}),
         **({"view": view} if view is not None else {}),
+        **({"best_chosen_on": member["best_chosen_on"]} if member["best_chosen_on"] else {}),
     }
 
 
@@ -474,6 +483,7 @@ def resolve_member(checkpoint, *, which, custom_op, weights, precision=None, tf3
         raise ConfigError(f"xla=jit: the run {run_dir} routes with model.routing=xla, an XLA computation of its own "
                           "that cannot be nested in a compiled test pass: use xla=none")
     return {"prefix": prefix, "run_dir": run_dir, "cfg": cfg, "custom_op": custom_op,
+            "best_chosen_on": best_chosen_on(prefix, cfg),
             "losses": loss_params(cfg["train"]), "weights": weights,
             "precision": own["precision"] if precision is None else precision,
             "tf32": own["tf32"] if tf32 is None else tf32, "xla": xla}
@@ -544,7 +554,7 @@ def ensemble_report(reports, results, num_classes):
     predictions = predict(tf.constant(lengths), tf.constant(labels)).numpy()
     scores = score(labels, predictions, num_classes)
     member_keys = ("checkpoint", "run_dir", "epoch", "weights", "custom_op", "precision", "xla", "accuracy", "loss",
-                   "margin_loss", "reconstruction_loss", "images_per_sec", "view")
+                   "margin_loss", "reconstruction_loss", "images_per_sec", "view", "best_chosen_on")
     return {
         **scores,
         "num_examples": len(labels),

@@ -201,12 +201,12 @@ def side_effect_ops(saved_model_dir):
 
 # --------------------------------------------------------------------------- export
 
-def export(checkpoint, output, *, which="best", weights=None, custom_op=False):
+def export(checkpoint, output, *, which=None, weights=None, custom_op=False):
     """Export `checkpoint` as a SavedModel in the new directory `output`; returns a report.
 
     Args:
-        checkpoint: a run dir (its best checkpoint; which="latest" for the last epoch
-            saved) or a checkpoint path (.../checkpoints/latest/ckpt-3).
+        checkpoint: a run dir (which: "best", "latest", or None: best where the run chose
+            it on a validation split, else latest) or a checkpoint path (.../checkpoints/latest/ckpt-3).
         output: the SavedModel directory to create; it must not exist (its parent is
             created if needed).
         weights: None = the run's moving average of the weights if it kept one

@@ -2,7 +2,7 @@
 resolvers list the classes before the TensorFlow import).
 
 Layout: DIR/train/<class>/* and DIR/test/<class>/*, or DIR/<class>/* with
-data.validation_fraction > 0 (that share of each class's files, drawn with a fixed seed,
+data.test_fraction > 0 (that share of each class's files, drawn with a fixed seed,
 is the test split). Classes are the folder names, sorted; images are the files ending in
 IMAGE_SUFFIXES (other files are ignored), in sorted order.
 
@@ -21,7 +21,7 @@ from capsnet.errors import ConfigError, DataError
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
 # JPEG's start-of-frame markers (SOF0-SOF15 but DHT, JPG and DAC): the frame's size follows.
 _JPEG_FRAMES = set(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
-SPLIT_SEED = 20170  # the validation split's draw: the same test files in every run
+SPLIT_SEED = 20170  # data.test_fraction's draw: the same test files in every run
 
 
 def root_dir(data_dir):
@@ -29,7 +29,7 @@ def root_dir(data_dir):
     it is not a directory."""
     if data_dir is None or str(data_dir).strip() == "":
         raise ConfigError("data=folder needs data.dir=PATH: a folder of class folders (PATH/train/<class>/*, "
-                          "PATH/test/<class>/*, or PATH/<class>/* with data.validation_fraction)")
+                          "PATH/test/<class>/*, or PATH/<class>/* with data.test_fraction)")
     root = Path(os.path.expanduser(str(data_dir))).absolute()
     if not root.is_dir():
         raise DataError(f"data dir {root} does not exist or is not a directory (data=folder reads "
@@ -60,7 +60,7 @@ def _split_folder(folder, what):
     return files
 
 
-def layout(data_dir, validation_fraction=0.0):
+def layout(data_dir, test_fraction=0.0):
     """(root, classes, {"train": {class: files}, "test": {class: files}})."""
     root = root_dir(data_dir)
     train, test = root / "train", root / "test"
@@ -68,9 +68,9 @@ def layout(data_dir, validation_fraction=0.0):
         if not (train.is_dir() and test.is_dir()):
             missing = test if train.is_dir() else train
             raise DataError(f"data dir {root} has {(train if train.is_dir() else test).name}/ but no {missing.name}/: "
-                            f"give both, or put the class folders directly in {root} with data.validation_fraction")
-        if validation_fraction:
-            raise ConfigError(f"data.validation_fraction={validation_fraction}: {root} has its own test/ folder "
+                            f"give both, or put the class folders directly in {root} with data.test_fraction")
+        if test_fraction:
+            raise ConfigError(f"data.test_fraction={test_fraction}: {root} has its own test/ folder "
                               "(set it to 0)")
         splits = {"train": _split_folder(train, "the training folder"), "test": _split_folder(test, "the test folder")}
         if list(splits["train"]) != list(splits["test"]):
@@ -81,35 +81,36 @@ def layout(data_dir, validation_fraction=0.0):
                                                          f"only in test/: {', '.join(only_test)}" if only_test else "")
                                         if part))
         return root, list(splits["train"]), splits
-    if not validation_fraction:
+    if not test_fraction:
         if not _class_dirs(root):
             raise DataError(f"data dir {root} is empty: expected {root}/train/<class>/* and {root}/test/<class>/* "
-                            "(or class folders with data.validation_fraction)")
+                            "(or class folders with data.test_fraction)")
         raise ConfigError(f"data dir {root} has no train/ and test/ folders: split its class folders with "
-                          "data.validation_fraction=0.1 (say), or make train/ and test/")
+                          "data.test_fraction=0.1 (say), or make train/ and test/ (data.validation_fraction holds out "
+                          "validation images of the training split, not a test split)")
     files = _split_folder(root, "data dir")
     rng = np.random.default_rng(SPLIT_SEED)
     splits = {"train": {}, "test": {}}
     for name, found in files.items():
         order = rng.permutation(len(found))
-        n_test = int(round(len(found) * validation_fraction))
+        n_test = int(round(len(found) * test_fraction))
         if n_test < 1 or n_test >= len(found):
-            raise DataError(f"class folder {root / name} has {len(found)} images: data.validation_fraction="
-                            f"{validation_fraction} leaves {'no test' if n_test < 1 else 'no training'} image")
+            raise DataError(f"class folder {root / name} has {len(found)} images: data.test_fraction="
+                            f"{test_fraction} leaves {'no test' if n_test < 1 else 'no training'} image")
         splits["test"][name] = [found[i] for i in sorted(order[:n_test])]
         splits["train"][name] = [found[i] for i in sorted(order[n_test:])]
     return root, list(files), splits
 
 
-def class_names(data_dir, validation_fraction=0.0):
+def class_names(data_dir, test_fraction=0.0):
     """The folder's classes (sorted folder names)."""
-    return layout(data_dir, validation_fraction)[1]
+    return layout(data_dir, test_fraction)[1]
 
 
-def split_files(data_dir, split, validation_fraction=0.0, classes=None):
+def split_files(data_dir, split, test_fraction=0.0, classes=None):
     """(paths list, labels int64 array) of `split`; `classes` (the run's stored names):
     DataError if the folder's differ from them."""
-    root, found, splits = layout(data_dir, validation_fraction)
+    root, found, splits = layout(data_dir, test_fraction)
     if classes is not None and list(classes) != list(found):
         raise DataError(f"{root} has the classes {', '.join(found)}, but the run was trained on "
                         f"{', '.join(classes)} (data.class_names)")

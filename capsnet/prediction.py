@@ -10,7 +10,8 @@
 
   An image that cannot be read or decoded gives `{"image": path, "error": "..."}` instead,
   and the others are still predicted (`iter_predictions` yields them as they are computed).
-- `checkpoint` is a run dir (its best checkpoint; which="latest" for the last one saved), a
+- `checkpoint` is a run dir (`which`: as evaluate's, None its best where chosen on a validation
+  split, else its last saved), a
   checkpoint path (.../checkpoints/latest/ckpt-3) or a SavedModel directory written by
   export.py (its `serving_default` signature). A run's model is rebuilt from its config.yaml
   and restored as evaluate.py does (capsnet.evaluation.resolve_member,
@@ -211,7 +212,7 @@ def load_classifier(checkpoint, *, which=None, weights=None, custom_op=None, tru
                 raise ConfigError(f"{', '.join(given)}: not for an exported SavedModel ({checkpoint} holds one set of "
                                   "weights in a fixed graph); give the run dir instead, or leave them null")
             return _export_classifier(checkpoint, trust_export)
-        return _checkpoint_classifier(checkpoint, which=which or "best", weights=weights, custom_op=custom_op)
+        return _checkpoint_classifier(checkpoint, which=which, weights=weights, custom_op=custom_op)
 
 
 def _checkpoint_classifier(checkpoint, *, which, weights, custom_op):

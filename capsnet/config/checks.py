@@ -54,7 +54,7 @@ def _distribute_rule(dcfg, prefix):
 
 # The data keys of natural images (capsnet.tasks.images) and their off values: the other
 # kinds refuse them set, so that a key given to the wrong dataset is not silently ignored.
-IMAGE_KEYS_OFF = {"image_size": None, "channels": None, "crop": None, "validation_fraction": 0.0,
+IMAGE_KEYS_OFF = {"image_size": None, "channels": None, "crop": None, "test_fraction": 0.0,
                   "class_names": None, "standardize": False, "brightness": 0.0, "contrast": 0.0, "crop_padding": 0,
                   "cutout": 0}
 # What natural images refuse of the augmentation group (the MNIST family's options).
@@ -95,8 +95,8 @@ def _natural_images_rule(dcfg, prefix):
     check_canvas_border(dcfg["name"], dcfg.get("pad_pixels"), prefix)
     if dcfg["name"] == "folder":
         folder.root_dir(dcfg.get("dir"))  # data.dir is required
-    elif dcfg.get("validation_fraction") and dcfg.get("dir") is None:
-        raise ConfigError(f"{prefix}validation_fraction applies to data=folder only ({dcfg['name']} has its "
+    elif dcfg.get("test_fraction") and dcfg.get("dir") is None:
+        raise ConfigError(f"{prefix}test_fraction applies to data=folder only ({dcfg['name']} has its "
                           "own test split)")
     if dcfg["name"] == "folder" or dcfg.get("dir") is not None:  # read from files: a disk cache may be made
         _cache_dir_rule(dcfg, prefix)

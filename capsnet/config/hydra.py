@@ -61,7 +61,7 @@ def dataset_class_names(name, *, _root_=None):
             # Hydra resolves it while merging configs/data/folder.yaml, before data.dir= is applied;
             # a run without data.dir is refused by the data rule (capsnet.tasks.images).
             return None
-        return folder.class_names(data.get("dir"), data.get("validation_fraction") or 0.0)
+        return folder.class_names(data.get("dir"), data.get("test_fraction") or 0.0)
     names = DATASETS[name].class_names
     return None if names is None else list(names)
 
@@ -71,7 +71,7 @@ def _data_section(root):
     if root is None or "data" not in root:
         return {}
     data = root["data"]
-    keys = ("dir", "image_size", "channels", "crop", "validation_fraction", "name")
+    keys = ("dir", "image_size", "channels", "crop", "test_fraction", "name")
     return {key: data.get(key) for key in keys}
 
 

@@ -1,7 +1,8 @@
 """Old run configs: `migrate(saved)`, a run's saved config.yaml in today's shape, the one step
 every saved config is read through (capsnet.training.checkpoints reads a run dir's with it) and
 the one module that knows what older versions wrote: keys added since (their schema defaults,
-ADDED_SINCE_MARKER), model.jit_routing / model.fused_routing (model.routing's backend); and,
+ADDED_SINCE_MARKER), data.validation_fraction's old meaning, model.jit_routing /
+model.fused_routing (model.routing's backend); and,
 for the Keras configs and keyword arguments of DigitCaps and CapsNet from before routers,
 `legacy_router_spec` (capsnet.routing.router_argument builds the Router of it)."""
 import dataclasses
@@ -22,7 +23,7 @@ from capsnet.validation import boolean
 ADDED_SINCE_MARKER = ("model.kind", "model.cnn_filters", "model.cnn_kernel_size", "model.cnn_dense_units",
                       "model.cnn_dropout", "model.padding", "train.figures", "model.deep_widths",
                       "data.crop_padding", "data.cutout", "train.lr_decay_floor", "data.max_pixels",
-                      "train.optimizer", "train.momentum")
+                      "train.optimizer", "train.momentum", "data.test_fraction")
 
 
 def migrate(saved):
@@ -30,12 +31,18 @@ def migrate(saved):
     a key added since the run was saved takes its schema default (what the run was trained
     with: no augmentation beyond shifts, no weight average, W from N(0, 0.1²), one device),
     model.jit_routing / model.fused_routing become model.routing's backend
-    (_routing_from_flags); model.routing auto | tf | xla (before routers) stays, and `check`
-    reads it as the section {algorithm: dynamic, backend: <it>, leaky: false}.
+    (_routing_from_flags); data.validation_fraction of a run saved before data.test_fraction
+    becomes data.test_fraction (the folder's test share it meant then); model.routing auto |
+    tf | xla (before routers) stays, and `check` reads it as the section {algorithm: dynamic, backend: <it>, leaky: false}.
     Values are left as they are (no type conversion): `check` judges them."""
     if not isinstance(saved, dict):
         raise ConfigError(f"a run config must be a section of keys, got {saved!r}")
     cfg = {key: (dict(value) if isinstance(value, dict) else value) for key, value in saved.items()}
+    data = cfg.get("data")
+    if isinstance(data, dict) and "test_fraction" not in data and "validation_fraction" in data:
+        # Before data.test_fraction, data.validation_fraction was a folder's test share (a run
+        # then had no validation split).
+        data["test_fraction"] = data.pop("validation_fraction")
     model = cfg.get("model")
     if isinstance(model, dict) and ({"jit_routing", "fused_routing"} & set(model)):
         model["routing"] = _routing_from_flags(

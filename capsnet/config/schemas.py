@@ -307,6 +307,9 @@ class DataSourceConfig:
     dir: Optional[str] = _checked(None, _optional_string)
     limit_train: Optional[int] = _checked(None, _limit)
     limit_test: Optional[int] = _checked(None, _limit)
+    # Every kind: this share of each class of the training examples (after limit_train) held
+    # out as the validation split, which chooses checkpoints/best (capsnet/tasks/holdout.py)
+    validation_fraction: Any = _checked(0.0, _in_range(0, 0.9))
     shift_pixels: int = _checked(2, _integer)  # its range is the image's: checked by the data pipeline
     # MultiMNIST's canvas border (null: shift_pixels)
     pad_pixels: Optional[int] = _checked(None, _optional_pixels("data.shift_pixels"))
@@ -315,7 +318,7 @@ class DataSourceConfig:
     image_size: Optional[int] = _checked(None, _optional_positive_int)  # a folder's images resized/cropped to it
     channels: Optional[int] = _checked(None, _optional_channels)  # a folder's: 1 grey | 3 RGB
     crop: Optional[int] = _checked(None, _optional_positive_int)  # random crop x crop in training, the centre at test
-    validation_fraction: Any = _checked(0.0, _in_range(0, 0.9))  # a folder without train/ and test/: the test share
+    test_fraction: Any = _checked(0.0, _in_range(0, 0.9))  # a folder without train/ and test/: the test share
     cache: str = _checked("auto", _one_of(DATA_CACHES))
     cache_memory_mb: int = _checked(2048, _positive_int)  # cache=auto: decoded images above it go to a file cache
     cache_dir: Optional[str] = _checked(None, _optional_string)  # the file cache's folder (null: the system's temp)
@@ -438,7 +441,8 @@ class EvalDataConfig:
 class EvalAppConfig:
     """configs/eval.yaml: what evaluate.py composes."""
     checkpoint: Any = _checked(MISSING, _checkpoint)
-    which: str = _checked("best", _one_of(WHICH))
+    # null: best where the run chose it on a validation split, else latest (checkpoints.default_which)
+    which: Optional[str] = _checked(None, _one_of(WHICH, allow_none=True))
     custom_op: Optional[bool] = _checked(None, _eval_boolean)
     batch_size: Optional[int] = _checked(None, _eval_batch_size)
     weights: Optional[str] = _checked(None, _eval_weights)

@@ -8,6 +8,7 @@ from capsnet.datasets import DATASETS, spec_class_names
 from capsnet.errors import ConfigError
 from capsnet.scoring import score
 from capsnet.tasks.labels import ONE_LABEL
+from capsnet.tasks.holdout import validation_indices
 
 
 @dataclasses.dataclass
@@ -24,6 +25,10 @@ class Split:
 
     def __len__(self):
         return len(self.labels)
+
+    def subset(self, indices, origin):
+        """The examples at `indices` of an in-memory split, as a Split of their own."""
+        return dataclasses.replace(self, labels=self.labels[indices], images=self.images[indices], origin=origin)
 
 
 class Task:
@@ -59,6 +64,18 @@ class Task:
     def load(self, split, *, limit=None):
         """One split as a Split (limit: its first N examples)."""
         raise NotImplementedError
+
+    def load_train_validation(self, *, limit=None, fraction=0.0):
+        """(train Split, validation Split or None): the training split (limit: its first N
+        examples), `fraction` of it held out as the validation split where fraction > 0
+        (capsnet.tasks.holdout: per class, a fixed seed; the two disjoint)."""
+        train = self.load("train", limit=limit)
+        if not fraction:
+            return train, None
+        kept, held = validation_indices(train.labels, fraction, where=f"{self.name}'s training split")
+        origin = train.origin or f"{self.name} train"
+        return (train.subset(kept, f"{origin}, less the validation split"),
+                train.subset(held, f"{origin}, validation_fraction={fraction}"))
 
     def dataset(self, data, *, batch_size, training, seed=0, epoch=0, drop_remainder=False):
         """One epoch of batches of the Split `data`: (images float32 (B, H, W, C), labels

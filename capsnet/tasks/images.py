@@ -48,6 +48,7 @@ from capsnet.data.tfds import fail_fast_downloads, is_network_error, shorten
 from capsnet.datasets import DEFAULT_MAX_PIXELS, source_shape, spec_class_names
 from capsnet.errors import ConfigError, DataError
 from capsnet.tasks.base import Split, Task, check_labels
+from capsnet.tasks.holdout import validation_indices
 
 _MB = 2 ** 20
 
@@ -64,7 +65,7 @@ class NaturalImages(Task):
             return spec_class_names(self.name, num_classes or self.spec.num_classes)
         names = self.cfg.get("class_names")
         if names is None:
-            names = folder.class_names(self.cfg.get("dir"), self.cfg.get("validation_fraction") or 0.0)
+            names = folder.class_names(self.cfg.get("dir"), self.cfg.get("test_fraction") or 0.0)
         return tuple(names)
 
     def example_shape(self, source_shape):
@@ -84,16 +85,30 @@ class NaturalImages(Task):
             images, labels = images[:limit].copy(), labels[:limit].copy()
         return Split(labels=labels, images=images, shape=tuple(images.shape[1:]), origin=origin)
 
-    def _load_folder(self, split, limit):
+    def load_train_validation(self, *, limit=None, fraction=0.0):
+        if not fraction or not (self.name == "folder" or self.cfg.get("dir") is not None):
+            return super().load_train_validation(limit=limit, fraction=fraction)
+        # A folder's files split before they are decoded: each part decoded (and cached) alone.
+        return (self._load_folder("train", limit, validation_fraction=fraction),
+                self._load_folder("train", limit, validation_fraction=fraction, held_out=True))
+
+    def _load_folder(self, split, limit, validation_fraction=0.0, held_out=False):
+        """`split` of the folder; with `validation_fraction`, the training files less the
+        validation split's (capsnet.tasks.holdout), or with `held_out` the validation split's."""
         import tensorflow as tf
 
         cfg = self.cfg
-        paths, labels = folder.split_files(cfg.get("dir"), split, cfg.get("validation_fraction") or 0.0,
+        paths, labels = folder.split_files(cfg.get("dir"), split, cfg.get("test_fraction") or 0.0,
                                            classes=cfg.get("class_names") or self.spec.class_names)
         if limit is not None and limit < len(labels):
             # The first N of a shuffled (fixed) order, so that every class is in a small limit.
             keep = np.sort(np.random.default_rng(folder.SPLIT_SEED).permutation(len(labels))[:limit])
             paths, labels = [paths[i] for i in keep], labels[keep]
+        if validation_fraction:
+            kept, held = validation_indices(labels, validation_fraction, where=f"the training files of {cfg.get('dir')}")
+            chosen = held if held_out else kept
+            paths, labels = [paths[i] for i in chosen], labels[chosen]
+            split = "validation" if held_out else split
         shape = source_shape(cfg)
         size, channels = shape[0], shape[2]
         # Files whose header declares more than data.max_pixels are never decoded (a few

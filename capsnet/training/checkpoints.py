@@ -44,7 +44,7 @@ import tensorflow as tf
 import yaml
 
 from capsnet import config
-from capsnet.config import WHICH  # a run dir's checkpoints: best (the highest test accuracy) or latest
+from capsnet.config import WHICH  # a run dir's checkpoints: best (chosen on validation, else test) or latest
 from capsnet.config.migrate import ADDED_SINCE_MARKER
 from capsnet.data.pipeline import AUGMENTATION_KEYS
 from capsnet.errors import CheckpointError, ConfigError
@@ -122,20 +122,38 @@ def _is_checkpoint_prefix(path):
     return Path(str(path) + ".index").is_file()
 
 
-def resolve_checkpoint(checkpoint, which="best"):
+def default_which(run_dir):
+    """A run dir's checkpoint when none is asked for: best where the run chose it on a
+    validation split (data.validation_fraction), else latest, the final one: a best/ chosen
+    on the test set makes the test accuracy reported for it optimistic."""
+    cfg = read_run_config(run_dir)
+    return "best" if cfg is not None and (cfg.get("data") or {}).get("validation_fraction") else "latest"
+
+
+def best_chosen_on(prefix, cfg):
+    """What the checkpoint at `prefix` of the run of config `cfg` was chosen on: "validation"
+    or "test" for a run's checkpoints/best/ckpt-N (the run's data.validation_fraction says
+    which), None for any other."""
+    if Path(prefix).parent.name != "best" or Path(prefix).parent.parent.name != "checkpoints":
+        return None
+    return "validation" if (cfg.get("data") or {}).get("validation_fraction") else "test"
+
+
+def resolve_checkpoint(checkpoint, which=None):
     """Map a run dir or a checkpoint path to (checkpoint prefix, run dir, run config).
 
-    A run dir uses checkpoints/best (or checkpoints/latest with which="latest");
+    A run dir uses checkpoints/best or checkpoints/latest (`which`; None: default_which);
     a directory holding a TF `checkpoint` state file uses its newest checkpoint;
     a prefix (`.../ckpt-3`, or its `.index` file) is used as is. The run config is
     looked up in the checkpoint's parent directories.
     """
-    if which not in WHICH:
+    if which is not None and which not in WHICH:
         raise ConfigError(f"which must be one of {', '.join(WHICH)}, got {which!r}")
     path = Path(os.path.expanduser(str(checkpoint)))
     if path.suffix == ".index":
         path = path.with_suffix("")
     if path.is_dir() and (path / "checkpoints").is_dir():
+        which = which or default_which(path)
         managed = path / "checkpoints" / which
         prefix = _newest_named(managed)
         if prefix is None:
@@ -464,7 +482,7 @@ def save_or_fail(save, directory, number):
 # trajectory of the weights. The model section is compared whole, except model.routing
 # (how routing is computed, not what: the same W and the same math).
 RESUME_KEYS = {
-    "data": ("name", "dir", "limit_train", "limit_test", *AUGMENTATION_KEYS),
+    "data": ("name", "dir", "limit_train", "limit_test", "validation_fraction", "test_fraction", *AUGMENTATION_KEYS),
     "train": ("batch_size", "drop_remainder", "learning_rate", "lr_schedule", "m_plus", "m_minus", "lambda_",
               "reconstruction_weight", "weight_decay", "ema_decay"),
 }
@@ -555,7 +573,8 @@ def check_resumable(run_dir, cfg):
 # --------------------------------------------------------------------------- the best checkpoint
 
 class BestCheckpoint:
-    """checkpoints/best: the epoch with the highest test accuracy among the epochs done.
+    """checkpoints/best: the epoch with the highest validation accuracy (a run with
+    data.validation_fraction), else test accuracy, among the epochs done.
 
     Written after the epoch's commit point (latest.save), so that it never names an epoch
     a crash makes the run redo, and never loses the previous best before the new one

@@ -98,7 +98,8 @@ class CompiledSteps:
         self.eval_compile, self.eval_compiled = None, None
         if tcfg["xla"] == "jit" and strategy is None and done < tcfg["epochs"]:
             test_batch = eval_batch_size(tcfg)
-            sizes = sorted({min(test_batch, data.test_examples), data.test_examples % test_batch} - {0})
+            sizes = sorted({size for n in (data.test_examples, data.validation_examples) if n
+                            for size in (min(test_batch, n), n % test_batch)} - {0})
             self.eval_compile = functools.partial(compile_eval_step, self.eval_step, data.test_ds.element_spec,
                                                   sizes)
 
@@ -121,16 +122,20 @@ class CompiledSteps:
         return float(self.state.schedule(steps_done(self.state.optimizer)))
 
     def train(self, iterator, global_step, start_step, summaries, report, control):
-        """One epoch (train_epoch) → (train means, global step); Ctrl-C's save and Interrupted, a
-        non-finite step's TrainingDiverged, a device out of memory in one line."""
+        """One epoch (train_epoch) → (train means, global step, the examples the means cover);
+        Ctrl-C's save and Interrupted, a non-finite step's TrainingDiverged, a device out of
+        memory in one line. An epoch resumed at `start_step` > 0 takes its means on from the
+        Ctrl-C's checkpoint (state.epoch_window): over all the epoch's steps, where a
+        checkpoint written before it kept them leaves only the steps run since."""
         tcfg, epoch_number = self.tcfg, int(self.state.epoch) + 1
+        window = MetricWindow.from_json(self.state.epoch_window.numpy().decode() if start_step else "")
         try:
             means, global_step, stopped_at = train_epoch(
                 self.train_steps, iterator, self.shape, global_step=global_step, first_step=start_step,
                 scalars=TrainScalars(summaries.writer, self.next_learning_rate, loss_scale(self.state.optimizer)),
                 # train.data_on_device's epochs cannot start mid-way: a Ctrl-C there stops at the epoch's end.
                 stop=control.stop_asked if self.training_set is None else None, report=report,
-                after_compile=self.start_eval_compile)
+                after_compile=self.start_eval_compile, window=window)
         except NonFiniteStep as stop:
             # Nothing of this epoch is saved (the weights in memory are diverged): the
             # checkpoints, best/ and history.jsonl keep what the last good epoch left.
@@ -146,11 +151,12 @@ class CompiledSteps:
         if stopped_at is not None:
             # Ctrl-C: the steps run so far saved (interrupted/), this epoch unfinished.
             self.state.step_in_epoch.assign(stopped_at)
+            self.state.epoch_window.assign(window.to_json())
             control.run.save_interrupted(global_step)
             summaries.close()
             raise Interrupted(f"interrupted at step {stopped_at} of {self.data.steps_per_epoch} in epoch "
                               f"{epoch_number}: saved; {control.resume_hint()} from there")
-        return means, global_step
+        return means, global_step, window.examples
 
     def start_eval_compile(self):
         """The test step's compilation, in its thread (compile_eval_step), if it is still to start."""
@@ -175,6 +181,19 @@ class CompiledSteps:
                 summaries.epoch(model, test, data.show_images, self.tcfg, step, raw_test,
                                 class_names=data.task.class_names(model.num_classes))
         return test, raw_test
+
+    def validation_pass(self, summaries=None, step=None):
+        """The validation split (data.validation_fraction) through eval_step with the run's
+        weights, as test_pass's test (with a weight average, the average's); None where the
+        run has none. With `summaries`, its validation/ scalars at `step`."""
+        if self.data.validation_ds is None:
+            return None
+        average = self.state.average
+        with average.in_model() if average is not None else contextlib.nullcontext():
+            validation = evaluate_model(self.eval_step, self.data.validation_ds, self.model.num_classes)
+        if summaries is not None:
+            summaries.validation(validation, step)
+        return validation
 
     def figures(self, summaries, step):
         """train.figures: capsnet.figures' pictures of the run's weights (the test pass's: with a
@@ -254,7 +273,7 @@ class TrainScalars:
 
 
 def train_epoch(train_steps, iterator, shape, *, global_step, scalars, first_step=0, stop=None, report=None,
-                after_compile=None):
+                after_compile=None, window=None):
     """One epoch (its EpochShape `shape`) of `train_steps` calls (make_train_loop, or
     make_device_train_loop with a DeviceEpoch as `iterator`) over `iterator`'s batches, from
     step `first_step` of the epoch on (a resumed epoch: `iterator` then starts at that
@@ -262,7 +281,8 @@ def train_epoch(train_steps, iterator, shape, *, global_step, scalars, first_ste
 
     Returns (means, global_step, stopped_at): the epoch's example-weighted step values (loss,
     margin_loss, reconstruction_loss, accuracy; images_per_sec and step_time_ms of the
-    timed steps) of the steps run here, the global step after them (`global_step`: before
+    timed steps) of the steps run here and those in `window` (a MetricWindow, added to in
+    place: a resumed epoch's steps before the interruption), the global step after them (`global_step`: before
     them), and None, or, if `stop()` turned true (Ctrl-C), the step of the epoch that the
     steps ran up to (the epoch unfinished; every step run is fetched and checked).
     The train/ scalars (TrainScalars `scalars`) are written every log_every_steps steps and
@@ -280,7 +300,7 @@ def train_epoch(train_steps, iterator, shape, *, global_step, scalars, first_ste
     steps_per_epoch = shape.steps_per_epoch
     bar = EpochBar(steps_per_epoch, live_progress_bar(shape.progress_bar)) if shape.progress_bar else None
     per_call = steps_per_call(steps_per_epoch, steps_per_execution, shape.progress_bar)
-    epoch_window, log_window = MetricWindow(), MetricWindow()
+    epoch_window, log_window = window if window is not None else MetricWindow(), MetricWindow()
     pending = []  # (per-step outputs still on the device, their batch sizes)
     tick = time.perf_counter()
     step_in_epoch = first_step

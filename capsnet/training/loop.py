@@ -151,21 +151,29 @@ def _train(cfg, control, hydra_files, lock):
         say(f"epoch {number}/{tcfg['epochs']}" + (f" (from step {start_step})" if start_step else ""))
         clock = [time.perf_counter()]  # the epoch's phases end: train, test (with its summaries), save
         report.start_epoch(number)
-        train_means, global_step = steps.train(iterator, global_step, start_step, summaries, report, control)
+        train_means, global_step, examples = steps.train(iterator, global_step, start_step, summaries, report,
+                                                         control)
         state.step_in_epoch.assign(0)  # the epochs' checkpoints start their next epoch at its first step
+        state.epoch_window.assign("")
+        # A resumed epoch says so, and how many examples its train means cover (all the epoch's
+        # where the Ctrl-C's checkpoint kept the sums of the steps before it).
+        resumed = {"resumed_at_step": start_step, "train_examples": examples} if start_step else None
         clock.append(time.perf_counter())
-        test = raw_test = collapse = None
+        test = raw_test = validation = collapse = None
         if on_schedule(number, tcfg["test_every_epochs"], tcfg["epochs"]):
+            validation = steps.validation_pass(summaries, global_step)
             test, raw_test = steps.test_pass(summaries, global_step)
             report.tested(time.perf_counter() - clock[-1])
             collapse = collapse_reason(test, number, model.num_classes, data.task.label_format.per_example)
             summaries.collapse(global_step, test, collapse, number)
-        is_best = test is not None and test["accuracy"] > float(state.best_accuracy)
+        # best/: the highest validation accuracy where the run holds a validation split out, else the test's.
+        chosen_on = validation if data.validation_ds is not None else test
+        is_best = chosen_on is not None and chosen_on["accuracy"] > float(state.best_accuracy)
         state.epoch.assign(number)
         if is_best:
-            state.best_accuracy.assign(test["accuracy"])
+            state.best_accuracy.assign(chosen_on["accuracy"])
         run.append_history(history_entry(number, global_step, steps.next_learning_rate(), train_means, test,
-                                         raw_test, collapse))
+                                         raw_test, collapse, validation, resumed))
         clock.append(time.perf_counter())
         stopping = collapse is not None and collapsed_for(run.history, tcfg["collapse_patience"])
         terminating = control.terminate  # read once: a SIGTERM from here on stops at the next epoch's end
@@ -184,7 +192,8 @@ def _train(cfg, control, hydra_files, lock):
         phases = dict(zip(("train", "test", "save"), np.diff(clock)))  # where the epoch's wall time went
         summaries.epoch_end(global_step, phases, run.history)
         control.epoch = None
-        say(epoch_line(number, train_means, test, raw_test, is_best, collapse, clock[-1] - clock[0], phases))
+        say(epoch_line(number, train_means, test, raw_test, is_best, collapse, clock[-1] - clock[0], phases,
+                       validation))
         if (interrupting or terminating) and number < tcfg["epochs"]:
             summaries.close()
             raise control.stopped_after(number, terminating)
@@ -256,10 +265,18 @@ class RunData:
         batch_size = int(tcfg["batch_size"])
         self.task = task = task_for(data_cfg)
         self.name = task.name
-        self.train_split = task.load("train", limit=data_cfg.get("limit_train"))
+        # data.validation_fraction: held out of the training split (capsnet.tasks.holdout).
+        self.train_split, validation_split = task.load_train_validation(
+            limit=data_cfg.get("limit_train"), fraction=data_cfg.get("validation_fraction") or 0.0)
         test_split = task.load("test", limit=data_cfg.get("limit_test"))
         task.check(self.train_split, model, "train")
         task.check(test_split, model, "test")
+        self.validation_examples = len(validation_split) if validation_split is not None else 0
+        self.validation_ds = None  # the validation pass's batches, as the test pass's
+        if validation_split is not None:
+            task.check(validation_split, model, "validation")
+            self.validation_ds = without_autotune_thread(task.dataset(validation_split,
+                                                                      batch_size=eval_batch_size(tcfg), training=False))
         n_train = len(self.train_split)
         # train.drop_remainder: only full batches (a different few examples left out each epoch,
         # the order being shuffled), so the compiled step sees one batch shape, not two.
@@ -322,16 +339,24 @@ class TrainingState:
         # The steps of the epoch after `epoch` that a Ctrl-C's checkpoint (interrupted/) holds; 0 in
         # the epochs' checkpoints (optional: those saved before it existed have none).
         self.step_in_epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="step_in_epoch")
-        self.checkpoint = tf.train.Checkpoint(**self.required, **optimizer_nodes, step_in_epoch=self.step_in_epoch)
+        # With it, the sums of that epoch's step values so far (MetricWindow.to_json; optional too).
+        self.epoch_window = tf.Variable("", dtype=tf.string, trainable=False, name="epoch_window")
+        self.checkpoint = tf.train.Checkpoint(**self.required, **optimizer_nodes, step_in_epoch=self.step_in_epoch,
+                                              epoch_window=self.epoch_window)
 
 
-def epoch_line(number, train_means, test, raw_test, is_best, collapse, seconds, phases):
-    """The epoch's line: its train and test results, and where its wall time went."""
+def epoch_line(number, train_means, test, raw_test, is_best, collapse, seconds, phases, validation=None):
+    """The epoch's line: its train, validation (where the run holds one out) and test results,
+    "(best)" beside the one best/ is chosen on, and where its wall time went."""
     test_line = ""
+    if validation is not None:
+        test_line = (f" | val loss {validation['loss']:.4f} acc {validation['accuracy']:.4f}"
+                     f"{' (best)' if is_best else ''}")
     if test is not None:
         raw = f" (trained weights: {raw_test['accuracy']:.4f})" if raw_test is not None else ""
-        test_line = (f" | test loss {test['loss']:.4f} acc {test['accuracy']:.4f}{raw}"
-                     f"{' (best)' if is_best else ''}{f' [COLLAPSED: {collapse}]' if collapse else ''}")
+        test_line += (f" | test loss {test['loss']:.4f} acc {test['accuracy']:.4f}{raw}"
+                      f"{' (best)' if is_best and validation is None else ''}"
+                      f"{f' [COLLAPSED: {collapse}]' if collapse else ''}")
     return (f"epoch {number}: train loss {train_means['loss']:.4f} acc {train_means['accuracy']:.4f}{test_line} | "
             f"{seconds:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
 
@@ -339,7 +364,6 @@ def epoch_line(number, train_means, test, raw_test, is_best, collapse, seconds, 
 def final_metrics(test, raw_test, run, state, global_step, strategy, dcfg):
     """metrics.json's values: the last test pass, the history's, the run's."""
     history = run.history
-    tested = [h for h in history if "test_accuracy" in h]
     return {
         "test_accuracy": test["accuracy"],
         "test_loss": test["loss"],
@@ -351,8 +375,7 @@ def final_metrics(test, raw_test, run, state, global_step, strategy, dcfg):
         "train_accuracy": history[-1]["train_accuracy"] if history else None,
         "images_per_sec": mean_images_per_sec(history),
         "test_images_per_sec": test["images_per_sec"],
-        "best_test_accuracy": float(state.best_accuracy),
-        "best_epoch": max(tested, key=lambda h: h["test_accuracy"])["epoch"] if tested else None,
+        **best_metrics(history, float(state.best_accuracy)),
         "epochs": int(state.epoch),
         "global_step": global_step,  # the steps run
         "optimizer_updates": steps_done(state.optimizer),  # the steps applied: fewer by the overflow-skipped
@@ -362,6 +385,19 @@ def final_metrics(test, raw_test, run, state, global_step, strategy, dcfg):
         "replicas": strategy.num_replicas_in_sync if strategy is not None else 1,
         "history": history,
     }
+
+
+def best_metrics(history, best_accuracy):
+    """metrics.json's account of checkpoints/best: the epoch chosen (`best_epoch`), what it was
+    chosen on (`best_chosen_on`: "validation" where the run held a validation split out, else
+    "test": then its test accuracy was the choice, an optimistic estimate) and its test accuracy
+    (`best_test_accuracy`); with a validation split, `best_validation_accuracy` too."""
+    tested = [h for h in history if "test_accuracy" in h]
+    on = "validation" if any("validation_accuracy" in h for h in tested) else "test"
+    best = next((h for h in tested if h[f"{on}_accuracy"] == max(t[f"{on}_accuracy"] for t in tested)), None)
+    return {"best_epoch": best["epoch"] if best else None, "best_chosen_on": on,
+            "best_test_accuracy": best["test_accuracy"] if on == "validation" and best else best_accuracy,
+            **({"best_validation_accuracy": best_accuracy} if on == "validation" else {})}
 
 
 def built_ahead(build, items):

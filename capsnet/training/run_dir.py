@@ -11,7 +11,8 @@ A run dir holds:
     events.out.tfevents.*      TensorBoard (capsnet.training.summaries.RunSummaries)
     checkpoints/latest/ckpt-N  the last `train.keep_checkpoints` epochs saved (N = epochs done; every
                                `train.save_every_epochs`th, the last, each new best)
-    checkpoints/best/ckpt-N    the epoch with the highest test accuracy (of the epochs done)
+    checkpoints/best/ckpt-N    the epoch with the highest validation accuracy (data.validation_fraction),
+                               else the highest test accuracy (of the epochs done)
     checkpoints/interrupted/ckpt-S  Ctrl-C's save of the steps run in an unfinished epoch (S = the
                                global step): a rerun goes on from there, and drops it once that
                                epoch is saved
@@ -287,16 +288,21 @@ class RunDir:
 
 # --------------------------------------------------------------------------- the history
 
-def history_entry(epoch, global_step, learning_rate, train_means, test=None, raw_test=None, collapse=None):
+def history_entry(epoch, global_step, learning_rate, train_means, test=None, raw_test=None, collapse=None,
+                  validation=None, resumed=None):
     """The epoch's line of history.jsonl: train_* means, and for an epoch with a test pass
-    (test not None) its test_* results (and the trained weights' test_raw_* beside a weight
-    average's test) and whether it looked collapsed (collapse_reason: `collapsed`, and the
-    reason as `collapse`)."""
+    (test not None) its validation_* results where the run holds a validation split out, its
+    test_* results (and the trained weights' test_raw_* beside a weight average's test) and
+    whether it looked collapsed (collapse_reason: `collapsed`, and the reason as `collapse`).
+    An epoch resumed mid-way after a Ctrl-C (`resumed`) carries resumed_at_step and
+    train_examples, the examples its train_* means cover."""
     entry = {"epoch": epoch, "global_step": global_step, "learning_rate": learning_rate,
-             **{f"train_{k}": v for k, v in train_means.items()}}
+             **{f"train_{k}": v for k, v in train_means.items()}, **(resumed or {})}
     if test is None:
         return entry
     return {**entry,
+            **({f"validation_{k}": validation[k] for k in ("loss", "margin_loss", "reconstruction_loss", "accuracy")}
+               if validation is not None else {}),
             **{f"test_{k}": test[k] for k in ("loss", "margin_loss", "reconstruction_loss", "accuracy",
                                               "images_per_sec")},
             "test_max_length": test.get("max_length"), "collapsed": collapse is not None,
@@ -351,12 +357,14 @@ def read_history(path, epochs_done, *, repair=False):
 
 
 def last_epoch_was_best(history, epochs_done):
-    """Whether epoch `epochs_done` was a new best: it was tested, and its history line's test
-    accuracy beats every earlier test's (the rule train() saves best/ by)."""
+    """Whether epoch `epochs_done` was a new best: it was tested, and its history line's
+    validation accuracy (a run with a validation split), else its test accuracy, beats every
+    earlier one (the rule train() saves best/ by)."""
     if not history or history[-1]["epoch"] != epochs_done or "test_accuracy" not in history[-1]:
         return False
-    earlier = [h["test_accuracy"] for h in history[:-1] if "test_accuracy" in h]
-    return history[-1]["test_accuracy"] > max(earlier, default=-1.0)
+    key = "validation_accuracy" if "validation_accuracy" in history[-1] else "test_accuracy"
+    earlier = [h[key] for h in history[:-1] if key in h]
+    return history[-1][key] > max(earlier, default=-1.0)
 
 
 def hydra_snapshot(task_cfg, hydra_cfg, overrides):

@@ -4,6 +4,8 @@
   means of a `MetricWindow` of steps (every train.log_every_steps steps).
 - `write_epoch_summaries`: test/ scalars, the routing and capsule-length histograms and
   the inputs over their reconstructions (capsnet.figures.image_grid), once an epoch.
+- `RunSummaries.validation`: validation/ scalars (data.validation_fraction's split, which
+  chooses checkpoints/best), apart from test/'s.
 - `write_hparams`: the run's values in the HParams dashboard, once a run.
 - `write_run_scalars`: after every epoch, the run's mean images/s so far
   (`train/mean_images_per_sec`, metrics.json's images_per_sec), the HParams dashboard's
@@ -14,6 +16,7 @@
 TensorBoard's step is the global step (optimizer.iterations).
 """
 import contextlib
+import json
 
 import numpy as np
 import tensorflow as tf
@@ -36,15 +39,29 @@ HPARAM_DESCRIPTIONS = {"model": "model.kind: capsnet, the paper's CNN baseline (
                        "epochs": "train.epochs: the epochs the run was started for"}
 RUN_SPEED_TAG = "train/mean_images_per_sec"
 HPARAM_METRICS = {"test/accuracy": "test accuracy (last tested epoch)",
+                  "validation/accuracy": "validation accuracy (last tested epoch; data.validation_fraction)",
                   RUN_SPEED_TAG: "images/s (the run's mean)"}
 
 
 class MetricWindow:
-    """Example-weighted sums of step values over a window of steps, and the clock of its timed steps."""
+    """Example-weighted sums of step values over a window of steps, and the clock of its timed
+    steps. `to_json` / `from_json`: the window as text, which a Ctrl-C's checkpoint keeps so
+    that the resumed epoch's means cover its steps before the interruption too."""
 
     def __init__(self):
         self.sums, self.examples = {}, 0
         self.timed_steps, self.timed_images, self.timed_seconds = 0, 0, 0.0
+
+    def to_json(self):
+        return json.dumps(vars(self))  # floats written exactly (repr): the sums go on as they were
+
+    @classmethod
+    def from_json(cls, text):
+        """The window of `to_json`'s text; an empty one for "" (a checkpoint without it)."""
+        window = cls()
+        if text:
+            vars(window).update(json.loads(text))
+        return window
 
     def add(self, values, batch):
         for key, value in values.items():
@@ -197,6 +214,12 @@ class RunSummaries:
         if self.chief:
             with self._writing():
                 write_epoch_summaries(self.writer, model, test, show_images, tcfg, step, raw_test, class_names)
+
+    def validation(self, validation, step):
+        """The validation pass's scalars (validation/, beside test/: two curves apart)."""
+        with self._writing(), self.writer.as_default(step=step):
+            for key in ("loss", "margin_loss", "reconstruction_loss", "accuracy"):
+                tf.summary.scalar(f"validation/{key}", validation[key])
 
     def figures(self, model, images, labels, step, class_names=None):
         """At the end of training: capsnet.figures' pictures of `model` on the labelled test
