@@ -205,8 +205,8 @@ def test_evaluate_py_scores_an_expanded_mnist_run_on_affnist(tiny_idx_dir, tmp_p
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["dataset"] == "affnist" and report["num_examples"] == 100
-    assert report["output"] == str(run_dir.resolve() / "evaluations" / "best-ckpt-1.affnist.json")
-    assert not (run_dir / "evaluations" / "best-ckpt-1.json").exists()  # the run's own report is not overwritten
+    assert report["output"] == str(run_dir.resolve() / "evaluations" / "latest-ckpt-1.affnist.json")
+    assert not (run_dir / "evaluations" / "latest-ckpt-1.json").exists()  # the run's own report is not overwritten
     # The accuracy is the model's on the affine set made directly from the test digits.
     canvas, _ = affine_digits(read_idx(tiny_idx_dir / "t10k-images-idx3-ubyte.gz"))
     labels = read_idx(tiny_idx_dir / "t10k-labels-idx1-ubyte.gz")

@@ -53,7 +53,7 @@ def test_every_config_group_composes_and_checks(overrides):
     assert set(checked) == {"model", "data", "train", "distribute", "custom_op", "seed", "deterministic", "debug", "name",
                             "run_dir"}
     assert set(checked["data"]) == {"name", "dir", "limit_train", "limit_test", "shift_pixels", "pad_pixels",
-                                   "image_size", "channels", "crop", "validation_fraction", "cache", "cache_memory_mb",
+                                   "image_size", "channels", "crop", "validation_fraction", "test_fraction", "cache", "cache_memory_mb",
                                    "cache_dir", "class_names", "max_pixels", "standardize", "brightness", "contrast",
                                    "crop_padding", "cutout", *config.AUGMENTATION_OFF}
     assert set(checked["distribute"]) == {"strategy", "devices", "all_reduce", "scale_lr", "lr_base_batch_size"}

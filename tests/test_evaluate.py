@@ -32,16 +32,18 @@ def test_confusion_report_against_numpy():
     assert report["confusion_matrix"] == confusion.tolist()
 
 
-def test_evaluate_run_dir_uses_its_best_checkpoint(trained_run, tiny_idx_dir):
+def test_evaluate_run_dir_without_a_validation_split_uses_its_final_checkpoint(trained_run, tiny_idx_dir):
+    """The run held no validation split out (its best/ was chosen on the test set): the
+    default is the last epoch, which no choice on the test set picked."""
     run_dir, metrics = trained_run
     report = evaluate(run_dir)
     assert REPORT_KEYS <= set(report)
-    best = metrics["history"][metrics["best_epoch"] - 1]
-    assert report["epoch"] == metrics["best_epoch"]
-    assert report["checkpoint"].endswith(f"best/ckpt-{metrics['best_epoch']}")
+    final = metrics["history"][-1]
+    assert report["epoch"] == metrics["epochs"] == 4
+    assert report["checkpoint"].endswith("latest/ckpt-4") and "best_chosen_on" not in report
     # The restored weights reproduce what training measured at that epoch.
-    assert report["accuracy"] == best["test_accuracy"]
-    assert report["loss"] == pytest.approx(best["test_loss"], rel=1e-5)
+    assert report["accuracy"] == final["test_accuracy"] == metrics["test_accuracy"]
+    assert report["loss"] == pytest.approx(final["test_loss"], rel=1e-5)
 
     # The confusion matrix counts every test example once, by its true label.
     true_labels = read_idx(tiny_idx_dir / "t10k-labels-idx1-ubyte.gz")
@@ -52,10 +54,11 @@ def test_evaluate_run_dir_uses_its_best_checkpoint(trained_run, tiny_idx_dir):
 
     # Written into the run's evaluations/, equal to the returned report.
     written = json.loads(open(report["output"]).read())
-    assert report["output"] == str(run_dir.resolve() / "evaluations" / f"best-ckpt-{metrics['best_epoch']}.json")
+    assert report["output"] == str(run_dir.resolve() / "evaluations" / "latest-ckpt-4.json")
     assert written == {k: v for k, v in report.items() if k != "output"}
     table = format_report(report)
     assert "confusion matrix" in table and f"{report['accuracy']:.4%}" in table
+    assert "chosen on this test set" not in table
     # MNIST's class names are its indices: each class row names it once (index, examples, accuracy).
     assert report["class_names"] == [str(c) for c in range(10)]
     rows = [line.split() for line in table.splitlines() if re.match(r" {4}\d  ", line)]
@@ -65,6 +68,24 @@ def test_evaluate_run_dir_uses_its_best_checkpoint(trained_run, tiny_idx_dir):
     named = format_report({**report, "class_names": [f"class_{c}" for c in range(10)]})
     assert [line.split()[-1] for line in named.splitlines() if re.match(r" {4}\d  ", line)] == \
         [f"class_{c}" for c in range(10)] * 2
+
+
+def test_a_best_checkpoint_chosen_on_the_test_set_says_so(trained_run):
+    """which=best of a run without a validation split: the epoch of the highest test
+    accuracy, its report and table saying it was chosen on the test set (so its accuracy
+    there is optimistic); a path into best/ too."""
+    run_dir, metrics = trained_run
+    report = evaluate(run_dir, which="best")
+    best = metrics["history"][metrics["best_epoch"] - 1]
+    assert report["epoch"] == metrics["best_epoch"] and metrics["best_chosen_on"] == "test"
+    assert report["checkpoint"].endswith(f"best/ckpt-{metrics['best_epoch']}")
+    assert report["accuracy"] == best["test_accuracy"] == max(h["test_accuracy"] for h in metrics["history"])
+    assert report["loss"] == pytest.approx(best["test_loss"], rel=1e-5)
+    assert report["best_chosen_on"] == "test"
+    assert report["output"] == str(run_dir.resolve() / "evaluations" / f"best-ckpt-{metrics['best_epoch']}.json")
+    assert "note: checkpoints/best was chosen on this test set" in format_report(report)
+    prefix = run_dir / "checkpoints" / "best" / f"ckpt-{metrics['best_epoch']}"
+    assert evaluate(prefix, limit_test=20)["best_chosen_on"] == "test"
 
 
 def test_evaluate_latest_and_a_checkpoint_path(trained_run, tmp_path):
@@ -98,7 +119,7 @@ def test_the_default_report_is_outside_checkpoints_and_outlives_their_rotation(t
     shutil.rmtree(run_dir / "evaluations", ignore_errors=True)  # other tests' reports of the shared run
     checkpoints = run_dir / "checkpoints"
     before = sorted(checkpoints.rglob("*"))
-    best = evaluate(run_dir)
+    best = evaluate(run_dir, which="best")
     latest = evaluate(checkpoints / "latest" / "ckpt-3")
     assert best["output"] == str(run_dir / "evaluations" / f"best-ckpt-{best['epoch']}.json")
     assert latest["output"] == str(run_dir / "evaluations" / "latest-ckpt-3.json")
@@ -162,8 +183,10 @@ def test_missing_checkpoints_name_the_path(trained_run, tmp_path):
 
     empty_run = tmp_path / "empty_run"
     (empty_run / "checkpoints").mkdir(parents=True)
-    with pytest.raises(CheckpointError, match=f"run dir {empty_run} has no best checkpoint"):
+    with pytest.raises(CheckpointError, match=f"run dir {empty_run} has no latest checkpoint"):
         evaluate(empty_run)
+    with pytest.raises(CheckpointError, match=f"run dir {empty_run} has no best checkpoint"):
+        evaluate(empty_run, which="best")
 
     # Checkpoints without their run's config.yaml cannot rebuild the model.
     loose = tmp_path / "loose"
@@ -171,7 +194,7 @@ def test_missing_checkpoints_name_the_path(trained_run, tmp_path):
     with pytest.raises(CheckpointError, match="no config.yaml"):
         evaluate(loose)
 
-    with pytest.raises(ConfigError, match="which must be one of best, latest, got 'worst'"):
+    with pytest.raises(ConfigError, match=r"which must be one of best, latest \(or null\), got 'worst'"):
         evaluate(trained_run[0], which="worst")
 
 

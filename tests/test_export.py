@@ -93,7 +93,7 @@ def test_split(tmp_path_factory):
 
 
 def evaluation_reference(run_dir, data_dir):
-    """What evaluate.py computes for the run's best checkpoint on data_dir's test split,
+    """What evaluate.py computes for the run's default checkpoint on data_dir's test split,
     through its own code path (model rebuilt and restored as evaluate() does, the compiled
     test step, evaluate_model(keep_lengths=True)), plus the model's reconstructions."""
     from capsnet.data import load_split, make_split_dataset
@@ -102,7 +102,7 @@ def evaluation_reference(run_dir, data_dir):
     from capsnet.training.model_setup import build_capsnet
     from capsnet.training.steps import evaluate_model, make_eval_step
 
-    member = resolve_member(run_dir, which="best", custom_op=False, weights=None)
+    member = resolve_member(run_dir, which=None, custom_op=False, weights=None)
     model = build_capsnet(member["cfg"]["model"], False)
     restore_model(model, member["prefix"], member["weights"])
     images, labels = load_split("mnist", "test", data_dir=data_dir)

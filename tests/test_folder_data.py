@@ -65,7 +65,7 @@ def test_layout_errors_are_one_line(tmp_path):
         folder.layout(root)
 
 
-def test_validation_fraction_splits_one_folder(tmp_path):
+def test_test_fraction_splits_one_folder(tmp_path):
     root = make_folder(tmp_path / "f", n_per_class=10, splits=(None,))
     _, classes, splits = folder.layout(root, 0.2)
     assert classes == ["bird", "cat", "dog"]

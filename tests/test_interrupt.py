@@ -46,6 +46,41 @@ def default_sigint():
     signal.signal(signal.SIGINT, before)
 
 
+def test_a_resumed_epoch_s_means_and_bar_count_the_steps_before_the_interruption(capsys):
+    """train_epoch stopped by Ctrl-C after some steps, its window kept as the checkpoint keeps
+    it (MetricWindow.to_json) and the epoch resumed from there: the means are the
+    uninterrupted epoch's (example-weighted over all its steps, the short last batch
+    included) and the bar's last line counts the epoch's steps, 20/20."""
+    from capsnet.training.epoch import EpochShape, TrainScalars, train_epoch
+    from capsnet.training.summaries import MetricWindow
+
+    losses = np.linspace(2.0, 0.1, 20)  # step i's loss; its accuracy 1 - loss / 2
+
+    def train_steps(iterator, batch_sizes):
+        ran = int(tf.math.count_nonzero(batch_sizes))
+        values = losses[iterator["next"]:iterator["next"] + ran]
+        iterator["next"] += ran
+        return {"loss": tf.constant(values), "accuracy": tf.constant(1 - values / 2), "grad_norm": tf.ones([ran])}
+
+    shape = EpochShape(num_examples=310, batch_size=16, steps_per_execution=3, log_every_steps=4,
+                       progress_bar=True)
+    scalars = TrainScalars(tf.summary.create_noop_writer(), lambda: 0.001)
+    whole, _, _ = train_epoch(train_steps, {"next": 0}, shape, global_step=0, scalars=scalars)
+    window, asked = MetricWindow(), []
+    _, step, stopped_at = train_epoch(train_steps, {"next": 0}, shape, global_step=0, scalars=scalars,
+                                      stop=lambda: asked.append(1) or len(asked) >= 3, window=window)
+    assert 0 < stopped_at < 20 and step == stopped_at
+    capsys.readouterr()
+    resumed = MetricWindow.from_json(window.to_json())
+    means, step, _ = train_epoch(train_steps, {"next": stopped_at}, shape, global_step=step, first_step=stopped_at,
+                                 scalars=scalars, window=resumed)
+    assert step == 20 and resumed.examples == 310
+    sizes = np.array([16] * 19 + [310 - 19 * 16])
+    for key, values in (("loss", losses), ("accuracy", 1 - losses / 2)):
+        assert means[key] == pytest.approx(np.sum(values * sizes) / 310, rel=1e-12) == whole[key]
+    assert "20/20" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_ctrl_c_mid_epoch_saves_the_steps_run_and_the_rerun_ends_as_the_uninterrupted_run(
         tiny_config, tmp_path, monkeypatch, capsys, default_sigint):
@@ -84,6 +119,11 @@ def test_ctrl_c_mid_epoch_saves_the_steps_run_and_the_rerun_ends_as_the_uninterr
         np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
     assert metrics["test_loss"] == reference["test_loss"]
     assert metrics["history"][2]["train_loss"] == reference["history"][2]["train_loss"]
+    # The resumed epoch's train means cover all its steps, the 320 examples, before and after the Ctrl-C.
+    resumed = metrics["history"][1]
+    assert resumed["resumed_at_step"] == step and resumed["train_examples"] == 320
+    for key in ("train_loss", "train_accuracy", "train_margin_loss"):
+        assert resumed[key] == reference["history"][1][key], key
     assert not (run_dir / "checkpoints" / "interrupted").exists()  # superseded by epoch 2's checkpoint
 
 

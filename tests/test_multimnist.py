@@ -284,7 +284,7 @@ def test_tiny_multimnist_run_trains_and_evaluates(tiny_idx_dir, tmp_path):
     assert [h["epoch"] for h in history] == [1, 2]
     assert json.loads((run_dir / "metrics.json").read_text())["test_accuracy"] == metrics["test_accuracy"]
 
-    report = evaluate(run_dir)
+    report = evaluate(run_dir, which="best")
     best = metrics["history"][metrics["best_epoch"] - 1]
     assert report["accuracy"] == best["test_accuracy"]
     assert report["loss"] == pytest.approx(best["test_loss"], rel=1e-5)

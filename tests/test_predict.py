@@ -22,13 +22,13 @@ N = 12
 
 
 def reference(run_dir, pixels):
-    """The run's best checkpoint restored into a freshly built model (as evaluate.py's
+    """The run's default checkpoint (predict's) restored into a freshly built model (as evaluate.py's
     model is: its config.yaml, its weights) and called directly on uint8 images (N, H, W, C)
     scaled by 1/255: (lengths, reconstructions)."""
     from capsnet.training.checkpoints import resolve_checkpoint, restore_model
     from capsnet.training.model_setup import build_capsnet
 
-    prefix, _, cfg = resolve_checkpoint(run_dir, "best")
+    prefix, _, cfg = resolve_checkpoint(run_dir)
     model = build_capsnet(cfg["model"], False)
     restore_model(model, prefix, "ema" if cfg["train"]["ema_decay"] > 0 else "raw")
     outputs = model(tf.constant(pixels, tf.float32) / 255.0, training=False)

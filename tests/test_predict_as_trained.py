@@ -67,7 +67,7 @@ def pipeline_lengths(run_dir):
     from capsnet.training.checkpoints import resolve_checkpoint, restore_model
     from capsnet.training.model_setup import build_capsnet
 
-    prefix, _, cfg = resolve_checkpoint(run_dir, "best")
+    prefix, _, cfg = resolve_checkpoint(run_dir)  # predict's default checkpoint
     model = build_capsnet(cfg["model"], False)
     restore_model(model, prefix, "ema" if cfg["train"]["ema_decay"] > 0 else "raw")
     task = task_for(cfg["data"])

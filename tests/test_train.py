@@ -265,7 +265,7 @@ def test_config_groups_compose():
     assert set(fashion["data"]) == set(compose_config("train", ["run_dir=/unused"])["data"])
     assert fashion["train"]["reconstruction_weight"] == 0.0005
     evaluation = compose_config("eval", ["checkpoint=/some/run"])
-    assert evaluation["checkpoint"] == "/some/run" and evaluation["which"] == "best"
+    assert evaluation["checkpoint"] == "/some/run" and evaluation["which"] is None
     with pytest.raises(ConfigCompositionException, match="no_such_key"):
         compose_config("train", ["train.no_such_key=1"])
 
