@@ -76,6 +76,7 @@ def test_hparams_hold_the_epochs_and_data_limits(tiny_idx_dir, tmp_path):
     assert "0: all" in infos["limit_train"].description
     metrics = {m.name.tag: m.display_name for m in experiment.metric_infos}
     assert metrics == {"test/accuracy": "test accuracy (last tested epoch)",
+                       "validation/accuracy": "validation accuracy (last tested epoch; data.validation_fraction)",
                        "train/mean_images_per_sec": "images/s (the run's mean)"}
 
 

@@ -122,7 +122,8 @@ class CompiledSteps:
         return float(self.state.schedule(steps_done(self.state.optimizer)))
 
     def train(self, iterator, global_step, start_step, summaries, report, control):
-        """One epoch (train_epoch) → (train means, global step, the examples the means cover);
+        """One epoch (train_epoch) → (train means, global step, `resumed`: None, or for an epoch
+        resumed mid-way its resumed_at_step and train_examples, the examples the means cover);
         Ctrl-C's save and Interrupted, a non-finite step's TrainingDiverged, a device out of
         memory in one line. An epoch resumed at `start_step` > 0 takes its means on from the
         Ctrl-C's checkpoint (state.epoch_window): over all the epoch's steps, where a
@@ -156,7 +157,10 @@ class CompiledSteps:
             summaries.close()
             raise Interrupted(f"interrupted at step {stopped_at} of {self.data.steps_per_epoch} in epoch "
                               f"{epoch_number}: saved; {control.resume_hint()} from there")
-        return means, global_step, window.examples
+        self.state.step_in_epoch.assign(0)  # the epochs' checkpoints start their next epoch at its first step
+        self.state.epoch_window.assign("")
+        return means, global_step, ({"resumed_at_step": start_step, "train_examples": window.examples}
+                                    if start_step else None)
 
     def start_eval_compile(self):
         """The test step's compilation, in its thread (compile_eval_step), if it is still to start."""

@@ -151,13 +151,8 @@ def _train(cfg, control, hydra_files, lock):
         say(f"epoch {number}/{tcfg['epochs']}" + (f" (from step {start_step})" if start_step else ""))
         clock = [time.perf_counter()]  # the epoch's phases end: train, test (with its summaries), save
         report.start_epoch(number)
-        train_means, global_step, examples = steps.train(iterator, global_step, start_step, summaries, report,
-                                                         control)
-        state.step_in_epoch.assign(0)  # the epochs' checkpoints start their next epoch at its first step
-        state.epoch_window.assign("")
-        # A resumed epoch says so, and how many examples its train means cover (all the epoch's
-        # where the Ctrl-C's checkpoint kept the sums of the steps before it).
-        resumed = {"resumed_at_step": start_step, "train_examples": examples} if start_step else None
+        train_means, global_step, resumed = steps.train(iterator, global_step, start_step, summaries, report,
+                                                        control)
         clock.append(time.perf_counter())
         test = raw_test = validation = collapse = None
         if on_schedule(number, tcfg["test_every_epochs"], tcfg["epochs"]):
@@ -166,12 +161,8 @@ def _train(cfg, control, hydra_files, lock):
             report.tested(time.perf_counter() - clock[-1])
             collapse = collapse_reason(test, number, model.num_classes, data.task.label_format.per_example)
             summaries.collapse(global_step, test, collapse, number)
-        # best/: the highest validation accuracy where the run holds a validation split out, else the test's.
-        chosen_on = validation if data.validation_ds is not None else test
-        is_best = chosen_on is not None and chosen_on["accuracy"] > float(state.best_accuracy)
+        is_best = state.new_best(validation if data.validation_ds is not None else test)
         state.epoch.assign(number)
-        if is_best:
-            state.best_accuracy.assign(chosen_on["accuracy"])
         run.append_history(history_entry(number, global_step, steps.next_learning_rate(), train_means, test,
                                          raw_test, collapse, validation, resumed))
         clock.append(time.perf_counter())
@@ -343,6 +334,15 @@ class TrainingState:
         self.epoch_window = tf.Variable("", dtype=tf.string, trainable=False, name="epoch_window")
         self.checkpoint = tf.train.Checkpoint(**self.required, **optimizer_nodes, step_in_epoch=self.step_in_epoch,
                                               epoch_window=self.epoch_window)
+
+    def new_best(self, result):
+        """Whether the epoch's `result` (of the pass best/ is chosen on: the validation split's
+        where the run holds one out, else the test split's; None: not tested) beats the best
+        accuracy so far, which it then becomes."""
+        if result is None or result["accuracy"] <= float(self.best_accuracy):
+            return False
+        self.best_accuracy.assign(result["accuracy"])
+        return True
 
 
 def epoch_line(number, train_means, test, raw_test, is_best, collapse, seconds, phases, validation=None):
