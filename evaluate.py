@@ -9,8 +9,8 @@ ensemble's scores and each member's own (accuracy, loss, epoch, ...) under `memb
 (capsnet.evaluation.evaluate). Keys: configs/eval.yaml.
 
 Examples:
-    python evaluate.py checkpoint=outputs/2025-01-01/12-00-00              # the run's best checkpoint
-    python evaluate.py checkpoint=outputs/2025-01-01/12-00-00 which=latest custom_op=true
+    python evaluate.py checkpoint=outputs/2025-01-01/12-00-00   # best/ if chosen on a validation split, else the last
+    python evaluate.py checkpoint=outputs/2025-01-01/12-00-00 which=best custom_op=true
     python evaluate.py checkpoint=outputs/.../checkpoints/latest/ckpt-3 data.dir=/data/mnist
     python evaluate.py 'checkpoint=[outputs/run_a,outputs/run_b,outputs/run_c]' which=latest   # an ensemble
     python evaluate.py checkpoint=outputs/fashion-run tta=flip     # each image also scored mirrored

@@ -14,7 +14,7 @@ A SavedModel is a program: only this project's exports are run unless trust_expo
 Keys: configs/predict.yaml.
 
 Examples:
-    python predict.py checkpoint=outputs/2025-01-01/12-00-00 images=my_digit.png        # the run's best checkpoint
+    python predict.py checkpoint=outputs/2025-01-01/12-00-00 images=my_digit.png        # the run's default checkpoint
     python predict.py checkpoint=outputs/2025-01-01/12-00-00 'images=digits/*.png' top_k=5 which=latest
     python predict.py checkpoint=exported/mnist images=digits/ reconstruct=reconstructions   # a SavedModel, a folder
 """
