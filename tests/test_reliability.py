@@ -297,7 +297,7 @@ def test_evaluate_a_damaged_checkpoint_names_the_file_and_the_intact_ones(traine
     best = Path(tf.train.latest_checkpoint(str(run_dir / "checkpoints" / "best")))
     damaged = damage(best, kind)
     with pytest.raises(CheckpointError) as err:
-        evaluate(str(run_dir), data_dir=None)
+        evaluate(str(run_dir), which="best", data_dir=None)
     message = str(err.value)
     assert "\n" not in message
     assert message.startswith(f"checkpoint file {damaged} is damaged")
@@ -333,7 +333,7 @@ def test_evaluate_while_a_training_moves_best_on_says_the_checkpoint_was_replace
         real = evaluation.load_run_test_split
         monkeypatch.setattr(evaluation, "load_run_test_split", lambda *a, **k: (real(*a, **k), move_best_on())[0])
     with pytest.raises(CheckpointError) as err:
-        evaluation.evaluate(str(run_dir), data_dir=None, output=str(tmp_path / "report.json"))
+        evaluation.evaluate(str(run_dir), which="best", data_dir=None, output=str(tmp_path / "report.json"))
     assert str(err.value) == (f"checkpoint {resolved} was replaced while it was being read (a training is writing "
                               "this run: its best/ moved on): run again, or give which=latest or a checkpoint path")
     assert not (tmp_path / "report.json").exists()

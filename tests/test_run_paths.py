@@ -46,7 +46,7 @@ def test_export_a_relative_run_dir(relative_run, tmp_path):
     assert (tmp_path / "exported" / "saved_model.pb").is_file()
     assert Path(report["run_dir"]).resolve() == relative_run.resolve()
     assert os.path.samefile(f"{report['checkpoint']}.index",
-                            relative_run.resolve() / "checkpoints" / "best" / f"{Path(report['checkpoint']).name}.index")
+                            relative_run.resolve() / "checkpoints" / "latest" / f"{Path(report['checkpoint']).name}.index")
 
 
 def test_a_resume_may_change_the_routing_backend_but_not_its_algorithm():

@@ -421,7 +421,8 @@ def test_tensorboard_logs(trained_run):
     assert start.hparams["tf32"].bool_value is True and start.hparams["weight_decay"].number_value == 0.0
     experiment = plugin_data_pb2.HParamsPluginData.FromString(
         events["_hparams_/experiment"][0][1].metadata.plugin_data.content).experiment
-    assert {m.name.tag for m in experiment.metric_infos} == {"test/accuracy", "train/mean_images_per_sec"}
+    assert {m.name.tag for m in experiment.metric_infos} == {"test/accuracy", "validation/accuracy",
+                                                             "train/mean_images_per_sec"}
 
 
 @pytest.mark.slow

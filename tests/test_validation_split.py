@@ -138,8 +138,8 @@ def test_an_old_run_config_s_validation_fraction_was_the_folder_s_test_share():
 
 def test_a_folder_without_train_and_test_names_test_fraction(tmp_path, tiny_config):
     root = make_folder(tmp_path / "f", n_per_class=4, splits=(None,))
-    with pytest.raises(ConfigError, match="split its class folders with data.test_fraction=0.1 .*data.validation_fraction "
-                                          "holds out validation images of the training split"):
+    with pytest.raises(ConfigError, match="split its class folders with data.test_fraction=0.1 .*"
+                                          "data.validation_fraction holds out validation images of the training split"):
         task_for({"name": "folder", "dir": str(root), "image_size": 16, "channels": 3,
                   "validation_fraction": 0.1}).load_train_validation(fraction=0.1)
 

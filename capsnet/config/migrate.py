@@ -33,7 +33,8 @@ def migrate(saved):
     model.jit_routing / model.fused_routing become model.routing's backend
     (_routing_from_flags); data.validation_fraction of a run saved before data.test_fraction
     becomes data.test_fraction (the folder's test share it meant then); model.routing auto |
-    tf | xla (before routers) stays, and `check` reads it as the section {algorithm: dynamic, backend: <it>, leaky: false}.
+    tf | xla (before routers) stays, and `check` reads it as the section {algorithm:
+    dynamic, backend: <it>, leaky: false}.
     Values are left as they are (no type conversion): `check` judges them."""
     if not isinstance(saved, dict):
         raise ConfigError(f"a run config must be a section of keys, got {saved!r}")
