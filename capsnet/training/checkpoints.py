@@ -2,7 +2,8 @@
 
 A training checkpoint (tf.train.Checkpoint) holds the model weights keyed by their path
 in the model (`checkpoint_weights`, node "model"), the optimizer (Adam's moments and its
-step counter), the epoch counter, the best accuracy so far and, with a weight average,
+step counter), the epoch counter, the best accuracy so far (the validation split's where
+the run holds one out, else the test split's: best/ is chosen on it) and, with a weight average,
 its weights (node "ema"). `restore_model` loads the weights alone (evaluate.py);
 `resolve_checkpoint` maps a run dir or checkpoint path to (prefix, run dir, config).
 
@@ -14,8 +15,9 @@ functions of (seed, epoch) (capsnet.data), so there is no generator state to sav
 with deterministic=true a resumed run ends bitwise equal to an uninterrupted one.
 A run killed mid-epoch loses that epoch only (with train.save_every_epochs=N > 1, also the
 epochs trained since the last one saved); Ctrl-C instead saves the steps run into
-checkpoints/interrupted/ (the epoch counter, and step_in_epoch: the steps of the next epoch
-done), and the rerun skips that epoch's first step_in_epoch batches (capsnet.training.epoch). TensorBoard's step is the global step
+checkpoints/interrupted/ (the epoch counter, step_in_epoch: the steps of the next epoch
+done, and epoch_window: the sums of their metrics, so that the resumed epoch's train means
+cover all its steps), and the rerun skips that epoch's first step_in_epoch batches (capsnet.training.epoch). TensorBoard's step is the global step
 (optimizer.iterations), so the curves continue where the checkpoint left them.
 
 An epoch ends with: its history line, then checkpoints/latest/ckpt-N (every epoch, or on
