@@ -4,7 +4,7 @@
     .venv/bin/python scripts/benchmark_scale.py --replicas 2 --batch-sizes 512 --all-reduce auto,one_device
     .venv/bin/python scripts/benchmark_scale.py --device cpu --replicas 1,2 --batch-sizes 8 --steps 3 --repeats 1
 
-What it measures (issue #6): training images/s of the model in configs/ (Hydra overrides
+What it measures: training images/s of the model in configs/ (Hydra overrides
 as in benchmark_train.py), per capsule-prediction path (--variants, benchmark_train's
 names: op = custom_op=true, matmul = custom_op=false, ...), for
 

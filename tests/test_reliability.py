@@ -1,4 +1,4 @@
-"""A run that goes wrong says so at once and loses nothing (issue #19): the non-finite
+"""A run that goes wrong says so at once and loses nothing: the non-finite
 guard, damaged checkpoints and checkpoint state, one training per run dir, and the
 smaller checks. Tiny synthetic data (conftest), train() in-process or the CLI as a
 subprocess; files corrupted with real bytes."""
