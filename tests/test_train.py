@@ -238,6 +238,14 @@ def test_set_xla_flags_makes_the_cache_only_where_xla_compiles(tmp_path, monkeyp
     assert f"{XLA_CACHE_FLAG}={tmp_path / 'jit'}" in os.environ["TF_XLA_FLAGS"].split()
 
 
+def test_the_tests_tiny_runs_keep_no_xla_cache_in_the_home(tiny_config):
+    """The default train.xla_cache_dir is in the home (~/.cache/capsnet/xla): the tests' jit
+    runs (tiny_config, trained the same way in subprocesses) keep none there, and one test's
+    compiled steps are never another's."""
+    assert compose_config("train", ["run_dir=/r"])["train"]["xla_cache_dir"] == "~/.cache/capsnet/xla"
+    assert tiny_config("train.xla=jit")["train"]["xla_cache_dir"] is None
+
+
 # --------------------------------------------------------------------------- configs
 
 def test_model_config_covers_every_capsnet_argument_with_the_paper_values():
