@@ -32,7 +32,7 @@ TINY_TRAIN = [
     "train.histogram_examples=16",
     "train.progress_bar=false",
     "train.figures=false",  # the end-of-training figures cost seconds a run: trained_run and the tests of them draw them
-    "train.xla_cache_dir=null",  # the default is in the home: a test's jit run compiles, and writes nothing there
+    "train.xla_cache_dir=null",  # the default is in the home: a test's jit run writes nothing there
 ]
 
 

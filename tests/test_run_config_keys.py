@@ -43,3 +43,17 @@ def test_a_deleted_key_of_every_marked_run_is_refused_naming_it(trained_run, tmp
 
     with pytest.raises(CheckpointError, match=r"no key model\.routing_iterations"):
         read_run_config(copy_with_config(trained_run, tmp_path, drop))
+
+
+def test_a_run_of_the_config_before_the_validation_split_and_sgd_reads_as_it_ran(trained_run, tmp_path):
+    """The config.yaml shape every marked run had before data.test_fraction, train.optimizer,
+    train.momentum and train.long_run_notice_minutes: read with Adam, no validation split, its
+    data.validation_fraction (then a folder's test share) as data.test_fraction."""
+    def as_before(saved):
+        saved["data"]["validation_fraction"] = saved["data"].pop("test_fraction")
+        for key in ("optimizer", "momentum", "long_run_notice_minutes"):
+            del saved["train"][key]
+
+    read = read_run_config(copy_with_config(trained_run, tmp_path, as_before))
+    assert read["train"]["optimizer"] == "adam" and read["train"]["long_run_notice_minutes"] == 60
+    assert read["data"]["validation_fraction"] == 0 and read["data"]["test_fraction"] == 0

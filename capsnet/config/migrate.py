@@ -23,7 +23,7 @@ from capsnet.validation import boolean
 ADDED_SINCE_MARKER = ("model.kind", "model.cnn_filters", "model.cnn_kernel_size", "model.cnn_dense_units",
                       "model.cnn_dropout", "model.padding", "train.figures", "model.deep_widths",
                       "data.crop_padding", "data.cutout", "train.lr_decay_floor", "data.max_pixels",
-                      "train.optimizer", "train.momentum", "data.test_fraction")
+                      "train.optimizer", "train.momentum", "data.test_fraction", "train.long_run_notice_minutes")
 
 
 def migrate(saved):
