@@ -940,6 +940,37 @@ def test_the_compiled_test_step_is_compiled_beside_the_first_epoch(tiny_config, 
     assert metrics["test_accuracy"] == report["accuracy"]
 
 
+@pytest.mark.slow
+def test_the_validation_pass_waits_for_the_test_steps_compilation(tiny_config, monkeypatch):
+    """train.xla=jit with data.validation_fraction: the validation split's last batch shape is
+    compiled beside the first epoch with the test split's, and the validation pass, the
+    epoch's first over held-out data, waits for that compilation as the test pass does
+    (calling the step beside it compiled the same shapes twice at once)."""
+    from capsnet.training import epoch
+
+    futures, passes, real_compile, real_evaluate = [], [], epoch.compile_eval_step, epoch.evaluate_model
+
+    def slow_compile(eval_step, element_spec, sizes):
+        def slowly(*inputs):
+            time.sleep(2.0)  # longer than the epoch's steps left after the compiling call
+            return eval_step(*inputs)
+
+        futures.append((sizes, real_compile(slowly, element_spec, sizes)))
+        return futures[-1][1]
+
+    def evaluating(eval_step, dataset, *args, **kwargs):
+        passes.append(futures[0][1].done())
+        return real_evaluate(eval_step, dataset, *args, **kwargs)
+
+    monkeypatch.setattr(epoch, "compile_eval_step", slow_compile)
+    monkeypatch.setattr(epoch, "evaluate_model", evaluating)
+    metrics = train(tiny_config("data.limit_train=40", "data.validation_fraction=0.2", "train.epochs=1",
+                                "train.xla=jit", "train.test_batch_size=32"))
+    [(sizes, _)] = futures
+    assert len(sizes) == 3 and {4, 32} < set(sizes)  # the test split's 100 = 3 x 32 + 4, the validation's
+    assert passes == [True, True] and "validation_accuracy" in metrics["history"][0]
+
+
 def test_compiling_the_test_step_leaves_its_errors_to_the_test_pass():
     """compile_eval_step: an op's error (the call ran out of memory beside the training, say)
     is dropped, the test pass making the same call alone; anything else is a bug, raised."""

@@ -167,14 +167,20 @@ class CompiledSteps:
         if self.eval_compile is not None:
             self.eval_compiled, self.eval_compile = self.eval_compile(), None
 
+    def await_eval_compile(self):
+        """Wait for the test step's compilation, started beside the training (the first pass over
+        the validation or test split then finds its shapes compiled, and never compiles them a
+        second time beside that thread)."""
+        if self.eval_compiled is not None:
+            self.eval_compiled.result()
+        self.eval_compile = self.eval_compiled = None  # (an epoch of one call: compiled here)
+
     def test_pass(self, summaries=None, step=None):
         """(test, raw_test): the test split through eval_step with the run's weights (with a
         weight average, the average's; raw_test then the trained weights', else None); with
         `summaries`, the epoch's test summaries at `step` too."""
         average, model, data = self.state.average, self.model, self.data
-        if self.eval_compiled is not None:  # the test step's compilation, started beside the training
-            self.eval_compiled.result()
-        self.eval_compile = self.eval_compiled = None  # (an epoch of one call: compiled here)
+        self.await_eval_compile()
         raw_test = evaluate_model(self.eval_step, data.test_ds, model.num_classes) if average is not None else None
         with average.in_model() if average is not None else contextlib.nullcontext():
             test = evaluate_model(self.eval_step, data.test_ds, model.num_classes, keep_lengths=True)
@@ -192,6 +198,7 @@ class CompiledSteps:
         run has none. With `summaries`, its validation/ scalars at `step`."""
         if self.data.validation_ds is None:
             return None
+        self.await_eval_compile()
         average = self.state.average
         with average.in_model() if average is not None else contextlib.nullcontext():
             validation = evaluate_model(self.eval_step, self.data.validation_ds, self.model.num_classes)
