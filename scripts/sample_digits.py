@@ -19,12 +19,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a clone without `pip install -e .` too
 
 from capsnet.cli import fail, import_tensorflow_quietly  # noqa: E402  (as train.py does)
-from capsnet.data.sources import load_sample  # noqa: E402
 
 
 def sample_digits(per_digit):
     """[(file name, uint8 image (28, 28, 1))]: the first `per_digit` test images of each digit
     in the bundled sample, by digit, then by index."""
+    # capsnet.data imports TensorFlow, which main() imports first, quietly: imported at the top,
+    # TensorFlow's native start-up lines (cuInit errors and all) would reach the user's terminal.
+    from capsnet.data.sources import load_sample  # noqa: PLC0415
+
     images, labels, _ = load_sample("mnist", "test")
     chosen = []
     for digit in range(10):

@@ -1,8 +1,12 @@
 """scripts/sample_digits.py: the README's digits to predict on are the bundled sample's test
 images, named by their labels, and predict.py reads them."""
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
+
+import capsnet.data
 
 from conftest import load_script
 
@@ -41,3 +45,14 @@ def test_predict_reads_them(trained_run, tmp_path):
     records = predict(str(run_dir), str(tmp_path / "d" / "*.png"))
     assert [r["image"] for r in records] == sorted(str(p) for p in written)
     assert all(r["class"] in r["lengths"] and "error" not in r for r in records)
+
+
+def test_its_import_leaves_tensorflow_to_import_tensorflow_quietly(monkeypatch):
+    """TensorFlow imported before main()'s import_tensorflow_quietly prints its native start-up
+    lines (cudart, cpu_feature_guard, a cuInit error) on the user's terminal: loading the script
+    must not import it (capsnet.data does)."""
+    for name in [n for n in sys.modules if n == "capsnet.data" or n.startswith("capsnet.data.")]:
+        monkeypatch.delitem(sys.modules, name)  # restored afterwards, as is capsnet.data itself
+    monkeypatch.setattr(capsnet, "data", capsnet.data)
+    monkeypatch.setitem(sys.modules, "tensorflow", None)  # `import tensorflow` raises ImportError meanwhile
+    load_script("sample_digits")
