@@ -2,8 +2,9 @@
 
     .venv/bin/python scripts/visualize.py RUN_DIR [--out DIR] [--which best|latest] [--examples N]
 
-RUN_DIR: a run dir or a checkpoint path, as evaluate.py takes it; the model is rebuilt from
-the run's config.yaml and its test split read from the run's data.dir. The first N test
+RUN_DIR: a run dir or a checkpoint path, as evaluate.py takes it (a run dir's default checkpoint
+too: best/ where the run held out a validation split, else latest/; named on stderr); the
+model is rebuilt from the run's config.yaml and its test split read from the run's data.dir. The first N test
 examples (default 200: the paper's CapsNet forward on them is most of the run's ~20 s on a
 2-core CPU) go through the model. Writes into --out (default RUN_DIR/figures,
 created if missing), and prints each path written:
@@ -35,8 +36,9 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="a run dir or checkpoint path (as evaluate.py's checkpoint=)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: RUN_DIR/figures)")
-    parser.add_argument("--which", choices=("best", "latest"), default="best",
-                        help="in a run dir: its best or latest checkpoint")
+    parser.add_argument("--which", choices=("best", "latest"), default=None,
+                        help="in a run dir: its best or latest checkpoint (default: evaluate.py's, best where the "
+                             "run held out a validation split, else latest)")
     parser.add_argument("--examples", type=int, default=200, help="test examples through the model (default 200)")
     args = parser.parse_args(argv)
     if args.examples < 1:
@@ -51,7 +53,7 @@ def file_name(name):
     return "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in name) + ".png"
 
 
-def run_figures(checkpoint, *, which="best", examples=200, batch_size=100):
+def run_figures(checkpoint, *, which=None, examples=200, batch_size=100):
     """model_figures of a trained run: `checkpoint` a run dir or checkpoint path, resolved and
     its model rebuilt from its config.yaml as evaluate.py does (the run's weights: its
     average where it kept one), over the first `examples` examples of its test split.
@@ -95,6 +97,8 @@ def main(argv=None):
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         fail(f"cannot create output dir {args.out}: {exc.strerror}")
+    print(f"figures of {prefix} on the first {args.examples} test examples (all where there are fewer)",
+          file=sys.stderr)
     for note in figures.notes:
         print(f"note: {note}", file=sys.stderr)
     written = []

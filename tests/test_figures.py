@@ -2,6 +2,8 @@
 run here, c_ij maps against capsnet/routing/functional.py's routing of u_hat computed in
 NumPy, the confusion counts against a loop, the PNG files and their sizes, and the
 end-of-training figures in TensorBoard."""
+import shutil
+
 import numpy as np
 import pytest
 
@@ -180,3 +182,17 @@ def test_displayable_keeps_unit_images_and_stretches_standardised_ones():
     standardised = np.array([[-2.0, 0.0], [1.0, 2.0]], np.float32)  # per-image standardisation's range
     np.testing.assert_allclose(displayable(standardised), [[0.0, 0.5], [0.75, 1.0]])
     np.testing.assert_array_equal(displayable(np.full((2, 2), 3.0, np.float32)), np.zeros((2, 2)))
+
+
+def test_visualize_defaults_to_evaluates_checkpoint(trained_run, tmp_path, capsys):
+    """A run without a validation split: evaluate.py's default is latest/ (best/ was chosen on the test
+    set); visualize.py reads the same one and says which, so it works without best/."""
+    run_dir, _ = trained_run
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    shutil.rmtree(copy / "checkpoints" / "best")
+    visualize = load_script("visualize")
+    visualize.main([str(copy), "--out", str(tmp_path / "figs"), "--examples", "10"])
+    latest = (copy / "checkpoints" / "latest").resolve()
+    err = capsys.readouterr().err
+    assert err.startswith(f"figures of {latest}/ckpt-") and "on the first 10 test examples" in err
