@@ -945,8 +945,10 @@ def test_the_validation_pass_waits_for_the_test_steps_compilation(tiny_config, m
     """train.xla=jit with data.validation_fraction: the validation split's last batch shape is
     compiled beside the first epoch with the test split's, and the validation pass, the
     epoch's first over held-out data, waits for that compilation as the test pass does
-    (calling the step beside it compiled the same shapes twice at once)."""
-    from capsnet.training import epoch
+    (calling the step beside it compiled the same shapes twice at once); the run's estimate
+    counts the validation split's examples with the test split's."""
+    from capsnet.training import epoch, loop
+    from capsnet.training.progress import Progress
 
     futures, passes, real_compile, real_evaluate = [], [], epoch.compile_eval_step, epoch.evaluate_model
 
@@ -964,11 +966,15 @@ def test_the_validation_pass_waits_for_the_test_steps_compilation(tiny_config, m
 
     monkeypatch.setattr(epoch, "compile_eval_step", slow_compile)
     monkeypatch.setattr(epoch, "evaluate_model", evaluating)
+    estimates = []  # the run's estimate counts the validation pass beside the test pass
+    monkeypatch.setattr(loop, "Progress", lambda **kwargs: estimates.append(kwargs) or Progress(**kwargs))
     metrics = train(tiny_config("data.limit_train=40", "data.validation_fraction=0.2", "train.epochs=1",
                                 "train.xla=jit", "train.test_batch_size=32"))
     [(sizes, _)] = futures
     assert len(sizes) == 3 and {4, 32} < set(sizes)  # the test split's 100 = 3 x 32 + 4, the validation's
     assert passes == [True, True] and "validation_accuracy" in metrics["history"][0]
+    [estimate], [held_out] = estimates, set(sizes) - {4, 32}  # (fewer than 32 held out: one batch)
+    assert estimate["test_examples"] == 100 + held_out
 
 
 def test_compiling_the_test_step_leaves_its_errors_to_the_test_pass():

@@ -139,7 +139,8 @@ def _train(cfg, control, hydra_files, lock):
     global_step = resumed_epoch * data.steps_per_epoch + first_step
     control.start(resumed_epoch)
     report = Progress(epochs=tcfg["epochs"], steps_per_epoch=data.steps_per_epoch, batch_size=batch_size,
-                      test_examples=data.test_examples, test_every_epochs=tcfg["test_every_epochs"],
+                      test_examples=data.test_examples + data.validation_examples,  # the passes after an epoch
+                      test_every_epochs=tcfg["test_every_epochs"],
                       every=tcfg["progress_every_seconds"], live=live_progress_bar(tcfg["progress_bar"]),
                       long_run_seconds=0 if trains_on_gpu(strategy) else 60 * tcfg["long_run_notice_minutes"])
     test = raw_test = None

@@ -50,7 +50,7 @@ class Progress:
     Estimates the run's time left from the images/s shown (the epoch's mean over its timed
     steps: smoothed, so one slow call does not swing it) as the images left to train (this
     and the later epochs') over that rate, plus the test passes left (the last one's time;
-    before the first, the test split at that rate); prints once, after the first timed steps
+    before the first, `test_examples`, the test and validation splits, at that rate); prints once, after the first timed steps
     of this process, the estimated time of the whole run, and, when stdout is not a terminal
     (a log file, a job scheduler: no live bar), a line every `every` seconds of `clock` inside
     an epoch: steps done, images/s, the ETA of the epoch and of the run. At a steady rate two
