@@ -48,7 +48,7 @@ import keras
 import tensorflow as tf
 
 from capsnet.errors import CheckpointError, OpLibraryError
-from capsnet.evaluation import resolve_member
+from capsnet.evaluation import WEIGHT_NAMES, resolve_member
 from capsnet.outputs import check_export_output
 from capsnet.tasks import task_for
 from capsnet.tasks.labels import NO_CLASS, ONE_LABEL
@@ -363,7 +363,7 @@ def readme_text(report):
 def format_summary(report):
     """A human-readable summary of an export: where, from what, its signatures."""
     ops = report["op_library_ops"]
-    lines = [f"exported {report['checkpoint']} (epoch {report['epoch']}, {report['weights']} weights) "
+    lines = [f"exported {report['checkpoint']} (epoch {report['epoch']}, {WEIGHT_NAMES[report['weights']]}) "
              f"to {report['output']}",
              "graph: " + (f"the compiled capsnet op ({', '.join(ops)}): call capsnet.ops.load_op_library() "
                           "before loading it" if ops else "standard TensorFlow ops only (loads without capsnet)")]

@@ -134,6 +134,7 @@ def test_portable_export_loads_without_capsnet_and_matches_evaluate(trained_run,
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["output"] == str(output) and report["custom_op"] is False and report["op_library_ops"] == []
     assert "standard TensorFlow ops only" in result.stdout
+    assert f"(epoch {report['epoch']}, trained weights) to {output}" in result.stdout  # evaluate.py's words
     assert not [op for op in capsnet_export.graph_op_types(output) if op.startswith("Capsnet>")]
     metadata = json.loads((output / "assets.extra" / "capsnet_export.json").read_text())
     assert metadata["checkpoint"] == report["checkpoint"] and metadata["epoch"] == report["epoch"]
