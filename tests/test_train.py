@@ -242,7 +242,9 @@ def test_the_tests_tiny_runs_keep_no_xla_cache_in_the_home(tiny_config):
     """The default train.xla_cache_dir is in the home (~/.cache/capsnet/xla): the tests' jit
     runs (tiny_config, trained the same way in subprocesses) keep none there, and one test's
     compiled steps are never another's."""
-    assert compose_config("train", ["run_dir=/r"])["train"]["xla_cache_dir"] == "~/.cache/capsnet/xla"
+    from capsnet.training.xla_flags import DEFAULT_CACHE_DIR
+
+    assert compose_config("train", ["run_dir=/r"])["train"]["xla_cache_dir"] == DEFAULT_CACHE_DIR
     assert tiny_config("train.xla=jit")["train"]["xla_cache_dir"] is None
 
 
@@ -753,7 +755,7 @@ def test_set_tf_xla_flag_sets_each_flag_once_and_returns_the_earlier_setting(mon
 
 
 def test_set_xla_cache_adds_the_flag_and_replaces_another_directory_with_a_notice(tmp_path, monkeypatch):
-    from capsnet.training.xla_flags import set_xla_cache
+    from capsnet.training.xla_flags import DEFAULT_CACHE_DIR, set_xla_cache
 
     monkeypatch.setenv("TF_XLA_FLAGS", "--tf_xla_cpu_global_jit")
     assert set_xla_cache(None) is None
@@ -770,6 +772,13 @@ def test_set_xla_cache_adds_the_flag_and_replaces_another_directory_with_a_notic
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match=r"^train.xla_cache_dir=.*file/d: cannot make the directory"):
         set_xla_cache(tmp_path / "file" / "d")
+    # The default in a home that cannot hold it (read-only, a file): the run goes on uncached, said.
+    monkeypatch.setenv("HOME", str(tmp_path / "file"))
+    monkeypatch.setenv("TF_XLA_FLAGS", "")
+    assert set_xla_cache(DEFAULT_CACHE_DIR) == (
+        f"train.xla_cache_dir={DEFAULT_CACHE_DIR} cannot be made (Not a directory): XLA compiles without a cache "
+        "(train.xla_cache_dir=PATH keeps one elsewhere, null says none)")
+    assert os.environ["TF_XLA_FLAGS"] == ""
 
 
 @pytest.mark.slow

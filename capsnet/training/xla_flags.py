@@ -21,7 +21,7 @@ def set_xla_flags(xla, cache_dir):
     this process, before TensorFlow sets up its devices (it reads them then: on a CPU-only
     machine autoclustering needs a TF_XLA_FLAGS flag, and the XLA cache is one; the cache
     only where XLA compiles: xla=jit or autocluster). Returns the notice to show if the
-    cache flag replaced another directory, else None."""
+    cache flag replaced another directory or the default one cannot be made, else None."""
     set_autoclustering(xla == "autocluster")
     if xla == "none":
         return None  # nothing is compiled by XLA: no cache directory made
@@ -116,6 +116,9 @@ def set_xla_gemm_backend():
 
 
 XLA_CACHE_FLAG = "--tf_xla_persistent_cache_directory"
+# train.xla_cache_dir's default (configs/train/default.yaml): a home that cannot hold it (read-only,
+# or no home at all) costs the cache, with a notice, not the run; a directory the user names must be made.
+DEFAULT_CACHE_DIR = "~/.cache/capsnet/xla"
 
 
 def set_xla_cache(directory):
@@ -125,13 +128,17 @@ def set_xla_cache(directory):
     instead of compiled and autotuned. None: no cache. TensorFlow reads the flag with the
     others in TF_XLA_FLAGS, once (see set_autoclustering): call this before the first
     tensor. Returns the notice to show if the flag replaced another directory, else None.
-    A directory that cannot be made is a ConfigError."""
+    A directory that cannot be made is a ConfigError, but for the default (DEFAULT_CACHE_DIR):
+    then no cache, and the notice says so."""
     if directory is None:
         return None
     path = Path(directory).expanduser().resolve()
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as error:
+        if str(directory) == DEFAULT_CACHE_DIR:
+            return (f"train.xla_cache_dir={directory} cannot be made ({error.strerror or error}): XLA compiles "
+                    "without a cache (train.xla_cache_dir=PATH keeps one elsewhere, null says none)")
         raise ConfigError(f"train.xla_cache_dir={directory}: cannot make the directory "
                           f"({error.strerror or error})") from None
     earlier = set_tf_xla_flag(XLA_CACHE_FLAG, path)
