@@ -814,18 +814,21 @@ def test_set_xla_compile_threads_adds_flags_this_xla_knows_unless_the_user_set_t
 
 def test_set_xla_gemm_backend_turns_triton_gemms_off_unless_the_user_set_it(monkeypatch):
     """The flag goes into XLA_FLAGS once, after the user's others; a user's own setting of
-    it (either value) is left as it is. (That this XLA knows the flag: the compile-threads
-    test above compiles a function with it set.)"""
+    it (either value), or of any other --xla_gpu_*triton_gemm* flag, is left as it is. (That
+    this XLA knows the flag: the compile-threads test above compiles a function with it set.)"""
     from capsnet.training.xla_flags import set_xla_gemm_backend
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
     assert set_xla_gemm_backend() == "--xla_gpu_enable_triton_gemm=false"
     assert set_xla_gemm_backend() == ""  # set already: not twice
     assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_gpu_enable_triton_gemm=false"
-    for user in ("--xla_gpu_enable_triton_gemm=true", "--xla_gpu_enable_triton_gemm"):
+    for user in ("--xla_gpu_enable_triton_gemm=true", "--xla_gpu_enable_triton_gemm",
+                 "--xla_gpu_triton_gemm_any=true",
+                 "--xla_dump_to=/tmp/x --xla_gpu_unsupported_enable_triton_gemm=false"):
         monkeypatch.setenv("XLA_FLAGS", user)
         assert set_xla_gemm_backend() == "" and os.environ["XLA_FLAGS"] == user
-    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm_any=true")  # another flag, not this one
+    # a flag that only mentions triton_gemm in its value is not the user's choice of backend
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_dump_autotune_results_to=/tmp/triton_gemm")
     assert set_xla_gemm_backend() == "--xla_gpu_enable_triton_gemm=false"
 
 

@@ -94,12 +94,15 @@ def set_xla_compile_threads(threads=None):
 
 
 XLA_TRITON_GEMM_FLAG = "--xla_gpu_enable_triton_gemm"
+# Any XLA_FLAGS flag about Triton matrix products (--xla_gpu_enable_triton_gemm,
+# --xla_gpu_triton_gemm_any, ...): a user who set one chose how XLA does them.
+_USER_TRITON_GEMM = re.compile(r"(?<!\S)--xla_gpu_[^\s=]*triton_gemm")
 
 
 def set_xla_gemm_backend():
     """XLA's GPU matrix products as cuBLAS calls instead of Triton kernels, for this PROCESS,
-    unless XLA_FLAGS already names the flag (the user's choice stands). Returns the flag set
-    ("" if none).
+    unless XLA_FLAGS already names any --xla_gpu_*triton_gemm* flag (the user's choice stands,
+    e.g. --xla_gpu_triton_gemm_any=true). Returns the flag set ("" if none).
 
     Why: with Triton on, XLA's compile of a step generates, compiles and times dozens of
     Triton configurations for each matrix product (the decoder's and the gradients'); the
@@ -108,7 +111,7 @@ def set_xla_gemm_backend():
     (one H200, docs/benchmarks.md, "Start-up"). XLA reads XLA_FLAGS once, at its first
     compilation: call this before it. A CPU-only run ignores the flag."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if _flag_pattern(XLA_TRITON_GEMM_FLAG).search(flags):
+    if _USER_TRITON_GEMM.search(flags):
         return ""
     added = f"{XLA_TRITON_GEMM_FLAG}=false"
     os.environ["XLA_FLAGS"] = " ".join([*flags.split(), added])
