@@ -63,6 +63,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a clone without `pip install -e .` too
 
 from capsnet.cli import fail  # noqa: E402  (`error: ...` on one line, exit 2, as train.py does)
+from capsnet.console import count  # noqa: E402
 from capsnet.config import migrate  # noqa: E402  (no TensorFlow either)
 from capsnet.errors import ConfigError  # noqa: E402
 
@@ -273,7 +274,7 @@ def markdown(summary, at):
     lines = []
     first_header = "" if threshold is None else f" first ≥ {pct(threshold)} |"
     for name, g in summary["groups"].items():
-        lines += [f"### {name} ({len(g['runs'])} runs)", "",
+        lines += [f"### {name} ({count(len(g['runs']), 'run')})", "",
                   f"| seed | final | evaluate.py | best epoch |{first_header} train acc, last epoch | images/s | run |",
                   "|---:|---:|---:|---:|" + ("---:|" if threshold is not None else "") + "---:|---:|---|"]
         for r in g["runs"]:
@@ -299,7 +300,7 @@ def markdown(summary, at):
                          + ".")
         unfinished = [r for r in g["runs"] if not r["finished"]]
         if unfinished:
-            lines.append(f"* {len(unfinished)} run(s) stopped before train.epochs: their last tested epoch counts.")
+            lines.append(f"* {count(len(unfinished), 'run')} stopped before train.epochs: their last tested epoch counts.")
         lines.append("")
     lines += [f"| group | runs | mean | min | max | sd | vs {summary['reference']} (paired seeds) | images/s | "
               f"speed vs {summary['reference']} |",

@@ -165,7 +165,8 @@ def test_untested_epochs_and_unfinished_runs(tmp_path, capsys):
     summary = compare_runs.main([f"g={tmp_path}/*"])
     out = capsys.readouterr().out
     assert summary["groups"]["g"]["mean"] == pytest.approx((0.93 + 0.96) / 2)
-    assert "96.00% * (epoch 3 of 10)" in out and "1 run(s) stopped before train.epochs" in out
+    assert "96.00% * (epoch 3 of 10)" in out and "* 1 run stopped before train.epochs" in out
+    assert "### g (2 runs)" in out
 
 
 def test_json_output(tmp_path):
@@ -242,3 +243,10 @@ def test_the_first_epoch_at_a_threshold_is_a_column_only_when_asked_for(tmp_path
     column = rows[0].index("first ≥ 95.00%")
     assert {len(row) for row in rows} == {len(rows[0])}
     assert [row[column] for row in rows[2:]] == ["2", "–"]  # r0 reaches 0.95 at epoch 2, r1 never
+
+
+def test_a_group_of_one_run_is_one_run(tmp_path, capsys):
+    fake_run(tmp_path, "only", 0, [0.90, 0.95], epochs=3)
+    compare_runs.main([f"A={tmp_path}/only"])
+    out = capsys.readouterr().out
+    assert "### A (1 run)" in out and "* 1 run stopped before train.epochs" in out

@@ -199,6 +199,8 @@ def test_load_split_relative_dir(idx_dir, monkeypatch):
 
 @pytest.mark.parametrize("images, labels, words", [
     (tiny_images(4), np.zeros(3, np.uint8), "has 4 images but"),
+    (tiny_images(1), np.zeros(2, np.uint8), "has 1 image but"),
+    (tiny_images(2), np.zeros(1, np.uint8), "has 1 label"),
     (tiny_images(3, size=32), np.zeros(3, np.uint8), "(3, 32, 32)"),
     (tiny_images(3).astype(np.float32), np.zeros(3, np.uint8), "float32"),
     (tiny_images(3)[:, :, :, None, None], np.zeros(3, np.uint8), "(3, 28, 28, 1, 1)"),
@@ -685,6 +687,8 @@ def test_make_dataset_rejects_bad_arguments(examples, kwargs, error, words):
     (np.zeros((4, 28, 28), np.uint8), np.zeros(4), "(4, 28, 28)"),
     (np.zeros((4, 28, 28, 1), np.float32), np.zeros(4, np.int64), "float32"),
     (np.zeros((4, 28, 28, 1), np.uint8), np.zeros(3, np.int64), "4 images"),
+    (np.zeros((1, 28, 28, 1), np.uint8), np.zeros(2, np.int64), "1 image (1, 28, 28, 1) but 2 labels"),
+    (np.zeros((2, 28, 28, 1), np.uint8), np.zeros(1, np.int64), "but 1 label (1,)"),
     (np.zeros((4, 28, 28, 1), np.uint8), np.zeros(4, np.float32), "labels must be integers"),
     (np.zeros((0, 28, 28, 1), np.uint8), np.zeros(0, np.int64), "no examples"),
 ])

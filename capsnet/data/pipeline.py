@@ -18,6 +18,7 @@ import tensorflow as tf
 from capsnet.augment import (elastic_distort, elastic_noise, erase_batch, erase_boxes, flip_mask, fold_in_seed,
                              random_rotate_zoom, shift_batch, shift_corners)
 from capsnet.config import AUGMENTATION_OFF, PER_EXAMPLE_AUGMENTATION, check_augmentation
+from capsnet.console import count
 from capsnet.errors import ConfigError, DataError
 from capsnet.validation import boolean, integer
 
@@ -300,8 +301,8 @@ def _check_examples(images, labels):
     if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
         raise DataError(f"labels must be integers of shape (N,), got {labels.dtype} {labels.shape}")
     if len(images) != len(labels):
-        raise DataError(f"{len(images)} images {images.shape} but {len(labels)} labels "
-                        f"{labels.shape}")
+        raise DataError(f"{count(len(images), 'image')} {images.shape} but "
+                        f"{count(len(labels), 'label')} {labels.shape}")
     if len(labels) == 0:
         raise DataError(f"no examples: images {images.shape}")
     if labels.min() < np.iinfo(np.int32).min or labels.max() > np.iinfo(np.int32).max:

@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from capsnet.console import say
+from capsnet.console import count, say
 from capsnet.data.tfds import is_network_error, load_tfds, quiet_tfds, shorten
 from capsnet.datasets import DATASETS
 from capsnet.errors import ConfigError, DataError
@@ -191,8 +191,8 @@ def _check_split(name, spec, images, labels, images_src, labels_src):
         raise DataError(f"{labels_src}: labels are {labels.dtype} {labels.shape}, "
                         f"need integers of shape (N,)")
     if len(images) != len(labels):
-        raise DataError(f"{images_src} has {len(images)} images but {labels_src} has "
-                        f"{len(labels)} labels")
+        raise DataError(f"{images_src} has {count(len(images), 'image')} but {labels_src} has "
+                        f"{count(len(labels), 'label')}")
     if len(labels) == 0:
         raise DataError(f"{images_src}: no examples")
     low, high = labels.min(), labels.max()

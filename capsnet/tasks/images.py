@@ -42,7 +42,7 @@ import numpy as np
 
 from capsnet import folder
 from capsnet.augment import natural_image_batch
-from capsnet.console import say
+from capsnet.console import count, say
 from capsnet.data.pipeline import host_tensor, int32_labels
 from capsnet.data.tfds import fail_fast_downloads, is_network_error, shorten
 from capsnet.datasets import DEFAULT_MAX_PIXELS, source_shape, spec_class_names
@@ -375,7 +375,7 @@ def _skipped_notice(root, split, paths, kept):
     mend them."""
     listed = len(paths)
     if len(kept) == 0:
-        raise DataError(f"no image of {root} ({split}) could be decoded ({listed} files)")
+        raise DataError(f"no image of {root} ({split}) could be decoded ({count(listed, 'file')})")
     if len(kept) < listed:
         skipped = sorted(set(range(listed)) - {int(i) for i in kept})
         named = ", ".join(str(paths[i]) for i in skipped[:3]) + (", ..." if len(skipped) > 3 else "")

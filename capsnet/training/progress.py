@@ -91,7 +91,7 @@ class Progress:
             self.announced = True
             total = self.epochs * epoch_seconds + self.test_passes() * test_seconds
             say(f"estimated time of the run: {format_duration(total)} for {count(self.epochs, 'epoch')} "
-                f"({format_duration(self.run_eta)} left; {rate:.3g} images/s, {self.steps_per_epoch} steps an "
+                f"({format_duration(self.run_eta)} left; {rate:.3g} images/s, {count(self.steps_per_epoch, 'step')} an "
                 "epoch)")
             if self.long_run_seconds and self.run_eta > self.long_run_seconds:
                 say(f"notice: this run needs about {format_duration(self.run_eta)} more on this CPU (at the "
