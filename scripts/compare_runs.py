@@ -20,13 +20,19 @@ What a run contributes, read from its own files (no TensorFlow is imported):
   `evaluate.py which=latest` scores (the average's with train.ema_decay > 0), and in
   float32 the same number. A run stopped before train.epochs is marked `*` and still counts:
   the note under its table says so;
-- evaluate.py: the accuracy in the report evaluate.py left at its default place,
+- evaluate.py: the accuracy in the report evaluate.py left at its default place for the
+  checkpoint it picks by default (checkpoints.default_which): `evaluations/best-ckpt-<best
+  epoch>.json` for a run with a validation split (data.validation_fraction), else
   `evaluations/latest-ckpt-<last epoch>.json`, if there is one (evaluated with the default output
   and the run's own settings: one with others, e.g. custom_op switched, is named after them,
-  `latest-ckpt-<epoch>.custom_op-true.json`, and not read; a report of another epoch is not this
-  run's final); a run dir evaluated by an older version has it beside the checkpoint,
-  `checkpoints/latest/ckpt-<last epoch>.eval.json`, read where the first is missing;
-- best epoch, the last epoch's training accuracy, and with --threshold the first epoch at or
+  `latest-ckpt-<epoch>.custom_op-true.json`, and not read; a report of another checkpoint is not
+  the one evaluate.py's default scores); a run dir evaluated by an older version has it beside the
+  checkpoint, `checkpoints/<best|latest>/ckpt-<epoch>.eval.json`, read where the first is missing;
+- best epoch: the epoch best/ holds, chosen as train.py chose it (TrainingState.new_best: the
+  highest validation accuracy where history.jsonl has one, else the highest test accuracy; the
+  earliest of equal bests), with its test accuracy and what it was chosen on ("test": a number
+  picked on the test set, optimistic);
+- the last epoch's training accuracy, and with --threshold the first epoch at or
   above it (a column shown only then: a target that fits one dataset means nothing for another);
 - images/s: the mean of its epochs' training speeds in history.jsonl (train_images_per_sec),
   as metrics.json's images_per_sec and TensorBoard's HParams images/s have it; a group's is the
@@ -85,7 +91,8 @@ class Run(NamedTuple):
     last_epoch: int             # the last epoch in history.jsonl
     final: float                # test accuracy of the last tested epoch
     evaluated: float | None     # evaluate.py's report of the final checkpoint, at its default place
-    best: tuple[float, int]     # (test accuracy, epoch) of the best tested epoch
+    best: tuple[float | None, int]  # (test accuracy, epoch) of best/'s epoch (None: not tested then)
+    best_on: str                # what best/ was chosen on: "validation" or "test"
     first_at: int | None        # first epoch whose test accuracy is >= the threshold (None: none, or no threshold)
     train_accuracy: float       # the last epoch's
     images_per_sec: float | None  # the mean of its epochs' training speeds; None if none was measured
@@ -117,23 +124,30 @@ def read_run(path, threshold=None):
     if not tested:
         raise CompareError(f"{path}: no epoch of history.jsonl has a test accuracy")
     last_tested = max(tested)
-    best_epoch = max(tested, key=lambda e: (tested[e], -e))  # the earliest of equal bests
-    evaluated = evaluated_accuracy(path, records[-1]["epoch"])
+    validated = {r["epoch"]: r["validation_accuracy"] for r in records if r.get("validation_accuracy") is not None}
+    best_on, chosen = ("validation", validated) if validated else ("test", tested)
+    best_epoch = max(chosen, key=lambda e: (chosen[e], -e))  # the earliest of equal bests, as new_best keeps
+    # evaluate.py's default checkpoint (checkpoints.default_which): best/ where the run held out a
+    # validation split, else latest/, the final one.
+    if (config.get("data") or {}).get("validation_fraction"):
+        evaluated = evaluated_accuracy(path, "best", best_epoch)
+    else:
+        evaluated = evaluated_accuracy(path, "latest", records[-1]["epoch"])
     return Run(path=path, seed=int(config["seed"]), epochs=int(config["train"]["epochs"]),
                last_epoch=records[-1]["epoch"], final=tested[last_tested], evaluated=evaluated,
-               best=(tested[best_epoch], best_epoch),
+               best=(tested.get(best_epoch), best_epoch), best_on=best_on,
                first_at=None if threshold is None else min((e for e, a in tested.items() if a >= threshold),
                                                            default=None),
                train_accuracy=records[-1]["train_accuracy"], tested=tested, recipe=recipe,
                images_per_sec=statistics.fmean(speeds.values()) if speeds else None)
 
 
-def evaluated_accuracy(path, epoch):
-    """The accuracy of evaluate.py's default report of run `path`'s checkpoints/latest/ckpt-`epoch`,
-    or None: evaluations/latest-ckpt-<epoch>.json (capsnet.evaluation.report_path), else where
+def evaluated_accuracy(path, which, epoch):
+    """The accuracy of evaluate.py's default report of run `path`'s checkpoints/`which`/ckpt-`epoch`,
+    or None: evaluations/<which>-ckpt-<epoch>.json (capsnet.evaluation.report_path), else where
     an older evaluate.py wrote it, beside the checkpoint (a run dir evaluated before the move)."""
-    for report in (path / "evaluations" / f"latest-ckpt-{epoch}.json",
-                   path / "checkpoints" / "latest" / f"ckpt-{epoch}.eval.json"):
+    for report in (path / "evaluations" / f"{which}-ckpt-{epoch}.json",
+                   path / "checkpoints" / which / f"ckpt-{epoch}.eval.json"):
         if report.is_file():
             return json.loads(report.read_text()).get("accuracy")
     return None
@@ -231,7 +245,8 @@ def summarize(groups, reference, at, threshold):
             in_run[epoch] = statistics.fmean(accs) if None not in accs else None
         group = {"runs": [{"path": str(r.path), "seed": r.seed, "final": r.final, "evaluated": r.evaluated,
                            "last_epoch": r.last_epoch, "epochs": r.epochs, "finished": r.finished,
-                           "best": r.best[0], "best_epoch": r.best[1], "first_at_threshold": r.first_at,
+                           "best": r.best[0], "best_epoch": r.best[1],
+                           "best_chosen_on": r.best_on, "first_at_threshold": r.first_at,
                            "train_accuracy": r.train_accuracy, "images_per_sec": r.images_per_sec}
                           for r in sorted(runs, key=lambda r: r.seed)],
                  "mean": mean, "sd": sd, "se": se, "min": min(finals), "max": max(finals),
@@ -275,13 +290,13 @@ def markdown(summary, at):
     first_header = "" if threshold is None else f" first ≥ {pct(threshold)} |"
     for name, g in summary["groups"].items():
         lines += [f"### {name} ({count(len(g['runs']), 'run')})", "",
-                  f"| seed | final | evaluate.py | best epoch |{first_header} train acc, last epoch | images/s | run |",
+                  f"| seed | final | evaluate.py | best epoch: test acc (epoch, chosen on) |{first_header} train acc, last epoch | images/s | run |",
                   "|---:|---:|---:|---:|" + ("---:|" if threshold is not None else "") + "---:|---:|---|"]
         for r in g["runs"]:
             mark = "" if r["finished"] else f" * (epoch {r['last_epoch']} of {r['epochs']})"
             first = "" if threshold is None else f" {r['first_at_threshold'] or '–'} |"
             lines.append(f"| {r['seed']} | {pct(r['final'])}{mark} | {pct(r['evaluated'])} | "
-                         f"{pct(r['best'])} ({r['best_epoch']}) |{first} {pct(r['train_accuracy'])} | "
+                         f"{pct(r['best'])} ({r['best_epoch']}, {r['best_chosen_on']}) |{first} {pct(r['train_accuracy'])} | "
                          f"{speed(r['images_per_sec'])} | {r['path']} |")
         sd = "–" if g["sd"] is None else f"{100 * g['sd']:.3f}"
         se = "–" if g["se"] is None else f"{100 * g['se']:.3f}"

@@ -13,10 +13,12 @@ from conftest import load_script
 compare_runs = load_script("compare_runs")
 
 
-def fake_run(root, name, seed, test_accs, *, epochs=None, train_acc=0.99, untested=(), config=None, speeds=None):
+def fake_run(root, name, seed, test_accs, *, epochs=None, train_acc=0.99, untested=(), config=None, speeds=None,
+             validation_accs=None):
     """A run dir as train.py leaves one: config.yaml (`config`'s sections besides train.epochs
     and the seed) and history.jsonl, one line an epoch (epochs in `untested` without a test
-    pass, as train.test_every_epochs > 1 leaves them; `speeds`: the epochs' train images/s)."""
+    pass, as train.test_every_epochs > 1 leaves them; `speeds`: the epochs' train images/s;
+    `validation_accs`: the epochs' validation accuracy, as a run with data.validation_fraction has it)."""
     run = root / name
     run.mkdir(parents=True)
     config = {**(config or {}), "seed": seed}
@@ -27,6 +29,8 @@ def fake_run(root, name, seed, test_accs, *, epochs=None, train_acc=0.99, untest
         record = {"epoch": epoch, "train_accuracy": train_acc, "train_loss": 0.1}
         if speeds is not None:
             record["train_images_per_sec"] = speeds[epoch - 1]
+        if validation_accs is not None:
+            record["validation_accuracy"] = validation_accs[epoch - 1]
         if epoch not in untested:
             record["test_accuracy"] = acc
         lines.append(json.dumps(record))
@@ -250,3 +254,39 @@ def test_a_group_of_one_run_is_one_run(tmp_path, capsys):
     compare_runs.main([f"A={tmp_path}/only"])
     out = capsys.readouterr().out
     assert "### A (1 run)" in out and "* 1 run stopped before train.epochs" in out
+
+
+def test_best_epoch_is_chosen_as_best_was_and_says_on_what(tmp_path, capsys):
+    """best/ of a run with a validation split holds the epoch of the highest validation accuracy
+    (TrainingState.new_best), not of the highest test accuracy; the column shows that epoch's test
+    accuracy and what it was chosen on. Without one, the test-chosen epoch, named so."""
+    fake_run(tmp_path, "val", 0, [0.97, 0.99, 0.98], validation_accs=[0.96, 0.97, 0.975],
+             config={"data": {"validation_fraction": 0.1}})
+    fake_run(tmp_path, "test", 1, [0.97, 0.99, 0.98])
+    val, test = compare_runs.read_run(tmp_path / "val"), compare_runs.read_run(tmp_path / "test")
+    assert (val.best, val.best_on) == ((0.98, 3), "validation")
+    assert (test.best, test.best_on) == ((0.99, 2), "test")
+    summary = compare_runs.main([f"g={tmp_path}/*"])
+    out = capsys.readouterr().out
+    assert [(r["best"], r["best_epoch"], r["best_chosen_on"]) for r in summary["groups"]["g"]["runs"]] == [
+        (0.98, 3, "validation"), (0.99, 2, "test")]
+    assert "| best epoch: test acc (epoch, chosen on) |" in out
+    assert "| 98.00% (3, validation) |" in out and "| 99.00% (2, test) |" in out
+
+
+def test_the_evaluated_report_of_a_run_with_a_validation_split_is_of_best(tmp_path):
+    """evaluate.py's default for a run with a validation split is best/ (checkpoints.default_which):
+    its report, evaluations/best-ckpt-<best epoch>.json (or beside the checkpoint, older), is the
+    one read; latest's report of the last epoch is not what that default scores."""
+    run = fake_run(tmp_path, "run", 0, [0.97, 0.99, 0.98], validation_accs=[0.96, 0.98, 0.97],
+                   config={"data": {"validation_fraction": 0.1}})
+    (run / "checkpoints" / "best").mkdir(parents=True)
+    (run / "evaluations").mkdir()
+    (run / "evaluations" / "latest-ckpt-3.json").write_text(json.dumps({"accuracy": 0.5}))
+    (run / "evaluations" / "best-ckpt-3.json").write_text(json.dumps({"accuracy": 0.6}))
+    assert compare_runs.read_run(run).evaluated is None
+    old = run / "checkpoints" / "best" / "ckpt-2.eval.json"
+    old.write_text(json.dumps({"accuracy": 0.991}))
+    assert compare_runs.read_run(run).evaluated == 0.991
+    (run / "evaluations" / "best-ckpt-2.json").write_text(json.dumps({"accuracy": 0.992}))
+    assert compare_runs.read_run(run).evaluated == 0.992
