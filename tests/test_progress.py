@@ -147,6 +147,12 @@ def test_the_first_line_of_the_estimate_is_said_once_per_process_and_in_the_sing
     report(2, seconds_per_step=0.5)  # no images/s given: the step time's (4 images in 0.5 s); 40 + 8 images
     report(5, seconds_per_step=0.5)
     assert lines == ["estimated time of the run: 6 s for 1 epoch (5 s left; 8 images/s, 10 steps an epoch)"]
+    lines.clear()
+    one_step = progress.Progress(epochs=3, steps_per_epoch=1, batch_size=4, test_examples=8, test_every_epochs=1,
+                                 every=0, live=False, clock=clock)
+    one_step.start_epoch(1)
+    one_step(1, seconds_per_step=0.5)  # 3 x 4 + 3 x 8 images at 8 images/s
+    assert lines == ["estimated time of the run: 4 s for 3 epochs (4 s left; 8 images/s, 1 step an epoch)"]
 
 
 def test_the_first_timed_steps_come_within_seconds_of_the_first_on_a_slow_machine(monkeypatch):
