@@ -266,15 +266,16 @@ def test_a_tiny_deep_model_trains_evaluates_exports_and_predicts_on_a_folder(tmp
     cfg = compose_config("train", ["experiment=deep_cifar10", "data=folder", f"data.dir={root}", "custom_op=false",
                                    "model.deep_widths=[8,8,16,16]", "model.primary_caps_types=4", "train.epochs=3",
                                    "train.batch_size=30", "train.xla=none", "train.precision=float32",
-                                   "train.warmup_epochs=0.5", "train.progress_bar=false", f"run_dir={run_dir}"])
+                                   "train.warmup_epochs=0.5", "train.learning_rate=0.05", "train.progress_bar=false",
+                                   f"run_dir={run_dir}"])  # the preset's SGD rate is for batch 512
     metrics = train(cfg)
     losses = [h["train_loss"] for h in metrics["history"]]
     assert losses[-1] < 0.8 * losses[0], losses
     assert metrics["test_accuracy"] > 0.6, metrics["test_accuracy"]
     events = read_events(run_dir)
     assert {"figures/routing", "figures/lengths", "figures/confusion", "figures/notes"} <= set(events)
-    report = evaluate(str(run_dir))
-    assert report["accuracy"] == pytest.approx(metrics["best_test_accuracy"], abs=1e-6)
+    report = evaluate(str(run_dir))  # no validation split: the final checkpoint
+    assert report["accuracy"] == pytest.approx(metrics["test_accuracy"], abs=1e-6)
     latest = run_dir / "checkpoints" / "latest"
     ensemble = evaluate([str(latest / "ckpt-2"), str(latest / "ckpt-3")])  # epochs 2 and 3 as two members
     assert ensemble["accuracy"] > 0.6, ensemble["accuracy"]
