@@ -78,6 +78,9 @@ def assert_checkpoints_match(prefix, reference_prefix):
     assert any(name.startswith("optimizer/") for name in names)
     for name in sorted(names):
         mine, ref = ours.get_tensor(name), theirs.get_tensor(name)
+        if np.asarray(ref).dtype.kind in "SUO":  # a string of the training state: the same
+            np.testing.assert_array_equal(mine, ref, err_msg=name)
+            continue
         np.testing.assert_allclose(mine, ref, rtol=0, atol=CHECKPOINT_TOL * float(np.abs(ref).max()), err_msg=name)
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import REPO, compose_config, entry_point_env, write_idx_dataset
+from conftest import REPO, compose_config, entry_point_env, run_entry_point, write_idx_dataset
 
 from capsnet import cli, config
 from capsnet.config import describe
@@ -210,17 +210,19 @@ def test_help_without_the_keys_mark_is_hydras_own():
 
 
 @pytest.mark.slow  # two Hydra help texts, ~3 s each: Hydra lists every config group's options
-def test_train_help_and_hydras_help_through_hydra(run_main):
-    status, out, err = run_main("train.py", "--help", "data=fashion_mnist", "train.epochs=7")
-    assert status == 0, err
-    groups, keys = out.split("== Keys (configs/train.yaml) ==")
+def test_train_help_and_hydras_help_through_hydra(tmp_path):
+    # As a user runs it, in a process of its own: Hydra's help, run in this process, leaves the
+    # test process's output streams closed behind it under pytest-xdist.
+    done = run_entry_point("train.py", "--help", "data=fashion_mnist", "train.epochs=7", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    groups, keys = done.stdout.split("== Keys (configs/train.yaml) ==")
     assert "data: " + ", ".join(sorted(p.stem for p in (REPO / "configs" / "data").glob("*.yaml"))) in groups
     assert "schema" not in groups
     assert _row(keys, "train.epochs").startswith("  train.epochs=7 ") and "total epochs" in _row(keys, "train.epochs")
     assert _row(keys, "data.name").split()[0] == "data.name=fashion_mnist"
     assert _row(keys, "model.input_shape").split()[0] == "model.input_shape=[28,28,1]"  # resolved from the dataset
-    status, out, err = run_main("train.py", "--hydra-help")
-    assert status == 0 and "--multirun" in out and "== Keys" not in out, err
+    done = run_entry_point("train.py", "--hydra-help", cwd=tmp_path)
+    assert done.returncode == 0 and "--multirun" in done.stdout and "== Keys" not in done.stdout, done.stderr
 
 
 # --------------------------------------------------------------------------- errors before TensorFlow

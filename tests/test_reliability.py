@@ -357,7 +357,8 @@ def test_repairing_a_damaged_only_best_checkpoint_says_the_state_file_goes(train
 @pytest.mark.slow
 def test_evaluate_cli_on_a_damaged_checkpoint_prints_one_line(trained_run, tmp_path):
     run_dir = copied_run(trained_run, tmp_path)
-    damage(tf.train.latest_checkpoint(str(run_dir / "checkpoints" / "best")), "truncated data")
+    # evaluate.py's default for a run without a validation split: the final checkpoint
+    damage(tf.train.latest_checkpoint(str(run_dir / "checkpoints" / "latest")), "truncated data")
     result = run_entry_point("evaluate.py", f"checkpoint={run_dir}", cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: checkpoint file "), result.stderr
