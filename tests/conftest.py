@@ -11,8 +11,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from absl import logging as absl_logging
 
 REPO = Path(__file__).resolve().parents[1]
+
+# absl's logging handler (made when absl.logging is first imported, by TensorFlow) writes to the
+# sys.stderr of that moment, under pytest the capture's file, and closes that stream whenever
+# logging is configured again (logging.config.dictConfig: Hydra, run in the test process) while
+# sys.stderr is another stream: pytest-xdist's worker then fails every later test on "I/O
+# operation on closed file". sys.__stderr__ is a stream it never closes.
+absl_logging.get_absl_handler().python_handler.stream = sys.__stderr__
 CONFIG_DIR = REPO / "configs"
 
 # A CapsNet small enough to train in seconds on 2 CPU cores: 144 primary capsules
