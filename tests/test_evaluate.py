@@ -159,7 +159,7 @@ def test_a_pass_with_other_settings_is_reported_beside_the_run_s_own(trained_run
     assert few["output"] == str(reports / "latest-ckpt-4.custom_op-true+limit_test-40.json")
     assert json.loads((reports / "latest-ckpt-4.json").read_text())["custom_op"] is False
     assert evaluate(run_dir, which="latest", custom_op=False)["output"] == own["output"]
-    assert load_script("compare_runs").evaluated_accuracy(run_dir, 4) == own["accuracy"]
+    assert load_script("compare_runs").evaluated_accuracy(run_dir, "latest", 4) == own["accuracy"]
 
 
 def test_evaluate_batches_as_the_run_tested_unless_told(trained_run, tmp_path):
